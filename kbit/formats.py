@@ -1,0 +1,199 @@
+"""The storage format, in pure PyTorch: the ground truth every CUDA kernel is tested against.
+
+Storage format (exactly the seeds' format, see ``docs/FORMATS.md``):
+
+* The input is flattened and cut into blocks of 32 consecutive elements (the last block is
+  zero-padded).
+* ``packed``: int32 tensor of shape ``[num_blocks * k]``. Word ``i * k + b`` is bit-plane ``b``
+  of block ``i``: bit ``j`` of that word is bit ``b`` of the code of element ``32 * i + j``.
+* ``absmax``: uint8 tensor of shape ``[num_blocks]``, the block's absolute maximum encoded as
+  E4M4 (4 exponent bits, bias 11, 4 mantissa bits, subnormals when the exponent field is 0).
+* ``codebook``: float32 tensor of ``2**k`` values, sorted ascending, reconstruction levels in
+  units of the block absmax.
+* ``scale``: a per-tensor power-of-two factor (float32, default 1.0). It is our remedy for
+  absmax values outside E4M4's range [2**-14, 31]: elements are divided by ``scale`` before
+  their block absmax is encoded, and dequantization multiplies it back. Power-of-two scales
+  make both steps exact.
+
+Element ``x`` of block ``i`` is reconstructed as
+``codebook[code] * (decode_absmax_e4m4(absmax[i]) * scale)``, computed in float32, then
+rounded to the output dtype. The code of ``x`` is the index of the codebook entry nearest to
+``v = (x * (1 / scale)) * (1 / decoded_absmax)`` (float32, each step rounded; ``v = 0`` for a
+block whose absmax decodes to 0), found by counting the midpoints
+``(codebook[i] + codebook[i + 1]) / 2`` that lie strictly below ``v`` (ties go to the lower
+entry). These exact float32 steps are what the CUDA kernel computes too, so both agree bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+BLOCK_SIZE = 32
+SUPPORTED_BITS = (2, 3, 4, 5)
+E4M4_BIAS = 11
+E4M4_MAX = 31.0  # exponent field 15, mantissa 15: 2**4 * 31/16
+E4M4_MIN_SUBNORMAL = 2.0**-14  # exponent field 0, mantissa 1: 2**(1 - 11) / 16
+E4M4_MIN_NORMAL = 2.0**-10
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- validation
+def check_bits(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int in {SUPPORTED_BITS}, got {type(k).__name__}")
+    if k not in SUPPORTED_BITS:
+        raise ValueError(f"k must be one of {SUPPORTED_BITS}, got {k}")
+    return k
+
+
+def check_dtype(dtype, name: str, allowed=INPUT_DTYPES) -> None:
+    if dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(dtype).replace('torch.', '')}")
+
+
+def check_codebook(codebook: torch.Tensor, k: int) -> torch.Tensor:
+    """Validate a user codebook: 2**k finite float values, strictly ascending. Returns float32."""
+    if not isinstance(codebook, torch.Tensor):
+        raise TypeError(f"codebook must be a torch.Tensor, got {type(codebook).__name__}")
+    if codebook.dim() != 1 or codebook.numel() != 2**k:
+        raise ValueError(f"codebook for k={k} must be 1-D with {2**k} entries, got shape {tuple(codebook.shape)}")
+    if not codebook.is_floating_point():
+        raise TypeError(f"codebook must be a floating-point tensor, got {codebook.dtype}")
+    cb = codebook.detach().to(torch.float32)
+    if not bool(torch.isfinite(cb).all()):
+        raise ValueError("codebook contains NaN or Inf")
+    if not bool((cb[1:] > cb[:-1]).all()):
+        raise ValueError("codebook must be sorted strictly ascending")
+    if float(cb.abs().max()) > 1.0 + 1e-6:
+        raise ValueError("codebook values must lie in [-1, 1] (they are multiples of the block absmax)")
+    return cb.contiguous()
+
+
+# ----------------------------------------------------------------------------- codebook
+@functools.lru_cache(maxsize=None)
+def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
+    # Expected value of N(0, 1) inside each of 2**k equiprobable bins:
+    # E[X | a < X < b] = (phi(a) - phi(b)) / (Phi(b) - Phi(a)) = (phi(a) - phi(b)) * 2**k.
+    n = 2**k
+    p = torch.arange(n + 1, dtype=torch.float64) / n
+    edges = torch.special.ndtri(p)  # -inf ... +inf
+    pdf = torch.exp(-0.5 * edges * edges) / math.sqrt(2.0 * math.pi)
+    pdf = torch.where(torch.isfinite(edges), pdf, torch.zeros_like(pdf))
+    means = (pdf[:-1] - pdf[1:]) * n
+    cb = (means / means.abs().max()).to(torch.float32)
+    return cb
+
+
+def create_normal_float_codebook(k: int = 4, device=None) -> torch.Tensor:
+    """The normal-float codebook: 2**k sorted levels, max |value| == 1 (cached per k)."""
+    check_bits(k)
+    cb = _normal_float_codebook_cpu(k)
+    return cb.to(device) if device is not None else cb.clone()
+
+
+# ----------------------------------------------------------------------------- E4M4
+def encode_absmax_e4m4(x: torch.Tensor) -> torch.Tensor:
+    """Encode non-negative float32 values as E4M4 uint8, round-to-nearest-even, saturating at 31.
+
+    Integer arithmetic on the float32 bit pattern, so the CUDA encoder can match it exactly.
+    """
+    x = x.to(torch.float32)
+    if bool((x < 0).any()) or not bool(torch.isfinite(x).all()):
+        raise ValueError("encode_absmax_e4m4 expects finite, non-negative values")
+    bits = x.view(torch.int32).to(torch.int64)
+    exp = (bits >> 23) & 0xFF
+    man = bits & 0x7FFFFF
+    # Normal path: keep 4 mantissa bits, round the remaining 19 half-to-even.
+    m4 = man >> 19
+    rem = man & 0x7FFFF
+    round_up = (rem > 0x40000) | ((rem == 0x40000) & ((m4 & 1) == 1))
+    m4 = m4 + round_up.to(torch.int64)
+    e = exp - 127 + E4M4_BIAS + (m4 >> 4)  # mantissa carry bumps the exponent
+    m4 = m4 & 0xF
+    normal = (e << 4) | m4
+    normal = torch.where(e > 15, torch.full_like(normal, 0xFF), normal)
+    # Subnormal path (value < 2**-10): code = round(x / 2**-14); 16 rounds up to 0x10 == 2**-10.
+    sub = torch.round(x.to(torch.float64) * 2.0**14).to(torch.int64)
+    code = torch.where(exp - 127 < -10, sub, normal)
+    return code.to(torch.uint8)
+
+
+def decode_absmax_e4m4(code: torch.Tensor) -> torch.Tensor:
+    """Decode E4M4 uint8 codes to float32 (exact)."""
+    if code.dtype != torch.uint8:
+        raise TypeError(f"E4M4 codes must be uint8, got {code.dtype}")
+    c = code.to(torch.int32)
+    e = c >> 4
+    m = (c & 0xF).to(torch.float32)
+    normal = torch.ldexp(1.0 + m / 16.0, (e - E4M4_BIAS).to(torch.float32))
+    sub = m * 2.0**-14
+    return torch.where(e == 0, sub, normal).to(torch.float32)
+
+
+def choose_tensor_scale(block_absmax_max: torch.Tensor) -> torch.Tensor:
+    """Per-tensor power-of-two scale that puts the largest block absmax into (8, 16].
+
+    Leaves E4M4 headroom above (up to 31) and 2**17 of dynamic range below for smaller blocks.
+    Returns a 0-dim float32 tensor on the input's device; 1.0 for an all-zero tensor.
+    """
+    m = block_absmax_max.to(torch.float32)
+    e = torch.ceil(torch.log2(torch.clamp(m, min=torch.finfo(torch.float32).tiny))) - 4
+    return torch.where(m > 0, torch.exp2(e), torch.ones_like(m)).reshape(())
+
+
+# ----------------------------------------------------------------------------- bit planes
+def num_blocks(n: int) -> int:
+    return (n + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+def _to_int32_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> int32 with the same bit pattern."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def pack_bitplanes(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """codes: integer [num_blocks, 32] in [0, 2**k) -> int32 [num_blocks * k] bit-plane words."""
+    shifts = torch.arange(BLOCK_SIZE, device=codes.device, dtype=torch.int64)
+    c = codes.to(torch.int64)
+    planes = [(((c >> b) & 1) << shifts).sum(dim=1) for b in range(k)]
+    return _to_int32_bits(torch.stack(planes, dim=1)).reshape(-1)
+
+
+def unpack_bitplanes(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [num_blocks * k] -> int64 codes [num_blocks, 32]."""
+    words = packed.reshape(-1, k).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(BLOCK_SIZE, device=packed.device, dtype=torch.int64)
+    bits = (words[:, :, None] >> shifts) & 1  # [nb, k, 32]
+    weights = (1 << torch.arange(k, device=packed.device, dtype=torch.int64))[None, :, None]
+    return (bits * weights).sum(dim=1)
+
+
+# ----------------------------------------------------------------------------- reference quantize / dequantize
+def quantize_reference(A: torch.Tensor, codebook: torch.Tensor, k: int, scale: torch.Tensor):
+    """Reference implementation of the quantize op (no validation). Returns (packed, absmax)."""
+    x = A.reshape(-1).to(torch.float32) * (1.0 / scale.to(device=A.device, dtype=torch.float32))
+    n = x.numel()
+    nb = num_blocks(n)
+    x = torch.nn.functional.pad(x, (0, nb * BLOCK_SIZE - n)).reshape(nb, BLOCK_SIZE)
+    absmax = encode_absmax_e4m4(x.abs().amax(dim=1)) if nb else torch.zeros(0, dtype=torch.uint8, device=A.device)
+    dec = decode_absmax_e4m4(absmax)
+    recip = torch.where(dec > 0, 1.0 / torch.where(dec > 0, dec, torch.ones_like(dec)), torch.zeros_like(dec))
+    v = x * recip[:, None]
+    cb = codebook.to(device=x.device, dtype=torch.float32)
+    mids = (cb[1:] + cb[:-1]) * 0.5
+    codes = torch.bucketize(v, mids, right=False)  # number of midpoints strictly below v
+    return pack_bitplanes(codes, k), absmax
+
+
+def dequantize_reference(packed, absmax, codebook, k: int, n: int, dtype, scale: torch.Tensor):
+    """Reference implementation of the dequantize op (no validation). Returns a flat tensor of n."""
+    codes = unpack_bitplanes(packed, k)
+    block_scale = decode_absmax_e4m4(absmax) * scale.to(device=absmax.device, dtype=torch.float32).reshape(())
+    cb = codebook.to(device=packed.device, dtype=torch.float32)
+    vals = cb[codes] * block_scale[:, None]
+    return vals.reshape(-1)[:n].to(dtype)

@@ -1,0 +1,99 @@
+"""The GEMM layout: what ``repack_for_gemm`` makes of the storage format, in pure PyTorch.
+
+The fused kernel computes ``C^T = W @ X^T`` with ``mma.m16n8k16``: 16 weight rows (output
+features) are the MMA's A operand, 8 tokens its B operand. To make the inner loop cheap, every
+lane's codes arrive in its registers already in MMA-fragment order, so no bit is moved in the hot
+loop except to extract a pair of codes, which indexes a table of dequantized ``half2`` pairs.
+
+Reduction order. Inside each quantization block of 32 columns, lane ``l = 4*g + q`` of a warp
+owns columns ``8q .. 8q+7`` of rows ``g`` and ``g + 8``. The MMA sees these columns in a permuted
+k order (its k slots ``2q, 2q+1, 2q+8, 2q+9`` of k-step ``s`` are physical columns
+``8q + 4s + 0..3``); the activations are read with the same permutation, so the product is
+unchanged and each lane reads its activations with one 16-byte load.
+
+Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 128) * 128``, ``KG = ceil(K_dim / 256)``):
+
+``B_gemm``: int32 ``[N_pad / 16, KG, k, 32, 4]`` — indexed ``[tile, kgroup, vec, lane, word]``.
+    For weight rows ``16*tile .. 16*tile + 15`` and columns ``256*kgroup .. 256*kgroup + 255``,
+    lane ``l = 4*g + q`` owns a string of ``128 * k`` bits held in ``k`` 16-byte vectors
+    (bit ``o`` of the string is bit ``o % 32`` of word ``(o % 128) // 32`` of vec ``o // 128``).
+    The code of row ``16*tile + g + 8*r``, column ``256*kgroup + 32*t + 8*q + s``
+    (``t`` in 0..7 = block within the group, ``r`` in 0..1, ``s`` in 0..7) occupies bits
+    ``[((2*t + r) * 8 + s) * k, ... + k)``. So codes ``s = 2p, 2p+1`` form the ``2k``-bit pair
+    index ``p`` that the kernel looks up; for k = 4 each pair is one byte.
+``absmax_gemm``: uint8 ``[N_pad / 16, KG, 2, 8, 8]`` — indexed ``[tile, kgroup, r, g, t]``: the
+    E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``.
+
+Rows past N and columns past K_dim are padding: code 0 and absmax 0 (so they dequantize to 0).
+``unrepack_for_gemm`` drops them and returns the storage format bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import BLOCK_SIZE, _to_int32_bits, pack_bitplanes, unpack_bitplanes
+
+TILE_ROWS = 16  # weight rows per warp tile (the MMA's M)
+N_ALIGN = 128  # rows per CUDA block tile: N is padded to this
+K_GROUP = 256  # columns per pipeline step: 8 quantization blocks
+LANES = 32
+
+
+def gemm_shapes(k: int, N: int, K_dim: int):
+    """Shapes of (B_gemm, absmax_gemm) for an [N, K_dim] weight."""
+    n_pad = -(-N // N_ALIGN) * N_ALIGN
+    kg = -(-K_dim // K_GROUP)
+    return (n_pad // TILE_ROWS, kg, k, LANES, 4), (n_pad // TILE_ROWS, kg, 2, 8, 8)
+
+
+def _check_dims(k: int, N: int, K_dim: int, packed: torch.Tensor, absmax: torch.Tensor):
+    if N <= 0 or K_dim <= 0 or K_dim % BLOCK_SIZE:
+        raise ValueError(f"GEMM layout needs N > 0 and K_dim a positive multiple of 32, got N={N}, K_dim={K_dim}")
+    nb = N * K_dim // BLOCK_SIZE
+    if packed.numel() != nb * k or absmax.numel() != nb:
+        raise ValueError(
+            f"storage of an [{N}, {K_dim}] k={k} weight needs {nb * k} packed words and {nb} absmax bytes, "
+            f"got {packed.numel()} and {absmax.numel()}"
+        )
+
+
+def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int):
+    """Storage format -> (B_gemm, absmax_gemm). Pure permutation plus zero padding."""
+    _check_dims(k, N, K_dim, packed, absmax)
+    b_shape, a_shape = gemm_shapes(k, N, K_dim)
+    nt, kg = b_shape[0], b_shape[1]
+    codes = unpack_bitplanes(packed, k).reshape(N, K_dim)
+    codes = torch.nn.functional.pad(codes, (0, kg * K_GROUP - K_dim, 0, nt * TILE_ROWS - N))
+    # rows = 16*T + 8*r + g ; cols = 256*j + 32*t + 8*q + s
+    c = codes.reshape(nt, 2, 8, kg, 8, 4, 8).permute(0, 3, 2, 5, 4, 1, 6)  # T j g q t r s
+    c = c.reshape(nt, kg, LANES, 128)
+    shifts = torch.arange(k, device=c.device, dtype=torch.int64)
+    bits = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, k, 4, 32)  # bit string, 128k bits
+    words = (bits << torch.arange(32, device=c.device, dtype=torch.int64)).sum(-1)
+    b_gemm = _to_int32_bits(words).permute(0, 1, 3, 2, 4).contiguous()  # T j v lane w
+
+    a = absmax.reshape(N, K_dim // BLOCK_SIZE)
+    a = torch.nn.functional.pad(a, (0, kg * 8 - K_dim // BLOCK_SIZE, 0, nt * TILE_ROWS - N))
+    a_gemm = a.reshape(nt, 2, 8, kg, 8).permute(0, 3, 1, 2, 4).contiguous()  # T j r g t
+    assert tuple(b_gemm.shape) == b_shape and tuple(a_gemm.shape) == a_shape
+    return b_gemm, a_gemm
+
+
+def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, k: int, N: int, K_dim: int):
+    """(B_gemm, absmax_gemm) -> storage format (packed, absmax), bit for bit."""
+    b_shape, a_shape = gemm_shapes(k, N, K_dim)
+    if tuple(b_gemm.shape) != b_shape or tuple(a_gemm.shape) != a_shape:
+        raise ValueError(f"GEMM layout for k={k}, N={N}, K_dim={K_dim} must have shapes {b_shape} and {a_shape}")
+    nt, kg = b_shape[0], b_shape[1]
+    words = b_gemm.permute(0, 1, 3, 2, 4).to(torch.int64) & 0xFFFFFFFF  # T j lane v w
+    bits = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int64)) & 1
+    bits = bits.reshape(nt, kg, LANES, 128, k)
+    codes = (bits << torch.arange(k, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t r s)
+    codes = codes.reshape(nt, kg, 8, 4, 8, 2, 8).permute(0, 5, 2, 1, 4, 3, 6)  # T r g j t q s
+    codes = codes.reshape(nt * TILE_ROWS, kg * K_GROUP)[:N, :K_dim]
+    packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), k)
+
+    a = a_gemm.permute(0, 2, 3, 1, 4).reshape(nt * TILE_ROWS, kg * 8)  # (T r g) (j t)
+    absmax = a[:N, : K_dim // BLOCK_SIZE].reshape(-1).contiguous()
+    return packed, absmax

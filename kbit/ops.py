@@ -1,0 +1,120 @@
+"""The ``torch.library`` custom ops of kbit.
+
+Each op has one default implementation (the pure-PyTorch reference, which runs on any device),
+a CUDA kernel that calls the JIT-built extension (``kbit._build``), and a fake implementation
+for ``torch.compile``. The ops do no validation and never synchronize with the host: the public
+functions in ``kbit.functional`` and ``kbit.weight`` check arguments before calling them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import formats, layout
+from ._build import cuda_ext
+
+
+# ----------------------------------------------------------------------------- quantize
+@torch.library.custom_op("kbit::quantize", mutates_args=())
+def quantize(A: Tensor, codebook: Tensor, k: int, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Flatten A, quantize it in blocks of 32: (packed int32 [nb * k], absmax uint8 [nb])."""
+    return formats.quantize_reference(A, codebook, k, scale)
+
+
+@quantize.register_fake
+def _(A, codebook, k, scale):
+    nb = formats.num_blocks(A.numel())
+    return A.new_empty(nb * k, dtype=torch.int32), A.new_empty(nb, dtype=torch.uint8)
+
+
+@quantize.register_kernel("cuda")
+def _(A, codebook, k, scale):
+    return cuda_ext().quantize(A.contiguous(), codebook, k, scale)
+
+
+# ----------------------------------------------------------------------------- dequantize
+@torch.library.custom_op("kbit::dequantize", mutates_args=())
+def dequantize(
+    packed: Tensor, absmax: Tensor, codebook: Tensor, k: int, n: int, dtype: torch.dtype, scale: Tensor
+) -> Tensor:
+    """Storage format -> flat tensor of n elements in dtype."""
+    return formats.dequantize_reference(packed, absmax, codebook, k, n, dtype, scale)
+
+
+@dequantize.register_fake
+def _(packed, absmax, codebook, k, n, dtype, scale):
+    return packed.new_empty(n, dtype=dtype)
+
+
+@dequantize.register_kernel("cuda")
+def _(packed, absmax, codebook, k, n, dtype, scale):
+    return cuda_ext().dequantize(packed, absmax, codebook, k, n, dtype, scale)
+
+
+# ----------------------------------------------------------------------------- repack
+@torch.library.custom_op("kbit::repack", mutates_args=())
+def repack(packed: Tensor, absmax: Tensor, k: int, N: int, K_dim: int) -> tuple[Tensor, Tensor]:
+    """Storage format of an [N, K_dim] weight -> GEMM layout (see kbit.layout)."""
+    return layout.repack_reference(packed, absmax, k, N, K_dim)
+
+
+@repack.register_fake
+def _(packed, absmax, k, N, K_dim):
+    b_shape, a_shape = layout.gemm_shapes(k, N, K_dim)
+    return packed.new_empty(b_shape, dtype=torch.int32), absmax.new_empty(a_shape, dtype=torch.uint8)
+
+
+@repack.register_kernel("cuda")
+def _(packed, absmax, k, N, K_dim):
+    return cuda_ext().repack(packed, absmax, k, N, K_dim)
+
+
+@torch.library.custom_op("kbit::unrepack", mutates_args=())
+def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, k: int, N: int, K_dim: int) -> tuple[Tensor, Tensor]:
+    """GEMM layout -> storage format (the inverse of repack), on any device."""
+    return layout.unrepack_reference(b_gemm, absmax_gemm, k, N, K_dim)
+
+
+@unrepack.register_fake
+def _(b_gemm, absmax_gemm, k, N, K_dim):
+    nb = N * K_dim // formats.BLOCK_SIZE
+    return b_gemm.new_empty(nb * k, dtype=torch.int32), absmax_gemm.new_empty(nb, dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------- fused GEMM
+@torch.library.custom_op("kbit::gemm", mutates_args=())
+def gemm(
+    x: Tensor,
+    b_gemm: Tensor,
+    absmax_gemm: Tensor,
+    codebook: Tensor,
+    scale: Tensor,
+    bias: Optional[Tensor],
+    k: int,
+    N: int,
+    K_dim: int,
+    num_blocks: int,
+) -> Tensor:
+    """y[M, N] = x[M, K_dim] @ W_hat[N, K_dim]^T (+ bias), fp32 accumulation, y in x's dtype.
+
+    ``num_blocks`` > 0 forces the CUDA kernel's grid size (to force split-K in tests); 0 = auto.
+    """
+    packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, k, N, K_dim)
+    w = formats.dequantize_reference(packed, absmax, codebook, k, N * K_dim, torch.float32, scale)
+    y = x.to(torch.float32) @ w.reshape(N, K_dim).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+@gemm.register_fake
+def _(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks):
+    return x.new_empty(x.shape[0], N)
+
+
+@gemm.register_kernel("cuda")
+def _(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks):
+    return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks)
