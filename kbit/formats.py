@@ -143,6 +143,9 @@ def choose_tensor_scale(block_absmax_max: torch.Tensor) -> torch.Tensor:
     """
     m = block_absmax_max.to(torch.float32)
     e = torch.ceil(torch.log2(torch.clamp(m, min=torch.finfo(torch.float32).tiny))) - 4
+    # Keep the scale a normal float32 (>= 2**-126) so that 1 / scale stays finite: for tensors
+    # smaller than ~2**-122 this leaves their absmax below 16 after scaling, still in range.
+    e = torch.clamp(e, min=-126.0)
     return torch.where(m > 0, torch.exp2(e), torch.ones_like(m)).reshape(())
 
 
