@@ -62,6 +62,8 @@ def _resolve_codebook(codebook, k: int, device) -> Tensor:
 
 
 def check_finite(A: Tensor, name: str) -> None:
+    if A.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and holds no values to quantize")
     if A.numel() and not bool(torch.isfinite(A).all()):
         bad = int((~torch.isfinite(A)).sum())
         raise ValueError(f"{name} contains {bad} NaN/Inf value(s); kbit quantizes finite values only")
