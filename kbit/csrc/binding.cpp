@@ -1,0 +1,150 @@
+// The only file that knows PyTorch: checks tensors, allocates outputs and workspace from the caching
+// allocator, and calls the framework-free launchers of kbit.h on the current stream. Registered as
+// torch.ops.kbit_cuda.*; kbit/ops.py routes the CUDA dispatch of the kbit:: ops here.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "kbit.h"
+
+namespace {
+
+kbit::DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return kbit::DType::F16;
+    case at::kBFloat16: return kbit::DType::BF16;
+    case at::kFloat: return kbit::DType::F32;
+    default: TORCH_CHECK(false, "kbit: unsupported dtype ", t);
+  }
+}
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "kbit: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "kbit: ", name, " must be contiguous");
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "kbit: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+const float* scalar_ptr(const at::Tensor& scale) {
+  check_cuda(scale, "scale");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "kbit: scale must be one float32");
+  return scale.data_ptr<float>();
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tensor& codebook, int64_t k,
+                                            const at::Tensor& scale) {
+  check_cuda(A, "A");
+  check_cuda(codebook, "codebook");
+  TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (1 << k), "kbit: bad codebook");
+  const c10::cuda::CUDAGuard guard(A.device());
+  const int64_t n = A.numel(), nb = (n + 31) / 32;
+  auto packed = at::empty({nb * k}, A.options().dtype(at::kInt));
+  auto absmax = at::empty({nb}, A.options().dtype(at::kByte));
+  check_launch(kbit::quantize(A.data_ptr(), to_dtype(A.scalar_type()), n, codebook.data_ptr<float>(),
+                              static_cast<int>(k), scalar_ptr(scale), reinterpret_cast<uint32_t*>(packed.data_ptr()),
+                              absmax.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()),
+               "quantize");
+  return {packed, absmax};
+}
+
+at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook, int64_t k,
+                      int64_t n, at::ScalarType dtype, const at::Tensor& scale) {
+  check_cuda(packed, "packed");
+  check_cuda(absmax, "absmax");
+  check_cuda(codebook, "codebook");
+  TORCH_CHECK(packed.numel() == (n + 31) / 32 * k && absmax.numel() == (n + 31) / 32, "kbit: storage size mismatch");
+  const c10::cuda::CUDAGuard guard(packed.device());
+  auto out = at::empty({n}, packed.options().dtype(dtype));
+  check_launch(kbit::dequantize(reinterpret_cast<const uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),
+                                codebook.data_ptr<float>(), static_cast<int>(k), scalar_ptr(scale), n, out.data_ptr(),
+                                to_dtype(dtype), c10::cuda::getCurrentCUDAStream()),
+               "dequantize");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Tensor& absmax, int64_t k, int64_t N,
+                                          int64_t K_dim) {
+  check_cuda(packed, "packed");
+  check_cuda(absmax, "absmax");
+  TORCH_CHECK(K_dim % 32 == 0 && packed.numel() == N * K_dim / 32 * k && absmax.numel() == N * K_dim / 32,
+              "kbit: storage size mismatch");
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const int64_t tiles16 = (N + 127) / 128 * 8, groups = (K_dim + 255) / 256;
+  auto b = at::empty({tiles16, groups, k, 32, 4}, packed.options());
+  auto a = at::empty({tiles16, groups, 2, 8, 8}, absmax.options());
+  check_launch(kbit::repack(reinterpret_cast<const uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),
+                            static_cast<int>(k), static_cast<int>(N), static_cast<int>(K_dim),
+                            reinterpret_cast<uint32_t*>(b.data_ptr()), a.data_ptr<uint8_t>(),
+                            c10::cuda::getCurrentCUDAStream()),
+               "repack");
+  return {b, a};
+}
+
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
+                const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
+                int64_t num_blocks) {
+  check_cuda(b, "b_gemm");
+  check_cuda(absmax, "absmax_gemm");
+  check_cuda(codebook, "codebook");
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
+  TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
+  TORCH_CHECK(x_in.size(1) <= (K_w + 255) / 256 * 256, "kbit: x has more columns than the weight");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  // The kernel reads x in 16-byte pieces: pad the columns to a multiple of 8 and realign if needed.
+  at::Tensor x = x_in.contiguous();
+  if (x.size(1) % 8) x = at::constant_pad_nd(x, {0, 8 - x.size(1) % 8});
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone();
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (bias) {
+    check_cuda(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N, "kbit: bias must be [N] in x's dtype");
+  }
+  int sms = 0;
+  check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
+  const kbit::GemmPlan plan =
+      kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k), sms,
+                      static_cast<int>(num_blocks));
+  auto partials = at::empty({std::max<int64_t>(plan.partial_floats, 1)}, x.options().dtype(at::kFloat));
+  auto counters = at::zeros({std::max<int64_t>(plan.counters, 1)}, x.options().dtype(at::kInt));
+
+  kbit::GemmParams p{};
+  p.x = x.data_ptr();
+  p.b = reinterpret_cast<const uint4*>(b.data_ptr());
+  p.absmax = absmax.data_ptr<uint8_t>();
+  p.codebook = codebook.data_ptr<float>();
+  p.scale = scalar_ptr(scale);
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.y = y.data_ptr();
+  p.partials = partials.data_ptr<float>();
+  p.counters = counters.data_ptr<int>();
+  p.M = static_cast<int>(M);
+  p.K_x = static_cast<int>(x.size(1));
+  p.lda = static_cast<int>(x.size(1));
+  p.k = static_cast<int>(k);
+  p.dtype = to_dtype(x.scalar_type());
+  kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
+  check_launch(kbit::gemm(p, c10::cuda::getCurrentCUDAStream()), "gemm");
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kbit_cuda, m) {
+  m.def("quantize(Tensor A, Tensor codebook, int k, Tensor scale) -> (Tensor, Tensor)");
+  m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor scale) -> Tensor");
+  m.def("repack(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)");
+  m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
+        "int K_dim, int num_blocks) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kbit_cuda, CUDA, m) {
+  m.impl("quantize", &quantize);
+  m.impl("dequantize", &dequantize);
+  m.impl("repack", &repack);
+  m.impl("gemm", &gemm);
+}

@@ -1,0 +1,102 @@
+// Device helpers shared by the kbit kernels. Each exists because two or more kernels need the same
+// bit-exact behaviour as the Python reference (kbit/formats.py) or the same PTX wrapper.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+
+#include "kbit.h"
+
+namespace kbit {
+
+constexpr int kBlock = 32;  // elements per quantization block = lanes per warp
+
+// E4M4 decode: exponent bias 11, subnormals when the exponent field is 0 (value m * 2^-14).
+__device__ __forceinline__ float decode_e4m4(uint32_t c) {
+  const uint32_t e = c >> 4, m = c & 15u;
+  return e == 0 ? static_cast<float>(m) * 0x1p-14f : __uint_as_float(((e + 116u) << 23) | (m << 19));
+}
+
+// E4M4 encode of a non-negative finite float: round to nearest even on the float's bit pattern,
+// saturating at 31. Mirrors formats.encode_absmax_e4m4 step for step.
+__device__ __forceinline__ uint32_t encode_e4m4(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  const int exp = static_cast<int>((bits >> 23) & 0xFFu);
+  if (exp - 127 < -10) return static_cast<uint32_t>(rintf(x * 16384.0f));  // subnormal; 16 == 0x10
+  const uint32_t man = bits & 0x7FFFFFu, rem = man & 0x7FFFFu;
+  uint32_t m4 = man >> 19;
+  m4 += (rem > 0x40000u || (rem == 0x40000u && (m4 & 1u))) ? 1u : 0u;
+  const int e = exp - 127 + 11 + static_cast<int>(m4 >> 4);
+  return e > 15 ? 0xFFu : static_cast<uint32_t>((e << 4) | (m4 & 15u));
+}
+
+// Scalar conversions between the three element types and float.
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Pairs of 16-bit values for the GEMM (the MMA takes operands as 32-bit registers of two halves).
+template <typename T> struct Pair;
+template <> struct Pair<__half> {
+  using type = __half2;
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+};
+template <> struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+};
+
+// ---------------------------------------------------------------------------- async copies
+// 16-byte global -> shared copy through L2 only; src_bytes = 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---------------------------------------------------------------------------- tensor cores
+// D(16x8, f32) += A(16x16, row) * B(16x8, col). Register order of A: {row g k lo, row g+8 k lo,
+// row g k hi, row g+8 k hi}; of B: {k lo, k hi} for column g; of D: {(g,2q), (g,2q+1), (g+8,2q), (g+8,2q+1)}.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+}  // namespace kbit

@@ -1,0 +1,69 @@
+// Host side of the fused GEMM: choose a configuration, size its workspace, dispatch on the bit width.
+#include <algorithm>
+
+#include "gemm.cuh"
+
+namespace kbit {
+
+int gemm_smem_bytes(int k, int mb) {
+  auto pick = [&](auto kc) -> int {
+    constexpr int K = decltype(kc)::value;
+    switch (mb) {
+      case 1: return GemmConfig<K, 1>::kSmem;
+      case 2: return GemmConfig<K, 2>::kSmem;
+      case 4: return GemmConfig<K, 4>::kSmem;
+      default: return GemmConfig<K, 8>::kSmem;
+    }
+  };
+  switch (k) {
+    case 2: return pick(std::integral_constant<int, 2>{});
+    case 3: return pick(std::integral_constant<int, 3>{});
+    case 4: return pick(std::integral_constant<int, 4>{});
+    default: return pick(std::integral_constant<int, 5>{});
+  }
+}
+
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
+  GemmPlan plan{};
+  // 8-token MMA tiles per pass: enough for M, at most 8 (64 tokens); larger M loops over passes.
+  plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8;
+  int smem_limit = 0, dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess)
+    cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb) > smem_limit) plan.mb /= 2;
+  const int tokens = plan.mb * 8;
+  plan.m_passes = (M + tokens - 1) / tokens;
+  const int n_tiles = (N + kTileRows - 1) / kTileRows, k_groups = (K_w + kKGroup - 1) / kKGroup;
+  plan.total_steps = plan.m_passes * n_tiles * k_groups;
+  const int want = forced_grid > 0 ? forced_grid : num_sms;
+  plan.grid = std::max(1, std::min(want, plan.total_steps));
+  // Every CTA owns whole tiles only when the cut falls on tile boundaries.
+  const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_groups == 0;
+  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * 2 * kGemmWarps * plan.mb * 32 * 4;
+  plan.counters = whole ? 0 : static_cast<int64_t>(plan.m_passes) * n_tiles;
+  return plan;
+}
+
+void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
+  p.N = N;
+  p.n_tiles = (N + kTileRows - 1) / kTileRows;
+  p.k_groups = (K_w + kKGroup - 1) / kKGroup;
+  p.mb = plan.mb;
+  p.m_passes = plan.m_passes;
+  p.total_steps = plan.total_steps;
+  p.grid = plan.grid;
+}
+
+cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {
+  if (p.M == 0) return cudaSuccess;
+  if (p.K_x % 8 || p.lda % 8 || reinterpret_cast<uintptr_t>(p.x) % 16) return cudaErrorMisalignedAddress;
+  switch (p.k) {
+    case 2: return gemm_for_bits<2>(p, stream);
+    case 3: return gemm_for_bits<3>(p, stream);
+    case 4: return gemm_for_bits<4>(p, stream);
+    case 5: return gemm_for_bits<5>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace kbit

@@ -1,0 +1,286 @@
+// The fused dequantize + GEMM kernel: y[M, N] = x[M, K] @ W_hat[N, K]^T, W_hat read from the GEMM layout.
+//
+// Reads top to bottom:
+//   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
+//   pair_index      cuts one 2K-bit pair of codes out of a lane's bit string
+//   load_step       issues the cp.async copies of one pipeline step into a shared-memory stage
+//   compute_step    dequantizes a warp's 16 x 256 weight slice through the pair table and runs the MMAs
+//   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
+//   gemm_kernel     the persistent, stream-K main loop and the split-K reduction
+//
+// Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
+// (16 k x 8 tokens), so one m16n8k16 serves up to 8 tokens with no wasted weight work (C^T = W X^T).
+// Each warp owns 16 weight rows of a CTA's 128-row tile; the 8 warps share the activations of a step.
+//
+// Work: a step is (token pass, 128-row tile, 256-column k-group). The total step range is cut into
+// `grid` contiguous pieces (stream-K), one per CTA, so every SM streams weights whatever the shape.
+// A tile whose k-groups span several CTAs is reduced deterministically: each contributor stores its
+// fp32 partial, fences, and bumps the tile's counter; the last to arrive sums all partials in CTA order.
+#pragma once
+
+#include "common.cuh"
+
+namespace kbit {
+
+constexpr int kGemmWarps = 8;
+constexpr int kGemmThreads = kGemmWarps * 32;
+constexpr int kTileRows = 128;            // weight rows per CTA tile (N is padded to this)
+constexpr int kKGroup = 256;              // k columns per pipeline step
+constexpr int kXRowHalves = kKGroup + 32; // padded activation row in shared memory: conflict-free 16B reads
+
+template <int K, int MB>
+struct GemmConfig {
+  static constexpr int kStages = MB >= 8 ? 3 : 4;
+  static constexpr int kBStage = kGemmWarps * K * 32 * 16;  // each warp: K vectors of 16 B per lane
+  static constexpr int kAbsStage = kGemmWarps * 128;        // each warp: 16 rows x 8 blocks
+  static constexpr int kXStage = MB * 8 * kXRowHalves * 2;  // MB*8 tokens x 256 k (+ padding)
+  static constexpr int kStage = kBStage + kAbsStage + kXStage;
+  // Pair table: entry p = (codebook[p & (2^K-1)], codebook[p >> K]) as a 16-bit pair, one copy per
+  // lane (entry-major, so lane l always hits bank l), fewer copies when that would pass 32 KB (K = 5).
+  static constexpr int kPairs = 1 << (2 * K);
+  static constexpr int kCopies = kPairs * 32 * 4 <= 32768 ? 32 : 32768 / (kPairs * 4);
+  static constexpr int kPairTable = kPairs * kCopies * 4;
+  static constexpr int kScaleTable = 256 * 4;  // E4M4 code -> (s, s) pair in the activation dtype
+  static constexpr int kSmem = kPairTable + kScaleTable + kStages * kStage;
+  static constexpr int kPartialFloats = kGemmWarps * MB * 32 * 4;  // one CTA's partial output tile
+};
+
+// Bits [o, o + 2K) of a lane's bit string (held in 4K words). o is a compile-time constant once the
+// caller's loops unroll, so this is one shift or one funnel shift and a mask.
+template <int K>
+__device__ __forceinline__ uint32_t pair_index(const uint32_t (&w)[4 * K], int o) {
+  const int wi = o >> 5, bi = o & 31;
+  const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
+  return v & ((1u << (2 * K)) - 1u);
+}
+
+struct StepCoord {
+  int tile, kgroup, mpass, ntile;
+  __device__ StepCoord(const GemmParams& p, int step) {
+    tile = step / p.k_groups;
+    kgroup = step - tile * p.k_groups;
+    mpass = tile / p.n_tiles;
+    ntile = tile - mpass * p.n_tiles;
+  }
+};
+
+template <int K, int MB, typename T>
+__device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, int step) {
+  using Cfg = GemmConfig<K, MB>;
+  const StepCoord c(p, step);
+  const int tid = threadIdx.x;
+  // Weights: 8 warp tiles, each K*32 contiguous 16-byte vectors at B_gemm[ntile*8 + w][kgroup].
+  constexpr int kVecsPerWarp = K * 32;
+#pragma unroll
+  for (int i = tid; i < kGemmWarps * kVecsPerWarp; i += kGemmThreads) {
+    const int w = i / kVecsPerWarp, off = i - w * kVecsPerWarp;
+    const int64_t tile16 = static_cast<int64_t>(c.ntile) * kGemmWarps + w;
+    cp_async16(stage + i * 16, p.b + (tile16 * p.k_groups + c.kgroup) * kVecsPerWarp + off);
+  }
+  // Block scales: 128 bytes per warp tile.
+  if (tid < kGemmWarps * 8) {
+    const int w = tid >> 3, off = tid & 7;
+    const int64_t tile16 = static_cast<int64_t>(c.ntile) * kGemmWarps + w;
+    cp_async16(stage + Cfg::kBStage + tid * 16, p.absmax + (tile16 * p.k_groups + c.kgroup) * 128 + off * 16);
+  }
+  // Activations: MB*8 token rows x 256 columns; rows past M and columns past K_x are zero-filled.
+  const T* x = static_cast<const T*>(p.x);
+  uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
+#pragma unroll
+  for (int i = tid; i < MB * 8 * 32; i += kGemmThreads) {
+    const int row = i >> 5, col = (i & 31) * 8;
+    const int m = c.mpass * MB * 8 + row, kcol = c.kgroup * kKGroup + col;
+    const bool ok = m < p.M && kcol < p.K_x;
+    cp_async16(xs + (row * kXRowHalves + col) * 2, ok ? x + static_cast<int64_t>(m) * p.lda + kcol : x, ok ? 16 : 0);
+  }
+}
+
+// One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc.
+template <int K, int MB, typename T>
+__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint32_t* pair_tbl, const uint32_t* scale_tbl,
+                                             int token_rows, float (&acc)[MB][4]) {
+  using Cfg = GemmConfig<K, MB>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  uint32_t w[4 * K];
+  const uint4* bv = reinterpret_cast<const uint4*>(stage) + warp * K * 32 + lane;
+#pragma unroll
+  for (int v = 0; v < K; ++v) {
+    const uint4 t = bv[v * 32];
+    w[4 * v] = t.x; w[4 * v + 1] = t.y; w[4 * v + 2] = t.z; w[4 * v + 3] = t.w;
+  }
+  const uint8_t* ab = stage + Cfg::kBStage + warp * 128;
+  const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
+  const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
+  const uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
+  const int copy = lane % Cfg::kCopies;
+
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const uint32_t lo_word = t < 4 ? scales_lo.x : scales_lo.y, hi_word = t < 4 ? scales_hi.x : scales_hi.y;
+    const uint32_t s_lo = scale_tbl[(lo_word >> (8 * (t & 3))) & 0xFFu];
+    const uint32_t s_hi = scale_tbl[(hi_word >> (8 * (t & 3))) & 0xFFu];
+    uint32_t h[2][4];  // [row g / g+8][pair j]: columns 8q + 2j, 8q + 2j + 1 of block t
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t pidx = pair_index<K>(w, ((2 * t + r) * 8 + 2 * j) * K);
+        h[r][j] = Pair<T>::mul(pair_tbl[pidx * Cfg::kCopies + copy], r ? s_hi : s_lo);
+      }
+    }
+    const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
+    const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      const int row = mb * 8 + g;
+      uint4 xv = make_uint4(0, 0, 0, 0);
+      if (row < token_rows) xv = *reinterpret_cast<const uint4*>(xs + (row * kXRowHalves + t * 32 + 8 * q) * 2);
+      mma_16816<T>(acc[mb], a0, xv.x, xv.y);
+      mma_16816<T>(acc[mb], a1, xv.z, xv.w);
+    }
+  }
+}
+
+template <int MB, typename T>
+__device__ __forceinline__ void store_tile(const GemmParams& p, const StepCoord& c, const float (&acc)[MB][4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const float s = *p.scale;
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int n = c.ntile * kTileRows + warp * 16 + g + 8 * (i >> 1);
+    if (n >= p.N) continue;
+    const float b = bias ? to_float(bias[n]) : 0.0f;
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      const int m = c.mpass * MB * 8 + mb * 8 + 2 * q + (i & 1);
+      if (m < p.M) y[static_cast<int64_t>(m) * p.N + n] = from_float<T>(acc[mb][i] * s + b);
+    }
+  }
+}
+
+// First step owned by CTA b, and the CTA that owns step s (inverse of the stream-K cut).
+__device__ __forceinline__ int first_step_of(const GemmParams& p, int b) {
+  return static_cast<int>(static_cast<int64_t>(b) * p.total_steps / p.grid);
+}
+__device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
+  return static_cast<int>((static_cast<int64_t>(s + 1) * p.grid - 1) / p.total_steps);
+}
+
+template <int K, int MB, typename T>
+__global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(const GemmParams p) {
+  using Cfg = GemmConfig<K, MB>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint32_t* pair_tbl = reinterpret_cast<uint32_t*>(smem);
+  uint32_t* scale_tbl = reinterpret_cast<uint32_t*>(smem + Cfg::kPairTable);
+  uint8_t* stages = smem + Cfg::kPairTable + Cfg::kScaleTable;
+  __shared__ int s_last_arrival;
+
+  const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
+  const int tid = threadIdx.x;
+
+  // Fill the pipeline first so the copies overlap the table construction below.
+#pragma unroll
+  for (int s = 0; s < Cfg::kStages - 1; ++s) {
+    if (first + s < last) load_step<K, MB, T>(p, stages + s * Cfg::kStage, first + s);
+    cp_async_commit();
+  }
+  for (int e = tid; e < Cfg::kPairs; e += kGemmThreads) {
+    const uint32_t v = Pair<T>::pack(p.codebook[e & ((1 << K) - 1)], p.codebook[e >> K]);
+#pragma unroll
+    for (int c = 0; c < Cfg::kCopies; ++c) pair_tbl[e * Cfg::kCopies + c] = v;
+  }
+  static_assert(kGemmThreads == 256, "one thread per E4M4 code builds the scale table");
+  const float code_scale = decode_e4m4(tid);
+  scale_tbl[tid] = Pair<T>::pack(code_scale, code_scale);
+
+  float acc[MB][4] = {};
+  for (int step = first; step < last; ++step) {
+    const int i = step - first;
+    cp_async_wait<Cfg::kStages - 2>();
+    __syncthreads();  // stage i is visible to all; every warp is done with stage i - 1
+    if (step + Cfg::kStages - 1 < last)
+      load_step<K, MB, T>(p, stages + ((i + Cfg::kStages - 1) % Cfg::kStages) * Cfg::kStage, step + Cfg::kStages - 1);
+    cp_async_commit();
+
+    const StepCoord c(p, step);
+    const int token_rows = min(MB * 8, p.M - c.mpass * MB * 8);
+    compute_step<K, MB, T>(stages + (i % Cfg::kStages) * Cfg::kStage, pair_tbl, scale_tbl, token_rows, acc);
+    if (c.kgroup != p.k_groups - 1 && step != last - 1) continue;
+
+    // ---- the tile ends here for this CTA: store it, or reduce it with the other contributors
+    const int tile_first = c.tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
+    if (tile_first >= first && tile_last < last) {
+      store_tile<MB, T>(p, c, acc);
+    } else {
+      const int warp = tid >> 5, lane = tid & 31;
+      auto partial = [&](int cta, int tile) {
+        const int slot = tile == first_step_of(p, cta) / p.k_groups ? 0 : 1;
+        return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * MB * 32 + lane) * 4;
+      };
+      float* mine = partial(blockIdx.x, c.tile);
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb)
+        *reinterpret_cast<float4*>(mine + mb * 128) = make_float4(acc[mb][0], acc[mb][1], acc[mb][2], acc[mb][3]);
+      __threadfence();  // partial visible device-wide before the counter says so
+      __syncthreads();
+      const int cta_first = cta_of_step(p, tile_first), cta_last = cta_of_step(p, tile_last);
+      if (tid == 0) s_last_arrival = atomicAdd(p.counters + c.tile, 1) == cta_last - cta_first;
+      __syncthreads();
+      if (s_last_arrival) {
+        __threadfence();
+        float sum[MB][4] = {};
+        for (int cta = cta_first; cta <= cta_last; ++cta) {  // fixed order: deterministic result
+          const float* part = partial(cta, c.tile);
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mb * 128));
+            sum[mb][0] += v.x; sum[mb][1] += v.y; sum[mb][2] += v.z; sum[mb][3] += v.w;
+          }
+        }
+        store_tile<MB, T>(p, c, sum);
+      }
+    }
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.0f;
+  }
+  cp_async_wait<0>();
+}
+
+// Host side: launch one configuration (instantiated per bit width in gemm_k{2,3,4,5}.cu).
+template <int K, int MB, typename T>
+cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
+  using Cfg = GemmConfig<K, MB>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(gemm_kernel<K, MB, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+  if (attr != cudaSuccess) return attr;
+  gemm_kernel<K, MB, T><<<p.grid, kGemmThreads, Cfg::kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int K, typename T>
+cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
+  switch (p.mb) {
+    case 1: return launch_gemm<K, 1, T>(p, stream);
+    case 2: return launch_gemm<K, 2, T>(p, stream);
+    case 4: return launch_gemm<K, 4, T>(p, stream);
+    case 8: return launch_gemm<K, 8, T>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// Explicit list of instantiations, one file per bit width so ninja builds them in parallel.
+#define KBIT_INSTANTIATE_GEMM(K)                                                                 \
+  template <>                                                                                    \
+  cudaError_t gemm_for_bits<K>(const GemmParams& p, cudaStream_t stream) {                       \
+    return p.dtype == DType::BF16 ? launch_gemm_mb<K, __nv_bfloat16>(p, stream)                  \
+                                  : launch_gemm_mb<K, __half>(p, stream);                        \
+  }
+
+template <int K>
+cudaError_t gemm_for_bits(const GemmParams& p, cudaStream_t stream);
+
+int gemm_smem_bytes(int k, int mb);
+
+}  // namespace kbit

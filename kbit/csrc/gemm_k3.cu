@@ -1,0 +1,6 @@
+// Fused GEMM instantiations for k = 3: MB in {1, 2, 4, 8} x {fp16, bf16} (see gemm.cuh).
+#include "gemm.cuh"
+
+namespace kbit {
+KBIT_INSTANTIATE_GEMM(3)
+}  // namespace kbit

@@ -1,0 +1,63 @@
+// kbit CUDA core: the host-side interface. Framework-free: plain pointers, cudaError_t results.
+// binding.cpp is the only file that knows about PyTorch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace kbit {
+
+enum class DType : int { F16 = 0, BF16 = 1, F32 = 2 };
+
+// ---------------------------------------------------------------------------- storage format
+// Quantize n elements of x (flat) in blocks of 32: packed [nb * k] bit-plane words, absmax [nb] E4M4.
+// scale: device pointer to the per-tensor power-of-two scale (see kbit/formats.py).
+cudaError_t quantize(const void* x, DType x_dtype, int64_t n, const float* codebook, int k, const float* scale,
+                     uint32_t* packed, uint8_t* absmax, cudaStream_t stream);
+
+// Reconstruct n elements: out[i] = codebook[code] * (decode_e4m4(absmax[block]) * *scale).
+cudaError_t dequantize(const uint32_t* packed, const uint8_t* absmax, const float* codebook, int k,
+                       const float* scale, int64_t n, void* out, DType out_dtype, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------- GEMM layout
+// Storage format of an [N, K_dim] weight -> GEMM layout (kbit/layout.py documents the shapes).
+cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_dim, uint32_t* b_gemm,
+                   uint8_t* absmax_gemm, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------- fused GEMM
+// y[M, N] = (x[M, K_x] @ W_hat[N, K_w]^T) * scale + bias, with W_hat from the GEMM layout.
+// One struct carries everything from host to kernel (flash-attention style).
+struct GemmParams {
+  const void* x;            // [M, lda] fp16/bf16, 16-byte aligned rows; columns >= K_x read as 0
+  const uint4* b;           // B_gemm  [n_tiles16, k_groups, k, 32, 4] words
+  const uint8_t* absmax;    // absmax_gemm [n_tiles16, k_groups, 2, 8, 8]
+  const float* codebook;    // [2^k]
+  const float* scale;       // per-tensor scale (device scalar)
+  const void* bias;         // [N] in x's dtype, or nullptr
+  void* y;                  // [M, N] in x's dtype, row-major
+  float* partials;          // split-K workspace: gemm_plan().partial_floats
+  int* counters;            // split-K arrival counters: gemm_plan().counters, zeroed before the launch
+  int M, N, K_x, lda;
+  int k_groups;             // K_w / 256, rounded up
+  int n_tiles;              // N_pad / 128: CUDA-block tiles along N
+  int m_passes;             // token passes of tokens_per_pass each
+  int total_steps;          // m_passes * n_tiles * k_groups pipeline steps
+  int grid;                 // CTAs; CTA c owns steps [c*total/grid, (c+1)*total/grid)
+  int mb;                   // 8-token MMA tiles per pass: 1, 2, 4 or 8
+  int k;                    // bits
+  DType dtype;              // of x, y, bias
+};
+
+// How a GEMM will run: chosen on the host before allocating its workspace.
+struct GemmPlan {
+  int mb, m_passes, grid, total_steps;
+  int64_t partial_floats;   // floats of split-K workspace (0 when every CTA owns whole tiles)
+  int64_t counters;         // ints of arrival counters
+};
+
+// num_sms: multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K).
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid);
+void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
+cudaError_t gemm(const GemmParams& p, cudaStream_t stream);
+
+}  // namespace kbit

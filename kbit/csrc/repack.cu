@@ -1,0 +1,78 @@
+// Storage format -> GEMM layout (kbit/layout.py documents the layout; repack_reference is the reference).
+// Runs once per weight at load time. One thread builds one lane's bit string for one (tile, k-group):
+// 16 runs of 8 codes, each run cut from one storage block, placed at the bit offsets the fused kernel reads.
+#include "common.cuh"
+
+namespace kbit {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <int K>
+__global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __restrict__ packed,
+                                                          const uint8_t* __restrict__ absmax, int N, int K_dim,
+                                                          int k_groups, int64_t total_threads,
+                                                          uint4* __restrict__ b_gemm, uint8_t* __restrict__ a_gemm) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (idx >= total_threads) return;
+  const int lane = static_cast<int>(idx & 31), g = lane >> 2, q = lane & 3;
+  const int64_t tj = idx >> 5;  // tile * k_groups + kgroup
+  const int j = static_cast<int>(tj % k_groups), tile = static_cast<int>(tj / k_groups);
+  const int blocks_per_row = K_dim / kBlock;
+
+  uint32_t words[4 * K];
+#pragma unroll
+  for (int i = 0; i < 4 * K; ++i) words[i] = 0;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * tile + g + 8 * r, kb = 8 * j + t;
+      const bool inside = row < N && kb < blocks_per_row;
+      const int64_t blk = static_cast<int64_t>(row) * blocks_per_row + kb;
+      uint32_t planes[K];
+#pragma unroll
+      for (int b = 0; b < K; ++b) planes[b] = inside ? packed[blk * K + b] >> (8 * q) : 0u;
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        uint32_t code = 0;
+#pragma unroll
+        for (int b = 0; b < K; ++b) code |= ((planes[b] >> s) & 1u) << b;
+        const int o = ((2 * t + r) * 8 + s) * K, wi = o >> 5, bi = o & 31;
+        words[wi] |= code << bi;
+        if (bi + K > 32) words[wi + 1] |= code >> (32 - bi);
+      }
+      if (q == 0) a_gemm[((tj * 2 + r) * 8 + g) * 8 + t] = inside ? absmax[blk] : 0;
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < K; ++v)
+    b_gemm[(tj * K + v) * 32 + lane] = make_uint4(words[4 * v], words[4 * v + 1], words[4 * v + 2], words[4 * v + 3]);
+}
+
+template <int K>
+cudaError_t launch(const uint32_t* packed, const uint8_t* absmax, int N, int K_dim, uint32_t* b_gemm,
+                   uint8_t* absmax_gemm, cudaStream_t stream) {
+  const int n_tiles16 = (N + 127) / 128 * 8, k_groups = (K_dim + 255) / 256;
+  const int64_t total = static_cast<int64_t>(n_tiles16) * k_groups * 32;
+  const int64_t grid = (total + kThreads - 1) / kThreads;
+  repack_kernel<K><<<grid, kThreads, 0, stream>>>(packed, absmax, N, K_dim, k_groups, total,
+                                                  reinterpret_cast<uint4*>(b_gemm), absmax_gemm);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_dim, uint32_t* b_gemm,
+                   uint8_t* absmax_gemm, cudaStream_t stream) {
+  if (N <= 0 || K_dim <= 0 || K_dim % kBlock) return cudaErrorInvalidValue;
+  switch (k) {
+    case 2: return launch<2>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
+    case 3: return launch<3>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
+    case 4: return launch<4>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
+    case 5: return launch<5>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace kbit

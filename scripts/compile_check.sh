@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Compile the framework-free CUDA core for sm_80 and sm_90 with nvcc (no GPU needed) and fail on any
+# compile error or on any register spill / stack frame in ptxas' report. CI runs this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NVCC=${NVCC:-nvcc}
+SOURCES=(kbit/csrc/quantize.cu kbit/csrc/repack.cu kbit/csrc/gemm.cu kbit/csrc/gemm_k2.cu kbit/csrc/gemm_k3.cu
+         kbit/csrc/gemm_k4.cu kbit/csrc/gemm_k5.cu)
+ARCHS=(80 90)
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+jobs_max=${COMPILE_JOBS:-$(nproc)}
+pids=()
+for arch in "${ARCHS[@]}"; do
+  for src in "${SOURCES[@]}"; do
+    log="$out/$(basename "$src" .cu)_sm$arch.log"
+    ( "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -gencode "arch=compute_$arch,code=sm_$arch" \
+        -Xptxas -v -c "$src" -o "${log%.log}.o" >"$log" 2>&1 || { echo "COMPILE ERROR: $src sm_$arch"; cat "$log"; exit 1; } ) &
+    pids+=($!)
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do sleep 0.2; done
+  done
+done
+fail=0
+for pid in "${pids[@]}"; do wait "$pid" || fail=1; done
+[ "$fail" = 0 ] || { echo "compile_check: FAILED (compile error)"; exit 1; }
+kernels=$(cat "$out"/*.log | grep -c "Used [0-9]* registers" || true)
+spills=$(cat "$out"/*.log | grep -E "[1-9][0-9]* bytes (spill stores|spill loads|stack frame)" || true)
+if [ -n "$spills" ]; then
+  echo "compile_check: FAILED: register spills or stack frames:"; echo "$spills"
+  grep -B2 -E "[1-9][0-9]* bytes (spill|stack)" "$out"/*.log | grep -E "Compiling entry" || true
+  exit 1
+fi
+maxreg=$(cat "$out"/*.log | grep -oE "Used [0-9]+ registers" | awk '{print $2}' | sort -n | tail -1)
+echo "compile_check: OK: ${#SOURCES[@]} sources x sm_{${ARCHS[*]}}, $kernels kernels, 0 spills, max $maxreg registers"
