@@ -11,7 +11,7 @@ k order (its k slots ``2q, 2q+1, 2q+8, 2q+9`` of k-step ``s`` are physical colum
 ``8q + 4s + 0..3``); the activations are read with the same permutation, so the product is
 unchanged and each lane reads its activations with one 16-byte load.
 
-Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 128) * 128``, ``KG = ceil(K_dim / 256)``):
+Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(K_dim / 256)``):
 
 ``B_gemm``: int32 ``[N_pad / 16, KG, k, 32, 4]`` — indexed ``[tile, kgroup, vec, lane, word]``.
     For weight rows ``16*tile .. 16*tile + 15`` and columns ``256*kgroup .. 256*kgroup + 255``,
@@ -35,7 +35,7 @@ import torch
 from .formats import BLOCK_SIZE, _to_int32_bits, pack_bitplanes, unpack_bitplanes
 
 TILE_ROWS = 16  # weight rows per warp tile (the MMA's M)
-N_ALIGN = 128  # rows per CUDA block tile: N is padded to this
+N_ALIGN = 256  # rows of the largest CTA tile (16 warps x 16 rows): N is padded to this
 K_GROUP = 256  # columns per pipeline step: 8 quantization blocks
 LANES = 32
 

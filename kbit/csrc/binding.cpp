@@ -72,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
   TORCH_CHECK(K_dim % 32 == 0 && packed.numel() == N * K_dim / 32 * k && absmax.numel() == N * K_dim / 32,
               "kbit: storage size mismatch");
   const c10::cuda::CUDAGuard guard(packed.device());
-  const int64_t tiles16 = (N + 127) / 128 * 8, groups = (K_dim + 255) / 256;
+  const int64_t tiles16 = (N + 255) / 256 * 16, groups = (K_dim + 255) / 256;
   auto b = at::empty({tiles16, groups, k, 32, 4}, packed.options());
   auto a = at::empty({tiles16, groups, 2, 8, 8}, absmax.options());
   check_launch(kbit::repack(reinterpret_cast<const uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),

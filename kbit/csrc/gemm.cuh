@@ -10,9 +10,9 @@
 //
 // Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
 // (16 k x 8 tokens), so one m16n8k16 serves up to 8 tokens with no wasted weight work (C^T = W X^T).
-// Each warp owns 16 weight rows of a CTA's 128-row tile; the 8 warps share the activations of a step.
+// Each warp owns 16 weight rows of the CTA's tile (8 or 16 warps); the warps share a step's activations.
 //
-// Work: a step is (token pass, 128-row tile, 256-column k-group). The total step range is cut into
+// Work: a step is (token pass, CTA row tile, 256-column k-group). The total step range is cut into
 // `grid` contiguous pieces (stream-K), one per CTA, so every SM streams weights whatever the shape.
 // A tile whose k-groups span several CTAs is reduced deterministically: each contributor stores its
 // fp32 partial, fences, and bumps the tile's counter; the last to arrive sums all partials in CTA order.
@@ -22,17 +22,21 @@
 
 namespace kbit {
 
-constexpr int kGemmWarps = 8;
-constexpr int kGemmThreads = kGemmWarps * 32;
-constexpr int kTileRows = 128;            // weight rows per CTA tile (N is padded to this)
 constexpr int kKGroup = 256;              // k columns per pipeline step
 constexpr int kXRowHalves = kKGroup + 32; // padded activation row in shared memory: conflict-free 16B reads
+constexpr int kSmemBudget = 227 * 1024 - 1024;  // opt-in maximum per CTA on sm_90, less static smem
+
+// Warps per CTA. Decode (MB <= 2) is bound by instruction latency, so it gets 16 warps sharing one set of
+// tables; larger MB needs the registers for its accumulators and the shared memory for activations.
+__host__ __device__ constexpr int gemm_warps(int mb) { return mb <= 2 ? 16 : 8; }
 
 template <int K, int MB>
 struct GemmConfig {
-  static constexpr int kStages = MB >= 8 ? 3 : 4;
-  static constexpr int kBStage = kGemmWarps * K * 32 * 16;  // each warp: K vectors of 16 B per lane
-  static constexpr int kAbsStage = kGemmWarps * 128;        // each warp: 16 rows x 8 blocks
+  static constexpr int kWarps = gemm_warps(MB);
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kTileRows = kWarps * 16;         // weight rows per CTA tile
+  static constexpr int kBStage = kWarps * K * 32 * 16;  // each warp: K vectors of 16 B per lane
+  static constexpr int kAbsStage = kWarps * 128;        // each warp: 16 rows x 8 blocks
   static constexpr int kXStage = MB * 8 * kXRowHalves * 2;  // MB*8 tokens x 256 k (+ padding)
   static constexpr int kStage = kBStage + kAbsStage + kXStage;
   // Pair table: entry p = (codebook[p & (2^K-1)], codebook[p >> K]) as a 16-bit pair, one copy per
@@ -41,8 +45,12 @@ struct GemmConfig {
   static constexpr int kCopies = kPairs * 32 * 4 <= 32768 ? 32 : 32768 / (kPairs * 4);
   static constexpr int kPairTable = kPairs * kCopies * 4;
   static constexpr int kScaleTable = 256 * 4;  // E4M4 code -> (s, s) pair in the activation dtype
+  // As many pipeline stages as fit (2 to 4).
+  static constexpr int kFit = (kSmemBudget - kPairTable - kScaleTable) / kStage;
+  static constexpr int kStages = kFit > 4 ? 4 : kFit;
+  static_assert(kStages >= 2, "configuration does not fit in shared memory");
   static constexpr int kSmem = kPairTable + kScaleTable + kStages * kStage;
-  static constexpr int kPartialFloats = kGemmWarps * MB * 32 * 4;  // one CTA's partial output tile
+  static constexpr int kPartialFloats = kWarps * MB * 32 * 4;  // one CTA's partial output tile
 };
 
 // Bits [o, o + 2K) of a lane's bit string (held in 4K words). o is a compile-time constant once the
@@ -69,25 +77,25 @@ __device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, i
   using Cfg = GemmConfig<K, MB>;
   const StepCoord c(p, step);
   const int tid = threadIdx.x;
-  // Weights: 8 warp tiles, each K*32 contiguous 16-byte vectors at B_gemm[ntile*8 + w][kgroup].
+  // Weights: one 16-row tile per warp, each K*32 contiguous 16-byte vectors at B_gemm[tile16][kgroup].
   constexpr int kVecsPerWarp = K * 32;
 #pragma unroll
-  for (int i = tid; i < kGemmWarps * kVecsPerWarp; i += kGemmThreads) {
+  for (int i = tid; i < Cfg::kWarps * kVecsPerWarp; i += Cfg::kThreads) {
     const int w = i / kVecsPerWarp, off = i - w * kVecsPerWarp;
-    const int64_t tile16 = static_cast<int64_t>(c.ntile) * kGemmWarps + w;
+    const int64_t tile16 = static_cast<int64_t>(c.ntile) * Cfg::kWarps + w;
     cp_async16(stage + i * 16, p.b + (tile16 * p.k_groups + c.kgroup) * kVecsPerWarp + off);
   }
   // Block scales: 128 bytes per warp tile.
-  if (tid < kGemmWarps * 8) {
+  if (tid < Cfg::kWarps * 8) {
     const int w = tid >> 3, off = tid & 7;
-    const int64_t tile16 = static_cast<int64_t>(c.ntile) * kGemmWarps + w;
+    const int64_t tile16 = static_cast<int64_t>(c.ntile) * Cfg::kWarps + w;
     cp_async16(stage + Cfg::kBStage + tid * 16, p.absmax + (tile16 * p.k_groups + c.kgroup) * 128 + off * 16);
   }
   // Activations: MB*8 token rows x 256 columns; rows past M and columns past K_x are zero-filled.
   const T* x = static_cast<const T*>(p.x);
   uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
 #pragma unroll
-  for (int i = tid; i < MB * 8 * 32; i += kGemmThreads) {
+  for (int i = tid; i < MB * 8 * 32; i += Cfg::kThreads) {
     const int row = i >> 5, col = (i & 31) * 8;
     const int m = c.mpass * MB * 8 + row, kcol = c.kgroup * kKGroup + col;
     const bool ok = m < p.M && kcol < p.K_x;
@@ -141,15 +149,16 @@ __device__ __forceinline__ void compute_step(const uint8_t* stage, const uint32_
   }
 }
 
-template <int MB, typename T>
+template <int K, int MB, typename T>
 __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCoord& c, const float (&acc)[MB][4]) {
+  using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float s = *p.scale;
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int n = c.ntile * kTileRows + warp * 16 + g + 8 * (i >> 1);
+    const int n = c.ntile * Cfg::kTileRows + warp * 16 + g + 8 * (i >> 1);
     if (n >= p.N) continue;
     const float b = bias ? to_float(bias[n]) : 0.0f;
 #pragma unroll
@@ -169,7 +178,7 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
 }
 
 template <int K, int MB, typename T>
-__global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
   using Cfg = GemmConfig<K, MB>;
   extern __shared__ __align__(16) uint8_t smem[];
   uint32_t* pair_tbl = reinterpret_cast<uint32_t*>(smem);
@@ -186,14 +195,16 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(const GemmParams 
     if (first + s < last) load_step<K, MB, T>(p, stages + s * Cfg::kStage, first + s);
     cp_async_commit();
   }
-  for (int e = tid; e < Cfg::kPairs; e += kGemmThreads) {
+  for (int e = tid; e < Cfg::kPairs; e += Cfg::kThreads) {
     const uint32_t v = Pair<T>::pack(p.codebook[e & ((1 << K) - 1)], p.codebook[e >> K]);
 #pragma unroll
     for (int c = 0; c < Cfg::kCopies; ++c) pair_tbl[e * Cfg::kCopies + c] = v;
   }
-  static_assert(kGemmThreads == 256, "one thread per E4M4 code builds the scale table");
-  const float code_scale = decode_e4m4(tid);
-  scale_tbl[tid] = Pair<T>::pack(code_scale, code_scale);
+  static_assert(Cfg::kThreads >= 256, "one thread per E4M4 code builds the scale table");
+  if (tid < 256) {
+    const float code_scale = decode_e4m4(tid);
+    scale_tbl[tid] = Pair<T>::pack(code_scale, code_scale);
+  }
 
   float acc[MB][4] = {};
   for (int step = first; step < last; ++step) {
@@ -212,7 +223,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(const GemmParams 
     // ---- the tile ends here for this CTA: store it, or reduce it with the other contributors
     const int tile_first = c.tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
     if (tile_first >= first && tile_last < last) {
-      store_tile<MB, T>(p, c, acc);
+      store_tile<K, MB, T>(p, c, acc);
     } else {
       const int warp = tid >> 5, lane = tid & 31;
       auto partial = [&](int cta, int tile) {
@@ -239,7 +250,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(const GemmParams 
             sum[mb][0] += v.x; sum[mb][1] += v.y; sum[mb][2] += v.z; sum[mb][3] += v.w;
           }
         }
-        store_tile<MB, T>(p, c, sum);
+        store_tile<K, MB, T>(p, c, sum);
       }
     }
 #pragma unroll
@@ -255,7 +266,7 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   static const cudaError_t attr =
       cudaFuncSetAttribute(gemm_kernel<K, MB, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
   if (attr != cudaSuccess) return attr;
-  gemm_kernel<K, MB, T><<<p.grid, kGemmThreads, Cfg::kSmem, stream>>>(p);
+  gemm_kernel<K, MB, T><<<p.grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 

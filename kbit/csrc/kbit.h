@@ -39,7 +39,7 @@ struct GemmParams {
   int* counters;            // split-K arrival counters: gemm_plan().counters, zeroed before the launch
   int M, N, K_x, lda;
   int k_groups;             // K_w / 256, rounded up
-  int n_tiles;              // N_pad / 128: CUDA-block tiles along N
+  int n_tiles;              // CTA row tiles along N (16 rows per warp)
   int m_passes;             // token passes of tokens_per_pass each
   int total_steps;          // m_passes * n_tiles * k_groups pipeline steps
   int grid;                 // CTAs; CTA c owns steps [c*total/grid, (c+1)*total/grid)
