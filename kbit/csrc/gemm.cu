@@ -9,10 +9,10 @@ int gemm_smem_bytes(int k, int mb) {
   auto pick = [&](auto kc) -> int {
     constexpr int K = decltype(kc)::value;
     switch (mb) {
-      case 1: return GemmConfig<K, 1>::kSmem;
-      case 2: return GemmConfig<K, 2>::kSmem;
-      case 4: return GemmConfig<K, 4>::kSmem;
-      default: return GemmConfig<K, 8>::kSmem;
+      case 1: return GemmConfig<K, 1>::kSmemTotal;
+      case 2: return GemmConfig<K, 2>::kSmemTotal;
+      case 4: return GemmConfig<K, 4>::kSmemTotal;
+      default: return GemmConfig<K, 8>::kSmemTotal;
     }
   };
   switch (k) {

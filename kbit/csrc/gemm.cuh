@@ -2,7 +2,7 @@
 //
 // Reads top to bottom:
 //   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
-//   pair_index      cuts one 2K-bit pair of codes out of a lane's bit string
+//   pair_offset     turns one 2K-bit pair of codes of a lane's bit string into a pair-table address
 //   load_step       issues the cp.async copies of one pipeline step into a shared-memory stage
 //   compute_step    dequantizes a warp's 16 x 256 weight slice through the pair table and runs the MMAs
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
@@ -45,21 +45,26 @@ struct GemmConfig {
   static constexpr int kCopies = kPairs * 32 * 4 <= 32768 ? 32 : 32768 / (kPairs * 4);
   static constexpr int kPairTable = kPairs * kCopies * 4;
   static constexpr int kScaleTable = 256 * 4;  // E4M4 code -> (s, s) pair in the activation dtype
-  // As many pipeline stages as fit (2 to 4).
+  // The tables are static shared memory (their addresses fold into the LDS instructions); the pipeline
+  // stages are dynamic: as many as fit (2 to 4).
   static constexpr int kFit = (kSmemBudget - kPairTable - kScaleTable) / kStage;
   static constexpr int kStages = kFit > 4 ? 4 : kFit;
   static_assert(kStages >= 2, "configuration does not fit in shared memory");
-  static constexpr int kSmem = kPairTable + kScaleTable + kStages * kStage;
+  static constexpr int kSmem = kStages * kStage;  // dynamic part
+  static constexpr int kSmemTotal = kSmem + kPairTable + kScaleTable;
   static constexpr int kPartialFloats = kWarps * MB * 32 * 4;  // one CTA's partial output tile
 };
 
-// Bits [o, o + 2K) of a lane's bit string (held in 4K words). o is a compile-time constant once the
-// caller's loops unroll, so this is one shift or one funnel shift and a mask.
-template <int K>
-__device__ __forceinline__ uint32_t pair_index(const uint32_t (&w)[4 * K], int o) {
+// Byte offset into the pair table of the pair at bits [o, o + 2K) of a lane's bit string (4K words):
+// (pair << log2(copies * 4)) | lane_offset. o is a compile-time constant once the caller's loops unroll,
+// and the table is a static shared array, so this is a shift and one LOP3 feeding LDS [reg + table].
+template <int K, int kCopies>
+__device__ __forceinline__ uint32_t pair_offset(const uint32_t (&w)[4 * K], int o, uint32_t lane_offset) {
+  constexpr int kShift = kCopies == 32 ? 7 : kCopies == 16 ? 6 : kCopies == 8 ? 5 : 4;
+  static_assert((1 << kShift) == kCopies * 4, "copies must be a power of two");
   const int wi = o >> 5, bi = o & 31;
   const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
-  return v & ((1u << (2 * K)) - 1u);
+  return ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | lane_offset;
 }
 
 struct StepCoord {
@@ -105,7 +110,7 @@ __device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, i
 
 // One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc.
 template <int K, int MB, typename T>
-__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint32_t* pair_tbl, const uint32_t* scale_tbl,
+__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t* pair_tbl, const uint32_t* scale_tbl,
                                              int token_rows, float (&acc)[MB][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -120,7 +125,7 @@ __device__ __forceinline__ void compute_step(const uint8_t* stage, const uint32_
   const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
   const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
   const uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
-  const int copy = lane % Cfg::kCopies;
+  const uint32_t lane_offset = (lane % Cfg::kCopies) * 4;
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
@@ -132,8 +137,8 @@ __device__ __forceinline__ void compute_step(const uint8_t* stage, const uint32_
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t pidx = pair_index<K>(w, ((2 * t + r) * 8 + 2 * j) * K);
-        h[r][j] = Pair<T>::mul(pair_tbl[pidx * Cfg::kCopies + copy], r ? s_hi : s_lo);
+        const uint32_t off = pair_offset<K, Cfg::kCopies>(w, ((2 * t + r) * 8 + 2 * j) * K, lane_offset);
+        h[r][j] = Pair<T>::mul(*reinterpret_cast<const uint32_t*>(pair_tbl + off), r ? s_hi : s_lo);
       }
     }
     const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
@@ -180,10 +185,9 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
 template <int K, int MB, typename T>
 __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
   using Cfg = GemmConfig<K, MB>;
-  extern __shared__ __align__(16) uint8_t smem[];
-  uint32_t* pair_tbl = reinterpret_cast<uint32_t*>(smem);
-  uint32_t* scale_tbl = reinterpret_cast<uint32_t*>(smem + Cfg::kPairTable);
-  uint8_t* stages = smem + Cfg::kPairTable + Cfg::kScaleTable;
+  extern __shared__ __align__(16) uint8_t stages[];
+  __shared__ __align__(16) uint32_t pair_tbl[Cfg::kPairTable / 4];
+  __shared__ uint32_t scale_tbl[256];
   __shared__ int s_last_arrival;
 
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
@@ -217,7 +221,8 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
 
     const StepCoord c(p, step);
     const int token_rows = min(MB * 8, p.M - c.mpass * MB * 8);
-    compute_step<K, MB, T>(stages + (i % Cfg::kStages) * Cfg::kStage, pair_tbl, scale_tbl, token_rows, acc);
+    compute_step<K, MB, T>(stages + (i % Cfg::kStages) * Cfg::kStage, reinterpret_cast<const uint8_t*>(pair_tbl),
+                           scale_tbl, token_rows, acc);
     if (c.kgroup != p.k_groups - 1 && step != last - 1) continue;
 
     // ---- the tile ends here for this CTA: store it, or reduce it with the other contributors
