@@ -95,5 +95,5 @@ def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, k: int, N: in
     packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), k)
 
     a = a_gemm.permute(0, 2, 3, 1, 4).reshape(nt * TILE_ROWS, kg * 8)  # (T r g) (j t)
-    absmax = a[:N, : K_dim // BLOCK_SIZE].reshape(-1).contiguous()
+    absmax = a[:N, : K_dim // BLOCK_SIZE].reshape(-1).clone()  # never a view of the input (custom-op rule)
     return packed, absmax
