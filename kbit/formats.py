@@ -93,7 +93,7 @@ def create_normal_float_codebook(k: int = 4, device=None) -> torch.Tensor:
     """The normal-float codebook: 2**k sorted levels, max |value| == 1 (cached per k)."""
     check_bits(k)
     cb = _normal_float_codebook_cpu(k)
-    return cb.to(device) if device is not None else cb.clone()
+    return cb.to(device=device, copy=True) if device is not None else cb.clone()  # never the cached tensor
 
 
 # ----------------------------------------------------------------------------- E4M4

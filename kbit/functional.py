@@ -58,7 +58,7 @@ def _scale_tensor(scale, device) -> Tensor:
 def _resolve_codebook(codebook, k: int, device) -> Tensor:
     if codebook is None:
         return create_normal_float_codebook(k, device=device)
-    return check_codebook(codebook, k).to(device)
+    return check_codebook(codebook, k).to(device=device, copy=True)  # never an alias of the caller's tensor
 
 
 def check_finite(A: Tensor, name: str) -> None:
