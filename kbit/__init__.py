@@ -3,6 +3,8 @@
     qw = kbit.quantize(W, k=4)          # W: [N, K] -> QuantizedWeight
     W_hat = kbit.dequantize(qw)         # [N, K]
     y = kbit.matmul(x, qw, bias=None)   # x: [..., K] -> [..., N]
+    layer = kbit.KbitLinear.from_linear(linear, k=4)
+    kbit.quantize_model(model, k=4)     # swaps eligible nn.Linear layers in place
 """
 
 from . import ops  # noqa: F401  (registers the torch.library ops)
@@ -13,11 +15,13 @@ from .formats import (
 )
 from .functional import dequantize_kbit, kbit_gemm, quantize_kbit, repack_for_gemm
 from .weight import QuantizedWeight, dequantize, matmul, quantize
+from .nn import KbitLinear, quantize_model
+from .hf import load_quantized, save_quantized  # transformers is imported only when used
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedWeight", "quantize", "dequantize", "matmul",
+    "QuantizedWeight", "quantize", "dequantize", "matmul", "KbitLinear", "quantize_model", "save_quantized", "load_quantized",
     "create_normal_float_codebook", "encode_absmax_e4m4", "decode_absmax_e4m4",
     "quantize_kbit", "dequantize_kbit", "repack_for_gemm", "kbit_gemm",
 ]

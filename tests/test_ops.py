@@ -1,0 +1,219 @@
+"""The torch.library ops (opcheck, fake impls), the GEMM layout reference, and torch.compile on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kbit
+from kbit import formats, layout, ops
+
+from test_formats import KS, _name
+
+LAYOUT_SHAPES = [(1, 32), (17, 96), (100, 288), (130, 64), (200, 544), (256, 256), (128, 800)]
+
+
+# ----------------------------------------------------------------------------- opcheck
+def _storage(k, N, K_dim, dtype=torch.float16):
+    A = torch.randn(N, K_dim).to(dtype)
+    cb = kbit.create_normal_float_codebook(k)
+    scale = torch.tensor(0.5)
+    packed, absmax = ops.quantize(A, cb, k, scale)
+    return A, cb, scale, packed, absmax
+
+
+@pytest.mark.parametrize("k", KS)
+def test_opcheck_quantize_dequantize(k):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        A, cb, scale, packed, absmax = _storage(k, 33, 50, dtype)  # 1650 elements: last block padded
+        torch.library.opcheck(ops.quantize, (A, cb, k, scale))
+        torch.library.opcheck(ops.dequantize, (packed, absmax, cb, k, A.numel(), dtype, scale))
+    torch.library.opcheck(ops.quantize, (torch.randn(0), cb, k, scale))
+
+
+@pytest.mark.parametrize("k", KS)
+def test_opcheck_repack_unrepack_gemm(k):
+    N, K_dim = 100, 96
+    _, cb, scale, packed, absmax = _storage(k, N, K_dim)
+    torch.library.opcheck(ops.repack, (packed, absmax, k, N, K_dim))
+    b, a = ops.repack(packed, absmax, k, N, K_dim)
+    torch.library.opcheck(ops.unrepack, (b, a, k, N, K_dim))
+    for M in (0, 1, 5):
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(M, K_dim).to(dtype)
+            torch.library.opcheck(ops.gemm, (x, b, a, cb, scale, None, k, N, K_dim, 0))
+            torch.library.opcheck(ops.gemm, (x, b, a, cb, scale, torch.randn(N).to(dtype), k, N, K_dim, 0))
+
+
+def test_ops_are_registered_custom_ops():
+    for name in ("quantize", "dequantize", "repack", "unrepack", "gemm"):
+        op = getattr(torch.ops.kbit, name).default
+        assert op.name() == f"kbit::{name}"
+    # Fake (meta) implementations give shapes without data.
+    A = torch.empty(70, 33, device="meta", dtype=torch.float16)
+    cb = torch.empty(16, device="meta")
+    s = torch.empty((), device="meta")
+    packed, absmax = torch.ops.kbit.quantize(A, cb, 4, s)
+    nb = formats.num_blocks(70 * 33)
+    assert packed.shape == (nb * 4,) and packed.dtype == torch.int32 and absmax.shape == (nb,)
+    assert torch.ops.kbit.dequantize(packed, absmax, cb, 4, 70 * 33, torch.bfloat16, s).dtype == torch.bfloat16
+    p2 = torch.empty(200 * 96 // 32 * 3, device="meta", dtype=torch.int32)
+    a2 = torch.empty(200 * 96 // 32, device="meta", dtype=torch.uint8)
+    b, a = torch.ops.kbit.repack(p2, a2, 3, 200, 96)
+    assert tuple(b.shape) == layout.gemm_shapes(3, 200, 96)[0] and tuple(a.shape) == layout.gemm_shapes(3, 200, 96)[1]
+    x = torch.empty(7, 96, device="meta", dtype=torch.float16)
+    assert torch.ops.kbit.gemm(x, b, a, cb[:8], s, None, 3, 200, 96, 0).shape == (7, 200)
+
+
+# ----------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_repack_round_trip_bit_exact(k, shape):
+    N, K_dim = shape
+    nb = N * K_dim // 32
+    # Arbitrary bits, not just what quantize produces: repack must be a pure permutation.
+    packed = torch.randint(-(2**31), 2**31, (nb * k,), dtype=torch.int64).to(torch.int32)
+    absmax = torch.randint(0, 256, (nb,), dtype=torch.int32).to(torch.uint8)
+    b, a = layout.repack_reference(packed, absmax, k, N, K_dim)
+    assert tuple(b.shape) == layout.gemm_shapes(k, N, K_dim)[0] and b.dtype == torch.int32
+    assert tuple(a.shape) == layout.gemm_shapes(k, N, K_dim)[1] and a.dtype == torch.uint8
+    p2, a2 = layout.unrepack_reference(b, a, k, N, K_dim)
+    assert torch.equal(p2, packed), f"k={k} N={N} K_dim={K_dim}"
+    assert torch.equal(a2, absmax), f"k={k} N={N} K_dim={K_dim}"
+    # The op wrappers agree with the references.
+    b3, a3 = kbit.repack_for_gemm(packed, absmax, k, N, K_dim)
+    assert torch.equal(b3, b) and torch.equal(a3, a)
+    p4, a4 = ops.unrepack(b, a, k, N, K_dim)
+    assert torch.equal(p4, packed) and torch.equal(a4, absmax)
+
+
+def _documented_code(b_gemm, k, row, col):
+    """Read the code of (row, col) from B_gemm at the bit offsets that kbit/layout.py documents."""
+    tile, rr = divmod(row, 16)
+    r, g = divmod(rr, 8)
+    kgroup, cc = divmod(col, 256)
+    t, c32 = divmod(cc, 32)
+    q, s = divmod(c32, 8)
+    lane = 4 * g + q
+    o = ((2 * t + r) * 8 + s) * k
+    code = 0
+    for i in range(k):
+        bit = o + i
+        vec, w, j = bit // 128, (bit % 128) // 32, bit % 32
+        word = int(b_gemm[tile, kgroup, vec, lane, w]) & 0xFFFFFFFF
+        code |= ((word >> j) & 1) << i
+    return code, (tile, kgroup, r, g, t)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("shape", [(130, 288), (17, 544), (256, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_layout_documented_bit_offsets(k, shape):
+    N, K_dim = shape
+    nb = N * K_dim // 32
+    packed = torch.randint(-(2**31), 2**31, (nb * k,), dtype=torch.int64).to(torch.int32)
+    absmax = torch.randint(1, 256, (nb,), dtype=torch.int32).to(torch.uint8)
+    codes = formats.unpack_bitplanes(packed, k).reshape(N, K_dim)
+    b, a = layout.repack_reference(packed, absmax, k, N, K_dim)
+    rows = torch.randint(0, N, (200,)).tolist() + [0, N - 1]
+    cols = torch.randint(0, K_dim, (200,)).tolist() + [0, K_dim - 1]
+    for row, col in zip(rows, cols):
+        code, (tile, kgroup, r, g, t) = _documented_code(b, k, row, col)
+        assert code == int(codes[row, col]), f"k={k} N={N} K_dim={K_dim}: code of ({row}, {col})"
+        want_absmax = int(absmax[row * (K_dim // 32) + col // 32])
+        assert int(a[tile, kgroup, r, g, t]) == want_absmax, f"absmax of ({row}, {col})"
+    # Padding rows (past N) and columns (past K_dim) hold code 0 and absmax 0.
+    n_pad = b.shape[0] * 16
+    kg = b.shape[1]
+    for row, col in [(N, 0), (n_pad - 1, K_dim - 1), (0, kg * 256 - 1)]:
+        if row >= N or col >= K_dim:
+            if row < n_pad and col < kg * 256:
+                code, idx = _documented_code(b, k, row, col)
+                assert code == 0 and int(a[idx]) == 0, f"padding at ({row}, {col})"
+
+
+def test_layout_k4_pairs_are_bytes():
+    # For k = 4 the documented pair index of codes s = 2p, 2p+1 is one byte of the lane's string.
+    N, K_dim, k = 16, 256, 4
+    codes = torch.randint(0, 16, (N, K_dim))
+    packed = formats.pack_bitplanes(codes.reshape(-1, 32), k)
+    absmax = torch.ones(N * K_dim // 32, dtype=torch.uint8)
+    b, _ = layout.repack_reference(packed, absmax, k, N, K_dim)
+    lane, g, q, t, r, p = 4 * 3 + 2, 3, 2, 5, 1, 3
+    o = ((2 * t + r) * 8 + 2 * p) * k  # a multiple of 8: byte aligned
+    assert o % 8 == 0
+    word = int(b[0, 0, o // 128, lane, (o % 128) // 32]) & 0xFFFFFFFF
+    byte = (word >> (o % 32)) & 0xFF
+    row, col = g + 8 * r, 32 * t + 8 * q + 2 * p
+    assert byte == int(codes[row, col]) | (int(codes[row, col + 1]) << 4)
+
+
+def test_layout_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        layout.repack_reference(torch.zeros(12, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8), 4, 2, 48)
+    b, a = layout.repack_reference(torch.zeros(4 * 4, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8), 4, 4, 32)
+    with pytest.raises(ValueError, match="must have shapes"):
+        layout.unrepack_reference(b, a, 4, 4, 288)
+
+
+# ----------------------------------------------------------------------------- torch.compile on CPU
+def test_compile_matmul_fullgraph():
+    torch._dynamo.reset()
+    qw = kbit.quantize(torch.randn(200, 96), k=3)
+    bias = torch.randn(200)
+
+    def f(x):
+        return kbit.matmul(x, qw, bias=bias)
+
+    cf = torch.compile(f, fullgraph=True)
+    for shape in [(4, 96), (2, 5, 96)]:
+        for dtype in (torch.float32, torch.float16):
+            x = torch.randn(shape).to(dtype)
+            torch.testing.assert_close(cf(x), f(x), msg=lambda m: f"x={shape} {_name(dtype)}: {m}")
+
+
+def test_compile_ops_fullgraph_aot_eager():
+    # The GEMM layout path (what CUDA runs) traced with a cold cache, through the fake impls.
+    torch._dynamo.reset()
+    qw = kbit.quantize(torch.randn(130, 64), k=5)
+
+    def g(x):
+        b, a = qw.gemm_layout()
+        y = ops.gemm(x, b, a, qw.codebook, qw.scale, None, qw.k, 130, 64, 0)
+        w = ops.dequantize(qw.packed, qw.absmax, qw.codebook, qw.k, 130 * 64, torch.float32, qw.scale)
+        return y, w
+
+    x = torch.randn(3, 64, dtype=torch.float16)
+    y, w = torch.compile(g, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(y, kbit.matmul(x, qw))
+    torch.testing.assert_close(w.reshape(130, 64), kbit.dequantize(qw, torch.float32))
+    assert qw._gemm is not None
+
+
+class TinyLM(nn.Module):
+    def __init__(self, d=128, f=256, vocab=300):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.up = nn.Linear(d, f)
+        self.down = nn.Linear(f, d, bias=False)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.down(torch.nn.functional.silu(self.up(h)))
+        return self.lm_head(h)
+
+
+def test_compile_model_with_kbit_linear_fullgraph():
+    torch._dynamo.reset()
+    model = TinyLM().eval()
+    kbit.quantize_model(model, k=4, min_features=64, progress=False)
+    assert isinstance(model.up, kbit.KbitLinear) and isinstance(model.down, kbit.KbitLinear)
+    ids = torch.randint(0, 300, (2, 7))
+    with torch.no_grad():
+        eager = model(ids)
+        model.up._invalidate()  # cold QuantizedWeight cache inside the compiled region
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(ids), eager)
+        other = torch.randint(0, 300, (3, 5))
+        torch.testing.assert_close(compiled(other), model(other))
