@@ -16,11 +16,12 @@ from .formats import (
 from .functional import dequantize_kbit, kbit_gemm, quantize_kbit, repack_for_gemm
 from .weight import QuantizedWeight, dequantize, matmul, quantize
 from .nn import KbitLinear, quantize_model
+from .hf import load_quantized, save_quantized  # transformers is imported only when used
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedWeight", "quantize", "dequantize", "matmul", "KbitLinear", "quantize_model",
+    "QuantizedWeight", "quantize", "dequantize", "matmul", "KbitLinear", "quantize_model", "save_quantized", "load_quantized",
     "create_normal_float_codebook", "encode_absmax_e4m4", "decode_absmax_e4m4",
     "quantize_kbit", "dequantize_kbit", "repack_for_gemm", "kbit_gemm",
 ]
