@@ -11,8 +11,7 @@ int gemm_smem_bytes(int k, int mb) {
     switch (mb) {
       case 1: return GemmConfig<K, 1>::kSmemTotal;
       case 2: return GemmConfig<K, 2>::kSmemTotal;
-      case 4: return GemmConfig<K, 4>::kSmemTotal;
-      default: return GemmConfig<K, 8>::kSmemTotal;
+      default: return GemmConfig<K, 4>::kSmemTotal;
     }
   };
   switch (k) {
@@ -25,8 +24,9 @@ int gemm_smem_bytes(int k, int mb) {
 
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   GemmPlan plan{};
-  // 8-token MMA tiles per pass: enough for M, at most 8 (64 tokens); larger M loops over passes.
-  plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8;
+  // 8-token MMA tiles per pass: enough for M, at most 4 (32 tokens: more would spill registers);
+  // larger M loops over passes.
+  plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : 4;
   int smem_limit = 0, dev = 0;
   if (cudaGetDevice(&dev) == cudaSuccess)
     cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);

@@ -4,7 +4,8 @@
 //   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
 //   pair_offset     turns one 2K-bit pair of codes of a lane's bit string into a pair-table address
 //   load_step       issues the cp.async copies of one pipeline step into a shared-memory stage
-//   compute_step    dequantizes a warp's 16 x 256 weight slice through the pair table and runs the MMAs
+//   compute_step    looks a warp's 16 x 256 weight codes up in the pair table, runs the MMAs per block of
+//                   32 columns and applies each block's scale to the fp32 result
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   gemm_kernel     the persistent, stream-K main loop and the split-K reduction
 //
@@ -44,7 +45,7 @@ struct GemmConfig {
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopies = kPairs * 32 * 4 <= 32768 ? 32 : 32768 / (kPairs * 4);
   static constexpr int kPairTable = kPairs * kCopies * 4;
-  static constexpr int kScaleTable = 256 * 4;  // E4M4 code -> (s, s) pair in the activation dtype
+  static constexpr int kScaleTable = 256 * 4;  // E4M4 code -> float
   // The tables are static shared memory (their addresses fold into the LDS instructions); the pipeline
   // stages are dynamic: as many as fit (2 to 4).
   static constexpr int kFit = (kSmemBudget - kPairTable - kScaleTable) / kStage;
@@ -110,7 +111,7 @@ __device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, i
 
 // One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc.
 template <int K, int MB, typename T>
-__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t* pair_tbl, const uint32_t* scale_tbl,
+__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t* pair_tbl, const float* scale_tbl,
                                              int token_rows, float (&acc)[MB][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -130,15 +131,15 @@ __device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const uint32_t lo_word = t < 4 ? scales_lo.x : scales_lo.y, hi_word = t < 4 ? scales_hi.x : scales_hi.y;
-    const uint32_t s_lo = scale_tbl[(lo_word >> (8 * (t & 3))) & 0xFFu];
-    const uint32_t s_hi = scale_tbl[(hi_word >> (8 * (t & 3))) & 0xFFu];
-    uint32_t h[2][4];  // [row g / g+8][pair j]: columns 8q + 2j, 8q + 2j + 1 of block t
+    const float s_lo = scale_tbl[(lo_word >> (8 * (t & 3))) & 0xFFu];  // block t of row g
+    const float s_hi = scale_tbl[(hi_word >> (8 * (t & 3))) & 0xFFu];  // block t of row g + 8
+    uint32_t h[2][4];  // [row g / g+8][pair j]: codebook values of columns 8q + 2j, 8q + 2j + 1 of block t
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t off = pair_offset<K, Cfg::kCopies>(w, ((2 * t + r) * 8 + 2 * j) * K, lane_offset);
-        h[r][j] = Pair<T>::mul(*reinterpret_cast<const uint32_t*>(pair_tbl + off), r ? s_hi : s_lo);
+        h[r][j] = *reinterpret_cast<const uint32_t*>(pair_tbl + off);
       }
     }
     const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
@@ -148,8 +149,15 @@ __device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t
       const int row = mb * 8 + g;
       uint4 xv = make_uint4(0, 0, 0, 0);
       if (row < token_rows) xv = *reinterpret_cast<const uint4*>(xs + (row * kXRowHalves + t * 32 + 8 * q) * 2);
-      mma_16816<T>(acc[mb], a0, xv.x, xv.y);
-      mma_16816<T>(acc[mb], a1, xv.z, xv.w);
+      // One block of 32 columns in unit scale, then its E4M4 scale in fp32: accumulator rows are weight
+      // rows (g: d0, d1; g + 8: d2, d3), so each row takes its own block scale, rounded exactly once.
+      float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_16816<T>(blk, a0, xv.x, xv.y);
+      mma_16816<T>(blk, a1, xv.z, xv.w);
+      acc[mb][0] = fmaf(blk[0], s_lo, acc[mb][0]);
+      acc[mb][1] = fmaf(blk[1], s_lo, acc[mb][1]);
+      acc[mb][2] = fmaf(blk[2], s_hi, acc[mb][2]);
+      acc[mb][3] = fmaf(blk[3], s_hi, acc[mb][3]);
     }
   }
 }
@@ -187,7 +195,7 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   using Cfg = GemmConfig<K, MB>;
   extern __shared__ __align__(16) uint8_t stages[];
   __shared__ __align__(16) uint32_t pair_tbl[Cfg::kPairTable / 4];
-  __shared__ uint32_t scale_tbl[256];
+  __shared__ float scale_tbl[256];
   __shared__ int s_last_arrival;
 
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
@@ -205,10 +213,7 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
     for (int c = 0; c < Cfg::kCopies; ++c) pair_tbl[e * Cfg::kCopies + c] = v;
   }
   static_assert(Cfg::kThreads >= 256, "one thread per E4M4 code builds the scale table");
-  if (tid < 256) {
-    const float code_scale = decode_e4m4(tid);
-    scale_tbl[tid] = Pair<T>::pack(code_scale, code_scale);
-  }
+  if (tid < 256) scale_tbl[tid] = decode_e4m4(tid);
 
   float acc[MB][4] = {};
   for (int step = first; step < last; ++step) {
@@ -281,7 +286,6 @@ cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
     case 1: return launch_gemm<K, 1, T>(p, stream);
     case 2: return launch_gemm<K, 2, T>(p, stream);
     case 4: return launch_gemm<K, 4, T>(p, stream);
-    case 8: return launch_gemm<K, 8, T>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -1,4 +1,4 @@
-// Fused GEMM instantiations for k = 4: MB in {1, 2, 4, 8} x {fp16, bf16} (see gemm.cuh).
+// Fused GEMM instantiations for k = 4: MB in {1, 2, 4} x {fp16, bf16} (see gemm.cuh).
 #include "gemm.cuh"
 
 namespace kbit {

@@ -43,7 +43,7 @@ struct GemmParams {
   int m_passes;             // token passes of tokens_per_pass each
   int total_steps;          // m_passes * n_tiles * k_groups pipeline steps
   int grid;                 // CTAs; CTA c owns steps [c*total/grid, (c+1)*total/grid)
-  int mb;                   // 8-token MMA tiles per pass: 1, 2, 4 or 8
+  int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4
   int k;                    // bits
   DType dtype;              // of x, y, bias
 };
