@@ -3,6 +3,8 @@
 // Reads top to bottom:
 //   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
 //   pair_offset     turns one 2K-bit pair of codes of a lane's bit string into a pair-table address
+//   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
+//   CopyPlan        each thread's copy offsets, computed once per kernel
 //   load_step       issues the cp.async copies of one pipeline step into a shared-memory stage
 //   compute_step    looks a warp's 16 x 256 weight codes up in the pair table, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result
@@ -68,35 +70,57 @@ __device__ __forceinline__ uint32_t pair_offset(const uint32_t (&w)[4 * K], int 
   return ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | lane_offset;
 }
 
-struct StepCoord {
-  int tile, kgroup, mpass, ntile;
-  __device__ StepCoord(const GemmParams& p, int step) {
-    tile = step / p.k_groups;
+// Position of a pipeline step in (token pass, CTA row tile, k-group) order. The kernel walks its steps in
+// order, so it advances cursors instead of dividing: one cursor for the copies, one for the math.
+struct StepCursor {
+  int kgroup, ntile, mpass;
+  __device__ StepCursor(const GemmParams& p, int step) {
+    const int tile = step / p.k_groups;
     kgroup = step - tile * p.k_groups;
     mpass = tile / p.n_tiles;
     ntile = tile - mpass * p.n_tiles;
   }
+  __device__ void advance(const GemmParams& p) {
+    if (++kgroup == p.k_groups) {
+      kgroup = 0;
+      if (++ntile == p.n_tiles) ntile = 0, ++mpass;
+    }
+  }
+  __device__ int tile(const GemmParams& p) const { return mpass * p.n_tiles + ntile; }
+};
+
+// Where this thread's cp.async copies of a step come from, relative to the step's first weight tile.
+// Each thread copies exactly K weight vectors and at most one 16-byte piece of block scales per step.
+template <int K, int MB>
+struct CopyPlan {
+  uint32_t b_offset[K];  // in 16-byte vectors
+  uint32_t abs_offset;   // in bytes
+  __device__ explicit CopyPlan(const GemmParams& p) {
+    using Cfg = GemmConfig<K, MB>;
+    constexpr int kVecsPerWarp = K * 32;
+    static_assert(Cfg::kWarps * kVecsPerWarp == K * Cfg::kThreads, "K vectors per thread");
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const int i = threadIdx.x + j * Cfg::kThreads, w = i / kVecsPerWarp;
+      b_offset[j] = static_cast<uint32_t>(w * p.k_groups) * kVecsPerWarp + (i - w * kVecsPerWarp);
+    }
+    abs_offset = static_cast<uint32_t>((threadIdx.x >> 3) * p.k_groups) * 128 + (threadIdx.x & 7) * 16;
+  }
 };
 
 template <int K, int MB, typename T>
-__device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, int step) {
+__device__ __forceinline__ void load_step(const GemmParams& p, const CopyPlan<K, MB>& plan, uint8_t* stage,
+                                          const StepCursor& c) {
   using Cfg = GemmConfig<K, MB>;
-  const StepCoord c(p, step);
   const int tid = threadIdx.x;
-  // Weights: one 16-row tile per warp, each K*32 contiguous 16-byte vectors at B_gemm[tile16][kgroup].
-  constexpr int kVecsPerWarp = K * 32;
+  // Weights: one 16-row tile per warp, K*32 contiguous 16-byte vectors at B_gemm[tile16][kgroup].
+  const int64_t first16 = static_cast<int64_t>(c.ntile) * Cfg::kWarps;
+  const uint4* b = p.b + (first16 * p.k_groups + c.kgroup) * (K * 32);
 #pragma unroll
-  for (int i = tid; i < Cfg::kWarps * kVecsPerWarp; i += Cfg::kThreads) {
-    const int w = i / kVecsPerWarp, off = i - w * kVecsPerWarp;
-    const int64_t tile16 = static_cast<int64_t>(c.ntile) * Cfg::kWarps + w;
-    cp_async16(stage + i * 16, p.b + (tile16 * p.k_groups + c.kgroup) * kVecsPerWarp + off);
-  }
+  for (int j = 0; j < K; ++j) cp_async16(stage + (tid + j * Cfg::kThreads) * 16, b + plan.b_offset[j]);
   // Block scales: 128 bytes per warp tile.
-  if (tid < Cfg::kWarps * 8) {
-    const int w = tid >> 3, off = tid & 7;
-    const int64_t tile16 = static_cast<int64_t>(c.ntile) * Cfg::kWarps + w;
-    cp_async16(stage + Cfg::kBStage + tid * 16, p.absmax + (tile16 * p.k_groups + c.kgroup) * 128 + off * 16);
-  }
+  if (tid < Cfg::kWarps * 8)
+    cp_async16(stage + Cfg::kBStage + tid * 16, p.absmax + (first16 * p.k_groups + c.kgroup) * 128 + plan.abs_offset);
   // Activations: MB*8 token rows x 256 columns; rows past M and columns past K_x are zero-filled.
   const T* x = static_cast<const T*>(p.x);
   uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
@@ -163,7 +187,7 @@ __device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t
 }
 
 template <int K, int MB, typename T>
-__device__ __forceinline__ void store_tile(const GemmParams& p, const StepCoord& c, const float (&acc)[MB][4]) {
+__device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, const float (&acc)[MB][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float s = *p.scale;
@@ -202,9 +226,14 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   const int tid = threadIdx.x;
 
   // Fill the pipeline first so the copies overlap the table construction below.
+  const CopyPlan<K, MB> plan(p);
+  StepCursor load_at(p, first);
 #pragma unroll
   for (int s = 0; s < Cfg::kStages - 1; ++s) {
-    if (first + s < last) load_step<K, MB, T>(p, stages + s * Cfg::kStage, first + s);
+    if (first + s < last) {
+      load_step<K, MB, T>(p, plan, stages + s * Cfg::kStage, load_at);
+      load_at.advance(p);
+    }
     cp_async_commit();
   }
   for (int e = tid; e < Cfg::kPairs; e += Cfg::kThreads) {
@@ -216,22 +245,27 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   if (tid < 256) scale_tbl[tid] = decode_e4m4(tid);
 
   float acc[MB][4] = {};
-  for (int step = first; step < last; ++step) {
-    const int i = step - first;
+  StepCursor c(p, first);
+  int load_slot = Cfg::kStages - 1, slot = 0;
+  for (int step = first; step < last; ++step, c.advance(p)) {
     cp_async_wait<Cfg::kStages - 2>();
-    __syncthreads();  // stage i is visible to all; every warp is done with stage i - 1
-    if (step + Cfg::kStages - 1 < last)
-      load_step<K, MB, T>(p, stages + ((i + Cfg::kStages - 1) % Cfg::kStages) * Cfg::kStage, step + Cfg::kStages - 1);
+    __syncthreads();  // this step's stage is visible to all; every warp is done with the previous one
+    if (step + Cfg::kStages - 1 < last) {
+      load_step<K, MB, T>(p, plan, stages + load_slot * Cfg::kStage, load_at);
+      load_at.advance(p);
+    }
     cp_async_commit();
+    load_slot = load_slot + 1 == Cfg::kStages ? 0 : load_slot + 1;
 
-    const StepCoord c(p, step);
     const int token_rows = min(MB * 8, p.M - c.mpass * MB * 8);
-    compute_step<K, MB, T>(stages + (i % Cfg::kStages) * Cfg::kStage, reinterpret_cast<const uint8_t*>(pair_tbl),
-                           scale_tbl, token_rows, acc);
+    compute_step<K, MB, T>(stages + slot * Cfg::kStage, reinterpret_cast<const uint8_t*>(pair_tbl), scale_tbl,
+                           token_rows, acc);
+    slot = slot + 1 == Cfg::kStages ? 0 : slot + 1;
     if (c.kgroup != p.k_groups - 1 && step != last - 1) continue;
 
     // ---- the tile ends here for this CTA: store it, or reduce it with the other contributors
-    const int tile_first = c.tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
+    const int tile = c.tile(p);
+    const int tile_first = tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
     if (tile_first >= first && tile_last < last) {
       store_tile<K, MB, T>(p, c, acc);
     } else {
@@ -240,20 +274,20 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
         const int slot = tile == first_step_of(p, cta) / p.k_groups ? 0 : 1;
         return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * MB * 32 + lane) * 4;
       };
-      float* mine = partial(blockIdx.x, c.tile);
+      float* mine = partial(blockIdx.x, tile);
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb)
         *reinterpret_cast<float4*>(mine + mb * 128) = make_float4(acc[mb][0], acc[mb][1], acc[mb][2], acc[mb][3]);
       __threadfence();  // partial visible device-wide before the counter says so
       __syncthreads();
       const int cta_first = cta_of_step(p, tile_first), cta_last = cta_of_step(p, tile_last);
-      if (tid == 0) s_last_arrival = atomicAdd(p.counters + c.tile, 1) == cta_last - cta_first;
+      if (tid == 0) s_last_arrival = atomicAdd(p.counters + tile, 1) == cta_last - cta_first;
       __syncthreads();
       if (s_last_arrival) {
         __threadfence();
         float sum[MB][4] = {};
         for (int cta = cta_first; cta <= cta_last; ++cta) {  // fixed order: deterministic result
-          const float* part = partial(cta, c.tile);
+          const float* part = partial(cta, tile);
 #pragma unroll
           for (int mb = 0; mb < MB; ++mb) {
             const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mb * 128));
