@@ -335,3 +335,88 @@ def test_bad_input_never_a_wrong_result_for_mismatched_k_dim():
     qw = kbit.quantize(torch.randn(10, 70), k=4)
     with pytest.raises(ValueError):
         kbit.matmul(torch.randn(2, 96), qw)  # 70 pads to 96 internally; the caller's K must still be 70
+
+
+# ----------------------------------------------------------------------------- command line
+def test_cli_demo_small(capsys):
+    from kbit.__main__ import main
+
+    rc = main(["demo", "--layers", "1", "--hidden", "128", "--intermediate", "352", "--bits", "2", "5",
+               "--repeats", "1", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "| K | bits/weight |" in out and "M=1 fp32 µs" in out and "M=16 speedup" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 5 |")]
+    assert len(rows) == 2, out
+    assert "worst relative error 0.00e+00" in out, out  # CPU: matmul == x @ dequantize(W).T exactly
+
+
+def test_demo_results():
+    import io as _io
+
+    from kbit import demo
+
+    res = demo.run(bits=(2, 3, 4, 5), layers=1, hidden=64, intermediate=160, device="cpu", repeats=1,
+                   out=_io.StringIO())
+    for row in res:
+        k = row["k"]
+        assert k + 0.25 <= row["bits_per_weight"] < k + 0.5, row  # + codebooks of a tiny model
+        assert row["sqnr_db"] > SQNR_DB[k], row
+        assert row["saved_bytes"] > 0 and row["kbit_us_m1"] > 0 and row["ref_us_m16"] > 0
+
+
+def test_cli_info(capsys):
+    import json
+
+    from kbit.__main__ import main
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert torch.__version__ in out and "cuda_extension_built" in out
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"] == torch.__version__ and info["cuda_available"] == torch.cuda.is_available()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cli_build_without_cuda(capsys):
+    from kbit.__main__ import main
+
+    assert main(["build"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cli_quantize_dispatch(monkeypatch, capsys):
+    import sys
+    import types
+
+    from kbit.__main__ import main
+
+    seen = []
+    fake = types.ModuleType("kbit.convert")
+    fake.cli_quantize = lambda argv: seen.append(list(argv)) or 0
+    monkeypatch.setitem(sys.modules, "kbit.convert", fake)
+    assert main(["quantize", "some/model", "--bits", "3", "--out", "o"]) == 0
+    assert seen == [["some/model", "--bits", "3", "--out", "o"]]
+    monkeypatch.setitem(sys.modules, "kbit.convert", None)  # as if kbit.convert were missing
+    assert main(["quantize", "m", "--out", "o"]) == 2
+    assert "kbit.convert" in capsys.readouterr().err
+
+
+def test_cli_usage_errors(capsys):
+    from kbit.__main__ import main
+
+    assert main([]) == 2
+    with pytest.raises(SystemExit):
+        main(["demo", "--bits", "7"])
+    with pytest.raises(SystemExit):
+        main(["nonsense"])
+
+
+def test_python_dash_m_kbit_runs():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kbit", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "demo" in r.stdout and "quantize" in r.stdout
