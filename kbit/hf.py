@@ -118,6 +118,10 @@ def from_config(model_class, config, dtype: Optional[torch.dtype] = None, attn_i
         kwargs[dtype_kwarg()] = dtype
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if getattr(config, "_attn_implementation_autoset", False):
+        # transformers 4.45-4.47 write this flag into config.json; a config read back with it set
+        # skips choosing sdpa and falls back to eager attention. Let _from_config choose again.
+        config._attn_implementation_autoset = False
     build = getattr(model_class, "_from_config", None)
     if build is None:  # not a PreTrainedModel
         with _default_dtype(dtype):
@@ -322,6 +326,11 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], extra_con
     if config is not None and hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)
         config.architectures = [type(model).__name__]
+        if hasattr(config, "_attn_implementation_autoset"):  # transformers 4.45-4.47: not for config.json
+            try:
+                del config._attn_implementation_autoset
+            except AttributeError:
+                pass
         config.save_pretrained(out)
     gen = getattr(model, "generation_config", None)
     if gen is not None and hasattr(gen, "save_pretrained"):

@@ -1,0 +1,418 @@
+"""End-to-end decode speed of a Llama-3-8B-shaped model: kbit K = 2..5 vs fp16, with CUDA graphs.
+
+    python benchmarks/bench_e2e.py                          # GPU: 32 layers, batch 1 and 16, K = 2..5 + fp16
+    python benchmarks/bench_e2e.py --check                  # also: graph decode == eager greedy decode
+    python benchmarks/bench_e2e.py --layers 4 --bits 4      # a quicker, shallower run
+    python benchmarks/bench_e2e.py --device cpu --layers 2 --hidden 256 --intermediate 512 \\
+        --heads 4 --kv-heads 2 --vocab 1000 --new-tokens 8 --check      # tiny end-to-end smoke run
+
+The model is ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig`` (Llama-3-8B shapes:
+hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256, 32 layers) with random
+weights (seeded, so every format starts from the same fp16 model), on the device, in fp16; for a
+kbit row its Linear projections (q/k/v/o, gate/up/down; ``lm_head`` and the embeddings stay fp16)
+are swapped by ``kbit.quantize_model``.
+
+Decoding is greedy with a ``transformers.StaticCache`` (fixed shapes, fixed addresses). One
+decode step -- the model forward for one token per sequence, argmax, and advancing the position --
+runs in one of three modes (``--mode``):
+
+* ``graph`` (default on CUDA): the step is captured once in a ``torch.cuda.CUDAGraph`` and
+  replayed, so the timing has no Python or launch overhead;
+* ``compile``: ``torch.compile(step, mode="reduce-overhead")`` (CUDA graphs through inductor);
+* ``eager`` (default on CPU): plain calls.
+
+Throughput is ``batch * new_tokens / time`` of the decode steps after the prefill (median of
+``--repeats`` runs, timed with CUDA events). ``--check`` also decodes every configuration
+eagerly and requires the graph (or compiled) tokens to equal the eager ones exactly (``compile``
+may legitimately differ in the last bits of a logit, so it reports the first divergence instead),
+and reports whether ``model.generate(do_sample=False)`` gives the same tokens. Results go to
+``benchmarks/results/e2e_<device>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import kbit  # noqa: E402
+from kbit.hf import from_config  # noqa: E402
+
+LLAMA3_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+
+
+# ---------------------------------------------------------------------- model
+def llama_config(layers, hidden, intermediate, heads, kv_heads, vocab, max_positions=8192):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
+def build_model(config, device, dtype, seed: int = 0, bits=None):
+    """Random-weight LlamaForCausalLM on ``device``; Linear projections kbit-quantized if ``bits``."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = from_config(LlamaForCausalLM, config, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    if bits is not None:
+        kbit.quantize_model(model, k=bits, progress=False)
+    return model
+
+
+def model_bytes(model) -> dict:
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    emb = model.get_input_embeddings().weight
+    return {"total": total, "per_step": total - emb.numel() * emb.element_size()}
+
+
+# ---------------------------------------------------------------------- decoding
+def make_static_cache(config, batch: int, max_len: int, device, dtype):
+    """A ``StaticCache``; keyword arguments that every transformers from 4.40 to 5.x accepts."""
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_batch_size=batch, max_cache_len=max_len, device=device, dtype=dtype)
+
+
+class GreedyDecoder:
+    """Greedy decoding with a static KV cache; the decode step runs eagerly, as a captured CUDA
+    graph (``mode="graph"``) or through ``torch.compile(mode="reduce-overhead")``.
+
+    The step reads the current tokens ``self.tok`` [B, 1] and position ``self.pos`` [1] and writes
+    the next tokens and position back in place, so a captured graph needs no inputs.
+    """
+
+    def __init__(self, model, batch: int, max_len: int, mode: str = "eager"):
+        if mode not in ("eager", "graph", "compile"):
+            raise ValueError(f"mode must be eager, graph or compile, got {mode!r}")
+        emb = model.get_input_embeddings().weight
+        self.model, self.batch, self.max_len, self.mode = model, batch, max_len, mode
+        self.device, self.dtype = emb.device, emb.dtype
+        if mode == "graph" and self.device.type != "cuda":
+            raise ValueError("mode='graph' needs a CUDA model")
+        self.cache = make_static_cache(model.config, batch, max_len, self.device, self.dtype)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        params = inspect.signature(model.forward).parameters
+        self._cache_position = "cache_position" in params  # transformers < 5.x-ish; newer caches track it
+        self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self.graph = None
+        self.compiled = None
+
+    def _logits(self, ids, positions):
+        kw = dict(input_ids=ids, position_ids=positions.unsqueeze(0).expand(ids.shape[0], -1),
+                  past_key_values=self.cache, use_cache=True)
+        if self._cache_position:
+            kw["cache_position"] = positions
+        if self._logits_kw:
+            kw[self._logits_kw] = 1
+        return self.model(**kw).logits[:, -1, :]
+
+    def _step(self):
+        nxt = self._logits(self.tok, self.pos).argmax(dim=-1, keepdim=True)
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+
+    def _next_token(self, tok, pos):  # the function torch.compile sees
+        return self._logits(tok, pos).argmax(dim=-1, keepdim=True)
+
+    @torch.no_grad()
+    def prefill(self, prompt):
+        """Reset the cache and run the prompt [B, P]; returns the first generated tokens [B, 1]."""
+        if prompt.shape[0] != self.batch:
+            raise ValueError(f"prompt batch {prompt.shape[0]} != decoder batch {self.batch}")
+        self.cache.reset()
+        P = prompt.shape[1]
+        logits = self._logits(prompt.to(self.device), torch.arange(P, device=self.device))
+        self.tok.copy_(logits.argmax(dim=-1, keepdim=True))
+        self.pos.fill_(P)
+        return self.tok.clone()
+
+    @torch.no_grad()
+    def prepare(self, prompt, warmup: int = 3):
+        """Capture the graph / compile the step (this dirties the cache: ``prefill`` again after)."""
+        self.prefill(prompt)
+        if self.mode == "graph":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up (and derive kbit's GEMM layouts) off the graph
+                for _ in range(warmup):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+        elif self.mode == "compile":
+            for _ in range(1):  # derive kbit's GEMM layouts eagerly, then pin every weight tensor
+                self._step()
+            _mark_static_weights(self.model)
+            self.compiled = torch.compile(self._next_token, mode="reduce-overhead")
+            for _ in range(warmup):
+                self.step()
+        return self
+
+    def step(self):
+        if self.mode == "graph":
+            self.graph.replay()
+        elif self.mode == "compile":
+            nxt = self.compiled(self.tok, self.pos)
+            self.tok.copy_(nxt)
+            self.pos.add_(1)
+        else:
+            self._step()
+
+    @torch.no_grad()
+    def generate(self, prompt, new_tokens: int):
+        """Greedy tokens [B, 1 + new_tokens]: the prefill's token, then one per decode step."""
+        if prompt.shape[1] + new_tokens + 1 > self.max_len:
+            raise ValueError(f"prompt {prompt.shape[1]} + {new_tokens} tokens exceed max_len={self.max_len}")
+        out = torch.empty(self.batch, new_tokens + 1, dtype=torch.long, device=self.device)
+        out[:, :1] = self.prefill(prompt)
+        for i in range(new_tokens):
+            self.step()
+            out[:, i + 1:i + 2].copy_(self.tok)
+        return out
+
+    @torch.no_grad()
+    def time_decode(self, prompt, new_tokens: int, repeats: int = 3) -> float:
+        """Median seconds for ``new_tokens`` decode steps after a prefill."""
+        times = []
+        for _ in range(repeats):
+            self.prefill(prompt)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(new_tokens):
+                    self.step()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(new_tokens):
+                    self.step()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def _mark_static_weights(model):
+    """Tell dynamo/cudagraphs that kbit's derived tensors (the cached GEMM layout) never move, so
+    reduce-overhead does not copy them into its graph inputs on every call."""
+    for m in model.modules():
+        if isinstance(m, kbit.KbitLinear):
+            qw = m.qweight
+            tensors = [qw.packed, qw.absmax, qw.codebook, qw.scale]
+            if getattr(qw, "_gemm", None) is not None:
+                tensors += [qw._gemm[1], qw._gemm[2]]
+            for t in tensors:
+                torch._dynamo.mark_static_address(t)
+
+
+def hf_generate(model, prompt, new_tokens: int):
+    """``model.generate`` greedy tokens [B, 1 + new_tokens] (dynamic cache), for comparison."""
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1,
+                         do_sample=False, pad_token_id=0)
+    return out[:, prompt.shape[1]:]
+
+
+# ---------------------------------------------------------------------- driver
+def device_slug(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip()
+    return re.sub(r"[^a-z0-9]+", "_", name.split()[0] if name else "cuda").strip("_") or "cuda"
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
+        args.dtype if args.dtype != "auto" else ("float16" if device.type == "cuda" else "float32")]
+    mode = args.mode if args.mode != "auto" else ("graph" if device.type == "cuda" else "eager")
+    shape = dict(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                 kv_heads=args.kv_heads, vocab=args.vocab)
+    config = llama_config(**shape)
+    batches = [int(b) for b in args.batch.split(",") if b]
+    formats = ([None] if not args.no_fp16 else []) + [int(b) for b in args.bits.split(",") if b]
+    max_len = -(-(args.prompt_len + max(args.new_tokens, args.check_tokens) + 8) // 64) * 64
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).to(device) for b in batches}
+
+    rows = []
+    ok = True
+    for bits in formats:
+        label = "fp16" if bits is None else f"kbit K={bits}"
+        if bits is None and dtype != torch.float16:
+            label = str(dtype).replace("torch.", "")
+        t0 = time.perf_counter()
+        model = build_model(config, device, dtype, seed=args.seed, bits=bits)
+        nbytes = model_bytes(model)
+        row = {"format": label, "bits": bits, "model_bytes": nbytes["total"], "bytes_per_step": nbytes["per_step"],
+               "build_s": time.perf_counter() - t0, "batches": {}}
+        for b in batches:
+            res = {}
+            dec = GreedyDecoder(model, b, max_len, mode=mode).prepare(prompts[b])
+            if args.check:
+                n = args.check_tokens
+                eager = GreedyDecoder(model, b, max_len, mode="eager")
+                ref = eager.generate(prompts[b], n)
+                got = dec.generate(prompts[b], n)
+                same = bool(torch.equal(ref, got))
+                res["check_tokens"] = n
+                res["graph_equals_eager"] = same
+                if not same:
+                    diff = (ref != got).any(dim=0).nonzero()
+                    res["first_divergence"] = int(diff[0]) if len(diff) else None
+                    if mode != "compile":
+                        ok = False
+                hf = hf_generate(model, prompts[b], n)
+                res["hf_generate_equals_eager"] = bool(torch.equal(hf.to(ref.device), ref))
+                if device.type == "cpu" and not res["hf_generate_equals_eager"] and args.strict_generate:
+                    ok = False
+                del eager
+            if not args.no_timing:
+                secs = dec.time_decode(prompts[b], args.new_tokens, args.repeats)
+                res["decode_s"] = secs
+                res["tokens_per_s"] = b * args.new_tokens / secs
+                res["steps_per_s"] = args.new_tokens / secs
+                res["effective_GBps"] = nbytes["per_step"] * args.new_tokens / secs / 1e9
+            row["batches"][str(b)] = res
+            print(f"{label:>10}  batch {b:>3}: " + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), file=sys.stderr,
+                flush=True)
+            del dec
+        rows.append(row)
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "kbit": kbit.__version__,
+           "python": platform.python_version(), "device": str(device), "date": datetime.date.today().isoformat()}
+    env["git"] = _git_revision()
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "repeats": args.repeats, "max_cache_len": max_len, "env": env,
+            "rows": rows, "check_passed": ok if args.check else None}
+
+
+def _git_revision() -> str:
+    """``<short hash>[+dirty]`` of the checkout, or "unknown" (the kernels change fast: record which ran)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "kbit"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (head + ("+dirty" if dirty else "")) if head else "unknown"
+    except Exception:
+        return "unknown"
+
+
+def markdown(result: dict) -> str:
+    s, env = result["shape"], result["env"]
+    batches = sorted({int(b) for r in result["rows"] for b in r["batches"]})
+    base = next((r for r in result["rows"] if r["bits"] is None), None)
+    head = (f"Llama-shaped model ({s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
+            f"{s['heads']} heads / {s['kv_heads']} KV heads, vocab {s['vocab']}), random weights, "
+            f"{result['dtype']}, greedy decode with a static KV cache, mode `{result['mode']}`, "
+            f"prompt {result['prompt_len']}, {result['new_tokens']} timed tokens, median of {result['repeats']}; "
+            f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env['transformers']}, "
+            f"{env['date']}.")
+    base_name = base["format"] if base else "fp16"
+    cols = ["weights", "model GB"]
+    for b in batches:
+        cols += [f"B={b} tok/s", f"B={b} vs {base_name}", f"B={b} eff. GB/s"]
+    checked = any("graph_equals_eager" in res for r in result["rows"] for res in r["batches"].values())
+    if checked:
+        cols.append(f"{result['mode']} tokens == eager")
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
+    for r in result["rows"]:
+        gb = r["model_bytes"] / 1e9
+        cells = [r["format"], f"{gb:.2f}" if gb >= 0.1 else f"{gb:.4f}"]
+        for b in batches:
+            res = r["batches"].get(str(b), {})
+            tps = res.get("tokens_per_s")
+            ref = base["batches"].get(str(b), {}).get("tokens_per_s") if base else None
+            cells += [f"{tps:.1f}" if tps else "-", f"{tps / ref:.2f}x" if tps and ref else "-",
+                      f"{res['effective_GBps']:.0f}" if res.get("effective_GBps", 0) >= 10
+                      else f"{res['effective_GBps']:.3f}" if "effective_GBps" in res else "-"]
+        if checked:
+            flags = [res.get("graph_equals_eager") for res in r["batches"].values()]
+            cells.append("yes" if all(flags) else "NO")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("eff. GB/s: bytes of all weights except the embedding table, read once per decode step, times steps/s "
+                 "(KV-cache traffic not counted).")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    for k, v in LLAMA3_8B.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--bits", default="2,3,4,5", help="comma-separated K values ('' for fp16 only)")
+    p.add_argument("--no-fp16", action="store_true", help="skip the fp16 baseline row")
+    p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128, help="timed decode steps")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"))
+    p.add_argument("--mode", default="auto", choices=("auto", "graph", "compile", "eager"),
+                   help="how a decode step runs (auto: graph on CUDA, eager on CPU)")
+    p.add_argument("--check", action="store_true", help="compare graph/compiled decoding with eager greedy decoding")
+    p.add_argument("--check-tokens", type=int, default=32)
+    p.add_argument("--strict-generate", action="store_true",
+                   help="with --check on CPU, also fail when model.generate differs from the static-cache loop")
+    p.add_argument("--no-timing", action="store_true", help="check only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--tag", default=None, help="results file suffix (default: the device, e.g. h100)")
+    p.add_argument("--no-write", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    md = markdown(result)
+    print(md)
+    if result["check_passed"] is not None:
+        print("check: " + ("PASSED" if result["check_passed"] else "FAILED"), file=sys.stderr)
+    if not args.no_write:
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = args.tag or device_slug(torch.device(args.device))
+        (out / f"e2e_{tag}.md").write_text(f"# kbit end-to-end decode ({tag})\n\n" + md)
+        (out / f"e2e_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out / f'e2e_{tag}.md'} and .json", file=sys.stderr)
+    return 0 if result["check_passed"] in (None, True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""Hugging Face transformers integration: quantize_model on Llama, generate, save/load, CLI, CUDA graphs."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import kbit  # noqa: E402
+from kbit.convert import cli_quantize  # noqa: E402
+from kbit.hf import from_config, init_empty_weights  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Small enough to be fast, large enough that every projection passes quantize_model's default
+# min_features (128): hidden 128, 2 heads of 64, 2 KV heads -> k/v out 128. The vocabulary (320)
+# differs from every projection dimension so that no weight shape collides with the embedding's.
+TINY = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_llama(tie: bool, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY, tie_word_embeddings=tie)
+    model = from_config(LlamaForCausalLM, config, dtype=dtype).eval()
+    with torch.no_grad():  # make the norms non-trivial so that a mix-up of tensors would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def quantized(request):
+    """(original fp32 model, a K=4 quantized copy) per tie_word_embeddings setting."""
+    torch.manual_seed(1234)
+    model = tiny_llama(request.param)
+    q = kbit.quantize_model(copy.deepcopy(model), k=4, progress=False)
+    return model, q
+
+
+# ----------------------------------------------------------------------------- quantize_model
+def test_quantize_model_swaps_llama_projections(quantized):
+    model, q = quantized
+    names = sorted(n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear))
+    expected = sorted(
+        f"model.layers.{i}.{'self_attn' if p in PROJ[:4] else 'mlp'}.{p}"
+        for i in range(TINY["num_hidden_layers"]) for p in PROJ
+    )
+    assert names == expected
+    assert type(q.lm_head) is nn.Linear and type(q.model.embed_tokens) is nn.Embedding
+    assert q.lm_head.weight.dtype == torch.float32 and torch.equal(q.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(q.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert (q.lm_head.weight is q.model.embed_tokens.weight) == model.config.tie_word_embeddings
+
+
+def test_quantized_llama_matches_dequantized_reference(quantized):
+    """The quantized model computes exactly what the original computes with W_hat in place of W."""
+    model, q = quantized
+    ref = copy.deepcopy(model)
+    qmods = dict(q.named_modules())
+    with torch.no_grad():
+        for name, m in ref.named_modules():
+            if isinstance(qmods.get(name), kbit.KbitLinear):
+                m.weight.copy_(qmods[name].dequantize(torch.float32))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9))
+    a, b, full = logits(q, ids), logits(ref, ids), logits(model, ids)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(a, full)  # it is quantized
+    # K=4 stays near the full-precision model (measured ~0.15 relative logit error on this random model,
+    # whose weight error is ~0.09 per layer).
+    assert float((a - full).norm() / full.norm()) < 0.3
+
+
+def test_generate_on_cpu(quantized):
+    _, q = quantized
+    ids = torch.randint(0, TINY["vocab_size"], (2, 5))
+    out = q.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                     pad_token_id=0)
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], ids)
+    assert int(out.min()) >= 0 and int(out.max()) < TINY["vocab_size"]
+    again = q.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                       pad_token_id=0)
+    assert torch.equal(out, again)
+
+
+# ----------------------------------------------------------------------------- save / load
+def test_save_load_roundtrip(quantized, tmp_path):
+    model, q = quantized
+    tie = model.config.tie_word_embeddings
+    kbit.save_quantized(q, tmp_path)
+    assert {"config.json", "kbit_config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    kcfg = json.loads((tmp_path / "kbit_config.json").read_text())
+    assert kcfg["quant_method"] == "kbit" and kcfg["bits"] == 4 and kcfg["codebook"] == "normal_float"
+    assert kcfg["skipped_modules"] == ["lm_head"] and len(kcfg["quantized_modules"]) == 7 * TINY["num_hidden_layers"]
+    assert kcfg["model_class"] == "LlamaForCausalLM"
+    assert kcfg["tied_tensors"] == ({"lm_head.weight": "model.embed_tokens.weight"} if tie else {})
+    saved = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert ("lm_head.weight" in saved) == (not tie)
+    layer0 = "model.layers.0.self_attn.q_proj."
+    assert {layer0 + s for s in ("packed", "absmax", "codebook", "scale", "meta")} <= set(saved)
+    assert layer0 + "weight" not in saved
+
+    loaded = kbit.load_quantized(tmp_path)
+    assert not loaded.training
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    qs, ls = q.state_dict(), loaded.state_dict()
+    assert set(qs) == set(ls)
+    for key in qs:
+        assert qs[key].dtype == ls[key].dtype and torch.equal(qs[key], ls[key]), key
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7))
+    assert torch.equal(logits(q, ids), logits(loaded, ids))
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(q.generate(ids, **gen), loaded.generate(ids, **gen))
+
+
+def test_load_does_not_materialize_weights(quantized, tmp_path):
+    """No full-size Linear weight is ever written on a real device while loading."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _, q = quantized
+    kbit.save_quantized(q, tmp_path)
+    shapes = {tuple(m.weight.shape) for m in copy.deepcopy(tiny_llama(False)).modules()
+              if isinstance(m, nn.Linear) and m.out_features != TINY["vocab_size"]}
+    written = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "empty" not in func.__name__:  # an untouched allocation, as accelerate's init_empty_weights
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if (isinstance(t, torch.Tensor) and t.device.type != "meta" and t.is_floating_point()
+                            and tuple(t.shape) in shapes):
+                        written.append((str(func), tuple(t.shape)))
+            return out
+
+    with Recorder():
+        loaded = kbit.load_quantized(tmp_path)
+    assert not written, written[:5]
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, kbit.KbitLinear)
+
+
+def test_init_empty_weights_keeps_buffers_real():
+    with init_empty_weights():
+        model = tiny_llama(True)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert inv_freq.device.type == "cpu" and bool(torch.isfinite(inv_freq).all())
+    assert nn.Module.register_parameter is torch.nn.modules.module.Module.register_parameter
+    assert nn.Linear(4, 4).weight.device.type == "cpu"  # the patch is gone
+
+
+def test_load_from_config_object_and_dtype(quantized, tmp_path):
+    model, q = quantized
+    kbit.save_quantized(q, tmp_path)
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    loaded = kbit.load_quantized(config, weights=tmp_path / "model.safetensors", dtype=torch.bfloat16)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.model.norm.weight.dtype == torch.bfloat16
+    layer = loaded.model.layers[1].self_attn.o_proj
+    assert isinstance(layer, kbit.KbitLinear) and layer.codebook.dtype == torch.float32
+    assert torch.equal(layer.packed, q.model.layers[1].self_attn.o_proj.packed)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 6))
+    out = logits(loaded, ids)
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    # model= loads into a skeleton the caller built.
+    with init_empty_weights():
+        skeleton = tiny_llama(model.config.tie_word_embeddings)
+    again = kbit.load_quantized(tmp_path, model=skeleton)
+    assert again is skeleton and torch.equal(logits(again, ids), logits(q, ids))
+
+
+def test_save_and_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="quantize_model"):
+        kbit.save_quantized(tiny_llama(False), tmp_path / "a")
+    with pytest.raises(FileNotFoundError):
+        kbit.load_quantized(tmp_path / "missing")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    safetensors_torch.save_file({"x": torch.zeros(2)}, str(plain / "model.safetensors"))
+    with pytest.raises(ValueError, match="not a kbit checkpoint"):
+        kbit.load_quantized(plain)
+
+
+# ----------------------------------------------------------------------------- CLI
+@pytest.fixture(scope="module")
+def src_dir(tmp_path_factory):
+    torch.manual_seed(99)
+    model = tiny_llama(True, dtype=torch.float16)
+    path = tmp_path_factory.mktemp("src")
+    model.save_pretrained(str(path))
+    (path / "tokenizer.json").write_text('{"fake": "tokenizer"}')
+    (path / "pytorch_model.bin.index.json").write_text("{}")  # not copied: weight index
+    return path
+
+
+def test_cli_quantize_roundtrip(src_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli_quantize([str(src_dir), "--bits", "3", "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "quantized 14 layers" in err
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "kbit_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert "pytorch_model.bin.index.json" not in names
+    kcfg = json.loads((out / "kbit_config.json").read_text())
+    assert kcfg["bits"] == 3 and kcfg["skip"] == ["lm_head"]
+
+    loaded = kbit.load_quantized(out)
+    assert isinstance(loaded.model.layers[0].mlp.up_proj, kbit.KbitLinear) and loaded.model.layers[0].mlp.up_proj.k == 3
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    direct = transformers.AutoModelForCausalLM.from_pretrained(str(src_dir), **{kbit.hf.dtype_kwarg(): torch.float16})
+    kbit.quantize_model(direct, k=3, progress=False)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 6))
+    assert torch.equal(logits(loaded, ids), logits(direct, ids))
+
+    # a second conversion into the same, now non-empty directory needs --overwrite
+    assert cli_quantize([str(src_dir), "--out", str(out), "--no-progress"]) == 1
+    assert "not empty" in capsys.readouterr().err
+    assert cli_quantize([str(src_dir), "--out", str(out), "--no-progress", "--overwrite", "--bits", "5"]) == 0
+    assert json.loads((out / "kbit_config.json").read_text())["bits"] == 5
+
+
+def _write_config(path: Path, **fields):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(fields))
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "no_config", "bad_json", "no_model_type", "unknown_type",
+                                  "no_weights", "tf_only", "prequantized", "kbit_dir", "same_out"])
+def test_cli_quantize_errors(case, src_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    if case == "missing":
+        src, msg = tmp_path / "nope", "does not exist"
+    elif case == "file":
+        src, msg = tmp_path / "file.txt", "not a directory"
+        src.write_text("x")
+    elif case == "no_config":
+        src, msg = tmp_path / "d", "no config.json"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(b"")
+    elif case == "bad_json":
+        src, msg = tmp_path / "d", "not valid JSON"
+        src.mkdir()
+        (src / "config.json").write_text("{nope")
+    elif case == "no_model_type":
+        src, msg = _write_config(tmp_path / "d", hidden_size=4), "not a transformers model config"
+    elif case == "unknown_type":
+        src, msg = _write_config(tmp_path / "d", model_type="no-such-arch-xyz"), "unsupported architecture"
+        (src / "model.safetensors").write_bytes(b"")
+    elif case == "no_weights":
+        src, msg = _write_config(tmp_path / "d", **json.loads((src_dir / "config.json").read_text())), "no weights"
+    elif case == "tf_only":
+        src, msg = _write_config(tmp_path / "d", **json.loads((src_dir / "config.json").read_text())), "no PyTorch"
+        (src / "tf_model.h5").write_bytes(b"")
+    elif case == "prequantized":
+        cfg = json.loads((src_dir / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+        src, msg = _write_config(tmp_path / "d", **cfg), "already quantized (gptq)"
+    elif case == "kbit_dir":
+        src, msg = _write_config(tmp_path / "d", model_type="llama"), "already a kbit checkpoint"
+        (src / "kbit_config.json").write_text("{}")
+    else:
+        src, out, msg = src_dir, src_dir, "must differ"
+    assert cli_quantize([str(src), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "kbit quantize: error:" in err and msg in err, err
+    assert not (out.exists() and case != "same_out" and any(out.iterdir()))
+
+
+def test_cli_quantize_usage(capsys):
+    assert cli_quantize(["--help"]) == 0
+    assert "--bits" in capsys.readouterr().out
+    assert cli_quantize(["somewhere", "--bits", "7", "--out", "x"]) == 2
+    assert cli_quantize(["somewhere"]) == 2  # --out is required
+
+
+def test_python_m_kbit_quantize(src_dir, tmp_path):
+    if not (ROOT / "kbit" / "__main__.py").is_file():
+        pytest.skip("kbit/__main__.py not present")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kbit", "quantize", str(src_dir), "--bits", "2", "--out", str(out),
+                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "kbit_config.json").read_text())["bits"] == 2
+    bad = subprocess.run([sys.executable, "-m", "kbit", "quantize", str(tmp_path / "nope"), "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- CUDA
+def _bench_e2e():
+    spec = importlib.util.spec_from_file_location("kbit_bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [None, 2, 4, 5], ids=lambda b: "fp16" if b is None else f"k{b}")
+def test_cuda_graph_decode_matches_eager(bits):
+    """Greedy decoding with the decode step captured in a CUDA graph gives the eager tokens."""
+    be = _bench_e2e()
+    config = be.llama_config(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=1000)
+    model = be.build_model(config, "cuda", torch.float16, seed=0, bits=bits)
+    if bits is not None:
+        assert isinstance(model.model.layers[1].mlp.down_proj, kbit.KbitLinear)
+    for batch in (1, 3):
+        prompt = torch.randint(0, 1000, (batch, 7), device="cuda")
+        eager = be.GreedyDecoder(model, batch, 64, mode="eager").generate(prompt, 24)
+        dec = be.GreedyDecoder(model, batch, 64, mode="graph").prepare(prompt)
+        graph = dec.generate(prompt, 24)
+        assert torch.equal(eager, graph), f"batch {batch}: {eager} vs {graph}"
+        assert torch.equal(dec.generate(prompt, 24), graph)  # replaying again from a fresh prefill
+
+
+@pytest.mark.cuda
+def test_cuda_load_and_generate(quantized, tmp_path):
+    _, q = quantized
+    kbit.save_quantized(q, tmp_path)
+    model = kbit.load_quantized(tmp_path, device="cuda", dtype=torch.float16)
+    assert model.model.layers[0].self_attn.q_proj.packed.is_cuda
+    ids = torch.randint(0, TINY["vocab_size"], (2, 5), device="cuda")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                         do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 9)
