@@ -18,6 +18,9 @@ from .formats import (
 from .functional import GEMM_DTYPES, _check_tensor, _resolve_codebook, check_finite
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+# From M = 128 tokens on, dequantize + cuBLAS beat the fused kernel on every shape measured on an H200
+# (benchmarks/results/gemm_NVIDIA_H200.md, docs/PERFORMANCE.md); below it the fused kernel is used.
+DEQUANT_CUBLAS_MIN_M = 128
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 STATE_KEYS = ("packed", "absmax", "codebook", "scale", "meta")
 
@@ -185,12 +188,15 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, num_bl
     x2 = x.reshape(-1, K)
     if x.device.type == "cuda":
         check_dtype(x.dtype, "x", GEMM_DTYPES)
-        b, a = qw.gemm_layout()
-        kp = padded_in_features(K)
-        if K % 8:  # the kernel reads x in 16-byte rows
-            x2 = torch.nn.functional.pad(x2, (0, kp - K))
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        y = ops.gemm(x2.contiguous(), b, a, qw.codebook, qw.scale, bias_c, qw.k, N, kp, num_blocks)
+        if num_blocks == 0 and x2.shape[0] >= DEQUANT_CUBLAS_MIN_M:
+            y = torch.nn.functional.linear(x2, qw.dequantize(x.dtype), bias_c)
+        else:
+            b, a = qw.gemm_layout()
+            kp = padded_in_features(K)
+            if K % 8:  # the kernel reads x in 16-byte rows
+                x2 = torch.nn.functional.pad(x2, (0, kp - K))
+            y = ops.gemm(x2.contiguous(), b, a, qw.codebook, qw.scale, bias_c, qw.k, N, kp, num_blocks)
     else:
         check_dtype(x.dtype, "x")
         w = qw.dequantize(torch.float32)
