@@ -104,7 +104,7 @@ def gemm(
     """
     packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, k, N, K_dim)
     w = formats.dequantize_reference(packed, absmax, codebook, k, N * K_dim, torch.float32, scale)
-    y = x.to(torch.float32) @ w.reshape(N, K_dim).T
+    y = x.to(torch.float32) @ w.reshape(N, K_dim)[:, : x.shape[1]].T  # x may have fewer columns (zeros)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
