@@ -118,3 +118,27 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks):
 @gemm.register_kernel("cuda")
 def _(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks):
     return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks)
+
+
+# Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside
+# a graph that autograd records (torch.compile outside no_grad, adapters trained on top of it).
+def _gemm_setup_context(ctx, inputs, output):
+    x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks = inputs
+    ctx.save_for_backward(b_gemm, absmax_gemm, codebook, scale)
+    ctx.dims = (k, N, K_dim, x.shape[1], x.dtype, None if bias is None else bias.dtype)
+
+
+def _gemm_backward(ctx, grad):
+    b_gemm, absmax_gemm, codebook, scale = ctx.saved_tensors
+    k, N, K_dim, K_x, x_dtype, bias_dtype = ctx.dims
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        packed, absmax = unrepack(b_gemm, absmax_gemm, k, N, K_dim)
+        w = dequantize(packed, absmax, codebook, k, N * K_dim, torch.float32, scale).reshape(N, K_dim)
+        grad_x = (grad.to(torch.float32) @ w[:, :K_x]).to(x_dtype)
+    if bias_dtype is not None and ctx.needs_input_grad[5]:
+        grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
+    return grad_x, None, None, None, None, grad_bias, None, None, None, None
+
+
+gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
