@@ -217,3 +217,55 @@ def test_compile_model_with_kbit_linear_fullgraph():
         torch.testing.assert_close(compiled(ids), eager)
         other = torch.randint(0, 300, (3, 5))
         torch.testing.assert_close(compiled(other), model(other))
+
+
+# ----------------------------------------------------------------------------- autograd through the GEMM op
+@pytest.mark.parametrize("K_x", [96, 70])
+def test_gemm_backward_matches_reference(K_x):
+    # The CUDA path of kbit.matmul is ops.gemm; its gradients (x and bias; the weight is constant)
+    # must match autograd through x @ W_hat.T + bias. On CPU ops.gemm runs its reference.
+    N, K_dim = 130, 96
+    qw = kbit.quantize(torch.randn(N, K_dim), k=3)
+    b, a = qw.gemm_layout()
+    w = kbit.dequantize(qw, torch.float32)
+    x = torch.randn(5, K_x, requires_grad=True)
+    bias = torch.randn(N, requires_grad=True)
+    y = ops.gemm(x, b, a, qw.codebook, qw.scale, bias, 3, N, K_dim, 0)
+    g = torch.randn_like(y)
+    gx, gb = torch.autograd.grad(y, (x, bias), g)
+    x2 = x.detach().clone().requires_grad_()
+    b2 = bias.detach().clone().requires_grad_()
+    rx, rb = torch.autograd.grad(x2 @ w[:, :K_x].T + b2, (x2, b2), g)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gb, rb)
+    torch.library.opcheck(ops.gemm, (x.detach().half().requires_grad_(), b, a, qw.codebook, qw.scale,
+                                     bias.detach().half().requires_grad_(), 3, N, K_dim, 0))
+
+
+def test_compile_gemm_op_with_grad_enabled():
+    # torch.compile outside no_grad (inputs that require grad) must trace through ops.gemm:
+    # this is what KbitLinear runs on CUDA.
+    torch._dynamo.reset()
+    qw = kbit.quantize(torch.randn(130, 64), k=4)
+    b, a = qw.gemm_layout()
+    bias = torch.randn(130, dtype=torch.float16, requires_grad=True)
+
+    def f(x):
+        return ops.gemm(x, b, a, qw.codebook, qw.scale, bias, 4, 130, 64, 0)
+
+    x = torch.randn(3, 64, dtype=torch.float16, requires_grad=True)
+    y = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(y, f(x))
+    y.float().sum().backward()
+    assert x.grad is not None and bias.grad is not None
+
+
+def test_compile_kbit_model_with_grad_enabled():
+    torch._dynamo.reset()
+    model = TinyLM()
+    kbit.quantize_model(model, k=4, min_features=64, progress=False)
+    ids = torch.randint(0, 300, (2, 5))
+    out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
+    torch.testing.assert_close(out, model(ids))
+    out.sum().backward()
+    assert model.up.bias.grad is not None and model.embed.weight.grad is not None
