@@ -4,7 +4,6 @@
 //   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
 //   pair_offset     turns one 2K-bit pair of codes of a lane's bit string into a pair-table address
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
-//   CopyPlan        each thread's copy offsets, computed once per kernel
 //   load_step       issues the cp.async copies of one pipeline step into a shared-memory stage
 //   compute_step    looks a warp's 16 x 256 weight codes up in the pair table, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result
@@ -89,38 +88,25 @@ struct StepCursor {
   __device__ int tile(const GemmParams& p) const { return mpass * p.n_tiles + ntile; }
 };
 
-// Where this thread's cp.async copies of a step come from, relative to the step's first weight tile.
-// Each thread copies exactly K weight vectors and at most one 16-byte piece of block scales per step.
-template <int K, int MB>
-struct CopyPlan {
-  uint32_t b_offset[K];  // in 16-byte vectors
-  uint32_t abs_offset;   // in bytes
-  __device__ explicit CopyPlan(const GemmParams& p) {
-    using Cfg = GemmConfig<K, MB>;
-    constexpr int kVecsPerWarp = K * 32;
-    static_assert(Cfg::kWarps * kVecsPerWarp == K * Cfg::kThreads, "K vectors per thread");
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      const int i = threadIdx.x + j * Cfg::kThreads, w = i / kVecsPerWarp;
-      b_offset[j] = static_cast<uint32_t>(w * p.k_groups) * kVecsPerWarp + (i - w * kVecsPerWarp);
-    }
-    abs_offset = static_cast<uint32_t>((threadIdx.x >> 3) * p.k_groups) * 128 + (threadIdx.x & 7) * 16;
-  }
-};
-
 template <int K, int MB, typename T>
-__device__ __forceinline__ void load_step(const GemmParams& p, const CopyPlan<K, MB>& plan, uint8_t* stage,
-                                          const StepCursor& c) {
+__device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, const StepCursor& c) {
   using Cfg = GemmConfig<K, MB>;
   const int tid = threadIdx.x;
-  // Weights: one 16-row tile per warp, K*32 contiguous 16-byte vectors at B_gemm[tile16][kgroup].
+  // Weights: one 16-row tile per warp, K*32 contiguous 16-byte vectors at B_gemm[tile16][kgroup];
+  // each thread copies exactly K of them.
+  constexpr int kVecsPerWarp = K * 32;
+  static_assert(Cfg::kWarps * kVecsPerWarp == K * Cfg::kThreads, "K vectors per thread");
   const int64_t first16 = static_cast<int64_t>(c.ntile) * Cfg::kWarps;
-  const uint4* b = p.b + (first16 * p.k_groups + c.kgroup) * (K * 32);
+  const uint4* b = p.b + (first16 * p.k_groups + c.kgroup) * kVecsPerWarp;
 #pragma unroll
-  for (int j = 0; j < K; ++j) cp_async16(stage + (tid + j * Cfg::kThreads) * 16, b + plan.b_offset[j]);
+  for (int j = 0; j < K; ++j) {
+    const int i = tid + j * Cfg::kThreads, w = i / kVecsPerWarp;
+    cp_async16(stage + i * 16, b + static_cast<uint32_t>(w * p.k_groups) * kVecsPerWarp + (i - w * kVecsPerWarp));
+  }
   // Block scales: 128 bytes per warp tile.
   if (tid < Cfg::kWarps * 8)
-    cp_async16(stage + Cfg::kBStage + tid * 16, p.absmax + (first16 * p.k_groups + c.kgroup) * 128 + plan.abs_offset);
+    cp_async16(stage + Cfg::kBStage + tid * 16,
+               p.absmax + ((first16 + (tid >> 3)) * p.k_groups + c.kgroup) * 128 + (tid & 7) * 16);
   // Activations: MB*8 token rows x 256 columns; rows past M and columns past K_x are zero-filled.
   const T* x = static_cast<const T*>(p.x);
   uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
@@ -226,12 +212,11 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   const int tid = threadIdx.x;
 
   // Fill the pipeline first so the copies overlap the table construction below.
-  const CopyPlan<K, MB> plan(p);
   StepCursor load_at(p, first);
 #pragma unroll
   for (int s = 0; s < Cfg::kStages - 1; ++s) {
     if (first + s < last) {
-      load_step<K, MB, T>(p, plan, stages + s * Cfg::kStage, load_at);
+      load_step<K, MB, T>(p, stages + s * Cfg::kStage, load_at);
       load_at.advance(p);
     }
     cp_async_commit();
@@ -251,7 +236,7 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
     cp_async_wait<Cfg::kStages - 2>();
     __syncthreads();  // this step's stage is visible to all; every warp is done with the previous one
     if (step + Cfg::kStages - 1 < last) {
-      load_step<K, MB, T>(p, plan, stages + load_slot * Cfg::kStage, load_at);
+      load_step<K, MB, T>(p, stages + load_slot * Cfg::kStage, load_at);
       load_at.advance(p);
     }
     cp_async_commit();
