@@ -43,30 +43,15 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// Pairs of 16-bit values for the GEMM (the MMA takes operands as 32-bit registers of two halves).
-template <typename T> struct Pair;
-template <> struct Pair<__half> {
-  using type = __half2;
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-};
-template <> struct Pair<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-};
+// Two floats rounded to the GEMM's 16-bit type and packed into one 32-bit MMA operand register
+// (lo in the low half): the pair table's entries.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  static_assert(sizeof(T) == 2, "16-bit element types only");
+  const T l = from_float<T>(lo), h = from_float<T>(hi);
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&l)) |
+         static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&h)) << 16;
+}
 
 // ---------------------------------------------------------------------------- async copies
 // 16-byte global -> shared copy through L2 only; src_bytes = 0 zero-fills the destination.

@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
     cp_async_commit();
   }
   for (int e = tid; e < Cfg::kPairs; e += Cfg::kThreads) {
-    const uint32_t v = Pair<T>::pack(p.codebook[e & ((1 << K) - 1)], p.codebook[e >> K]);
+    const uint32_t v = pack_pair<T>(p.codebook[e & ((1 << K) - 1)], p.codebook[e >> K]);
 #pragma unroll
     for (int c = 0; c < Cfg::kCopies; ++c) pair_tbl[e * Cfg::kCopies + c] = v;
   }
