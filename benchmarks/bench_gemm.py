@@ -139,15 +139,17 @@ class KbitFused(Peer):
         super().__init__(dtype)
         self.k = k
 
-    def prepare(self, W):
+    def quantize(self, W):
         import kbit
 
         from kbit.weight import padded_in_features
 
-        qw = kbit.quantize(W, self.k)
-        b, a = qw.gemm_layout()
-        self.qw, self.kdim = qw, padded_in_features(qw.shape[1])
-        return (b, a)
+        self.qw = kbit.quantize(W, self.k)
+        self.kdim = padded_in_features(self.qw.shape[1])
+
+    def prepare(self, W):
+        self.quantize(W)
+        return self.qw.gemm_layout()
 
     def nbytes(self, w):
         return sum(t.numel() * t.element_size() for t in w)
@@ -162,29 +164,14 @@ class KbitFused(Peer):
         return kbit.ops.gemm(x, w[0], w[1], qw.codebook, qw.scale, None, qw.k, qw.shape[0], self.kdim, 0)
 
 
-class DequantCublas(Peer):
-    """kbit.dequantize to the activation dtype, then cuBLAS: the unfused baseline."""
+class DequantCublas(KbitFused):
+    """kbit.dequantize to the activation dtype, then cuBLAS: the unfused baseline (rotates the storage format)."""
 
     name = "dequant"
 
-    def __init__(self, dtype, k):
-        super().__init__(dtype)
-        self.k = k
-
     def prepare(self, W):
-        import kbit
-
-        from kbit.weight import padded_in_features
-
-        self.qw = kbit.quantize(W, self.k)
-        self.kdim = padded_in_features(self.qw.shape[1])
+        self.quantize(W)
         return (self.qw.packed, self.qw.absmax)
-
-    def nbytes(self, w):
-        return sum(t.numel() * t.element_size() for t in w)
-
-    def clone(self, w):
-        return tuple(t.clone() for t in w)
 
     def call(self, x, w):
         import kbit
