@@ -354,7 +354,9 @@ def test_quantize_model_swaps_eligible_layers():
     with torch.no_grad():
         y = model(x)
     rel = float((y - ref).norm() / ref.norm())
-    assert rel < 0.1, f"k=5 model output relative error {rel:.4f}"
+    # Measured over 150 random models: mean 0.049, std 0.016, max 0.116 (heavy tail); a wrong code,
+    # scale or permutation gives errors near 1.
+    assert rel < 0.2, f"k=5 model output relative error {rel:.4f}"
     # Running it again changes nothing (KbitLinear layers are not re-quantized).
     kbit.quantize_model(model, k=5, min_features=64, progress=False)
     assert _kinds(model) == kinds
