@@ -19,17 +19,15 @@ __device__ __forceinline__ float decode_e4m4(uint32_t c) {
   return e == 0 ? static_cast<float>(m) * 0x1p-14f : __uint_as_float(((e + 116u) << 23) | (m << 19));
 }
 
-// E4M4 encode of a non-negative finite float: round to nearest even on the float's bit pattern,
-// saturating at 31. Mirrors formats.encode_absmax_e4m4 step for step.
+// E4M4 encode of a non-negative float: round to nearest even on the float's bit pattern, saturating at 0xFF
+// (31.0; infinities and NaN also give 0xFF). Branch-free; mirrors formats.encode_absmax_e4m4 exactly.
 __device__ __forceinline__ uint32_t encode_e4m4(float x) {
   const uint32_t bits = __float_as_uint(x);
-  const int exp = static_cast<int>((bits >> 23) & 0xFFu);
-  if (exp - 127 < -10) return static_cast<uint32_t>(rintf(x * 16384.0f));  // subnormal; 16 == 0x10
-  const uint32_t man = bits & 0x7FFFFFu, rem = man & 0x7FFFFu;
-  uint32_t m4 = man >> 19;
-  m4 += (rem > 0x40000u || (rem == 0x40000u && (m4 & 1u))) ? 1u : 0u;
-  const int e = exp - 127 + 11 + static_cast<int>(m4 >> 4);
-  return e > 15 ? 0xFFu : static_cast<uint32_t>((e << 4) | (m4 & 15u));
+  // Exponent and the top 4 mantissa bits, the other 19 rounded half-to-even (a carry bumps the exponent).
+  const uint32_t rounded = (bits + 0x3FFFFu + ((bits >> 19) & 1u)) >> 19;
+  const uint32_t normal = min(rounded - (116u << 4), 0xFFu);  // E4M4 exponent = float exponent - 116
+  const uint32_t subnormal = static_cast<uint32_t>(rintf(x * 16384.0f));  // x < 2^-10: code = x / 2^-14
+  return (bits >> 23) < 117u ? subnormal : normal;
 }
 
 // Scalar conversions between the three element types and float.

@@ -2,10 +2,11 @@
 //
 // Reads top to bottom:
 //   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
-//   pair_offset     turns one 2K-bit pair of codes of a lane's bit string into a pair-table address
+//   build_tables    the per-CTA lookup tables: codes -> 16-bit codebook values, E4M4 code -> scale
+//   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
 //   load_step       issues the cp.async copies of one pipeline step into a shared-memory stage
-//   compute_step    looks a warp's 16 x 256 weight codes up in the pair table, runs the MMAs per block of
+//   compute_step    looks a warp's 16 x 256 weight codes up in the tables, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   gemm_kernel     the persistent, stream-K main loop and the split-K reduction
@@ -41,32 +42,128 @@ struct GemmConfig {
   static constexpr int kAbsStage = kWarps * 128;        // each warp: 16 rows x 8 blocks
   static constexpr int kXStage = MB * 8 * kXRowHalves * 2;  // MB*8 tokens x 256 k (+ padding)
   static constexpr int kStage = kBStage + kAbsStage + kXStage;
-  // Pair table: entry p = (codebook[p & (2^K-1)], codebook[p >> K]) as a 16-bit pair, one copy per
-  // lane (entry-major, so lane l always hits bank l), fewer copies when that would pass 32 KB (K = 5).
+  // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
+  //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
+  //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l, and in
+  //          the same row the E4M4 scale table: scale of code e at 128 + 4l;
+  //   K = 3, 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies), one copy per
+  //          lane (fewer at K = 5, where 32 copies would pass 32 KB), and a 1 KB scale table.
+  static constexpr bool kByteRows = K == 2 || K == 4;  // table rows addressed by one byte of codes (PRMT)
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopies = kPairs * 32 * 4 <= 32768 ? 32 : 32768 / (kPairs * 4);
-  static constexpr int kPairTable = kPairs * kCopies * 4;
-  static constexpr int kScaleTable = 256 * 4;  // E4M4 code -> float
-  // The tables are static shared memory (their addresses fold into the LDS instructions); the pipeline
-  // stages are dynamic: as many as fit (2 to 4).
-  static constexpr int kFit = (kSmemBudget - kPairTable - kScaleTable) / kStage;
+  static constexpr int kPairTable = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
+  static constexpr int kScaleTable = K == 4 ? 0 : 256 * 4;  // E4M4 code -> float (inside the rows at K = 4)
+  // Dynamic shared memory: the tables, then as many pipeline stages as fit (2 to 4).
+  static constexpr int kTables = kPairTable + kScaleTable;
+  static constexpr int kFit = (kSmemBudget - kTables) / kStage;
   static constexpr int kStages = kFit > 4 ? 4 : kFit;
   static_assert(kStages >= 2, "configuration does not fit in shared memory");
-  static constexpr int kSmem = kStages * kStage;  // dynamic part
-  static constexpr int kSmemTotal = kSmem + kPairTable + kScaleTable;
+  static constexpr int kSmem = kTables + kStages * kStage;
+  static constexpr int kSmemTotal = kSmem + 16;  // + the static arrival flag
   static constexpr int kPartialFloats = kWarps * MB * 32 * 4;  // one CTA's partial output tile
 };
 
-// Byte offset into the pair table of the pair at bits [o, o + 2K) of a lane's bit string (4K words):
-// (pair << log2(copies * 4)) | lane_offset. o is a compile-time constant once the caller's loops unroll,
-// and the table is a static shared array, so this is a shift and one LOP3 feeding LDS [reg + table].
-template <int K, int kCopies>
-__device__ __forceinline__ uint32_t pair_offset(const uint32_t (&w)[4 * K], int o, uint32_t lane_offset) {
-  constexpr int kShift = kCopies == 32 ? 7 : kCopies == 16 ? 6 : kCopies == 8 ? 5 : 4;
-  static_assert((1 << kShift) == kCopies * 4, "copies must be a power of two");
-  const int wi = o >> 5, bi = o & 31;
-  const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
-  return ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | lane_offset;
+// ---------------------------------------------------------------------------- lookup tables
+// Every CTA builds its tables once, in shared memory, from the codebook. Entries are duplicated per lane so
+// that 32 lanes reading 32 different entries hit 32 different banks.
+//
+// Why two kinds. At K = 4 a pair of codes is exactly one byte of a lane's bit string, and at K = 2 so is a
+// quad; one PRMT then places that byte at bits 8..15 and the lane's copy offset at bits 0..7: a whole table
+// address in one instruction (the generic path needs a shift, a mask and an OR). That needs rows of 256 B,
+// 64 KB per table. At K = 4 the rows have room for the scale table too (bytes 128..255), so the scales are
+// also looked up with one PRMT. K = 3 and 5 keep compact tables and the shift-and-mask path.
+template <int K, int MB, typename T>
+__device__ __forceinline__ void build_tables(const float* __restrict__ codebook, uint8_t* tables) {
+  using Cfg = GemmConfig<K, MB>;
+  const int tid = threadIdx.x;
+  uint4* rows = reinterpret_cast<uint4*>(tables);
+  if constexpr (K == 2) {  // row e: lanes' copies of the 4 values of quad e, two copies per 16 B
+    for (int i = tid; i < 256 * 16; i += Cfg::kThreads) {
+      const int e = i >> 4;
+      const uint32_t lo = pack_pair<T>(codebook[e & 3], codebook[(e >> 2) & 3]);
+      const uint32_t hi = pack_pair<T>(codebook[(e >> 4) & 3], codebook[e >> 6]);
+      rows[i] = make_uint4(lo, hi, lo, hi);
+    }
+  } else if constexpr (K == 4) {  // row e: 32 copies of pair e, then 32 copies of the scale of E4M4 code e
+    for (int i = tid; i < 256 * 16; i += Cfg::kThreads) {
+      const int e = i >> 4;
+      const uint32_t v = (i & 15) < 8 ? pack_pair<T>(codebook[e & 15], codebook[e >> 4]) : __float_as_uint(decode_e4m4(e));
+      rows[i] = make_uint4(v, v, v, v);
+    }
+  } else {
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(tables);
+    for (int e = tid; e < Cfg::kPairs; e += Cfg::kThreads) {
+      const uint32_t v = pack_pair<T>(codebook[e & ((1 << K) - 1)], codebook[e >> K]);
+#pragma unroll
+      for (int c = 0; c < Cfg::kCopies; ++c) pairs[e * Cfg::kCopies + c] = v;
+    }
+  }
+  if constexpr (Cfg::kScaleTable > 0) {
+    float* scales = reinterpret_cast<float*>(tables + Cfg::kPairTable);
+    static_assert(Cfg::kThreads >= 256, "one thread per E4M4 code builds the scale table");
+    if (tid < 256) scales[tid] = decode_e4m4(tid);
+  }
+}
+
+// Per-lane selectors for the PRMT lookups: byte 0 = this lane's copy offset, bytes 1..3 = 0.
+struct LaneSelect {
+  uint32_t pair, scale;
+};
+template <int K, int MB>
+__device__ __forceinline__ LaneSelect lane_select(int lane) {
+  using Cfg = GemmConfig<K, MB>;
+  LaneSelect s{K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u, K == 4 ? 128u + lane * 4u : 0u};
+  // Opaque to the compiler: otherwise it re-derives the offset from the thread index inside every lookup.
+  asm volatile("" : "+r"(s.pair), "+r"(s.scale));
+  return s;
+}
+
+// Byte b of `codes` at bits 8..15, the lane's copy offset (byte 0 of `sel`) at bits 0..7: a row-table address.
+__device__ __forceinline__ uint32_t byte_row_address(uint32_t codes, int b, uint32_t sel) {
+  return __byte_perm(codes, sel, 0x5504u | (b << 4));
+}
+
+// E4M4 scale of block t of one row; `word` holds the row's codes of blocks 4*(t/4) .. 4*(t/4)+3.
+template <int K, int MB>
+__device__ __forceinline__ float block_scale(const uint8_t* tables, uint32_t word, int t, const LaneSelect& sel) {
+  using Cfg = GemmConfig<K, MB>;
+  if constexpr (K == 4)
+    return *reinterpret_cast<const float*>(tables + byte_row_address(word, t & 3, sel.scale));
+  else
+    return reinterpret_cast<const float*>(tables + Cfg::kPairTable)[(word >> (8 * (t & 3))) & 0xFFu];
+}
+
+// A-fragment registers of block t: h[r][j] = codebook values of columns 8q + 2j, 8q + 2j + 1 of row g + 8r,
+// as a 16-bit pair. w is the lane's bit string; the code of (t, r, s) sits at bits ((2t + r) * 8 + s) * K.
+template <int K, int MB>
+__device__ __forceinline__ void block_fragments(const uint8_t* tables, const uint32_t (&w)[4 * K], int t,
+                                                const LaneSelect& sel, uint32_t (&h)[2][4]) {
+  using Cfg = GemmConfig<K, MB>;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if constexpr (K == 2) {  // quad j of (t, r) is byte 2r + j of word t
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint2 v = *reinterpret_cast<const uint2*>(tables + byte_row_address(w[t], 2 * r + j, sel.pair));
+        h[r][2 * j] = v.x;
+        h[r][2 * j + 1] = v.y;
+      }
+    } else if constexpr (K == 4) {  // pair j of (t, r) is byte j of word 2t + r
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        h[r][j] = *reinterpret_cast<const uint32_t*>(tables + byte_row_address(w[2 * t + r], j, sel.pair));
+    } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
+      constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 : 4;
+      static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int o = ((2 * t + r) * 8 + 2 * j) * K, wi = o >> 5, bi = o & 31;
+        const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
+        const uint32_t off = ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | sel.pair;
+        h[r][j] = *reinterpret_cast<const uint32_t*>(tables + off);
+      }
+    }
+  }
 }
 
 // Position of a pipeline step in (token pass, CTA row tile, k-group) order. The kernel walks its steps in
@@ -121,7 +218,7 @@ __device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, c
 
 // One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc.
 template <int K, int MB, typename T>
-__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t* pair_tbl, const float* scale_tbl,
+__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t* tables, const LaneSelect& sel,
                                              int token_rows, float (&acc)[MB][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -136,25 +233,16 @@ __device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t
   const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
   const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
   const uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
-  const uint32_t lane_offset = (lane % Cfg::kCopies) * 4;
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-    const uint32_t lo_word = t < 4 ? scales_lo.x : scales_lo.y, hi_word = t < 4 ? scales_hi.x : scales_hi.y;
-    const float s_lo = scale_tbl[(lo_word >> (8 * (t & 3))) & 0xFFu];  // block t of row g
-    const float s_hi = scale_tbl[(hi_word >> (8 * (t & 3))) & 0xFFu];  // block t of row g + 8
-    uint32_t h[2][4];  // [row g / g+8][pair j]: codebook values of columns 8q + 2j, 8q + 2j + 1 of block t
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t off = pair_offset<K, Cfg::kCopies>(w, ((2 * t + r) * 8 + 2 * j) * K, lane_offset);
-        h[r][j] = *reinterpret_cast<const uint32_t*>(pair_tbl + off);
-      }
-    }
+    const float s_lo = block_scale<K, MB>(tables, t < 4 ? scales_lo.x : scales_lo.y, t, sel);
+    const float s_hi = block_scale<K, MB>(tables, t < 4 ? scales_hi.x : scales_hi.y, t, sel);
+    uint32_t h[2][4];
+    block_fragments<K, MB>(tables, w, t, sel, h);
     const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
     const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
-#pragma unroll
+    #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
       const int row = mb * 8 + g;
       uint4 xv = make_uint4(0, 0, 0, 0);
@@ -203,9 +291,9 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
 template <int K, int MB, typename T>
 __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
   using Cfg = GemmConfig<K, MB>;
-  extern __shared__ __align__(16) uint8_t stages[];
-  __shared__ __align__(16) uint32_t pair_tbl[Cfg::kPairTable / 4];
-  __shared__ float scale_tbl[256];
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* const tables = smem;
+  uint8_t* const stages = smem + Cfg::kTables;
   __shared__ int s_last_arrival;
 
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
@@ -221,13 +309,8 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
     }
     cp_async_commit();
   }
-  for (int e = tid; e < Cfg::kPairs; e += Cfg::kThreads) {
-    const uint32_t v = pack_pair<T>(p.codebook[e & ((1 << K) - 1)], p.codebook[e >> K]);
-#pragma unroll
-    for (int c = 0; c < Cfg::kCopies; ++c) pair_tbl[e * Cfg::kCopies + c] = v;
-  }
-  static_assert(Cfg::kThreads >= 256, "one thread per E4M4 code builds the scale table");
-  if (tid < 256) scale_tbl[tid] = decode_e4m4(tid);
+  build_tables<K, MB, T>(p.codebook, tables);
+  const LaneSelect sel = lane_select<K, MB>(tid & 31);
 
   float acc[MB][4] = {};
   StepCursor c(p, first);
@@ -243,8 +326,7 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
     load_slot = load_slot + 1 == Cfg::kStages ? 0 : load_slot + 1;
 
     const int token_rows = min(MB * 8, p.M - c.mpass * MB * 8);
-    compute_step<K, MB, T>(stages + slot * Cfg::kStage, reinterpret_cast<const uint8_t*>(pair_tbl), scale_tbl,
-                           token_rows, acc);
+    compute_step<K, MB, T>(stages + slot * Cfg::kStage, tables, sel, token_rows, acc);
     slot = slot + 1 == Cfg::kStages ? 0 : slot + 1;
     if (c.kgroup != p.k_groups - 1 && step != last - 1) continue;
 

@@ -1,19 +1,30 @@
 // Storage-format kernels: quantize and dequantize (kbit/formats.py is their reference).
 //
 // Thread mapping, both kernels: a quad of 4 lanes owns one block of 32 elements, lane q of the quad
-// owns elements 8q .. 8q+7, so every lane moves 16 bytes of fp16 in one vector access and a warp
-// covers 8 blocks. The seeds' one-element-per-lane mapping needs a 2-byte access per lane.
+// owns 8 of them (8q .. 8q+7; dequantize to fp32 uses another split, see elem_in_block), so every lane
+// moves 16 bytes of fp16 in one vector access and a warp covers 8 blocks. The seeds' one-element-per-lane
+// mapping needs a 2-byte access per lane.
 #include "common.cuh"
 
 namespace kbit {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kBlocksPerThread = 4;
+constexpr int kBlocksPerCta = kThreads / 4 * kBlocksPerThread;
 
-// Loads 8 consecutive elements starting at e0 (zeros past n) as float.
-template <typename T>
+// Bit i of the byte x moved to bit 4i: one bit-plane byte of 8 codes spread to the codes' nibbles.
+__device__ __forceinline__ uint32_t spread_nibbles(uint32_t x) {
+  x = (x | (x << 12)) & 0x000F000Fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  return (x | (x << 3)) & 0x11111111u;
+}
+
+// Loads 8 consecutive elements starting at e0 as float. kChecked: zeros past n, scalar loads when the
+// vector access is not allowed; unchecked callers guarantee a whole, aligned vector.
+template <bool kChecked, typename T>
 __device__ __forceinline__ void load8(const T* x, int64_t e0, int64_t n, bool vec, float (&v)[8]) {
-  if (vec && e0 + 8 <= n) {
+  if (!kChecked || (vec && e0 + 8 <= n)) {
     if constexpr (sizeof(T) == 2) {
       const uint4 raw = *reinterpret_cast<const uint4*>(x + e0);
       const T* h = reinterpret_cast<const T*>(&raw);
@@ -30,26 +41,66 @@ __device__ __forceinline__ void load8(const T* x, int64_t e0, int64_t n, bool ve
   }
 }
 
+// Dequantize's element mapping inside a block: lane q's value i is element elem_in_block<T>(q, i). 16-bit
+// outputs: elements 8q .. 8q+7 (one 16-byte store per lane, 64 contiguous bytes per quad). fp32: elements
+// 4q .. 4q+3 and 16+4q .. 16+4q+3, so each of the two 16-byte stores of a quad covers 64 contiguous bytes
+// (with 8q .. 8q+7 each store wrote every other 16 bytes and dequantize to fp32 ran at ~60% of copy speed).
 template <typename T>
-__device__ __forceinline__ void store8(T* out, int64_t e0, int64_t n, bool vec, const float (&v)[8]) {
-  if (vec && e0 + 8 <= n) {
+__device__ __forceinline__ int elem_in_block(int q, int i) {
+  return sizeof(T) == 2 ? 8 * q + i : (i < 4 ? 4 * q + i : 12 + 4 * q + i);
+}
+
+// This lane's 8 bits of the bit-plane word at `word` (bit i = the code bit of its value i): byte q
+// (little-endian) for 16-bit outputs, nibbles q and 4 + q for fp32.
+template <typename T>
+__device__ __forceinline__ uint32_t load_lane_bits(const uint32_t* word, int q) {
+  if constexpr (sizeof(T) == 2) {
+    return __ldg(reinterpret_cast<const uint8_t*>(word) + q);
+  } else {
+    const uint32_t w = __ldg(word);
+    return ((w >> (4 * q)) & 0xFu) | ((w >> (12 + 4 * q)) & 0xF0u);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_lane(T* out, int64_t b0, int q, int64_t n, bool vec, const float (&v)[8]) {
+  if (vec && b0 + kBlock <= n) {
     if constexpr (sizeof(T) == 2) {
       uint4 raw;
       T* h = reinterpret_cast<T*>(&raw);
 #pragma unroll
       for (int i = 0; i < 8; ++i) h[i] = from_float<T>(v[i]);
-      *reinterpret_cast<uint4*>(out + e0) = raw;
+      *reinterpret_cast<uint4*>(out + b0 + 8 * q) = raw;
     } else {
-      *reinterpret_cast<float4*>(out + e0) = make_float4(v[0], v[1], v[2], v[3]);
-      *reinterpret_cast<float4*>(out + e0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
+      *reinterpret_cast<float4*>(out + b0 + 4 * q) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(out + b0 + 16 + 4 * q) = make_float4(v[4], v[5], v[6], v[7]);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (e0 + i < n) out[e0 + i] = from_float<T>(v[i]);
+    for (int i = 0; i < 8; ++i) {
+      const int64_t e = b0 + elem_in_block<T>(q, i);
+      if (e < n) out[e] = from_float<T>(v[i]);
+    }
   }
 }
 
+// One level of quantize's binary search: if u > mid, add `step` to the midpoint offset (if advance) and set
+// `bit` in the bit-plane byte. Predicated adds: the compiler's select-then-add form cost a fifth more issues.
+// `advance` is a constant once the caller's loop unrolls.
+__device__ __forceinline__ void search_level(float u, float mid, bool advance, uint32_t step, uint32_t bit,
+                                             uint32_t& at, uint32_t& plane) {
+  if (advance)
+    asm("{\n\t.reg .pred p;\n\tsetp.gt.f32 p, %2, %3;\n\t@p add.u32 %0, %0, %4;\n\t@p or.b32 %1, %1, %5;\n\t}"
+        : "+r"(at), "+r"(plane) : "f"(u), "f"(mid), "r"(step), "r"(bit));
+  else
+    asm("{\n\t.reg .pred p;\n\tsetp.gt.f32 p, %1, %2;\n\t@p or.b32 %0, %0, %3;\n\t}"
+        : "+r"(plane) : "f"(u), "f"(mid), "r"(bit));
+}
+
+// Both kernels give each thread kBlocksPerThread blocks, kThreads / 4 blocks apart (so every access of the
+// warp stays coalesced), and issue all of a thread's global loads before any arithmetic: a single block per
+// thread left too few bytes in flight to cover DRAM latency (quantize reached 30-42% of copy bandwidth,
+// dequantize 57-69%).
 template <typename T, int K>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict__ x, int64_t n, bool vec,
                                                             const float* __restrict__ codebook,
@@ -58,51 +109,66 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
                                                             uint8_t* __restrict__ absmax) {
   // Midpoints between adjacent codebook entries: the code is the number of midpoints below v.
   __shared__ float mids[(1 << K) - 1];
+  __shared__ float inv_dec[256];  // 1 / decode_e4m4(code), 0 for code 0: a lookup instead of a division
   if (threadIdx.x < (1 << K) - 1)
     mids[threadIdx.x] = __fmul_rn(__fadd_rn(codebook[threadIdx.x], codebook[threadIdx.x + 1]), 0.5f);
+  static_assert(kThreads >= 256, "one thread per E4M4 code");
+  inv_dec[threadIdx.x] = threadIdx.x ? __frcp_rn(decode_e4m4(threadIdx.x)) : 0.0f;
   __syncthreads();
 
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t block = t >> 2, nb = (n + kBlock - 1) / kBlock;
-  const unsigned quad_mask = __ballot_sync(0xFFFFFFFFu, block < nb);
-  if (block >= nb) return;
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 2);
   const int q = threadIdx.x & 3;
-
-  float v[8];
-  load8(x, block * kBlock + q * 8, n, vec, v);
   const float inv_scale = __frcp_rn(*scale);
-  float m = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = __fmul_rn(v[i], inv_scale);
-    m = fmaxf(m, fabsf(v[i]));
-  }
-  m = fmaxf(m, __shfl_xor_sync(quad_mask, m, 1));
-  m = fmaxf(m, __shfl_xor_sync(quad_mask, m, 2));
-  const uint32_t code = encode_e4m4(m);
-  const float dec = decode_e4m4(code);
-  const float r = dec > 0.0f ? __frcp_rn(dec) : 0.0f;
+  const uint8_t* mids_bytes = reinterpret_cast<const uint8_t*>(mids);
+  const float top_mid = mids[(1 << (K - 1)) - 1];
 
-  uint32_t planes[K];  // this lane's 8 bits of each bit-plane word, at bits 0..7
+  float v[kBlocksPerThread][8];
+  if (vec && (first + (kBlocksPerThread - 1) * (kThreads / 4) + 1) * kBlock <= n) {  // all blocks whole
 #pragma unroll
-  for (int b = 0; b < K; ++b) planes[b] = 0;
+    for (int j = 0; j < kBlocksPerThread; ++j) load8<false>(x, (first + j * (kThreads / 4)) * kBlock + q * 8, n, vec, v[j]);
+  } else {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float u = __fmul_rn(v[i], r);
-    int c = 0;
-#pragma unroll
-    for (int s = 1 << (K - 1); s; s >>= 1) c += u > mids[c + s - 1] ? s : 0;
-#pragma unroll
-    for (int b = 0; b < K; ++b) planes[b] |= static_cast<uint32_t>((c >> b) & 1) << i;
+    for (int j = 0; j < kBlocksPerThread; ++j) {
+      const int64_t block = first + j * (kThreads / 4);
+      load8<true>(x, block * kBlock + q * 8, block < nb ? n : 0, vec, v[j]);
+    }
   }
 #pragma unroll
-  for (int b = 0; b < K; ++b) {
-    uint32_t w = planes[b] << (8 * q);
-    w |= __shfl_xor_sync(quad_mask, w, 1);
-    w |= __shfl_xor_sync(quad_mask, w, 2);
-    if (q == (b & 3)) packed[block * K + b] = w;
+  for (int j = 0; j < kBlocksPerThread; ++j) {
+    const int64_t block = first + j * (kThreads / 4);
+    // Every lane runs the shuffles (out-of-range blocks hold zeros), so the full mask is always valid.
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[j][i] = __fmul_rn(v[j][i], inv_scale);
+      m = fmaxf(m, fabsf(v[j][i]));
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+    const uint32_t code = encode_e4m4(m);
+    const float r = inv_dec[code];
+
+    // Binary search over the midpoints, branch-free. The comparison at step 2^b decides bit b of the code, so
+    // it advances the midpoint offset by 2^b and sets bit i of this lane's byte of bit-plane b.
+    uint32_t planes[K] = {};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float u = __fmul_rn(v[j][i], r);
+      uint32_t at = 0;  // byte offset of the midpoint to compare with: 4 * (code bits decided so far)
+#pragma unroll
+      for (int b = K - 1; b >= 0; --b) {
+        const float mid = b == K - 1 ? top_mid : *reinterpret_cast<const float*>(mids_bytes + at + 4 * ((1 << b) - 1));
+        search_level(u, mid, b > 0, 4u << b, 1u << i, at, planes[b]);
+      }
+    }
+    if (block >= nb) continue;
+    // Lane q owns byte q of every bit-plane word (little-endian): byte stores, no shuffles.
+    uint8_t* out = reinterpret_cast<uint8_t*>(packed + block * K) + q;
+#pragma unroll
+    for (int b = 0; b < K; ++b) out[4 * b] = static_cast<uint8_t>(planes[b]);
+    if (q == 0) absmax[block] = static_cast<uint8_t>(code);
   }
-  if (q == 0) absmax[block] = static_cast<uint8_t>(code);
 }
 
 template <typename T, int K>
@@ -115,29 +181,45 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint32_t* __
   if (threadIdx.x < (1 << K)) cb[threadIdx.x] = codebook[threadIdx.x];
   __syncthreads();
 
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t block = t >> 2, nb = (n + kBlock - 1) / kBlock;
-  if (block >= nb) return;
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 2);
   const int q = threadIdx.x & 3;
 
-  uint32_t w[K];
+  uint32_t bytes[kBlocksPerThread][K], code[kBlocksPerThread];
 #pragma unroll
-  for (int b = 0; b < K; ++b) w[b] = __ldg(packed + block * K + b) >> (8 * q);
-  const float block_scale = __fmul_rn(decode_e4m4(__ldg(absmax + block)), *scale);
-  float v[8];
+  for (int j = 0; j < kBlocksPerThread; ++j) {
+    const int64_t block = first + j * (kThreads / 4);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    int c = 0;
-#pragma unroll
-    for (int b = 0; b < K; ++b) c |= ((w[b] >> i) & 1) << b;
-    v[i] = __fmul_rn(cb[c], block_scale);
+    for (int b = 0; b < K; ++b) bytes[j][b] = block < nb ? load_lane_bits<T>(packed + block * K + b, q) : 0u;
+    code[j] = block < nb ? __ldg(absmax + block) : 0u;
   }
-  store8(out, block * kBlock + q * 8, n, vec, v);
+  const float tensor_scale = *scale;
+#pragma unroll
+  for (int j = 0; j < kBlocksPerThread; ++j) {
+    const int64_t block = first + j * (kThreads / 4);
+    if (block >= nb) break;
+    const float block_scale = __fmul_rn(decode_e4m4(code[j]), tensor_scale);
+    // Planes 0..3 spread and stacked give the 8 codes as nibbles (bits 0..3 of element i at 4i..4i+3),
+    // plane 4 (K = 5) spread on its own: ~6 instructions per plane for 8 elements, where extracting bit by
+    // bit costs 2 per element and plane.
+    uint32_t nib = 0;
+#pragma unroll
+    for (int b = 0; b < (K < 4 ? K : 4); ++b) nib += spread_nibbles(bytes[j][b]) << b;
+    const uint32_t high = K == 5 ? spread_nibbles(bytes[j][K - 1]) : 0u;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      uint32_t c = (nib >> (4 * i)) & 15u;
+      if (K == 5) c |= ((high >> (4 * i)) & 1u) << 4;
+      v[i] = __fmul_rn(cb[c], block_scale);
+    }
+    store_lane(out, block * kBlock, q, n, vec, v);
+  }
 }
 
 int64_t grid_for(int64_t n) {
-  const int64_t threads = (n + kBlock - 1) / kBlock * 4;
-  return (threads + kThreads - 1) / kThreads;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  return (blocks + kBlocksPerCta - 1) / kBlocksPerCta;
 }
 
 template <template <typename, int> class Fn, typename... Args>
