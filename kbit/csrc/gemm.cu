@@ -54,6 +54,8 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.m_passes = plan.m_passes;
   p.total_steps = plan.total_steps;
   p.grid = plan.grid;
+  p.steps_per_cta = plan.total_steps / plan.grid;
+  p.extra_steps = plan.total_steps % plan.grid;
 }
 
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {

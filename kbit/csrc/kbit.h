@@ -42,7 +42,9 @@ struct GemmParams {
   int n_tiles;              // CTA row tiles along N (16 rows per warp)
   int m_passes;             // token passes of tokens_per_pass each
   int total_steps;          // m_passes * n_tiles * k_groups pipeline steps
-  int grid;                 // CTAs; CTA c owns steps [c*total/grid, (c+1)*total/grid)
+  int grid;                 // CTAs; CTA c owns steps_per_cta steps, one more if c < extra_steps
+  int steps_per_cta;        // total_steps / grid
+  int extra_steps;          // total_steps % grid
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4
   int k;                    // bits
   DType dtype;              // of x, y, bias
