@@ -102,6 +102,12 @@ __device__ __forceinline__ void search_level(float u, float mid, bool advance, u
         : "+r"(plane) : "f"(u), "f"(mid), "r"(bit));
 }
 
+// True when every block of this CTA lies wholly inside n elements and vector access is allowed: the CTA
+// then takes the unchecked path (one decision per CTA, so __syncthreads inside either path is safe).
+__device__ __forceinline__ bool cta_is_whole(int64_t n, bool vec) {
+  return vec && (static_cast<int64_t>(blockIdx.x) + 1) * kBlocksPerCta * kBlock <= n;
+}
+
 // Both kernels give each thread kBlocksPerThread blocks, kThreads / 4 blocks apart (so every access of the
 // warp stays coalesced), and issue all of a thread's global loads before any arithmetic: a single block per
 // thread left too few bytes in flight to cover DRAM latency (quantize reached 30-42% of copy bandwidth,
@@ -112,24 +118,14 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
                                                             const float* __restrict__ scale,
                                                             uint32_t* __restrict__ packed,
                                                             uint8_t* __restrict__ absmax) {
-  // Midpoints between adjacent codebook entries: the code is the number of midpoints below v.
-  __shared__ float mids[(1 << K) - 1];
-  __shared__ float inv_dec[256];  // 1 / decode_e4m4(code), 0 for code 0: a lookup instead of a division
-  if (threadIdx.x < (1 << K) - 1)
-    mids[threadIdx.x] = __fmul_rn(__fadd_rn(codebook[threadIdx.x], codebook[threadIdx.x + 1]), 0.5f);
-  static_assert(kThreads >= 256, "one thread per E4M4 code");
-  inv_dec[threadIdx.x] = threadIdx.x ? __frcp_rn(decode_e4m4(threadIdx.x)) : 0.0f;
-  __syncthreads();
-
   const int64_t nb = (n + kBlock - 1) / kBlock;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 2);
   const int q = threadIdx.x & 3;
-  const float inv_scale = __frcp_rn(*scale);
-  const uint8_t* mids_bytes = reinterpret_cast<const uint8_t*>(mids);
-  const float top_mid = mids[(1 << (K - 1)) - 1];
 
+  // The input first, the tables second: building the tables before issuing the loads put a second global
+  // round trip (the codebook) in front of every CTA's data.
   float v[kBlocksPerThread][8];
-  if (vec && (first + (kBlocksPerThread - 1) * (kThreads / 4) + 1) * kBlock <= n) {  // all blocks whole
+  if (cta_is_whole(n, vec)) {
 #pragma unroll
     for (int j = 0; j < kBlocksPerThread; ++j) load8<false>(x, (first + j * (kThreads / 4)) * kBlock + q * 8, n, vec, v[j]);
   } else {
@@ -139,6 +135,17 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
       load8<true>(x, block * kBlock + q * 8, block < nb ? n : 0, vec, v[j]);
     }
   }
+  // Midpoints between adjacent codebook entries: the code is the number of midpoints below v.
+  __shared__ float mids[(1 << K) - 1];
+  __shared__ float inv_dec[256];  // 1 / decode_e4m4(code), 0 for code 0: a lookup instead of a division
+  if (threadIdx.x < (1 << K) - 1)
+    mids[threadIdx.x] = __fmul_rn(__fadd_rn(codebook[threadIdx.x], codebook[threadIdx.x + 1]), 0.5f);
+  static_assert(kThreads >= 256, "one thread per E4M4 code");
+  inv_dec[threadIdx.x] = threadIdx.x ? __frcp_rn(decode_e4m4(threadIdx.x)) : 0.0f;
+  __syncthreads();
+  const float inv_scale = __frcp_rn(*scale);
+  const uint8_t* mids_bytes = reinterpret_cast<const uint8_t*>(mids);
+  const float top_mid = mids[(1 << (K - 1)) - 1];
 #pragma unroll
   for (int j = 0; j < kBlocksPerThread; ++j) {
     const int64_t block = first + j * (kThreads / 4);
@@ -178,11 +185,14 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
 
 // One thread's blocks of dequantize. kChecked: some block may be past the end or partial (the last CTA), so
 // loads and stores are bounds-checked; otherwise every address is the thread's base plus a constant.
+// The codebook goes to shared memory (cb) only after the data loads are issued, so its global round trip
+// overlaps theirs instead of preceding them.
 template <bool kChecked, typename T, int K>
 __device__ __forceinline__ void dequantize_blocks(const uint32_t* __restrict__ packed,
-                                                  const uint8_t* __restrict__ absmax, const float* cb,
-                                                  float tensor_scale, int64_t first, int q, int64_t n, bool vec,
-                                                  T* __restrict__ out) {
+                                                  const uint8_t* __restrict__ absmax,
+                                                  const float* __restrict__ codebook, float* cb,
+                                                  const float* __restrict__ scale, int64_t first, int q,
+                                                  int64_t n, bool vec, T* __restrict__ out) {
   const int64_t nb = (n + kBlock - 1) / kBlock;
   const uint32_t* words = packed + first * K;
   uint32_t bits[kBlocksPerThread][K], code[kBlocksPerThread];
@@ -193,6 +203,9 @@ __device__ __forceinline__ void dequantize_blocks(const uint32_t* __restrict__ p
     for (int b = 0; b < K; ++b) bits[j][b] = ok ? load_lane_bits<T>(words + j * (kThreads / 4) * K + b, q) : 0u;
     code[j] = ok ? __ldg(absmax + first + j * (kThreads / 4)) : 0u;
   }
+  if (threadIdx.x < (1 << K)) cb[threadIdx.x] = codebook[threadIdx.x];  // entry i in bank i: no conflicts
+  __syncthreads();
+  const float tensor_scale = *scale;
 #pragma unroll
   for (int j = 0; j < kBlocksPerThread; ++j) {
     const int64_t block = first + j * (kThreads / 4);
@@ -222,16 +235,13 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint32_t* __
                                                               const float* __restrict__ codebook,
                                                               const float* __restrict__ scale, int64_t n,
                                                               bool vec, T* __restrict__ out) {
-  __shared__ float cb[1 << K];  // entry i sits in bank i: distinct codes never conflict
-  if (threadIdx.x < (1 << K)) cb[threadIdx.x] = codebook[threadIdx.x];
-  __syncthreads();
-
+  __shared__ float cb[1 << K];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 2);
   const int q = threadIdx.x & 3;
-  if (vec && (first + (kBlocksPerThread - 1) * (kThreads / 4) + 1) * kBlock <= n)  // all blocks whole
-    dequantize_blocks<false, T, K>(packed, absmax, cb, *scale, first, q, n, vec, out);
+  if (cta_is_whole(n, vec))
+    dequantize_blocks<false, T, K>(packed, absmax, codebook, cb, scale, first, q, n, vec, out);
   else
-    dequantize_blocks<true, T, K>(packed, absmax, cb, *scale, first, q, n, vec, out);
+    dequantize_blocks<true, T, K>(packed, absmax, codebook, cb, scale, first, q, n, vec, out);
 }
 
 int64_t grid_for(int64_t n) {
