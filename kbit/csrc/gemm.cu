@@ -51,8 +51,6 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.n_tiles = (N + rows - 1) / rows;
   p.k_groups = (K_w + kKGroup - 1) / kKGroup;
   p.mb = plan.mb;
-  p.m_passes = plan.m_passes;
-  p.total_steps = plan.total_steps;
   p.grid = plan.grid;
   p.steps_per_cta = plan.total_steps / plan.grid;
   p.extra_steps = plan.total_steps % plan.grid;

@@ -40,11 +40,9 @@ struct GemmParams {
   int M, N, K_x, lda;
   int k_groups;             // K_w / 256, rounded up
   int n_tiles;              // CTA row tiles along N (16 rows per warp)
-  int m_passes;             // token passes of tokens_per_pass each
-  int total_steps;          // m_passes * n_tiles * k_groups pipeline steps
   int grid;                 // CTAs; CTA c owns steps_per_cta steps, one more if c < extra_steps
-  int steps_per_cta;        // total_steps / grid
-  int extra_steps;          // total_steps % grid
+  int steps_per_cta;        // pipeline steps (token passes x n_tiles x k_groups) / grid
+  int extra_steps;          // pipeline steps % grid
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4
   int k;                    // bits
   DType dtype;              // of x, y, bias
