@@ -52,15 +52,73 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------- async copies
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 // 16-byte global -> shared copy through L2 only; src_bytes = 0 zero-fills the destination.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(gmem), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+
+// ---------------------------------------------------------------------------- mbarriers and bulk copies
+// An mbarrier completes a phase when its expected arrivals (and, on sm_90, its expected bytes) are in;
+// waiters spin on the phase parity. Pipelines built on them let each warp wait only for the data it reads,
+// where __syncthreads makes every warp wait for the slowest one at every step.
+// A bulk copy (sm_90, the TMA unit's 1-D mode) moves one contiguous chunk global -> shared in one
+// instruction and reports its bytes to an mbarrier; cp.async costs the load/store unit one issue per 16 B.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KBIT_BULK_COPY 1
+#else
+#define KBIT_BULK_COPY 0
+#endif
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
 }
+// Initialized barriers visible to every thread (and, on sm_90, to the TMA unit) before first use.
+__device__ __forceinline__ void mbarrier_init_fence() {
+#if KBIT_BULK_COPY
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+  __syncthreads();
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(bar)) : "memory");
+}
+// Arrives once this thread's earlier cp.async copies have landed (the barrier counts this arrival at init).
+__device__ __forceinline__ void mbarrier_arrive_after_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(bar)) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#if KBIT_BULK_COPY
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "KBIT_WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra KBIT_WAIT_%=;\n\t}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "KBIT_WAIT_%=:\n\t"
+      "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra KBIT_WAIT_%=;\n\t}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+#if KBIT_BULK_COPY
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   shared_address(smem)),
+               "l"(gmem), "r"(bytes), "r"(shared_address(bar))
+               : "memory");
+}
+#endif
 
 // ---------------------------------------------------------------------------- tensor cores
 // D(16x8, f32) += A(16x16, row) * B(16x8, col). Register order of A: {row g k lo, row g+8 k lo,

@@ -5,11 +5,16 @@
 //   build_tables    the per-CTA lookup tables: codes -> 16-bit codebook values, E4M4 code -> scale
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
-//   load_step       issues the cp.async copies of one pipeline step into a shared-memory stage
+//   Barriers        the pipeline's mbarriers: per stage, one per warp for its weights, two for the
+//                   activations all warps share (landed / free again)
+//   load_weights    one warp's copies of one step's weights (bulk copies on sm_90, cp.async on sm_80)
+//   load_activations one warp's share of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 16 x 256 weight codes up in the tables, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
-//   gemm_kernel     the persistent, stream-K main loop and the split-K reduction
+//   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
+//   gemm_kernel     the persistent, stream-K main loop: no CTA-wide barrier per step, each warp waits
+//                   only for its own weights and for the shared activations
 //
 // Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
 // (16 k x 8 tokens), so one m16n8k16 serves up to 8 tokens with no wasted weight work (C^T = W X^T).
@@ -30,12 +35,13 @@ constexpr int kXRowHalves = kKGroup + 32; // padded activation row in shared mem
 constexpr int kSmemBudget = 227 * 1024 - 1024;  // opt-in maximum per CTA on sm_90, less static smem
 
 // Warps per CTA. Decode (MB <= 2) is bound by instruction latency, so it gets 16 warps sharing one set of
-// tables; larger MB needs the registers for its accumulators and the shared memory for activations.
-__host__ __device__ constexpr int gemm_warps(int mb) { return mb <= 2 ? 16 : 8; }
+// tables; larger MB needs the registers for its accumulators and the shared memory for activations, and so
+// does MB = 2 at K = 5 (16 warps leave 128 registers per thread, and sm_80's build of it spilled).
+__host__ __device__ constexpr int gemm_warps(int k, int mb) { return mb == 1 || (mb == 2 && k != 5) ? 16 : 8; }
 
 template <int K, int MB>
 struct GemmConfig {
-  static constexpr int kWarps = gemm_warps(MB);
+  static constexpr int kWarps = gemm_warps(K, MB);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileRows = kWarps * 16;         // weight rows per CTA tile
   static constexpr int kBStage = kWarps * K * 32 * 16;  // each warp: K vectors of 16 B per lane
@@ -190,35 +196,74 @@ struct StepCursor {
   __device__ int tile(const GemmParams& p) const { return mpass * p.n_tiles + ntile; }
 };
 
-template <int K, int MB, typename T>
-__device__ __forceinline__ void load_step(const GemmParams& p, uint8_t* stage, const StepCursor& c) {
+// The pipeline's barriers. Stage s holds one step: per warp tile its codes and scales (read by that warp
+// only), and the activations (read by every warp).
+//   weights_full[s][w]  warp w's weights of the step have landed: warp w waits for it
+//   acts_full[s]        the step's activations have landed: every warp waits for it
+//   acts_free[s]        every warp is done reading the step's activations: their loaders wait for it
+// A warp refills its own weight region as soon as it is done with it, without waiting for anyone; only
+// the activations tie the warps together, and only as far as the pipeline is deep. With one
+// __syncthreads per step (v1-v8), every warp waited for the slowest at every step: 30% of all stall
+// cycles at M = 1 (ncu, v8).
+template <int K, int MB>
+struct Barriers {
   using Cfg = GemmConfig<K, MB>;
-  const int tid = threadIdx.x;
-  // Weights: one 16-row tile per warp, K*32 contiguous 16-byte vectors at B_gemm[tile16][kgroup];
-  // each thread copies exactly K of them.
-  constexpr int kVecsPerWarp = K * 32;
-  static_assert(Cfg::kWarps * kVecsPerWarp == K * Cfg::kThreads, "K vectors per thread");
-  const int64_t first16 = static_cast<int64_t>(c.ntile) * Cfg::kWarps;
-  const uint4* b = p.b + (first16 * p.k_groups + c.kgroup) * kVecsPerWarp;
-#pragma unroll
-  for (int j = 0; j < K; ++j) {
-    const int i = tid + j * Cfg::kThreads, w = i / kVecsPerWarp;
-    cp_async16(stage + i * 16, b + static_cast<uint32_t>(w * p.k_groups) * kVecsPerWarp + (i - w * kVecsPerWarp));
+  uint64_t weights_full[Cfg::kStages][Cfg::kWarps];
+  uint64_t acts_full[Cfg::kStages];
+  uint64_t acts_free[Cfg::kStages];
+  __device__ void init() {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      // sm_90: lane 0 arrives and announces the bytes; sm_80: every lane arrives after its cp.async copies.
+      for (int w = 0; w < Cfg::kWarps; ++w) mbarrier_init(&weights_full[s][w], KBIT_BULK_COPY ? 1 : 32);
+      mbarrier_init(&acts_full[s], Cfg::kThreads);  // every thread arrives after its cp.async copies
+      mbarrier_init(&acts_free[s], Cfg::kWarps);    // lane 0 of every warp
+    }
   }
-  // Block scales: 128 bytes per warp tile.
-  if (tid < Cfg::kWarps * 8)
-    cp_async16(stage + Cfg::kBStage + tid * 16,
-               p.absmax + ((first16 + (tid >> 3)) * p.k_groups + c.kgroup) * 128 + (tid & 7) * 16);
-  // Activations: MB*8 token rows x 256 columns; rows past M and columns past K_x are zero-filled.
+};
+
+// One warp's weights of one step: its tile's codes, K*512 contiguous bytes at B_gemm[tile16][kgroup], and
+// block scales, 128 contiguous bytes at absmax_gemm[tile16][kgroup].
+template <int K, int MB>
+__device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* stage, uint64_t* full, const StepCursor& c) {
+  using Cfg = GemmConfig<K, MB>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t at = (static_cast<int64_t>(c.ntile) * Cfg::kWarps + warp) * p.k_groups + c.kgroup;
+  uint8_t* codes = stage + warp * K * 512;
+  uint8_t* scales = stage + Cfg::kBStage + warp * 128;
+#if KBIT_BULK_COPY
+  if (lane == 0) {
+    mbarrier_arrive_expect_bytes(full, K * 512 + 128);
+    bulk_copy_to_shared(codes, p.b + at * (K * 32), K * 512, full);
+    bulk_copy_to_shared(scales, p.absmax + at * 128, 128, full);
+  }
+#else
+  const uint4* src = p.b + at * (K * 32) + lane;
+#pragma unroll
+  for (int v = 0; v < K; ++v) cp_async16(codes + (v * 32 + lane) * 16, src + v * 32);
+  if (lane < 8) cp_async16(scales + lane * 16, p.absmax + at * 128 + lane * 16);
+  mbarrier_arrive_after_cp_async(full);
+#endif
+}
+
+// One warp's share of one step's activations: token rows warp, warp + kWarps, ... (rows past M are not
+// copied, compute_step never reads them), lane l copying columns 8l .. 8l+7 (zero-filled past K_x).
+// Every thread arrives on `full`, whether it copied or not.
+template <int K, int MB, typename T>
+__device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* stage, uint64_t* full,
+                                                 const StepCursor& c) {
+  using Cfg = GemmConfig<K, MB>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* x = static_cast<const T*>(p.x);
   uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
+  const int rows = min(MB * 8, p.M - c.mpass * MB * 8), kcol = c.kgroup * kKGroup + lane * 8;
+  const bool ok = kcol < p.K_x;
 #pragma unroll
-  for (int i = tid; i < MB * 8 * 32; i += Cfg::kThreads) {
-    const int row = i >> 5, col = (i & 31) * 8;
-    const int m = c.mpass * MB * 8 + row, kcol = c.kgroup * kKGroup + col;
-    const bool ok = m < p.M && kcol < p.K_x;
-    cp_async16(xs + (row * kXRowHalves + col) * 2, ok ? x + static_cast<int64_t>(m) * p.lda + kcol : x, ok ? 16 : 0);
+  for (int row = warp; row < MB * 8; row += Cfg::kWarps) {
+    if (row >= rows) break;
+    const T* src = x + static_cast<int64_t>(c.mpass * MB * 8 + row) * p.lda + kcol;
+    cp_async16(xs + (row * kXRowHalves + lane * 8) * 2, ok ? src : x, ok ? 16 : 0);
   }
+  mbarrier_arrive_after_cp_async(full);
 }
 
 // One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc.
@@ -296,86 +341,101 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
   return s < long_steps ? s / (p.steps_per_cta + 1) : p.extra_steps + (s - long_steps) / p.steps_per_cta;
 }
 
+// The tile of step c ends here for this CTA: store it, or, when other CTAs hold parts of its k range,
+// publish this CTA's partial and let the last contributor to arrive reduce all of them in CTA order.
+template <int K, int MB, typename T>
+__device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCursor& c, int first, int last,
+                                            const float (&acc)[MB][4], int& s_last_arrival) {
+  using Cfg = GemmConfig<K, MB>;
+  const int tile = c.tile(p);
+  const int tile_first = tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
+  if (tile_first >= first && tile_last < last) {
+    store_tile<K, MB, T>(p, c, acc);
+    return;
+  }
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  auto partial = [&](int cta, int tile) {
+    const int slot = tile == first_step_of(p, cta) / p.k_groups ? 0 : 1;
+    return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * MB * 32 + lane) * 4;
+  };
+  float* mine = partial(blockIdx.x, tile);
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb)
+    *reinterpret_cast<float4*>(mine + mb * 128) = make_float4(acc[mb][0], acc[mb][1], acc[mb][2], acc[mb][3]);
+  __threadfence();  // partial visible device-wide before the counter says so
+  __syncthreads();
+  const int cta_first = cta_of_step(p, tile_first), cta_last = cta_of_step(p, tile_last);
+  if (tid == 0) s_last_arrival = atomicAdd(p.counters + tile, 1) == cta_last - cta_first;
+  __syncthreads();
+  if (!s_last_arrival) return;
+  __threadfence();
+  float sum[MB][4] = {};
+  for (int cta = cta_first; cta <= cta_last; ++cta) {  // fixed order: deterministic result
+    const float* part = partial(cta, tile);
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mb * 128));
+      sum[mb][0] += v.x; sum[mb][1] += v.y; sum[mb][2] += v.z; sum[mb][3] += v.w;
+    }
+  }
+  store_tile<K, MB, T>(p, c, sum);
+}
+
 template <int K, int MB, typename T>
 __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
   using Cfg = GemmConfig<K, MB>;
+  constexpr int S = Cfg::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* const tables = smem;
   uint8_t* const stages = smem + Cfg::kTables;
   __shared__ int s_last_arrival;
+  __shared__ Barriers<K, MB> bars;
 
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
-  const int tid = threadIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) bars.init();
+  mbarrier_init_fence();
 
   // Fill the pipeline first so the copies overlap the table construction below.
   StepCursor load_at(p, first);
-#pragma unroll
-  for (int s = 0; s < Cfg::kStages - 1; ++s) {
-    if (first + s < last) {
-      load_step<K, MB, T>(p, stages + s * Cfg::kStage, load_at);
-      load_at.advance(p);
-    }
-    cp_async_commit();
+  for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {
+    load_weights<K, MB>(p, stages + s * Cfg::kStage, &bars.weights_full[s][warp], load_at);
+    load_activations<K, MB, T>(p, stages + s * Cfg::kStage, &bars.acts_full[s], load_at);
   }
   build_tables<K, MB, T>(p.codebook, tables);
-  const LaneSelect sel = lane_select<K, MB>(tid & 31);
+  const LaneSelect sel = lane_select<K, MB>(lane);
+  __syncthreads();  // tables complete
 
   float acc[MB][4] = {};
   StepCursor c(p, first);
-  int load_slot = Cfg::kStages - 1, slot = 0;
+  int slot = 0;         // stage of this step
+  uint32_t phase = 0;   // parity of this step's use of its stage
   for (int step = first; step < last; ++step, c.advance(p)) {
-    cp_async_wait<Cfg::kStages - 2>();
-    __syncthreads();  // this step's stage is visible to all; every warp is done with the previous one
-    if (step + Cfg::kStages - 1 < last) {
-      load_step<K, MB, T>(p, stages + load_slot * Cfg::kStage, load_at);
-      load_at.advance(p);
-    }
-    cp_async_commit();
-    load_slot = load_slot + 1 == Cfg::kStages ? 0 : load_slot + 1;
+    // Step + S - 1 goes into the stage of step - 1. Its weight region is this warp's own, done with.
+    const int refill = slot == 0 ? S - 1 : slot - 1;
+    const bool more = step + S - 1 < last;
+    if (more) load_weights<K, MB>(p, stages + refill * Cfg::kStage, &bars.weights_full[refill][warp], load_at);
 
+    mbarrier_wait(&bars.weights_full[slot][warp], phase);
+    mbarrier_wait(&bars.acts_full[slot], phase);
     const int token_rows = min(MB * 8, p.M - c.mpass * MB * 8);
     compute_step<K, MB, T>(stages + slot * Cfg::kStage, tables, sel, token_rows, acc);
-    slot = slot + 1 == Cfg::kStages ? 0 : slot + 1;
-    if (c.kgroup != p.k_groups - 1 && step != last - 1) continue;
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&bars.acts_free[slot]);
 
-    // ---- the tile ends here for this CTA: store it, or reduce it with the other contributors
-    const int tile = c.tile(p);
-    const int tile_first = tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
-    if (tile_first >= first && tile_last < last) {
-      store_tile<K, MB, T>(p, c, acc);
-    } else {
-      const int warp = tid >> 5, lane = tid & 31;
-      auto partial = [&](int cta, int tile) {
-        const int slot = tile == first_step_of(p, cta) / p.k_groups ? 0 : 1;
-        return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * MB * 32 + lane) * 4;
-      };
-      float* mine = partial(blockIdx.x, tile);
-#pragma unroll
-      for (int mb = 0; mb < MB; ++mb)
-        *reinterpret_cast<float4*>(mine + mb * 128) = make_float4(acc[mb][0], acc[mb][1], acc[mb][2], acc[mb][3]);
-      __threadfence();  // partial visible device-wide before the counter says so
-      __syncthreads();
-      const int cta_first = cta_of_step(p, tile_first), cta_last = cta_of_step(p, tile_last);
-      if (tid == 0) s_last_arrival = atomicAdd(p.counters + tile, 1) == cta_last - cta_first;
-      __syncthreads();
-      if (s_last_arrival) {
-        __threadfence();
-        float sum[MB][4] = {};
-        for (int cta = cta_first; cta <= cta_last; ++cta) {  // fixed order: deterministic result
-          const float* part = partial(cta, tile);
-#pragma unroll
-          for (int mb = 0; mb < MB; ++mb) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mb * 128));
-            sum[mb][0] += v.x; sum[mb][1] += v.y; sum[mb][2] += v.z; sum[mb][3] += v.w;
-          }
-        }
-        store_tile<K, MB, T>(p, c, sum);
-      }
+    // Its activations once every warp is done with step - 1 (by now, mostly without waiting).
+    if (more) {
+      if (step > first) mbarrier_wait(&bars.acts_free[refill], slot == 0 ? phase ^ 1u : phase);
+      load_activations<K, MB, T>(p, stages + refill * Cfg::kStage, &bars.acts_full[refill], load_at);
+      load_at.advance(p);
     }
+    if (c.kgroup == p.k_groups - 1 || step == last - 1) {
+      finish_tile<K, MB, T>(p, c, first, last, acc, s_last_arrival);
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.0f;
+      for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.0f;
+    }
+    if (++slot == S) slot = 0, phase ^= 1u;
   }
-  cp_async_wait<0>();
 }
 
 // Host side: launch one configuration (instantiated per bit width in gemm_k{2,3,4,5}.cu).

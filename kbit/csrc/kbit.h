@@ -57,6 +57,7 @@ struct GemmPlan {
 
 // num_sms: multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K).
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid);
+// Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);
 
