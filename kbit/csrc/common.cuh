@@ -88,24 +88,19 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbarrier_arrive_after_cp_async(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(bar)) : "memory");
 }
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+// Spins until the barrier's phase with this parity has completed (try_wait may suspend the thread a while).
 #if KBIT_BULK_COPY
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "KBIT_WAIT_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra KBIT_WAIT_%=;\n\t}\n" ::"r"(shared_address(bar)),
-      "r"(parity)
-      : "memory");
+#define KBIT_MBARRIER_POLL "mbarrier.try_wait.parity.shared::cta.b64"
 #else
+#define KBIT_MBARRIER_POLL "mbarrier.test_wait.parity.shared::cta.b64"
+#endif
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n\t.reg .pred done;\n"
-      "KBIT_WAIT_%=:\n\t"
-      "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+      "KBIT_WAIT_%=:\n\t" KBIT_MBARRIER_POLL " done, [%0], %1;\n\t"
       "@!done bra KBIT_WAIT_%=;\n\t}\n" ::"r"(shared_address(bar)),
       "r"(parity)
       : "memory");
-#endif
 }
 #if KBIT_BULK_COPY
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
