@@ -181,7 +181,8 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 5, warmup_c
     """Per-call time (µs) of ``calls`` captured in order into one CUDA graph.
 
     Every callable is run ``warmup_calls`` times eagerly on a side stream first (JIT, cuBLAS
-    heuristics, allocations), then the list is captured once. The graph is replayed once to
+    heuristics, allocations, per-stream workspaces), then the list is captured once on that same
+    stream, as an inference engine warms up before capture. The graph is replayed once to
     warm up, then ``replays`` times with CUDA events; returns the median and min replay time
     divided by ``len(calls)``.
     """
@@ -194,7 +195,7 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 5, warmup_c
     torch.cuda.current_stream().wait_stream(s)
     sync()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=s):
         for c in calls:
             c()
     graph.replay()

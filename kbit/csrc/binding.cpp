@@ -6,6 +6,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
 #include "kbit.h"
 
 namespace {
@@ -83,6 +89,39 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
   return {b, a};
 }
 
+// Split-K arrival counters. The kernel leaves every counter it used at zero, so a buffer zeroed once
+// serves every later GEMM of its stream: no fill kernel per call. One buffer per (device, stream), since
+// GEMMs on different streams may overlap. Buffers are kept for the life of the process (a captured CUDA
+// graph holds their address); a larger need adds a larger one. A stream under capture with no buffer large
+// enough gets a zeroed one for that call only: a buffer first zeroed inside a graph is not zero until the
+// graph runs.
+int* split_k_counters(int64_t n, const at::Tensor& like, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_launch(cudaStreamIsCapturing(stream, &capture), "stream capture query");
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, std::vector<at::Tensor>> buffers;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& list = buffers[{like.get_device(), stream}];
+  if (list.empty() || list.back().numel() < n) {
+    auto zeroed = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
+    // Under capture, the graph's memory pool keeps this allocation for the graph, as for any workspace.
+    if (capture != cudaStreamCaptureStatusNone) return zeroed.data_ptr<int>();
+    list.push_back(zeroed);
+  }
+  return list.back().data_ptr<int>();
+}
+
+// Programmatic dependent launch of the GEMM on sm_90 (see common.cuh); KBIT_DEPENDENT_LAUNCH=0 turns it off.
+bool dependent_launch(int device) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KBIT_DEPENDENT_LAUNCH");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  int major = 0;
+  check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device query");
+  return enabled && major >= 9;
+}
+
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
                 int64_t num_blocks) {
@@ -109,8 +148,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   const kbit::GemmPlan plan =
       kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k), sms,
                       static_cast<int>(num_blocks));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto partials = at::empty({std::max<int64_t>(plan.partial_floats, 1)}, x.options().dtype(at::kFloat));
-  auto counters = at::zeros({std::max<int64_t>(plan.counters, 1)}, x.options().dtype(at::kInt));
 
   kbit::GemmParams p{};
   p.x = x.data_ptr();
@@ -121,14 +160,15 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.y = y.data_ptr();
   p.partials = partials.data_ptr<float>();
-  p.counters = counters.data_ptr<int>();
+  p.counters = plan.counters > 0 ? split_k_counters(plan.counters, x, stream) : nullptr;
+  p.dependent_launch = dependent_launch(x.get_device());
   p.M = static_cast<int>(M);
   p.K_x = static_cast<int>(x.size(1));
   p.lda = static_cast<int>(x.size(1));
   p.k = static_cast<int>(k);
   p.dtype = to_dtype(x.scalar_type());
   kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
-  check_launch(kbit::gemm(p, c10::cuda::getCurrentCUDAStream()), "gemm");
+  check_launch(kbit::gemm(p, stream), "gemm");
   return y;
 }
 

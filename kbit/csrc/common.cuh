@@ -113,7 +113,28 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem
                "l"(gmem), "r"(bytes), "r"(shared_address(bar))
                : "memory");
 }
+// Prefetch into L2 only: no effect on results, so it may run before grid_dependency_wait(). L2 is where
+// the GPU's writes meet, so a prefetched line is never older than what a later load would read.
+__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
+}
 #endif
+
+// ---------------------------------------------------------------------------- programmatic dependent launch
+// Launched with programmatic stream serialization (sm_90), a kernel may start while the previous kernel
+// of the stream drains. It must not touch global memory, other than prefetches, before
+// grid_dependency_wait(): that waits until the previous kernel has finished and its writes are visible.
+// allow_dependent_launch() lets the next kernel start the same way. Both are no-ops in a normal launch.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // ---------------------------------------------------------------------------- tensor cores
 // D(16x8, f32) += A(16x16, row) * B(16x8, col). Register order of A: {row g k lo, row g+8 k lo,

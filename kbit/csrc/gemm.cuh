@@ -224,10 +224,14 @@ struct Barriers {
 // One warp's weights of one step: its tile's codes, K*512 contiguous bytes at B_gemm[tile16][kgroup], and
 // block scales, 128 contiguous bytes at absmax_gemm[tile16][kgroup].
 template <int K, int MB>
+__device__ __forceinline__ int64_t weights_index(const GemmParams& p, const StepCursor& c) {
+  return (static_cast<int64_t>(c.ntile) * GemmConfig<K, MB>::kWarps + (threadIdx.x >> 5)) * p.k_groups + c.kgroup;
+}
+template <int K, int MB>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* stage, uint64_t* full, const StepCursor& c) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t at = (static_cast<int64_t>(c.ntile) * Cfg::kWarps + warp) * p.k_groups + c.kgroup;
+  const int64_t at = weights_index<K, MB>(p, c);
   uint8_t* codes = stage + warp * K * 512;
   uint8_t* scales = stage + Cfg::kBStage + warp * 128;
 #if KBIT_BULK_COPY
@@ -354,28 +358,48 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
     return;
   }
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  auto partial = [&](int cta, int tile) {
-    const int slot = tile == first_step_of(p, cta) / p.k_groups ? 0 : 1;
+  // Two partial slots per CTA: 0 for the tile it starts in, 1 for the tile it ends in. Every contributor
+  // after the tile's first starts inside the tile, so only the first can be using slot 1.
+  auto partial = [&](int cta, int slot) {
     return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * MB * 32 + lane) * 4;
   };
-  float* mine = partial(blockIdx.x, tile);
+  float* mine = partial(blockIdx.x, tile == first / p.k_groups ? 0 : 1);
 #pragma unroll
   for (int mb = 0; mb < MB; ++mb)
     *reinterpret_cast<float4*>(mine + mb * 128) = make_float4(acc[mb][0], acc[mb][1], acc[mb][2], acc[mb][3]);
   __threadfence();  // partial visible device-wide before the counter says so
   __syncthreads();
   const int cta_first = cta_of_step(p, tile_first), cta_last = cta_of_step(p, tile_last);
-  if (tid == 0) s_last_arrival = atomicAdd(p.counters + tile, 1) == cta_last - cta_first;
+  if (tid == 0) {
+    s_last_arrival = atomicAdd(p.counters + tile, 1) == cta_last - cta_first;
+    // The last contributor leaves the counter at zero for the next launch: the host zeroes a counter
+    // buffer once, not before every GEMM.
+    if (s_last_arrival) p.counters[tile] = 0;
+  }
   __syncthreads();
   if (!s_last_arrival) return;
   __threadfence();
+  // Partials in CTA order (deterministic), kInFlight loads at once: one L2 round trip per kInFlight
+  // contributors, not per contributor (a small GEMM has ~8 per tile). sm_80's build runs at the register
+  // limit (cp.async addresses per lane) and spills with more than one.
+  constexpr int kInFlight = KBIT_BULK_COPY ? 4 : 1;
+  const int contributors = cta_last - cta_first + 1;
+  const float* first_part = partial(cta_first, tile == first_step_of(p, cta_first) / p.k_groups ? 0 : 1);
+  const float* later_parts = partial(cta_first + 1, 0);  // contributor j >= 1 at (j - 1) * stride
+  const int64_t stride = 2 * Cfg::kPartialFloats;
   float sum[MB][4] = {};
-  for (int cta = cta_first; cta <= cta_last; ++cta) {  // fixed order: deterministic result
-    const float* part = partial(cta, tile);
+  for (int j0 = 0; j0 < contributors; j0 += kInFlight) {
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mb * 128));
-      sum[mb][0] += v.x; sum[mb][1] += v.y; sum[mb][2] += v.z; sum[mb][3] += v.w;
+      float4 v[kInFlight];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        const float* part = j0 + i == 0 ? first_part : later_parts + (j0 + i - 1) * stride;
+        if (j0 + i < contributors) v[i] = __ldcg(reinterpret_cast<const float4*>(part + mb * 128));
+      }
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+        if (j0 + i < contributors) sum[mb][0] += v[i].x, sum[mb][1] += v[i].y, sum[mb][2] += v[i].z, sum[mb][3] += v[i].w;
     }
   }
   store_tile<K, MB, T>(p, c, sum);
@@ -395,6 +419,20 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) bars.init();
   mbarrier_init_fence();
+#if KBIT_BULK_COPY
+  // Launched early (programmatic dependent launch), the CTA warms L2 with the weights of its first
+  // steps while the previous kernel drains; everything else waits for that kernel.
+  if (lane == 0) {
+    StepCursor at(p, first);
+    for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
+      const int64_t i = weights_index<K, MB>(p, at);
+      prefetch_l2(p.b + i * (K * 32), K * 512);
+      prefetch_l2(p.absmax + i * 128, 128);
+    }
+  }
+#endif
+  grid_dependency_wait();
+  allow_dependent_launch();
 
   // Fill the pipeline first so the copies overlap the table construction below.
   StepCursor load_at(p, first);
@@ -445,8 +483,17 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   static const cudaError_t attr =
       cudaFuncSetAttribute(gemm_kernel<K, MB, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
   if (attr != cudaSuccess) return attr;
-  gemm_kernel<K, MB, T><<<p.grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.grid);
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = p.dependent_launch ? 1 : 0;
+  return cudaLaunchKernelEx(&config, gemm_kernel<K, MB, T>, p);
 }
 
 template <int K, typename T>

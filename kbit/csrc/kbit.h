@@ -36,7 +36,7 @@ struct GemmParams {
   const void* bias;         // [N] in x's dtype, or nullptr
   void* y;                  // [M, N] in x's dtype, row-major
   float* partials;          // split-K workspace: gemm_plan().partial_floats
-  int* counters;            // split-K arrival counters: gemm_plan().counters, zeroed before the launch
+  int* counters;            // split-K arrival counters: gemm_plan().counters, zero before the launch; left zero
   int M, N, K_x, lda;
   int k_groups;             // K_w / 256, rounded up
   int n_tiles;              // CTA row tiles along N (16 rows per warp)
@@ -46,6 +46,7 @@ struct GemmParams {
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4
   int k;                    // bits
   DType dtype;              // of x, y, bias
+  bool dependent_launch;    // host only: launch with programmatic stream serialization (sm_90; see common.cuh)
 };
 
 // How a GEMM will run: chosen on the host before allocating its workspace.
