@@ -88,19 +88,25 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
   __shared__ float codebook[1 << K];
   if (tid < (1 << K)) codebook[tid] = code_value;
   __syncthreads();
-  uint4* rows = reinterpret_cast<uint4*>(tables);
-  if constexpr (K == 2) {  // row e: lanes' copies of the 4 values of quad e, two copies per 16 B
-    for (int i = tid; i < 256 * 16; i += Cfg::kThreads) {
-      const int e = i >> 4;
-      const uint32_t lo = pack_pair<T>(codebook[e & 3], codebook[(e >> 2) & 3]);
-      const uint32_t hi = pack_pair<T>(codebook[(e >> 4) & 3], codebook[e >> 6]);
-      rows[i] = make_uint4(lo, hi, lo, hi);
-    }
-  } else if constexpr (K == 4) {  // row e: 32 copies of pair e, then 32 copies of the scale of E4M4 code e
-    for (int i = tid; i < 256 * 16; i += Cfg::kThreads) {
-      const int e = i >> 4;
-      const uint32_t v = (i & 15) < 8 ? pack_pair<T>(codebook[e & 15], codebook[e >> 4]) : __float_as_uint(decode_e4m4(e));
-      rows[i] = make_uint4(v, v, v, v);
+  if constexpr (Cfg::kByteRows) {
+    // Row e is 16 vectors of 16 B; thread i computes the value of half-row i (row i / 2) once and stores its
+    // 8 vectors, rotated by i so that the 8 threads of one store wavefront hit 8 different bank groups.
+    //   K = 2: both halves hold lane copies of the 4 values of quad e;
+    //   K = 4: half 0 holds copies of pair e, half 1 copies of the scale of E4M4 code e.
+    uint4* rows = reinterpret_cast<uint4*>(tables);
+    for (int i = tid; i < 512; i += Cfg::kThreads) {
+      const int e = i >> 1;
+      uint4 v;
+      if constexpr (K == 2) {
+        const uint32_t lo = pack_pair<T>(codebook[e & 3], codebook[(e >> 2) & 3]);
+        const uint32_t hi = pack_pair<T>(codebook[(e >> 4) & 3], codebook[e >> 6]);
+        v = make_uint4(lo, hi, lo, hi);
+      } else {
+        const uint32_t w = i & 1 ? __float_as_uint(decode_e4m4(e)) : pack_pair<T>(codebook[e & 15], codebook[e >> 4]);
+        v = make_uint4(w, w, w, w);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) rows[i * 8 + ((i + j) & 7)] = v;
     }
   } else {
     uint32_t* pairs = reinterpret_cast<uint32_t*>(tables);
