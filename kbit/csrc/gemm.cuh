@@ -430,8 +430,9 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   mbarrier_init_fence();
 #if KBIT_BULK_COPY
   // Launched early (programmatic dependent launch), the CTA warms L2 with the weights of its first
-  // steps while the previous kernel drains; everything else waits for that kernel.
-  if (lane == 0) {
+  // steps while the previous kernel drains; everything else waits for that kernel. In a normal launch
+  // there is nothing to overlap, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
+  if (p.dependent_launch && lane == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
       const int64_t i = weights_index<K, MB>(p, at);
@@ -443,15 +444,20 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   grid_dependency_wait();
   allow_dependent_launch();
 
-  // The codebook first (see build_tables), then the pipeline's first copies, which overlap the table
-  // construction below.
+  // The codebook first (see build_tables), then the first step's copies, then the tables while those
+  // land, then the rest of the pipeline's copies. With all S - 1 copies issued before the tables, the
+  // tables waited ~3 us for the issuing threads, held back by DRAM (all SMs fill their pipelines at once),
+  // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
   StepCursor load_at(p, first);
-  for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {
+  auto fill = [&](int s) {
     load_weights<K, MB>(p, stages + s * Cfg::kStage, &bars.weights_full[s][warp], load_at);
     load_activations<K, MB, T>(p, stages + s * Cfg::kStage, &bars.acts_full[s], load_at);
-  }
+    load_at.advance(p);
+  };
+  fill(0);  // every CTA has at least one step
   build_tables<K, MB, T>(code_value, tables);
+  for (int s = 1; s < S - 1 && first + s < last; ++s) fill(s);
   const LaneSelect sel = lane_select<K, MB>(lane);
   __syncthreads();  // tables complete
 

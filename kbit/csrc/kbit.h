@@ -46,7 +46,7 @@ struct GemmParams {
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4
   int k;                    // bits
   DType dtype;              // of x, y, bias
-  bool dependent_launch;    // host only: launch with programmatic stream serialization (sm_90; see common.cuh)
+  bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
 };
 
 // How a GEMM will run: chosen on the host before allocating its workspace.
