@@ -450,14 +450,11 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
   StepCursor load_at(p, first);
-  auto fill = [&](int s) {
+  for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {  // every CTA has a step 0
     load_weights<K, MB>(p, stages + s * Cfg::kStage, &bars.weights_full[s][warp], load_at);
     load_activations<K, MB, T>(p, stages + s * Cfg::kStage, &bars.acts_full[s], load_at);
-    load_at.advance(p);
-  };
-  fill(0);  // every CTA has at least one step
-  build_tables<K, MB, T>(code_value, tables);
-  for (int s = 1; s < S - 1 && first + s < last; ++s) fill(s);
+    if (s == 0) build_tables<K, MB, T>(code_value, tables);
+  }
   const LaneSelect sel = lane_select<K, MB>(lane);
   __syncthreads();  // tables complete
 
