@@ -149,6 +149,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
       kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k), sms,
                       static_cast<int>(num_blocks));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM at k=", k, " needs ",
+              plan.smem_bytes / 1024, " KB of shared memory per block; this GPU allows ", plan.smem_limit / 1024,
+              " KB (use dequantize + matmul)");
   auto partials = at::empty({std::max<int64_t>(plan.partial_floats, 1)}, x.options().dtype(at::kFloat));
 
   kbit::GemmParams p{};

@@ -31,6 +31,8 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   if (cudaGetDevice(&dev) == cudaSuccess)
     cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb) > smem_limit) plan.mb /= 2;
+  plan.smem_bytes = gemm_smem_bytes(k, plan.mb);
+  plan.smem_limit = smem_limit;
   const int tokens = plan.mb * 8;
   plan.m_passes = (M + tokens - 1) / tokens;
   const int rows = gemm_warps(k, plan.mb) * 16;

@@ -32,12 +32,20 @@ namespace kbit {
 
 constexpr int kKGroup = 256;              // k columns per pipeline step
 constexpr int kXRowHalves = kKGroup + 32; // padded activation row in shared memory: conflict-free 16B reads
-constexpr int kSmemBudget = 227 * 1024 - 1024;  // opt-in maximum per CTA on sm_90, less static smem
+// Shared address space of a CTA on sm_90: kReservedSmem bytes reserved by the system, then static, then
+// dynamic shared memory, up to kSharedTop (227 KB opt-in per CTA). Static shared memory (barriers, flags) is
+// assumed to stay under kStaticSmemMax; the kernel checks its layout at run time.
+constexpr int kReservedSmem = 1024;
+constexpr int kSharedTop = kReservedSmem + 227 * 1024;
+constexpr int kStaticSmemMax = 2048;
 
 // Warps per CTA. Decode (MB <= 2) is bound by instruction latency, so it gets 16 warps sharing one set of
 // tables; larger MB needs the registers for its accumulators and the shared memory for activations, and so
-// does MB = 2 at K = 5 (16 warps leave 128 registers per thread, and sm_80's build of it spilled).
-__host__ __device__ constexpr int gemm_warps(int k, int mb) { return mb == 1 || (mb == 2 && k != 5) ? 16 : 8; }
+// does MB = 2 at K = 3 and 5 (16 warps leave 128 registers per thread, and sm_80's builds of those spilled).
+__host__ __device__ constexpr int gemm_warps(int k, int mb) { return mb == 1 || (mb == 2 && k % 2 == 0) ? 16 : 8; }
+
+// The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB); configurations above it run on sm_90 only.
+constexpr int kSm80SmemMax = 163 * 1024;
 
 template <int K, int MB>
 struct GemmConfig {
@@ -47,7 +55,6 @@ struct GemmConfig {
   static constexpr int kBStage = kWarps * K * 32 * 16;  // each warp: K vectors of 16 B per lane
   static constexpr int kAbsStage = kWarps * 128;        // each warp: 16 rows x 8 blocks
   static constexpr int kXStage = MB * 8 * kXRowHalves * 2;  // MB*8 tokens x 256 k (+ padding)
-  static constexpr int kStage = kBStage + kAbsStage + kXStage;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
   //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l, and in
@@ -59,13 +66,28 @@ struct GemmConfig {
   static constexpr int kCopies = kPairs * 32 * 4 <= 32768 ? 32 : 32768 / (kPairs * 4);
   static constexpr int kPairTable = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
   static constexpr int kScaleTable = K == 4 ? 0 : 256 * 4;  // E4M4 code -> float (inside the rows at K = 4)
-  // Dynamic shared memory: the tables, then as many pipeline stages as fit (2 to 4).
   static constexpr int kTables = kPairTable + kScaleTable;
-  static constexpr int kFit = (kSmemBudget - kTables) / kStage;
-  static constexpr int kStages = kFit > 4 ? 4 : kFit;
-  static_assert(kStages >= 2, "configuration does not fit in shared memory");
-  static constexpr int kSmem = kTables + kStages * kStage;
-  static constexpr int kSmemTotal = kSmem + 16;  // + the static arrival flag
+
+  // Shared memory (see "Shared memory layout" below). The pair table starts at a shared address aligned to
+  // kTableAlign, its size rounded up to a power of two; the stages' pieces fill the space below it
+  // ("low", after the reserved and static shared memory) and above it ("high"). A stage is two pieces: the
+  // warps' codes (kBStage) and the "small" piece, scales then activations (kAbsStage + kXStage).
+  static constexpr int kTableAlign = kPairTable <= 8192 ? 8192 : kPairTable <= 32768 ? 32768 : 65536;
+  static constexpr int kSmall = kAbsStage + kXStage;
+  static constexpr int kLowBudget = kTableAlign > kReservedSmem + kStaticSmemMax ? kTableAlign - kReservedSmem - kStaticSmemMax : 0;
+  static constexpr int kHighBudget = kSharedTop - kTableAlign - kTables;
+  static constexpr int small_low(int s) { return s < kLowBudget / kSmall ? s : kLowBudget / kSmall; }
+  static constexpr int codes_low(int s) {
+    return s < (kLowBudget - small_low(s) * kSmall) / kBStage ? s : (kLowBudget - small_low(s) * kSmall) / kBStage;
+  }
+  static constexpr int high_bytes(int s) { return (s - codes_low(s)) * kBStage + (s - small_low(s)) * kSmall; }
+  static constexpr int kStages = high_bytes(4) <= kHighBudget ? 4 : high_bytes(3) <= kHighBudget ? 3 : 2;
+  static_assert(high_bytes(kStages) <= kHighBudget, "configuration does not fit in shared memory");
+  static constexpr int kSmallLow = small_low(kStages), kCodesLow = codes_low(kStages);  // pieces below the table
+  static constexpr int kLowBytes = kSmallLow * kSmall + kCodesLow * kBStage;
+  static constexpr int kHighBytes = high_bytes(kStages);
+  // Per-CTA total (static + dynamic) when the dynamic base is below kTableAlign: what the plan checks.
+  static constexpr int kSmemTotal = kTableAlign - kReservedSmem + kTables + kHighBytes;
   static constexpr int kPartialFloats = kWarps * MB * 32 * 4;  // one CTA's partial output tile
 };
 
@@ -123,38 +145,55 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
   }
 }
 
-// Per-lane selectors for the PRMT lookups: byte 0 = this lane's copy offset, bytes 1..3 = 0.
+// Per-lane lookup bases: shared addresses, the table's (aligned) address OR'd with this lane's copy offset.
+//   pair:  K = 2, 4: byte 0 = the lane's offset in a row, bytes 2..3 = the table's; K = 3, 5: low bits =
+//          the lane's copy offset, the rest the table's;
+//   scale: K = 4: as pair, at byte 128 of a row; K = 3, 5: the scale table's address.
 struct LaneSelect {
   uint32_t pair, scale;
 };
 template <int K, int MB>
-__device__ __forceinline__ LaneSelect lane_select(int lane) {
+__device__ __forceinline__ LaneSelect lane_select(uint32_t table, int lane) {
   using Cfg = GemmConfig<K, MB>;
-  LaneSelect s{K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u, K == 4 ? 128u + lane * 4u : 0u};
+  LaneSelect s{table | (K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u),
+               K == 4 ? table | (128u + lane * 4u) : table + Cfg::kPairTable};
   // Opaque to the compiler: otherwise it re-derives the offset from the thread index inside every lookup.
   asm volatile("" : "+r"(s.pair), "+r"(s.scale));
   return s;
 }
 
-// Byte b of `codes` at bits 8..15, the lane's copy offset (byte 0 of `sel`) at bits 0..7: a row-table address.
+// Byte b of `codes` at bits 8..15, bytes 0, 2 and 3 of `sel` (lane offset, table address) around it: the
+// shared address of a row-table entry in one PRMT.
 __device__ __forceinline__ uint32_t byte_row_address(uint32_t codes, int b, uint32_t sel) {
-  return __byte_perm(codes, sel, 0x5504u | (b << 4));
+  return __byte_perm(codes, sel, 0x7604u | (b << 4));
+}
+
+// Loads from 32-bit shared addresses: a C++ pointer would make ptxas add the shared window's base to
+// every lookup (one IMAD per lookup, 16% of all instructions at K = 4, M = 1).
+__device__ __forceinline__ uint32_t lds32(uint32_t address) {
+  uint32_t v;
+  asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(address));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t address) {
+  uint2 v;
+  asm("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(address));
+  return v;
 }
 
 // E4M4 scale of block t of one row; `word` holds the row's codes of blocks 4*(t/4) .. 4*(t/4)+3.
 template <int K, int MB>
-__device__ __forceinline__ float block_scale(const uint8_t* tables, uint32_t word, int t, const LaneSelect& sel) {
-  using Cfg = GemmConfig<K, MB>;
+__device__ __forceinline__ float block_scale(uint32_t word, int t, const LaneSelect& sel) {
   if constexpr (K == 4)
-    return *reinterpret_cast<const float*>(tables + byte_row_address(word, t & 3, sel.scale));
+    return __uint_as_float(lds32(byte_row_address(word, t & 3, sel.scale)));
   else
-    return reinterpret_cast<const float*>(tables + Cfg::kPairTable)[(word >> (8 * (t & 3))) & 0xFFu];
+    return __uint_as_float(lds32(sel.scale + ((word >> (8 * (t & 3))) & 0xFFu) * 4));
 }
 
 // A-fragment registers of block t: h[r][j] = codebook values of columns 8q + 2j, 8q + 2j + 1 of row g + 8r,
 // as a 16-bit pair. w is the lane's bit string; the code of (t, r, s) sits at bits ((2t + r) * 8 + s) * K.
 template <int K, int MB>
-__device__ __forceinline__ void block_fragments(const uint8_t* tables, const uint32_t (&w)[4 * K], int t,
+__device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * K], int t,
                                                 const LaneSelect& sel, uint32_t (&h)[2][4]) {
   using Cfg = GemmConfig<K, MB>;
 #pragma unroll
@@ -162,14 +201,14 @@ __device__ __forceinline__ void block_fragments(const uint8_t* tables, const uin
     if constexpr (K == 2) {  // quad j of (t, r) is byte 2r + j of word t
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint2 v = *reinterpret_cast<const uint2*>(tables + byte_row_address(w[t], 2 * r + j, sel.pair));
+        const uint2 v = lds64(byte_row_address(w[t], 2 * r + j, sel.pair));
         h[r][2 * j] = v.x;
         h[r][2 * j + 1] = v.y;
       }
     } else if constexpr (K == 4) {  // pair j of (t, r) is byte j of word 2t + r
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        h[r][j] = *reinterpret_cast<const uint32_t*>(tables + byte_row_address(w[2 * t + r], j, sel.pair));
+        h[r][j] = lds32(byte_row_address(w[2 * t + r], j, sel.pair));
     } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
       constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 : 4;
       static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
@@ -178,11 +217,47 @@ __device__ __forceinline__ void block_fragments(const uint8_t* tables, const uin
         const int o = ((2 * t + r) * 8 + 2 * j) * K, wi = o >> 5, bi = o & 31;
         const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
         const uint32_t off = ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | sel.pair;
-        h[r][j] = *reinterpret_cast<const uint32_t*>(tables + off);
+        h[r][j] = lds32(off);
       }
     }
   }
 }
+
+// ---------------------------------------------------------------------------- shared memory layout
+// Dynamic shared memory, by address:
+//   [base, table)                   kSmallLow small pieces, then kCodesLow code pieces
+//   [table, table + kTables)        the lookup tables, table aligned to kTableAlign
+//   [table + kTables, ...)          the other code pieces, then the other small pieces
+// Stage s is (codes(s), small(s)); small = the warps' scales (kAbsStage), then the activations.
+template <int K, int MB>
+struct SmemLayout {
+  using Cfg = GemmConfig<K, MB>;
+  uint8_t* smem;   // the dynamic base
+  uint32_t table;  // shared address of the tables
+  uint32_t pad;    // bytes from the dynamic base to the tables
+  __device__ explicit SmemLayout(uint8_t* dynamic_smem) : smem(dynamic_smem) {
+    const uint32_t base = shared_address(smem);
+    table = (base + Cfg::kTableAlign - 1) & ~static_cast<uint32_t>(Cfg::kTableAlign - 1);
+    pad = table - base;
+  }
+  __device__ uint8_t* tables() const { return smem + pad; }
+  // Whether the launch gave the layout room: the host sizes it from the reserved and static shared memory.
+  __device__ bool fits() const {
+    uint32_t dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic_bytes));
+    return pad >= Cfg::kLowBytes && pad + Cfg::kTables + Cfg::kHighBytes <= dynamic_bytes;
+  }
+  // Offsets from the dynamic base, 32-bit: 64-bit pointers per piece cost sm_80's build spills.
+  __device__ uint8_t* codes(int s) const {
+    return smem + (s < Cfg::kCodesLow ? Cfg::kSmallLow * Cfg::kSmall + s * Cfg::kBStage
+                                      : pad + Cfg::kTables + (s - Cfg::kCodesLow) * Cfg::kBStage);
+  }
+  __device__ uint8_t* small(int s) const {
+    return smem + (s < Cfg::kSmallLow ? s * Cfg::kSmall
+                                      : pad + Cfg::kTables + (Cfg::kStages - Cfg::kCodesLow) * Cfg::kBStage +
+                                            (s - Cfg::kSmallLow) * Cfg::kSmall);
+  }
+};
 
 // Position of a pipeline step in (token pass, CTA row tile, k-group) order. The kernel walks its steps in
 // order, so it advances cursors instead of dividing: one cursor for the copies, one for the math.
@@ -237,12 +312,12 @@ __device__ __forceinline__ int64_t weights_index(const GemmParams& p, const Step
   return (static_cast<int64_t>(c.ntile) * GemmConfig<K, MB>::kWarps + (threadIdx.x >> 5)) * p.k_groups + c.kgroup;
 }
 template <int K, int MB>
-__device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* stage, uint64_t* full, const StepCursor& c) {
-  using Cfg = GemmConfig<K, MB>;
+__device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
+                                             uint64_t* full, const StepCursor& c) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t at = weights_index<K, MB>(p, c);
-  uint8_t* codes = stage + warp * K * 512;
-  uint8_t* scales = stage + Cfg::kBStage + warp * 128;
+  uint8_t* codes = codes_piece + warp * K * 512;
+  uint8_t* scales = small_piece + warp * 128;
 #if KBIT_BULK_COPY
   if (lane == 0) {
     mbarrier_arrive_expect_bytes(full, K * 512 + 128);
@@ -262,12 +337,12 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* stage
 // copied, compute_step never reads them), lane l copying columns 8l .. 8l+7 (zero-filled past K_x).
 // Every thread arrives on `full`, whether it copied or not.
 template <int K, int MB, typename T>
-__device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* stage, uint64_t* full,
+__device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* small_piece, uint64_t* full,
                                                  const StepCursor& c) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* x = static_cast<const T*>(p.x);
-  uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
+  uint8_t* xs = small_piece + Cfg::kAbsStage;
   const int rows = min(MB * 8, p.M - c.mpass * MB * 8), kcol = c.kgroup * kKGroup + lane * 8;
   const bool ok = kcol < p.K_x;
 #pragma unroll
@@ -281,35 +356,37 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
 
 // One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc.
 template <int K, int MB, typename T>
-__device__ __forceinline__ void compute_step(const uint8_t* stage, const uint8_t* tables, const LaneSelect& sel,
-                                             int token_rows, float (&acc)[MB][4]) {
+__device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece,
+                                             const LaneSelect& sel, float (&acc)[MB][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   uint32_t w[4 * K];
-  const uint4* bv = reinterpret_cast<const uint4*>(stage) + warp * K * 32 + lane;
+  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + warp * K * 32 + lane;
 #pragma unroll
   for (int v = 0; v < K; ++v) {
     const uint4 t = bv[v * 32];
     w[4 * v] = t.x; w[4 * v + 1] = t.y; w[4 * v + 2] = t.z; w[4 * v + 3] = t.w;
   }
-  const uint8_t* ab = stage + Cfg::kBStage + warp * 128;
+  const uint8_t* ab = small_piece + warp * 128;
   const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
   const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
-  const uint8_t* xs = stage + Cfg::kBStage + Cfg::kAbsStage;
+  const uint8_t* xs = small_piece + Cfg::kAbsStage;
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-    const float s_lo = block_scale<K, MB>(tables, t < 4 ? scales_lo.x : scales_lo.y, t, sel);
-    const float s_hi = block_scale<K, MB>(tables, t < 4 ? scales_hi.x : scales_hi.y, t, sel);
+    const float s_lo = block_scale<K, MB>(t < 4 ? scales_lo.x : scales_lo.y, t, sel);
+    const float s_hi = block_scale<K, MB>(t < 4 ? scales_hi.x : scales_hi.y, t, sel);
     uint32_t h[2][4];
-    block_fragments<K, MB>(tables, w, t, sel, h);
+    block_fragments<K, MB>(w, t, sel, h);
     const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
     const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
     #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
+      // Token rows past M hold stale or uninitialized data: it only reaches their own output columns (the
+      // MMA's columns are independent), which are never stored. Reading them unconditionally saves the
+      // zero fill and the predicate.
       const int row = mb * 8 + g;
-      uint4 xv = make_uint4(0, 0, 0, 0);
-      if (row < token_rows) xv = *reinterpret_cast<const uint4*>(xs + (row * kXRowHalves + t * 32 + 8 * q) * 2);
+      const uint4 xv = *reinterpret_cast<const uint4*>(xs + (row * kXRowHalves + t * 32 + 8 * q) * 2);
       // One block of 32 columns in unit scale, then its E4M4 scale in fp32: accumulator rows are weight
       // rows (g: d0, d1; g + 8: d2, d3), so each row takes its own block scale, rounded exactly once.
       float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -415,12 +492,12 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
 }
 
 template <int K, int MB, typename T>
-__global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
+__device__ __forceinline__ void gemm_main(const GemmParams& p) {
   using Cfg = GemmConfig<K, MB>;
   constexpr int S = Cfg::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* const tables = smem;
-  uint8_t* const stages = smem + Cfg::kTables;
+  const SmemLayout<K, MB> layout(smem);
+  if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
   __shared__ int s_last_arrival;
   __shared__ Barriers<K, MB> bars;
 
@@ -451,11 +528,11 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
   StepCursor load_at(p, first);
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {  // every CTA has a step 0
-    load_weights<K, MB>(p, stages + s * Cfg::kStage, &bars.weights_full[s][warp], load_at);
-    load_activations<K, MB, T>(p, stages + s * Cfg::kStage, &bars.acts_full[s], load_at);
-    if (s == 0) build_tables<K, MB, T>(code_value, tables);
+    load_weights<K, MB>(p, layout.codes(s), layout.small(s), &bars.weights_full[s][warp], load_at);
+    load_activations<K, MB, T>(p, layout.small(s), &bars.acts_full[s], load_at);
+    if (s == 0) build_tables<K, MB, T>(code_value, layout.tables());
   }
-  const LaneSelect sel = lane_select<K, MB>(lane);
+  const LaneSelect sel = lane_select<K, MB>(layout.table, lane);
   __syncthreads();  // tables complete
 
   float acc[MB][4] = {};
@@ -466,19 +543,19 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
     // Step + S - 1 goes into the stage of step - 1. Its weight region is this warp's own, done with.
     const int refill = slot == 0 ? S - 1 : slot - 1;
     const bool more = step + S - 1 < last;
-    if (more) load_weights<K, MB>(p, stages + refill * Cfg::kStage, &bars.weights_full[refill][warp], load_at);
+    if (more)
+      load_weights<K, MB>(p, layout.codes(refill), layout.small(refill), &bars.weights_full[refill][warp], load_at);
 
     mbarrier_wait(&bars.weights_full[slot][warp], phase);
     mbarrier_wait(&bars.acts_full[slot], phase);
-    const int token_rows = min(MB * 8, p.M - c.mpass * MB * 8);
-    compute_step<K, MB, T>(stages + slot * Cfg::kStage, tables, sel, token_rows, acc);
+    compute_step<K, MB, T>(layout.codes(slot), layout.small(slot), sel, acc);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&bars.acts_free[slot]);
 
     // Its activations once every warp is done with step - 1 (by now, mostly without waiting).
     if (more) {
       if (step > first) mbarrier_wait(&bars.acts_free[refill], slot == 0 ? phase ^ 1u : phase);
-      load_activations<K, MB, T>(p, stages + refill * Cfg::kStage, &bars.acts_full[refill], load_at);
+      load_activations<K, MB, T>(p, layout.small(refill), &bars.acts_full[refill], load_at);
       load_at.advance(p);
     }
     if (c.kgroup == p.k_groups - 1 || step == last - 1) {
@@ -490,17 +567,48 @@ __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(co
   }
 }
 
+template <int K, int MB, typename T>
+__global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  // Cannot launch on an sm_80-class GPU (the host checks the shared memory first): not built for one.
+  if constexpr (GemmConfig<K, MB>::kSmemTotal > kSm80SmemMax) {
+    __trap();
+  } else
+#endif
+  {
+    gemm_main<K, MB, T>(p);
+  }
+}
+
 // Host side: launch one configuration (instantiated per bit width in gemm_k{2,3,4,5}.cu).
+// Dynamic shared memory of a launch: up to the aligned table address (which depends on the reserved and
+// static shared memory below the dynamic base), the tables, and the pieces above them.
+template <int K, int MB, typename T>
+cudaError_t gemm_dynamic_smem(int& bytes) {
+  using Cfg = GemmConfig<K, MB>;
+  cudaFuncAttributes attr{};
+  int device = 0, reserved = 0;
+  cudaError_t err = cudaFuncGetAttributes(&attr, gemm_kernel<K, MB, T>);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  if (err != cudaSuccess) return err;
+  const int base = reserved + static_cast<int>(attr.sharedSizeBytes);
+  const int pad = (Cfg::kTableAlign - base % Cfg::kTableAlign) % Cfg::kTableAlign;
+  if (pad < Cfg::kLowBytes) return cudaErrorInvalidConfiguration;
+  bytes = pad + Cfg::kTables + Cfg::kHighBytes;
+  return cudaFuncSetAttribute(gemm_kernel<K, MB, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 template <int K, int MB, typename T>
 cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   using Cfg = GemmConfig<K, MB>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(gemm_kernel<K, MB, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+  static int smem_bytes = 0;
+  static const cudaError_t attr = gemm_dynamic_smem<K, MB, T>(smem_bytes);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.grid);
   config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = Cfg::kSmem;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;

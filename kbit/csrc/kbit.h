@@ -54,6 +54,8 @@ struct GemmPlan {
   int mb, m_passes, grid, total_steps;
   int64_t partial_floats;   // floats of split-K workspace (0 when every CTA owns whole tiles)
   int64_t counters;         // ints of arrival counters
+  int smem_bytes;           // shared memory per CTA the configuration needs
+  int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
 };
 
 // num_sms: multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K).
