@@ -152,6 +152,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM at k=", k, " needs ",
               plan.smem_bytes / 1024, " KB of shared memory per block; this GPU allows ", plan.smem_limit / 1024,
               " KB (use dequantize + matmul)");
+  TORCH_CHECK(plan.built, "kbit: the fused GEMM at k=", k, " for ", M, " tokens is not built for this GPU's architecture "
+              "(use dequantize + matmul)");
   auto partials = at::empty({std::max<int64_t>(plan.partial_floats, 1)}, x.options().dtype(at::kFloat));
 
   kbit::GemmParams p{};

@@ -5,13 +5,15 @@
 
 namespace kbit {
 
-int gemm_smem_bytes(int k, int mb) {
-  auto pick = [&](auto kc) -> int {
+// Calls f(GemmConfig<k, mb>{}) for the runtime (k, mb).
+template <typename F>
+auto with_config(int k, int mb, F f) {
+  auto pick = [&](auto kc) {
     constexpr int K = decltype(kc)::value;
     switch (mb) {
-      case 1: return GemmConfig<K, 1>::kSmemTotal;
-      case 2: return GemmConfig<K, 2>::kSmemTotal;
-      default: return GemmConfig<K, 4>::kSmemTotal;
+      case 1: return f(GemmConfig<K, 1>{});
+      case 2: return f(GemmConfig<K, 2>{});
+      default: return f(GemmConfig<K, 4>{});
     }
   };
   switch (k) {
@@ -22,17 +24,27 @@ int gemm_smem_bytes(int k, int mb) {
   }
 }
 
+int gemm_smem_bytes(int k, int mb) {
+  return with_config(k, mb, [](auto cfg) { return decltype(cfg)::kSmemTotal; });
+}
+bool gemm_on_sm80(int k, int mb) {
+  return with_config(k, mb, [](auto cfg) { return decltype(cfg)::kOnSm80; });
+}
+
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   GemmPlan plan{};
   // 8-token MMA tiles per pass: enough for M, at most 4 (32 tokens: more would spill registers);
   // larger M loops over passes.
   plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : 4;
-  int smem_limit = 0, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess)
+  int smem_limit = 0, dev = 0, major = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) {
     cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  }
   while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb) > smem_limit) plan.mb /= 2;
   plan.smem_bytes = gemm_smem_bytes(k, plan.mb);
   plan.smem_limit = smem_limit;
+  plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb);
   const int tokens = plan.mb * 8;
   plan.m_passes = (M + tokens - 1) / tokens;
   const int rows = gemm_warps(k, plan.mb) * 16;

@@ -41,10 +41,10 @@ constexpr int kStaticSmemMax = 2048;
 
 // Warps per CTA. Decode (MB <= 2) is bound by instruction latency, so it gets 16 warps sharing one set of
 // tables; larger MB needs the registers for its accumulators and the shared memory for activations, and so
-// does MB = 2 at K = 3 and 5 (16 warps leave 128 registers per thread, and sm_80's builds of those spilled).
-__host__ __device__ constexpr int gemm_warps(int k, int mb) { return mb == 1 || (mb == 2 && k % 2 == 0) ? 16 : 8; }
+// does MB = 2 at K = 5 (16 warps leave 128 registers per thread, and sm_80's build of it spilled).
+__host__ __device__ constexpr int gemm_warps(int k, int mb) { return mb == 1 || (mb == 2 && k != 5) ? 16 : 8; }
 
-// The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB); configurations above it run on sm_90 only.
+// The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
 template <int K, int MB>
@@ -88,6 +88,9 @@ struct GemmConfig {
   static constexpr int kHighBytes = high_bytes(kStages);
   // Per-CTA total (static + dynamic) when the dynamic base is below kTableAlign: what the plan checks.
   static constexpr int kSmemTotal = kTableAlign - kReservedSmem + kTables + kHighBytes;
+  // Built for sm_80-class GPUs: what fits their shared memory, less K = 3 at MB = 2, whose sm_80 build
+  // spills 100 B at 128 registers (16 warps; 8 warps cost sm_90 18% at M = 16). The host refuses the rest.
+  static constexpr bool kOnSm80 = kSmemTotal <= kSm80SmemMax && !(K == 3 && MB == 2);
   static constexpr int kPartialFloats = kWarps * MB * 32 * 4;  // one CTA's partial output tile
 };
 
@@ -570,8 +573,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 template <int K, int MB, typename T>
 __global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  // Cannot launch on an sm_80-class GPU (the host checks the shared memory first): not built for one.
-  if constexpr (GemmConfig<K, MB>::kSmemTotal > kSm80SmemMax) {
+  // Not built for sm_80-class GPUs (the host refuses to launch it on one, see GemmConfig::kOnSm80).
+  if constexpr (!GemmConfig<K, MB>::kOnSm80) {
     __trap();
   } else
 #endif
@@ -640,5 +643,6 @@ template <int K>
 cudaError_t gemm_for_bits(const GemmParams& p, cudaStream_t stream);
 
 int gemm_smem_bytes(int k, int mb);
+bool gemm_on_sm80(int k, int mb);
 
 }  // namespace kbit
