@@ -570,8 +570,36 @@ def test_split_k_deterministic(k, dtype):
     assert not failures, tag(seed, op="split-k", k=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
 
 
+def test_split_k_concurrent_streams():
+    """Split-K GEMMs running at once on two streams: each stream keeps its own arrival counters."""
+    seed = seed_for("splitk-streams")
+    g = gen(seed + 1, "cuda")
+    N, K, grid = 4096, 14336, 32  # 16 x 56 steps over 32 CTAs per GEMM: both GEMMs fit on the GPU at once
+    weights = [quantized_weight(N, K, 4, seed + i) for i in range(2)]
+    xs = [torch.randn(1, K, generator=g, device="cuda").half() for _ in range(2)]
+    refs = [run_matmul(x, qw, num_blocks=grid) for x, qw in zip(xs, weights)]
+    for x, qw, ref in zip(xs, weights, refs):
+        st = GemmChecker(qw).stats(x, None, ref)
+        assert st["ok"], tag(seed, op="splitk-streams") + ": " + GemmChecker.describe(st)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(20):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(kbit.matmul(xs[i], weights[i], num_blocks=grid))
+    for st in streams:
+        torch.cuda.current_stream().wait_stream(st)
+    for i in range(2):
+        for rep, out in enumerate(outs[i]):
+            assert_bits_equal(out, refs[i], tag(seed, op="splitk-streams") + f": stream {i}, call {rep}")
+
+
 # ----------------------------------------------------------------------------- CUDA graphs
-def _capture(fn, warmup: int = 3):
+def _capture(fn, warmup: int = 3, on_warmup_stream: bool = False):
+    """Warm up on a side stream, then capture on torch's capture stream or on that same side stream (the
+    GEMM's split-K counters are cached per stream: the two take different paths)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -579,16 +607,16 @@ def _capture(fn, warmup: int = 3):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=s if on_warmup_stream else None):
         out = fn()
     return graph, out
 
 
-@pytest.mark.parametrize("num_blocks", [0, 7])
+@pytest.mark.parametrize("num_blocks,on_warmup_stream", [(0, False), (7, False), (7, True)])
 @pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=_name)
 @pytest.mark.parametrize("k", BITS)
-def test_cuda_graph_matmul(k, dtype, num_blocks):
-    seed = seed_for("graph-matmul", k, dtype, num_blocks)
+def test_cuda_graph_matmul(k, dtype, num_blocks, on_warmup_stream):
+    seed = seed_for("graph-matmul", k, dtype, num_blocks, on_warmup_stream)
     g = gen(seed + 1, "cuda")
     N, K = 1536, 2048
     qw = quantized_weight(N, K, k, seed)
@@ -596,7 +624,8 @@ def test_cuda_graph_matmul(k, dtype, num_blocks):
     for M in (1, 16):
         msg = tag(seed, op="graph-matmul", k=k, dtype=dtype, M=M, num_blocks=num_blocks)
         static_x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
-        graph, static_y = _capture(lambda: kbit.matmul(static_x, qw, bias, num_blocks=num_blocks))
+        graph, static_y = _capture(lambda: kbit.matmul(static_x, qw, bias, num_blocks=num_blocks),
+                                   on_warmup_stream=on_warmup_stream)
         for trial in range(3):
             static_x.copy_(torch.randn(M, K, generator=g, device="cuda").to(dtype))
             graph.replay()
