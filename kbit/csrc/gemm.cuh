@@ -4,6 +4,7 @@
 //   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
 //   build_tables    the per-CTA lookup tables: codes -> 16-bit codebook values, E4M4 code -> scale
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
+//   SmemLayout      where the tables (at an aligned shared address) and each stage's pieces live
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
 //   Barriers        the pipeline's mbarriers: per stage, one per warp for its weights, two for the
 //                   activations all warps share (landed / free again)
@@ -13,8 +14,9 @@
 //                   32 columns and applies each block's scale to the fp32 result
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
-//   gemm_kernel     the persistent, stream-K main loop: no CTA-wide barrier per step, each warp waits
+//   gemm_main       the persistent, stream-K main loop: no CTA-wide barrier per step, each warp waits
 //                   only for its own weights and for the shared activations
+//   gemm_kernel     the entry point (and what sm_80 builds of it)
 //
 // Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
 // (16 k x 8 tokens), so one m16n8k16 serves up to 8 tokens with no wasted weight work (C^T = W X^T).
