@@ -111,15 +111,13 @@ int* split_k_counters(int64_t n, const at::Tensor& like, cudaStream_t stream) {
   return list.back().data_ptr<int>();
 }
 
-// Programmatic dependent launch of the GEMM on sm_90 (see common.cuh); KBIT_DEPENDENT_LAUNCH=0 turns it off.
-bool dependent_launch(int device) {
+// Programmatic dependent launch of the GEMM (sm_90, see common.cuh); KBIT_DEPENDENT_LAUNCH=0 turns it off.
+bool dependent_launch_enabled() {
   static const bool enabled = [] {
     const char* v = std::getenv("KBIT_DEPENDENT_LAUNCH");
     return v == nullptr || std::string(v) != "0";
   }();
-  int major = 0;
-  check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device query");
-  return enabled && major >= 9;
+  return enabled;
 }
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
@@ -166,7 +164,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.y = y.data_ptr();
   p.partials = partials.data_ptr<float>();
   p.counters = plan.counters > 0 ? split_k_counters(plan.counters, x, stream) : nullptr;
-  p.dependent_launch = dependent_launch(x.get_device());
+  p.dependent_launch = dependent_launch_enabled() && plan.cc_major >= 9;
   p.M = static_cast<int>(M);
   p.K_x = static_cast<int>(x.size(1));
   p.lda = static_cast<int>(x.size(1));

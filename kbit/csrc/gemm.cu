@@ -44,6 +44,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb) > smem_limit) plan.mb /= 2;
   plan.smem_bytes = gemm_smem_bytes(k, plan.mb);
   plan.smem_limit = smem_limit;
+  plan.cc_major = major;
   plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb);
   const int tokens = plan.mb * 8;
   plan.m_passes = (M + tokens - 1) / tokens;

@@ -56,6 +56,7 @@ struct GemmPlan {
   int64_t counters;         // ints of arrival counters
   int smem_bytes;           // shared memory per CTA the configuration needs
   int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
+  int cc_major;             // the device's compute capability, major (0 if unknown)
   bool built;               // whether the configuration is built for the device (GemmConfig::kOnSm80)
 };
 
