@@ -19,6 +19,15 @@ __device__ __forceinline__ float decode_e4m4(uint32_t c) {
   return e == 0 ? static_cast<float>(m) * 0x1p-14f : __uint_as_float(((e + 116u) << 23) | (m << 19));
 }
 
+// decode_e4m4 of byte b of `word`, in three ALU instructions and no table: the code placed at bits 19..26
+// is a float whose exponent field is E and whose mantissa starts with M, i.e. exactly 2^-116 times the
+// E4M4 value, subnormals included (E = 0 is a float denormal, M * 2^-130); one multiply rebiases it.
+// Needs denormals kept (the kernels are not built with flush-to-zero).
+__device__ __forceinline__ float e4m4_byte_to_float(uint32_t word, int b) {
+  const uint32_t at_bit_16 = __byte_perm(word, 0u, 0x4044u | (b << 8));  // byte b at bits 16..23, zeros else
+  return __uint_as_float(at_bit_16 << 3) * 0x1p116f;
+}
+
 // E4M4 encode of a non-negative float: round to nearest even on the float's bit pattern, saturating at 0xFF
 // (31.0; infinities and NaN also give 0xFF). Branch-free; mirrors formats.encode_absmax_e4m4 exactly.
 __device__ __forceinline__ uint32_t encode_e4m4(float x) {

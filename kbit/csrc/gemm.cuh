@@ -2,7 +2,7 @@
 //
 // Reads top to bottom:
 //   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
-//   build_tables    the per-CTA lookup tables: codes -> 16-bit codebook values, E4M4 code -> scale
+//   build_tables    the per-CTA lookup table: codes -> 16-bit codebook values
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   SmemLayout      where the tables (at an aligned shared address) and each stage's pieces live
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
@@ -59,16 +59,19 @@ struct GemmConfig {
   static constexpr int kXStage = MB * 8 * kXRowHalves * 2;  // MB*8 tokens x 256 k (+ padding)
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
-  //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l, and in
-  //          the same row the E4M4 scale table: scale of code e at 128 + 4l;
+  //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l (bytes
+  //          128..255 of each row unused: the PRMT address needs the 256 B stride);
   //   K = 3, 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies), one copy per
-  //          lane (fewer at K = 5, where 32 copies would pass 32 KB), and a 1 KB scale table.
+  //          lane, fewer at K = 5, where 32 copies would take 128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at
+  //          larger MB, which needs the room for activations (and to fit sm_80's 163 KB). 8 copies means
+  //          4 lanes share each, 3 wavefronts per lookup on average; 16 copies, 2.
+  // The E4M4 block scales need no table (e4m4_byte_to_float).
   static constexpr bool kByteRows = K == 2 || K == 4;  // table rows addressed by one byte of codes (PRMT)
   static constexpr int kPairs = 1 << (2 * K);
-  static constexpr int kCopies = kPairs * 32 * 4 <= 32768 ? 32 : 32768 / (kPairs * 4);
+  static constexpr int kCopyBytes = MB == 1 ? 65536 : 32768;  // the most a compact table may take
+  static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
   static constexpr int kPairTable = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
-  static constexpr int kScaleTable = K == 4 ? 0 : 256 * 4;  // E4M4 code -> float (inside the rows at K = 4)
-  static constexpr int kTables = kPairTable + kScaleTable;
+  static constexpr int kTables = kPairTable;
 
   // Shared memory (see "Shared memory layout" below). The pair table starts at a shared address aligned to
   // kTableAlign, its size rounded up to a power of two; the stages' pieces fill the space below it
@@ -97,14 +100,13 @@ struct GemmConfig {
 };
 
 // ---------------------------------------------------------------------------- lookup tables
-// Every CTA builds its tables once, in shared memory, from the codebook. Entries are duplicated per lane so
+// Every CTA builds its table once, in shared memory, from the codebook. Entries are duplicated per lane so
 // that 32 lanes reading 32 different entries hit 32 different banks.
 //
 // Why two kinds. At K = 4 a pair of codes is exactly one byte of a lane's bit string, and at K = 2 so is a
 // quad; one PRMT then places that byte at bits 8..15 and the lane's copy offset at bits 0..7: a whole table
 // address in one instruction (the generic path needs a shift, a mask and an OR). That needs rows of 256 B,
-// 64 KB per table. At K = 4 the rows have room for the scale table too (bytes 128..255), so the scales are
-// also looked up with one PRMT. K = 3 and 5 keep compact tables and the shift-and-mask path.
+// 64 KB per table. K = 3 and 5 keep compact tables and the shift-and-mask path.
 // `code_value` is codebook[threadIdx.x] for the first 2^K threads, loaded by the caller before it issued
 // the pipeline's first copies: loaded here, behind ~100 KB of weight copies from the same SM, it arrived
 // after 3-6 us (clock64 trace, H100), and the whole CTA waited for it.
@@ -116,24 +118,26 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
   if (tid < (1 << K)) codebook[tid] = code_value;
   __syncthreads();
   if constexpr (Cfg::kByteRows) {
-    // Row e is 16 vectors of 16 B; thread i computes the value of half-row i (row i / 2) once and stores its
-    // 8 vectors, rotated by i so that the 8 threads of one store wavefront hit 8 different bank groups.
-    //   K = 2: both halves hold lane copies of the 4 values of quad e;
-    //   K = 4: half 0 holds copies of pair e, half 1 copies of the scale of E4M4 code e.
+    // Row e is 16 vectors of 16 B; thread i computes the value of half-row i once and stores its 8 vectors,
+    // rotated by i so that the 8 threads of one store wavefront hit 8 different bank groups.
+    //   K = 2: half-row i is half i % 2 of row i / 2; both halves hold lane copies of the 4 values of quad e;
+    //   K = 4: half-row i is the first half of row i, lane copies of pair i.
+    constexpr int kHalfRows = K == 2 ? 512 : 256;
     uint4* rows = reinterpret_cast<uint4*>(tables);
-    for (int i = tid; i < 512; i += Cfg::kThreads) {
-      const int e = i >> 1;
+    for (int i = tid; i < kHalfRows; i += Cfg::kThreads) {
+      const int e = K == 2 ? i >> 1 : i;
       uint4 v;
       if constexpr (K == 2) {
         const uint32_t lo = pack_pair<T>(codebook[e & 3], codebook[(e >> 2) & 3]);
         const uint32_t hi = pack_pair<T>(codebook[(e >> 4) & 3], codebook[e >> 6]);
         v = make_uint4(lo, hi, lo, hi);
       } else {
-        const uint32_t w = i & 1 ? __float_as_uint(decode_e4m4(e)) : pack_pair<T>(codebook[e & 15], codebook[e >> 4]);
+        const uint32_t w = pack_pair<T>(codebook[e & 15], codebook[e >> 4]);
         v = make_uint4(w, w, w, w);
       }
+      uint4* half_row = rows + e * 16 + (K == 2 ? (i & 1) * 8 : 0);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) rows[i * 8 + ((i + j) & 7)] = v;
+      for (int j = 0; j < 8; ++j) half_row[(i + j) & 7] = v;
     }
   } else {
     uint32_t* pairs = reinterpret_cast<uint32_t*>(tables);
@@ -143,28 +147,18 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
       for (int c = 0; c < Cfg::kCopies; ++c) pairs[e * Cfg::kCopies + c] = v;
     }
   }
-  if constexpr (Cfg::kScaleTable > 0) {
-    float* scales = reinterpret_cast<float*>(tables + Cfg::kPairTable);
-    static_assert(Cfg::kThreads >= 256, "one thread per E4M4 code builds the scale table");
-    if (tid < 256) scales[tid] = decode_e4m4(tid);
-  }
 }
 
-// Per-lane lookup bases: shared addresses, the table's (aligned) address OR'd with this lane's copy offset.
-//   pair:  K = 2, 4: byte 0 = the lane's offset in a row, bytes 2..3 = the table's; K = 3, 5: low bits =
-//          the lane's copy offset, the rest the table's;
-//   scale: K = 4: as pair, at byte 128 of a row; K = 3, 5: the scale table's address.
-struct LaneSelect {
-  uint32_t pair, scale;
-};
+// A lane's lookup base: the table's (aligned) shared address OR'd with this lane's copy offset. K = 2, 4:
+// byte 0 = the lane's offset in a row, bytes 2..3 = the table's; K = 3, 5: low bits = the lane's copy
+// offset, the rest the table's.
 template <int K, int MB>
-__device__ __forceinline__ LaneSelect lane_select(uint32_t table, int lane) {
+__device__ __forceinline__ uint32_t lane_select(uint32_t table, int lane) {
   using Cfg = GemmConfig<K, MB>;
-  LaneSelect s{table | (K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u),
-               K == 4 ? table | (128u + lane * 4u) : table + Cfg::kPairTable};
+  uint32_t sel = table | (K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u);
   // Opaque to the compiler: otherwise it re-derives the offset from the thread index inside every lookup.
-  asm volatile("" : "+r"(s.pair), "+r"(s.scale));
-  return s;
+  asm volatile("" : "+r"(sel));
+  return sel;
 }
 
 // Byte b of `codes` at bits 8..15, bytes 0, 2 and 3 of `sel` (lane offset, table address) around it: the
@@ -175,6 +169,8 @@ __device__ __forceinline__ uint32_t byte_row_address(uint32_t codes, int b, uint
 
 // Loads from 32-bit shared addresses: a C++ pointer would make ptxas add the shared window's base to
 // every lookup (one IMAD per lookup, 16% of all instructions at K = 4, M = 1).
+// Not volatile, so they schedule freely: the table never changes after the CTA's __syncthreads, and every
+// address depends on codes loaded (in C++) after it.
 __device__ __forceinline__ uint32_t lds32(uint32_t address) {
   uint32_t v;
   asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(address));
@@ -186,34 +182,36 @@ __device__ __forceinline__ uint2 lds64(uint32_t address) {
   return v;
 }
 
-// E4M4 scale of block t of one row; `word` holds the row's codes of blocks 4*(t/4) .. 4*(t/4)+3.
-template <int K, int MB>
-__device__ __forceinline__ float block_scale(uint32_t word, int t, const LaneSelect& sel) {
-  if constexpr (K == 4)
-    return __uint_as_float(lds32(byte_row_address(word, t & 3, sel.scale)));
-  else
-    return __uint_as_float(lds32(sel.scale + ((word >> (8 * (t & 3))) & 0xFFu) * 4));
+// Predicated 16-byte shared load into v: lanes with `active` false load nothing and keep v. A quarter-warp
+// with no active lane costs the shared-memory pipe no wavefront. v is read and written ("+r"): a
+// conditionally written output with no earlier value would be live from the kernel's entry for ptxas
+// (64 more registers at MB = 2, spilled). Volatile: the compiler must not move it above the wait for the
+// barrier that says the data landed (an asm without memory operands looks free to move).
+__device__ __forceinline__ void lds128_if(bool active, uint32_t address, uint4& v) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t@p ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n\t}\n"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "r"(address), "r"(static_cast<int>(active)));
 }
 
 // A-fragment registers of block t: h[r][j] = codebook values of columns 8q + 2j, 8q + 2j + 1 of row g + 8r,
 // as a 16-bit pair. w is the lane's bit string; the code of (t, r, s) sits at bits ((2t + r) * 8 + s) * K.
 template <int K, int MB>
 __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * K], int t,
-                                                const LaneSelect& sel, uint32_t (&h)[2][4]) {
+                                                uint32_t sel, uint32_t (&h)[2][4]) {
   using Cfg = GemmConfig<K, MB>;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if constexpr (K == 2) {  // quad j of (t, r) is byte 2r + j of word t
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint2 v = lds64(byte_row_address(w[t], 2 * r + j, sel.pair));
+        const uint2 v = lds64(byte_row_address(w[t], 2 * r + j, sel));
         h[r][2 * j] = v.x;
         h[r][2 * j + 1] = v.y;
       }
     } else if constexpr (K == 4) {  // pair j of (t, r) is byte j of word 2t + r
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        h[r][j] = lds32(byte_row_address(w[2 * t + r], j, sel.pair));
+        h[r][j] = lds32(byte_row_address(w[2 * t + r], j, sel));
     } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
       constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 : 4;
       static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
@@ -221,7 +219,7 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * K], int 
       for (int j = 0; j < 4; ++j) {
         const int o = ((2 * t + r) * 8 + 2 * j) * K, wi = o >> 5, bi = o & 31;
         const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
-        const uint32_t off = ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | sel.pair;
+        const uint32_t off = ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | sel;
         h[r][j] = lds32(off);
       }
     }
@@ -250,7 +248,7 @@ struct SmemLayout {
   __device__ bool fits() const {
     uint32_t dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic_bytes));
-    return pad >= Cfg::kLowBytes && pad + Cfg::kTables + Cfg::kHighBytes <= dynamic_bytes;
+    return static_cast<int>(pad) >= Cfg::kLowBytes && pad + Cfg::kTables + Cfg::kHighBytes <= dynamic_bytes;
   }
   // Offsets from the dynamic base, 32-bit: 64-bit pointers per piece cost sm_80's build spills.
   __device__ uint8_t* codes(int s) const {
@@ -298,15 +296,19 @@ struct Barriers {
   uint64_t weights_full[Cfg::kStages][Cfg::kWarps];
   uint64_t acts_full[Cfg::kStages];
   uint64_t acts_free[Cfg::kStages];
-  // One barrier per thread: one thread initializing all 72 took ~1 us (clock64 trace, H100).
-  static constexpr int kWeightBars = Cfg::kStages * Cfg::kWarps;
-  static_assert(kWeightBars + 2 * Cfg::kStages <= Cfg::kThreads, "one thread per barrier");
-  __device__ void init(int i) {
+  // Lane 0 of each warp initializes every kWarps-th barrier. An mbarrier init takes a warp-uniform
+  // address: one thread per barrier made ptxas serialize the 32 lanes' inits in a loop (~1 us, as long as
+  // one thread doing all 72; clock64 trace, H100), one lane per warp runs the warps' inits in parallel.
+  static constexpr int kWeightBars = Cfg::kStages * Cfg::kWarps, kBars = kWeightBars + 2 * Cfg::kStages;
+  __device__ void init(int warp, int lane) {
     constexpr int S = Cfg::kStages;
-    // sm_90: lane 0 arrives and announces the bytes; sm_80: every lane arrives after its cp.async copies.
-    if (i < kWeightBars) mbarrier_init(&weights_full[i / Cfg::kWarps][i % Cfg::kWarps], KBIT_BULK_COPY ? 1 : 32);
-    else if (i < kWeightBars + S) mbarrier_init(&acts_full[i - kWeightBars], Cfg::kThreads);  // every thread
-    else if (i < kWeightBars + 2 * S) mbarrier_init(&acts_free[i - kWeightBars - S], Cfg::kWarps);  // lane 0s
+    if (lane != 0) return;
+    for (int i = warp; i < kBars; i += Cfg::kWarps) {
+      // sm_90: lane 0 arrives and announces the bytes; sm_80: every lane arrives after its cp.async copies.
+      if (i < kWeightBars) mbarrier_init(&weights_full[i / Cfg::kWarps][i % Cfg::kWarps], KBIT_BULK_COPY ? 1 : 32);
+      else if (i < kWeightBars + S) mbarrier_init(&acts_full[i - kWeightBars], Cfg::kThreads);  // every thread
+      else mbarrier_init(&acts_free[i - kWeightBars - S], Cfg::kWarps);                       // lane 0s
+    }
   }
 };
 
@@ -359,10 +361,13 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
   mbarrier_arrive_after_cp_async(full);
 }
 
-// One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc.
+// One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc. Token rows at or
+// past x_rows (the rows this pass has) are not loaded: their registers hold stale values, which reach only
+// their own output columns (the MMA's columns are independent), and those are never stored. At M = 1 only
+// lanes 0..3 load activations, one wavefront per 16-byte load instead of four.
 template <int K, int MB, typename T>
-__device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece,
-                                             const LaneSelect& sel, float (&acc)[MB][4]) {
+__device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
+                                             int x_rows, float (&acc)[MB][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   uint32_t w[4 * K];
@@ -375,28 +380,25 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
   const uint8_t* ab = small_piece + warp * 128;
   const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
   const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
-  const uint8_t* xs = small_piece + Cfg::kAbsStage;
+  const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) + (g * kXRowHalves + 8 * q) * 2;
+  uint4 xv[MB] = {};  // per token tile, reloaded per block
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-    const float s_lo = block_scale<K, MB>(t < 4 ? scales_lo.x : scales_lo.y, t, sel);
-    const float s_hi = block_scale<K, MB>(t < 4 ? scales_hi.x : scales_hi.y, t, sel);
+    const float s_lo = e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3);
+    const float s_hi = e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3);
     uint32_t h[2][4];
     block_fragments<K, MB>(w, t, sel, h);
     const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
     const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
     #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
-      // Token rows past M hold stale or uninitialized data: it only reaches their own output columns (the
-      // MMA's columns are independent), which are never stored. Reading them unconditionally saves the
-      // zero fill and the predicate.
-      const int row = mb * 8 + g;
-      const uint4 xv = *reinterpret_cast<const uint4*>(xs + (row * kXRowHalves + t * 32 + 8 * q) * 2);
+      lds128_if(mb * 8 + g < x_rows, xs + (mb * 8 * kXRowHalves + t * 32) * 2, xv[mb]);
       // One block of 32 columns in unit scale, then its E4M4 scale in fp32: accumulator rows are weight
       // rows (g: d0, d1; g + 8: d2, d3), so each row takes its own block scale, rounded exactly once.
       float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma_16816<T>(blk, a0, xv.x, xv.y);
-      mma_16816<T>(blk, a1, xv.z, xv.w);
+      mma_16816<T>(blk, a0, xv[mb].x, xv[mb].y);
+      mma_16816<T>(blk, a1, xv[mb].z, xv[mb].w);
       acc[mb][0] = fmaf(blk[0], s_lo, acc[mb][0]);
       acc[mb][1] = fmaf(blk[1], s_lo, acc[mb][1]);
       acc[mb][2] = fmaf(blk[2], s_hi, acc[mb][2]);
@@ -508,7 +510,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  bars.init(threadIdx.x);
+  bars.init(warp, lane);
   mbarrier_init_fence();
 #if KBIT_BULK_COPY
   // Launched early (programmatic dependent launch), the CTA warms L2 with the weights of its first
@@ -537,7 +539,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     load_activations<K, MB, T>(p, layout.small(s), &bars.acts_full[s], load_at);
     if (s == 0) build_tables<K, MB, T>(code_value, layout.tables());
   }
-  const LaneSelect sel = lane_select<K, MB>(layout.table, lane);
+  const uint32_t sel = lane_select<K, MB>(layout.table, lane);
   __syncthreads();  // tables complete
 
   float acc[MB][4] = {};
@@ -553,7 +555,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 
     mbarrier_wait(&bars.weights_full[slot][warp], phase);
     mbarrier_wait(&bars.acts_full[slot], phase);
-    compute_step<K, MB, T>(layout.codes(slot), layout.small(slot), sel, acc);
+    compute_step<K, MB, T>(layout.codes(slot), layout.small(slot), sel, min(MB * 8, p.M - c.mpass * MB * 8), acc);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&bars.acts_free[slot]);
 
