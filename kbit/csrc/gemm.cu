@@ -48,21 +48,21 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb);
   const int tokens = plan.mb * 8;
   plan.m_passes = (M + tokens - 1) / tokens;
-  const int rows = gemm_warps(k, plan.mb) * 16;
+  const int rows = gemm_tile_rows(k, plan.mb);
   const int n_tiles = (N + rows - 1) / rows, k_groups = (K_w + kKGroup - 1) / kKGroup;
   plan.total_steps = plan.m_passes * n_tiles * k_groups;
   const int want = forced_grid > 0 ? forced_grid : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_groups == 0;
-  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * 2 * gemm_warps(k, plan.mb) * plan.mb * 32 * 4;
+  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * 2 * gemm_tile_rows(k, plan.mb) / 16 * plan.mb * 32 * 4;
   plan.counters = whole ? 0 : static_cast<int64_t>(plan.m_passes) * n_tiles;
   return plan;
 }
 
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.N = N;
-  const int rows = gemm_warps(p.k, plan.mb) * 16;
+  const int rows = gemm_tile_rows(p.k, plan.mb);
   p.n_tiles = (N + rows - 1) / rows;
   p.k_groups = (K_w + kKGroup - 1) / kKGroup;
   p.mb = plan.mb;

@@ -41,10 +41,15 @@ constexpr int kReservedSmem = 1024;
 constexpr int kSharedTop = kReservedSmem + 227 * 1024;
 constexpr int kStaticSmemMax = 2048;
 
-// Warps per CTA. Decode (MB <= 2) is bound by instruction latency, so it gets 16 warps sharing one set of
-// tables; larger MB needs the registers for its accumulators and the shared memory for activations, and so
-// does MB = 2 at K = 5 (16 warps leave 128 registers per thread, and sm_80's build of it spilled).
-__host__ __device__ constexpr int gemm_warps(int k, int mb) { return mb == 1 || (mb == 2 && k != 5) ? 16 : 8; }
+// Warps per CTA, and row tiles (16 weight rows each) per warp. At MB <= 2 a warp owns two row tiles: each
+// activation fragment it loads then serves both, and the per-step work that does not scale with the rows
+// (barrier waits, copy issue, cursors: ~180 of ~480 instructions per step with one tile, ncu, H100) is
+// paid once per 32 rows. Eight warps leave each thread the registers for both tiles' codes.
+__host__ __device__ constexpr int gemm_warps(int k, int mb) { return 8; }
+// K = 5 at MB = 2 keeps one tile per warp: two would need 256-row stages of 42 KB, 3 stages and more shared
+// memory than sm_80 has.
+__host__ __device__ constexpr int gemm_row_tiles(int k, int mb) { return mb == 1 || (mb == 2 && k != 5) ? 2 : 1; }
+__host__ __device__ constexpr int gemm_tile_rows(int k, int mb) { return gemm_warps(k, mb) * gemm_row_tiles(k, mb) * 16; }
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
@@ -52,10 +57,12 @@ constexpr int kSm80SmemMax = 163 * 1024;
 template <int K, int MB>
 struct GemmConfig {
   static constexpr int kWarps = gemm_warps(K, MB);
+  static constexpr int kRowTiles = gemm_row_tiles(K, MB);
+  static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileRows = kWarps * 16;         // weight rows per CTA tile
-  static constexpr int kBStage = kWarps * K * 32 * 16;  // each warp: K vectors of 16 B per lane
-  static constexpr int kAbsStage = kWarps * 128;        // each warp: 16 rows x 8 blocks
+  static constexpr int kTileRows = gemm_tile_rows(K, MB);                // weight rows per CTA tile
+  static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
+  static constexpr int kAbsStage = kWarps * kRowTiles * 128;        // per row tile: 16 rows x 8 blocks
   static constexpr int kXStage = MB * 8 * kXRowHalves * 2;  // MB*8 tokens x 256 k (+ padding)
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
@@ -93,10 +100,9 @@ struct GemmConfig {
   static constexpr int kHighBytes = high_bytes(kStages);
   // Per-CTA total (static + dynamic) when the dynamic base is below kTableAlign: what the plan checks.
   static constexpr int kSmemTotal = kTableAlign - kReservedSmem + kTables + kHighBytes;
-  // Built for sm_80-class GPUs: what fits their shared memory, less K = 3 at MB = 2, whose sm_80 build
-  // spills 100 B at 128 registers (16 warps; 8 warps cost sm_90 18% at M = 16). The host refuses the rest.
-  static constexpr bool kOnSm80 = kSmemTotal <= kSm80SmemMax && !(K == 3 && MB == 2);
-  static constexpr int kPartialFloats = kWarps * MB * 32 * 4;  // one CTA's partial output tile
+  // Built for sm_80-class GPUs: what fits their shared memory. The host refuses the rest.
+  static constexpr bool kOnSm80 = kSmemTotal <= kSm80SmemMax;
+  static constexpr int kPartialFloats = kWarps * kFrags * 32 * 4;  // one CTA's partial output tile
 };
 
 // ---------------------------------------------------------------------------- lookup tables
@@ -312,30 +318,41 @@ struct Barriers {
   }
 };
 
-// One warp's weights of one step: its tile's codes, K*512 contiguous bytes at B_gemm[tile16][kgroup], and
-// block scales, 128 contiguous bytes at absmax_gemm[tile16][kgroup].
+// One warp's weights of one step, per row tile r: its codes, K*512 contiguous bytes at B_gemm[tile16][kgroup],
+// and block scales, 128 contiguous bytes at absmax_gemm[tile16][kgroup]. In shared memory a warp's row
+// tiles sit next to each other: codes at warp * kRowTiles * K*512 + r * K*512, scales likewise.
 template <int K, int MB>
-__device__ __forceinline__ int64_t weights_index(const GemmParams& p, const StepCursor& c) {
-  return (static_cast<int64_t>(c.ntile) * GemmConfig<K, MB>::kWarps + (threadIdx.x >> 5)) * p.k_groups + c.kgroup;
+__device__ __forceinline__ int64_t weights_index(const GemmParams& p, const StepCursor& c, int r) {
+  using Cfg = GemmConfig<K, MB>;
+  const int64_t tile16 = (static_cast<int64_t>(c.ntile) * Cfg::kWarps + (threadIdx.x >> 5)) * Cfg::kRowTiles + r;
+  return tile16 * p.k_groups + c.kgroup;
 }
 template <int K, int MB>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
                                              uint64_t* full, const StepCursor& c) {
+  constexpr int RT = GemmConfig<K, MB>::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t at = weights_index<K, MB>(p, c);
-  uint8_t* codes = codes_piece + warp * K * 512;
-  uint8_t* scales = small_piece + warp * 128;
+  uint8_t* codes = codes_piece + warp * RT * K * 512;
+  uint8_t* scales = small_piece + warp * RT * 128;
 #if KBIT_BULK_COPY
   if (lane == 0) {
-    mbarrier_arrive_expect_bytes(full, K * 512 + 128);
-    bulk_copy_to_shared(codes, p.b + at * (K * 32), K * 512, full);
-    bulk_copy_to_shared(scales, p.absmax + at * 128, 128, full);
+    mbarrier_arrive_expect_bytes(full, RT * (K * 512 + 128));
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const int64_t at = weights_index<K, MB>(p, c, r);
+      bulk_copy_to_shared(codes + r * K * 512, p.b + at * (K * 32), K * 512, full);
+      bulk_copy_to_shared(scales + r * 128, p.absmax + at * 128, 128, full);
+    }
   }
 #else
-  const uint4* src = p.b + at * (K * 32) + lane;
 #pragma unroll
-  for (int v = 0; v < K; ++v) cp_async16(codes + (v * 32 + lane) * 16, src + v * 32);
-  if (lane < 8) cp_async16(scales + lane * 16, p.absmax + at * 128 + lane * 16);
+  for (int r = 0; r < RT; ++r) {
+    const int64_t at = weights_index<K, MB>(p, c, r);
+    const uint4* src = p.b + at * (K * 32) + lane;
+#pragma unroll
+    for (int v = 0; v < K; ++v) cp_async16(codes + r * K * 512 + (v * 32 + lane) * 16, src + v * 32);
+    if (lane < 8) cp_async16(scales + r * 128 + lane * 16, p.absmax + at * 128 + lane * 16);
+  }
   mbarrier_arrive_after_cp_async(full);
 #endif
 }
@@ -361,68 +378,83 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
   mbarrier_arrive_after_cp_async(full);
 }
 
-// One warp, one step: 16 weight rows x 256 k against MB*8 tokens, accumulated into acc. Token rows at or
-// past x_rows (the rows this pass has) are not loaded: their registers hold stale values, which reach only
-// their own output columns (the MMA's columns are independent), and those are never stored. At M = 1 only
-// lanes 0..3 load activations, one wavefront per 16-byte load instead of four.
+// One warp, one step: its row tiles (16 weight rows each) x 256 k against MB*8 tokens, accumulated into acc
+// (fragment r * MB + mb). Token rows at or past x_rows (the rows this pass has) are not loaded: their
+// registers hold stale values, which reach only their own output columns (the MMA's columns are
+// independent), and those are never stored. At M = 1 only lanes 0..3 load activations, one wavefront per
+// 16-byte load instead of four.
 template <int K, int MB, typename T>
 __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
-                                             int x_rows, float (&acc)[MB][4]) {
+                                             int x_rows, float (&acc)[GemmConfig<K, MB>::kFrags][4]) {
   using Cfg = GemmConfig<K, MB>;
+  constexpr int RT = Cfg::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  uint32_t w[4 * K];
-  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + warp * K * 32 + lane;
+  uint32_t w[RT][4 * K];
+  uint2 scales_lo[RT], scales_hi[RT];
+  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + warp * RT * K * 32 + lane;
+  const uint8_t* ab = small_piece + warp * RT * 128;
 #pragma unroll
-  for (int v = 0; v < K; ++v) {
-    const uint4 t = bv[v * 32];
-    w[4 * v] = t.x; w[4 * v + 1] = t.y; w[4 * v + 2] = t.z; w[4 * v + 3] = t.w;
+  for (int r = 0; r < RT; ++r) {
+#pragma unroll
+    for (int v = 0; v < K; ++v) {
+      const uint4 t = bv[(r * K + v) * 32];
+      w[r][4 * v] = t.x; w[r][4 * v + 1] = t.y; w[r][4 * v + 2] = t.z; w[r][4 * v + 3] = t.w;
+    }
+    scales_lo[r] = *reinterpret_cast<const uint2*>(ab + r * 128 + g * 8);       // row g, blocks 0..7
+    scales_hi[r] = *reinterpret_cast<const uint2*>(ab + r * 128 + 64 + g * 8);  // row g + 8
   }
-  const uint8_t* ab = small_piece + warp * 128;
-  const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
-  const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
   const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) + (g * kXRowHalves + 8 * q) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-    const float s_lo = e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3);
-    const float s_hi = e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3);
-    uint32_t h[2][4];
-    block_fragments<K, MB>(w, t, sel, h);
-    const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
-    const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
-    #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) {
-      lds128_if(mb * 8 + g < x_rows, xs + (mb * 8 * kXRowHalves + t * 32) * 2, xv[mb]);
-      // One block of 32 columns in unit scale, then its E4M4 scale in fp32: accumulator rows are weight
-      // rows (g: d0, d1; g + 8: d2, d3), so each row takes its own block scale, rounded exactly once.
-      float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma_16816<T>(blk, a0, xv[mb].x, xv[mb].y);
-      mma_16816<T>(blk, a1, xv[mb].z, xv[mb].w);
-      acc[mb][0] = fmaf(blk[0], s_lo, acc[mb][0]);
-      acc[mb][1] = fmaf(blk[1], s_lo, acc[mb][1]);
-      acc[mb][2] = fmaf(blk[2], s_hi, acc[mb][2]);
-      acc[mb][3] = fmaf(blk[3], s_hi, acc[mb][3]);
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) lds128_if(mb * 8 + g < x_rows, xs + (mb * 8 * kXRowHalves + t * 32) * 2, xv[mb]);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const float s_lo = e4m4_byte_to_float(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
+      const float s_hi = e4m4_byte_to_float(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
+      uint32_t h[2][4];
+      block_fragments<K, MB>(w[r], t, sel, h);
+      const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
+      const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        // One block of 32 columns in unit scale, then its E4M4 scale in fp32: accumulator rows are weight
+        // rows (g: d0, d1; g + 8: d2, d3), so each row takes its own block scale, rounded exactly once.
+        float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_16816<T>(blk, a0, xv[mb].x, xv[mb].y);
+        mma_16816<T>(blk, a1, xv[mb].z, xv[mb].w);
+        float (&d)[4] = acc[r * MB + mb];
+        d[0] = fmaf(blk[0], s_lo, d[0]);
+        d[1] = fmaf(blk[1], s_lo, d[1]);
+        d[2] = fmaf(blk[2], s_hi, d[2]);
+        d[3] = fmaf(blk[3], s_hi, d[3]);
+      }
     }
   }
 }
 
 template <int K, int MB, typename T>
-__device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, const float (&acc)[MB][4]) {
+__device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c,
+                                           const float (&acc)[GemmConfig<K, MB>::kFrags][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float s = *p.scale;
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int n = c.ntile * Cfg::kTileRows + warp * 16 + g + 8 * (i >> 1);
-    if (n >= p.N) continue;
-    const float b = bias ? to_float(bias[n]) : 0.0f;
+  for (int r = 0; r < Cfg::kRowTiles; ++r) {
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) {
-      const int m = c.mpass * MB * 8 + mb * 8 + 2 * q + (i & 1);
-      if (m < p.M) y[static_cast<int64_t>(m) * p.N + n] = from_float<T>(acc[mb][i] * s + b);
+    for (int i = 0; i < 4; ++i) {
+      const int n = c.ntile * Cfg::kTileRows + (warp * Cfg::kRowTiles + r) * 16 + g + 8 * (i >> 1);
+      if (n >= p.N) continue;
+      const float b = bias ? to_float(bias[n]) : 0.0f;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        const int m = c.mpass * MB * 8 + mb * 8 + 2 * q + (i & 1);
+        if (m < p.M) y[static_cast<int64_t>(m) * p.N + n] = from_float<T>(acc[r * MB + mb][i] * s + b);
+      }
     }
   }
 }
@@ -442,7 +474,7 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
 // publish this CTA's partial and let the last contributor to arrive reduce all of them in CTA order.
 template <int K, int MB, typename T>
 __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCursor& c, int first, int last,
-                                            const float (&acc)[MB][4], int& s_last_arrival) {
+                                            const float (&acc)[GemmConfig<K, MB>::kFrags][4], int& s_last_arrival) {
   using Cfg = GemmConfig<K, MB>;
   const int tile = c.tile(p);
   const int tile_first = tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
@@ -454,12 +486,12 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   // Two partial slots per CTA: 0 for the tile it starts in, 1 for the tile it ends in. Every contributor
   // after the tile's first starts inside the tile, so only the first can be using slot 1.
   auto partial = [&](int cta, int slot) {
-    return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * MB * 32 + lane) * 4;
+    return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * Cfg::kFrags * 32 + lane) * 4;
   };
   float* mine = partial(blockIdx.x, tile == first / p.k_groups ? 0 : 1);
 #pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
-    *reinterpret_cast<float4*>(mine + mb * 128) = make_float4(acc[mb][0], acc[mb][1], acc[mb][2], acc[mb][3]);
+  for (int f = 0; f < Cfg::kFrags; ++f)
+    *reinterpret_cast<float4*>(mine + f * 128) = make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]);
   __threadfence();  // partial visible device-wide before the counter says so
   __syncthreads();
   const int cta_first = cta_of_step(p, tile_first), cta_last = cta_of_step(p, tile_last);
@@ -480,19 +512,19 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   const float* first_part = partial(cta_first, tile == first_step_of(p, cta_first) / p.k_groups ? 0 : 1);
   const float* later_parts = partial(cta_first + 1, 0);  // contributor j >= 1 at (j - 1) * stride
   const int64_t stride = 2 * Cfg::kPartialFloats;
-  float sum[MB][4] = {};
+  float sum[Cfg::kFrags][4] = {};
   for (int j0 = 0; j0 < contributors; j0 += kInFlight) {
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) {
+    for (int f = 0; f < Cfg::kFrags; ++f) {
       float4 v[kInFlight];
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
         const float* part = j0 + i == 0 ? first_part : later_parts + (j0 + i - 1) * stride;
-        if (j0 + i < contributors) v[i] = __ldcg(reinterpret_cast<const float4*>(part + mb * 128));
+        if (j0 + i < contributors) v[i] = __ldcg(reinterpret_cast<const float4*>(part + f * 128));
       }
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i)
-        if (j0 + i < contributors) sum[mb][0] += v[i].x, sum[mb][1] += v[i].y, sum[mb][2] += v[i].z, sum[mb][3] += v[i].w;
+        if (j0 + i < contributors) sum[f][0] += v[i].x, sum[f][1] += v[i].y, sum[f][2] += v[i].z, sum[f][3] += v[i].w;
     }
   }
   store_tile<K, MB, T>(p, c, sum);
@@ -519,9 +551,11 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (p.dependent_launch && lane == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
-      const int64_t i = weights_index<K, MB>(p, at);
-      prefetch_l2(p.b + i * (K * 32), K * 512);
-      prefetch_l2(p.absmax + i * 128, 128);
+      for (int r = 0; r < Cfg::kRowTiles; ++r) {
+        const int64_t i = weights_index<K, MB>(p, at, r);
+        prefetch_l2(p.b + i * (K * 32), K * 512);
+        prefetch_l2(p.absmax + i * 128, 128);
+      }
     }
   }
 #endif
@@ -542,7 +576,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   const uint32_t sel = lane_select<K, MB>(layout.table, lane);
   __syncthreads();  // tables complete
 
-  float acc[MB][4] = {};
+  float acc[Cfg::kFrags][4] = {};
   StepCursor c(p, first);
   int slot = 0;         // stage of this step
   uint32_t phase = 0;   // parity of this step's use of its stage
@@ -568,7 +602,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     if (c.kgroup == p.k_groups - 1 || step == last - 1) {
       finish_tile<K, MB, T>(p, c, first, last, acc, s_last_arrival);
 #pragma unroll
-      for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.0f;
+      for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
