@@ -41,14 +41,14 @@ constexpr int kReservedSmem = 1024;
 constexpr int kSharedTop = kReservedSmem + 227 * 1024;
 constexpr int kStaticSmemMax = 2048;
 
-// Warps per CTA, and row tiles (16 weight rows each) per warp. At MB <= 2 a warp owns two row tiles: each
-// activation fragment it loads then serves both, and the per-step work that does not scale with the rows
-// (barrier waits, copy issue, cursors: ~180 of ~480 instructions per step with one tile, ncu, H100) is
-// paid once per 32 rows. Eight warps leave each thread the registers for both tiles' codes.
+// Warps per CTA, and row tiles (16 weight rows each) per warp. A warp owns two row tiles: each activation
+// fragment it loads then serves both, and the per-step work that does not scale with the rows (barrier
+// waits, copy issue, cursors: ~180 of ~480 instructions per step with one tile, ncu, H100) is paid once per
+// 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps
+// one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
+// more shared memory than sm_80 has).
 __host__ __device__ constexpr int gemm_warps(int k, int mb) { return 8; }
-// K = 5 at MB = 2 keeps one tile per warp: two would need 256-row stages of 42 KB, 3 stages and more shared
-// memory than sm_80 has.
-__host__ __device__ constexpr int gemm_row_tiles(int k, int mb) { return mb == 1 || (mb == 2 && k != 5) ? 2 : 1; }
+__host__ __device__ constexpr int gemm_row_tiles(int k, int mb) { return k != 5 || mb == 1 ? 2 : 1; }
 __host__ __device__ constexpr int gemm_tile_rows(int k, int mb) { return gemm_warps(k, mb) * gemm_row_tiles(k, mb) * 16; }
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
