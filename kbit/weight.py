@@ -18,9 +18,12 @@ from .formats import (
 from .functional import GEMM_DTYPES, _check_tensor, _resolve_codebook, check_finite
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-# From M = 128 tokens on, dequantize + cuBLAS beat the fused kernel on every shape measured on an H200
-# (benchmarks/results/gemm_NVIDIA_H200.md, docs/PERFORMANCE.md); below it the fused kernel is used.
-DEQUANT_CUBLAS_MIN_M = 128
+# From this many tokens on, dequantize + cuBLAS beat the fused kernel, per bit width. Measured on an H100
+# (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md and _m160_224.md, docs/PERFORMANCE.md): at
+# M = 128 the fused kernel wins for K = 2..4 on the large shapes (K = 4, 8192->28672: 264 vs 380 us) and
+# ties at K = 5; the fused time grows by one weight pass per 32 tokens, so K = 2 ties at M = 160, K = 4 at
+# M = 192 (385 vs 385 us); at M = 256 dequantize + cuBLAS wins for every K.
+DEQUANT_CUBLAS_MIN_M = {2: 160, 3: 160, 4: 192, 5: 128}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 STATE_KEYS = ("packed", "absmax", "codebook", "scale", "meta")
 
@@ -189,7 +192,7 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, num_bl
     if x.device.type == "cuda":
         check_dtype(x.dtype, "x", GEMM_DTYPES)
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        if num_blocks == 0 and x2.shape[0] >= DEQUANT_CUBLAS_MIN_M:
+        if num_blocks == 0 and x2.shape[0] >= DEQUANT_CUBLAS_MIN_M[qw.k]:
             y = torch.nn.functional.linear(x2, qw.dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()
