@@ -35,7 +35,7 @@ import torch
 from .formats import BLOCK_SIZE, _to_int32_bits, pack_bitplanes, unpack_bitplanes
 
 TILE_ROWS = 16  # weight rows per warp tile (the MMA's M)
-N_ALIGN = 256  # rows of the largest CTA tile (16 warps x 16 rows): N is padded to this
+N_ALIGN = 256  # rows of the largest CTA tile (8 warps x 2 row tiles x 16 rows): N is padded to this
 K_GROUP = 256  # columns per pipeline step: 8 quantization blocks
 LANES = 32
 

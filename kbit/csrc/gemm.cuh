@@ -10,7 +10,7 @@
 //                   activations all warps share (landed / free again)
 //   load_weights    one warp's copies of one step's weights (bulk copies on sm_90, cp.async on sm_80)
 //   load_activations one warp's share of one step's activation copies (cp.async)
-//   compute_step    looks a warp's 16 x 256 weight codes up in the tables, runs the MMAs per block of
+//   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
@@ -20,7 +20,7 @@
 //
 // Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
 // (16 k x 8 tokens), so one m16n8k16 serves up to 8 tokens with no wasted weight work (C^T = W X^T).
-// Each warp owns 16 weight rows of the CTA's tile (8 or 16 warps); the warps share a step's activations.
+// Each of the 8 warps owns one or two row tiles of 16 weight rows; the warps share a step's activations.
 //
 // Work: a step is (token pass, CTA row tile, 256-column k-group). The total step range is cut into
 // `grid` contiguous pieces (stream-K), one per CTA, so every SM streams weights whatever the shape.
@@ -47,16 +47,16 @@ constexpr int kStaticSmemMax = 2048;
 // 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps
 // one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
 // more shared memory than sm_80 has).
-__host__ __device__ constexpr int gemm_warps(int k, int mb) { return 8; }
+constexpr int kGemmWarps = 8;
 __host__ __device__ constexpr int gemm_row_tiles(int k, int mb) { return k != 5 || mb == 1 ? 2 : 1; }
-__host__ __device__ constexpr int gemm_tile_rows(int k, int mb) { return gemm_warps(k, mb) * gemm_row_tiles(k, mb) * 16; }
+__host__ __device__ constexpr int gemm_tile_rows(int k, int mb) { return kGemmWarps * gemm_row_tiles(k, mb) * 16; }
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
 template <int K, int MB>
 struct GemmConfig {
-  static constexpr int kWarps = gemm_warps(K, MB);
+  static constexpr int kWarps = kGemmWarps;
   static constexpr int kRowTiles = gemm_row_tiles(K, MB);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
