@@ -100,7 +100,8 @@ def gemm(
 ) -> Tensor:
     """y[M, N] = x[M, K_dim] @ W_hat[N, K_dim]^T (+ bias), fp32 accumulation, y in x's dtype.
 
-    ``num_blocks`` > 0 forces the CUDA kernel's grid size (to force split-K in tests); 0 = auto.
+    ``num_blocks`` > 0 forces the CUDA kernel's grid size (to force split-K in tests), at most one CTA per SM
+    (CTAs of a split tile wait for each other, so all must be resident); 0 = auto.
     """
     packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, k, N, K_dim)
     w = formats.dequantize_reference(packed, absmax, codebook, k, N * K_dim, torch.float32, scale)

@@ -525,7 +525,7 @@ def test_matmul_shapes(k, dtype):
 
 # ----------------------------------------------------------------------------- forced split-K
 SPLITK_SHAPES = ((128, 4096), (1536, 2048), (4096, 14336))  # (N, K): 16, 8 and 56 k-groups
-SPLITK_GRIDS = (1, 3, 7, 64, 132, 1000)
+SPLITK_GRIDS = (1, 3, 7, 64, 132, 1000)  # 1000: more than the SMs, clamped to one CTA per SM
 SPLITK_CASES = [(k, torch.float16) for k in BITS] + [(4, torch.bfloat16), (3, torch.bfloat16)]
 
 
@@ -571,7 +571,7 @@ def test_split_k_deterministic(k, dtype):
 
 
 def test_split_k_concurrent_streams():
-    """Split-K GEMMs running at once on two streams: each stream keeps its own arrival counters."""
+    """Split-K GEMMs running at once on two streams: each stream keeps its own split-K workspace."""
     seed = seed_for("splitk-streams")
     g = gen(seed + 1, "cuda")
     N, K, grid = 4096, 14336, 32  # 16 x 56 steps over 32 CTAs per GEMM: both GEMMs fit on the GPU at once
@@ -599,7 +599,7 @@ def test_split_k_concurrent_streams():
 # ----------------------------------------------------------------------------- CUDA graphs
 def _capture(fn, warmup: int = 3, on_warmup_stream: bool = False):
     """Warm up on a side stream, then capture on torch's capture stream or on that same side stream (the
-    GEMM's split-K counters are cached per stream: the two take different paths)."""
+    GEMM's split-K workspace is cached per stream: the two take different paths)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

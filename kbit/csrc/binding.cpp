@@ -89,13 +89,13 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
   return {b, a};
 }
 
-// Split-K arrival counters. The kernel leaves every counter it used at zero, so a buffer zeroed once
-// serves every later GEMM of its stream: no fill kernel per call. One buffer per (device, stream), since
-// GEMMs on different streams may overlap. Buffers are kept for the life of the process (a captured CUDA
-// graph holds their address); a larger need adds a larger one. A stream under capture with no buffer large
-// enough gets a zeroed one for that call only: a buffer first zeroed inside a graph is not zero until the
-// graph runs.
-int* split_k_counters(int64_t n, const at::Tensor& like, cudaStream_t stream) {
+// Split-K workspace: one partial output tile per CTA, every word kbit::kPartialEmpty between GEMMs (the
+// kernel restores what it used), so a buffer filled once serves every later GEMM of its stream: no fill
+// kernel per call. One buffer per (device, stream), since GEMMs on different streams may overlap. Buffers are
+// kept for the life of the process (a captured CUDA graph holds their address); a larger need adds a larger
+// one. A stream under capture with no buffer large enough gets a filled one for that call only: a buffer
+// first filled inside a graph is not filled until the graph runs.
+float* split_k_partials(int64_t n, const at::Tensor& like, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_launch(cudaStreamIsCapturing(stream, &capture), "stream capture query");
   static std::mutex mutex;
@@ -103,12 +103,13 @@ int* split_k_counters(int64_t n, const at::Tensor& like, cudaStream_t stream) {
   const std::lock_guard<std::mutex> lock(mutex);
   auto& list = buffers[{like.get_device(), stream}];
   if (list.empty() || list.back().numel() < n) {
-    auto zeroed = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
+    auto filled = at::full({std::max<int64_t>(n, 1 << 16)}, static_cast<int32_t>(kbit::kPartialEmpty),
+                           like.options().dtype(at::kInt));
     // Under capture, the graph's memory pool keeps this allocation for the graph, as for any workspace.
-    if (capture != cudaStreamCaptureStatusNone) return zeroed.data_ptr<int>();
-    list.push_back(zeroed);
+    if (capture != cudaStreamCaptureStatusNone) return reinterpret_cast<float*>(filled.data_ptr<int32_t>());
+    list.push_back(filled);
   }
-  return list.back().data_ptr<int>();
+  return reinterpret_cast<float*>(list.back().data_ptr<int32_t>());
 }
 
 // Programmatic dependent launch of the GEMM (sm_90, see common.cuh); KBIT_DEPENDENT_LAUNCH=0 turns it off.
@@ -152,7 +153,6 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
               " KB (use dequantize + matmul)");
   TORCH_CHECK(plan.built, "kbit: the fused GEMM at k=", k, " for ", M, " tokens is not built for this GPU's architecture "
               "(use dequantize + matmul)");
-  auto partials = at::empty({std::max<int64_t>(plan.partial_floats, 1)}, x.options().dtype(at::kFloat));
 
   kbit::GemmParams p{};
   p.x = x.data_ptr();
@@ -162,8 +162,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.scale = scalar_ptr(scale);
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.y = y.data_ptr();
-  p.partials = partials.data_ptr<float>();
-  p.counters = plan.counters > 0 ? split_k_counters(plan.counters, x, stream) : nullptr;
+  p.partials = plan.partial_floats > 0 ? split_k_partials(plan.partial_floats, x, stream) : nullptr;
   p.dependent_launch = dependent_launch_enabled() && plan.cc_major >= 9;
   p.M = static_cast<int>(M);
   p.K_x = static_cast<int>(x.size(1));

@@ -129,6 +129,20 @@ __device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
 }
 #endif
 
+// ---------------------------------------------------------------------------- data between CTAs
+// Relaxed, GPU-scope 16-byte accesses: each 32-bit word is seen whole, served by L2 (never a stale L1 line),
+// and a load in a loop is issued again every time. For words that say by themselves whether they are valid.
+__device__ __forceinline__ void st_relaxed_gpu(float* p, float4 v) {
+  asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ float4 ld_relaxed_gpu(const float* p) {
+  float4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p)
+               : "memory");
+  return v;
+}
+
 // ---------------------------------------------------------------------------- programmatic dependent launch
 // Launched with programmatic stream serialization (sm_90), a kernel may start while the previous kernel
 // of the stream drains. It must not touch global memory, other than prefetches, before

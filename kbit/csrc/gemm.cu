@@ -51,12 +51,13 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   const int rows = gemm_tile_rows(k, plan.mb);
   const int n_tiles = (N + rows - 1) / rows, k_groups = (K_w + kKGroup - 1) / kKGroup;
   plan.total_steps = plan.m_passes * n_tiles * k_groups;
-  const int want = forced_grid > 0 ? forced_grid : num_sms;
+  // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile).
+  const int want = forced_grid > 0 ? std::min(forced_grid, num_sms) : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_groups == 0;
-  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * 2 * gemm_tile_rows(k, plan.mb) / 16 * plan.mb * 32 * 4;
-  plan.counters = whole ? 0 : static_cast<int64_t>(plan.m_passes) * n_tiles;
+  // One partial tile per CTA (GemmConfig::kPartialFloats): a CTA publishes at most one, see finish_tile.
+  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * gemm_tile_rows(k, plan.mb) / 16 * plan.mb * 32 * 4;
   return plan;
 }
 

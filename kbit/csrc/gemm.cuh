@@ -24,9 +24,12 @@
 //
 // Work: a step is (token pass, CTA row tile, 256-column k-group). The total step range is cut into
 // `grid` contiguous pieces (stream-K), one per CTA, so every SM streams weights whatever the shape.
-// A tile whose k-groups span several CTAs is reduced deterministically: each contributor stores its
-// fp32 partial, fences, and bumps the tile's counter; the last to arrive sums all partials in CTA order.
-#pragma once
+// A tile whose k-groups span several CTAs is reduced deterministically by the CTA that holds its first
+// k-group (which reaches it last, at the end of its range): every other contributor stores its fp32 partial,
+// the reducer waits until each word has landed, adds the partials in CTA order to its own accumulators and
+// stores the tile. A reducer only waits for CTAs after it, and each of those publishes before it could wait
+// for anything itself: the waits need no more than CTAs starting in index order, and the grid is at most one
+// CTA per SM (so all start at once when the GPU is not shared).
 
 #include "common.cuh"
 
@@ -436,11 +439,10 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
 }
 
 template <int K, int MB, typename T>
-__device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c,
+__device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, float s,
                                            const float (&acc)[GemmConfig<K, MB>::kFrags][4]) {
   using Cfg = GemmConfig<K, MB>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const float s = *p.scale;
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
 #pragma unroll
@@ -470,64 +472,79 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
   return s < long_steps ? s / (p.steps_per_cta + 1) : p.extra_steps + (s - long_steps) / p.steps_per_cta;
 }
 
-// The tile of step c ends here for this CTA: store it, or, when other CTAs hold parts of its k range,
-// publish this CTA's partial and let the last contributor to arrive reduce all of them in CTA order.
+// The tile of step c ends here for this CTA: store it, or, when other CTAs hold parts of its k range, either
+// publish this CTA's partial (it does not hold the tile's first k-group) or reduce the others' into its own.
+// A CTA publishes at most one partial: only its first tile can have begun before its range (one slot each).
+// No counters and no fences: the workspace holds kPartialEmpty in every word before the launch, a partial's
+// words are results of arithmetic (never that NaN), so each word the reducer loads says whether it has landed;
+// the reducer puts kPartialEmpty back for the next launch. The reducer reaches its part at the end of its
+// range; the contributors after it did theirs at the start of theirs (or all along, for a tile longer than
+// a range), so it rarely waits. Before, the last CTA to arrive reduced, after a store, fence and counter
+// round trip of its own: 3.4 us from the last step to the end of the kernel at 4096->4096, M=1 (trace).
 template <int K, int MB, typename T>
 __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCursor& c, int first, int last,
-                                            const float (&acc)[GemmConfig<K, MB>::kFrags][4], int& s_last_arrival) {
+                                            float out_scale, const float (&acc)[GemmConfig<K, MB>::kFrags][4]) {
   using Cfg = GemmConfig<K, MB>;
+  constexpr int F = Cfg::kFrags;
   const int tile = c.tile(p);
   const int tile_first = tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
-  if (tile_first >= first && tile_last < last) {
-    store_tile<K, MB, T>(p, c, acc);
+  const bool holds_first = tile_first >= first, holds_last = tile_last < last;
+  if (holds_first && holds_last) {
+    store_tile<K, MB, T>(p, c, out_scale, acc);
     return;
   }
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Two partial slots per CTA: 0 for the tile it starts in, 1 for the tile it ends in. Every contributor
-  // after the tile's first starts inside the tile, so only the first can be using slot 1.
-  auto partial = [&](int cta, int slot) {
-    return p.partials + (static_cast<int64_t>(cta) * 2 + slot) * Cfg::kPartialFloats + (warp * Cfg::kFrags * 32 + lane) * 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto partial = [&](int cta) {
+    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (warp * F * 32 + lane) * 4;
   };
-  float* mine = partial(blockIdx.x, tile == first / p.k_groups ? 0 : 1);
+  if (!holds_first) {
+    float* mine = partial(blockIdx.x);
 #pragma unroll
-  for (int f = 0; f < Cfg::kFrags; ++f)
-    *reinterpret_cast<float4*>(mine + f * 128) = make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]);
-  __threadfence();  // partial visible device-wide before the counter says so
-  __syncthreads();
-  const int cta_first = cta_of_step(p, tile_first), cta_last = cta_of_step(p, tile_last);
-  if (tid == 0) {
-    s_last_arrival = atomicAdd(p.counters + tile, 1) == cta_last - cta_first;
-    // The last contributor leaves the counter at zero for the next launch: the host zeroes a counter
-    // buffer once, not before every GEMM.
-    if (s_last_arrival) p.counters[tile] = 0;
+    for (int f = 0; f < F; ++f) st_relaxed_gpu(mine + f * 128, make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]));
+    return;
   }
-  __syncthreads();
-  if (!s_last_arrival) return;
-  __threadfence();
-  // Partials in CTA order (deterministic), kInFlight loads at once: one L2 round trip per kInFlight
-  // contributors, not per contributor (a small GEMM has ~8 per tile). sm_80's build runs at the register
-  // limit (cp.async addresses per lane) and spills with more than one.
-  constexpr int kInFlight = KBIT_BULK_COPY ? 4 : 1;
-  const int contributors = cta_last - cta_first + 1;
-  const float* first_part = partial(cta_first, tile == first_step_of(p, cta_first) / p.k_groups ? 0 : 1);
-  const float* later_parts = partial(cta_first + 1, 0);  // contributor j >= 1 at (j - 1) * stride
-  const int64_t stride = 2 * Cfg::kPartialFloats;
-  float sum[Cfg::kFrags][4] = {};
-  for (int j0 = 0; j0 < contributors; j0 += kInFlight) {
+  const int others = cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
+  // Contributors in flight at once, all their fragments: one L2 round trip per batch, not per partial (a tile
+  // of a small GEMM has ~8). At most 16 fragments (64 registers); one partial at a time at 8 fragments per
+  // warp and on sm_80, whose builds spill with more.
+  constexpr int kInFlight = KBIT_BULK_COPY && F < 8 ? 16 / F : 1;
+  const float empty = __uint_as_float(kPartialEmpty);
+  float sum[F][4];
 #pragma unroll
-    for (int f = 0; f < Cfg::kFrags; ++f) {
-      float4 v[kInFlight];
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {
-        const float* part = j0 + i == 0 ? first_part : later_parts + (j0 + i - 1) * stride;
-        if (j0 + i < contributors) v[i] = __ldcg(reinterpret_cast<const float4*>(part + f * 128));
-      }
+  for (int f = 0; f < F; ++f) sum[f][0] = acc[f][0], sum[f][1] = acc[f][1], sum[f][2] = acc[f][2], sum[f][3] = acc[f][3];
+  for (int j0 = 1; j0 <= others; j0 += kInFlight) {
+    float4 v[kInFlight][F];
+    bool landed;
+    do {
+      landed = true;
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i)
-        if (j0 + i < contributors) sum[f][0] += v[i].x, sum[f][1] += v[i].y, sum[f][2] += v[i].z, sum[f][3] += v[i].w;
-    }
+#pragma unroll
+        for (int f = 0; f < F; ++f)
+          if (j0 + i <= others) v[i][f] = ld_relaxed_gpu(partial(blockIdx.x + j0 + i) + f * 128);
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+          const uint32_t e = kPartialEmpty;
+          if (j0 + i <= others)
+            landed &= __float_as_uint(v[i][f].x) != e && __float_as_uint(v[i][f].y) != e &&
+                      __float_as_uint(v[i][f].z) != e && __float_as_uint(v[i][f].w) != e;
+        }
+      // Not yet: wait a little before asking L2 again; every poll moves the whole batch (up to 64 KB per CTA).
+      if (!landed) __nanosleep(128);
+    } while (!landed);
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i)
+      if (j0 + i <= others) {
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+          sum[f][0] += v[i][f].x, sum[f][1] += v[i][f].y, sum[f][2] += v[i][f].z, sum[f][3] += v[i][f].w;
+          st_relaxed_gpu(partial(blockIdx.x + j0 + i) + f * 128, make_float4(empty, empty, empty, empty));
+        }
+      }
   }
-  store_tile<K, MB, T>(p, c, sum);
+  store_tile<K, MB, T>(p, c, out_scale, sum);
 }
 
 template <int K, int MB, typename T>
@@ -537,7 +554,6 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const SmemLayout<K, MB> layout(smem);
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
-  __shared__ int s_last_arrival;
   __shared__ Barriers<K, MB> bars;
 
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
@@ -561,6 +577,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 #endif
   grid_dependency_wait();
   allow_dependent_launch();
+  // Loaded now, not in the epilogue: there it would add a global round trip to the kernel's last ~2 us.
+  const float out_scale = *p.scale;
 
   // The codebook first (see build_tables), then the first step's copies, then the tables while those
   // land, then the rest of the pipeline's copies. With all S - 1 copies issued before the tables, the
@@ -600,7 +618,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
       load_at.advance(p);
     }
     if (c.kgroup == p.k_groups - 1 || step == last - 1) {
-      finish_tile<K, MB, T>(p, c, first, last, acc, s_last_arrival);
+      finish_tile<K, MB, T>(p, c, first, last, out_scale, acc);
 #pragma unroll
       for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
     }

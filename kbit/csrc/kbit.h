@@ -35,8 +35,8 @@ struct GemmParams {
   const float* scale;       // per-tensor scale (device scalar)
   const void* bias;         // [N] in x's dtype, or nullptr
   void* y;                  // [M, N] in x's dtype, row-major
-  float* partials;          // split-K workspace: gemm_plan().partial_floats
-  int* counters;            // split-K arrival counters: gemm_plan().counters, zero before the launch; left zero
+  float* partials;          // split-K workspace, gemm_plan().partial_floats: every word kPartialEmpty before the
+                            // launch, and again after it
   int M, N, K_x, lda;
   int k_groups;             // K_w / 256, rounded up
   int n_tiles;              // CTA row tiles along N (16 rows per warp)
@@ -49,11 +49,14 @@ struct GemmParams {
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
 };
 
+// A split-K partial not yet written: a NaN whose payload no arithmetic produces (the GPU's arithmetic NaN is
+// 0x7FFFFFFF), so each word of a partial tile says by itself whether it has landed.
+constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
+
 // How a GEMM will run: chosen on the host before allocating its workspace.
 struct GemmPlan {
   int mb, m_passes, grid, total_steps;
   int64_t partial_floats;   // floats of split-K workspace (0 when every CTA owns whole tiles)
-  int64_t counters;         // ints of arrival counters
   int smem_bytes;           // shared memory per CTA the configuration needs
   int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
   int cc_major;             // the device's compute capability, major (0 if unknown)
