@@ -497,10 +497,16 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   auto partial = [&](int cta) {
     return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (warp * F * 32 + lane) * 4;
   };
+  // Fragment f (token tile f % MB) of this lane holds tokens 2q, 2q + 1 of its tile: only those below M are
+  // ever stored, so only they move (at M = 1, a quarter of the lanes: the reducer's polls are 4x smaller).
+  // Not at MB = 4 (M > 16, mostly full tiles), whose build spills with the extra predicates.
+  const int lane_token = c.mpass * MB * 8 + 2 * (lane & 3);
+  auto live = [&](int f) { return MB == 4 || lane_token + (f % MB) * 8 < p.M; };
   if (!holds_first) {
     float* mine = partial(blockIdx.x);
 #pragma unroll
-    for (int f = 0; f < F; ++f) st_relaxed_gpu(mine + f * 128, make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]));
+    for (int f = 0; f < F; ++f)
+      if (live(f)) st_relaxed_gpu(mine + f * 128, make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]));
     return;
   }
   const int others = cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
@@ -521,13 +527,13 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
       for (int i = 0; i < kInFlight; ++i)
 #pragma unroll
         for (int f = 0; f < F; ++f)
-          if (j0 + i <= others) v[i][f] = ld_relaxed_gpu(partial(blockIdx.x + j0 + i) + f * 128);
+          if (j0 + i <= others && live(f)) v[i][f] = ld_relaxed_gpu(partial(blockIdx.x + j0 + i) + f * 128);
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i)
 #pragma unroll
         for (int f = 0; f < F; ++f) {
           const uint32_t e = kPartialEmpty;
-          if (j0 + i <= others)
+          if (j0 + i <= others && live(f))
             landed &= __float_as_uint(v[i][f].x) != e && __float_as_uint(v[i][f].y) != e &&
                       __float_as_uint(v[i][f].z) != e && __float_as_uint(v[i][f].w) != e;
         }
@@ -539,6 +545,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
       if (j0 + i <= others) {
 #pragma unroll
         for (int f = 0; f < F; ++f) {
+          if (!live(f)) continue;
           sum[f][0] += v[i][f].x, sum[f][1] += v[i][f].y, sum[f][2] += v[i][f].z, sum[f][3] += v[i][f].w;
           st_relaxed_gpu(partial(blockIdx.x + j0 + i) + f * 128, make_float4(empty, empty, empty, empty));
         }
