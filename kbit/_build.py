@@ -28,12 +28,18 @@ def cache_root() -> Path:
 
 
 def target_archs() -> str:
-    """TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' compute capabilities (e.g. '9.0')."""
+    """TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' compute capabilities, Hopper as '9.0a'.
+
+    The GEMM's wgmma path is an sm_90a feature, so a plain '9.0' (from the GPUs or the environment) is
+    built as '9.0a': the host picks that path on every compute capability 9.x device.
+    """
     env = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if env:
-        return env
-    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    return ";".join(f"{major}.{minor}" for major, minor in caps)
+        archs = env.replace(",", ";").replace(" ", ";").split(";")
+    else:
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        archs = [f"{major}.{minor}" for major, minor in caps]
+    return ";".join(a + "a" if a == "9.0" else a for a in archs if a)
 
 
 def build_dir() -> Path:
@@ -62,7 +68,7 @@ def cuda_ext():
     if fresh:
         print(f"kbit: building the CUDA extension for sm {target_archs()} in {directory} "
               "(first use only; a few minutes)...", file=sys.stderr, flush=True)
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", target_archs())
+    os.environ["TORCH_CUDA_ARCH_LIST"] = target_archs()
     load(
         name="kbit_cuda",
         sources=[str(CSRC / s) for s in SOURCES],

@@ -6,10 +6,12 @@ lane's codes arrive in its registers already in MMA-fragment order, so no bit is
 loop except to extract a pair of codes, which indexes a table of dequantized ``half2`` pairs.
 
 Reduction order. Inside each quantization block of 32 columns, lane ``l = 4*g + q`` of a warp
-owns columns ``8q .. 8q+7`` of rows ``g`` and ``g + 8``. The MMA sees these columns in a permuted
-k order (its k slots ``2q, 2q+1, 2q+8, 2q+9`` of k-step ``s`` are physical columns
-``8q + 4s + 0..3``); the activations are read with the same permutation, so the product is
-unchanged and each lane reads its activations with one 16-byte load.
+owns the columns of the MMA's A fragment in its natural k order: pair ``p`` (``p`` in 0..3) is
+columns ``8p + 2q, 8p + 2q + 1`` of rows ``g`` and ``g + 8``, i.e. k slots ``2q, 2q+1`` (p = 0) and
+``2q+8, 2q+9`` (p = 1) of k-step 0 and the same of k-step 1 (p = 2, 3). So the same registers
+feed ``mma.sync`` (whose activations the kernel stores with each lane's four pairs side by side,
+one 16-byte load per lane) and ``wgmma`` (which reads the activations from shared memory in their
+natural order).
 
 Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(K_dim / 256)``):
 
@@ -17,10 +19,10 @@ Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(
     For weight rows ``16*tile .. 16*tile + 15`` and columns ``256*kgroup .. 256*kgroup + 255``,
     lane ``l = 4*g + q`` owns a string of ``128 * k`` bits held in ``k`` 16-byte vectors
     (bit ``o`` of the string is bit ``o % 32`` of word ``(o % 128) // 32`` of vec ``o // 128``).
-    The code of row ``16*tile + g + 8*r``, column ``256*kgroup + 32*t + 8*q + s``
-    (``t`` in 0..7 = block within the group, ``r`` in 0..1, ``s`` in 0..7) occupies bits
-    ``[((2*t + r) * 8 + s) * k, ... + k)``. So codes ``s = 2p, 2p+1`` form the ``2k``-bit pair
-    index ``p`` that the kernel looks up; for k = 4 each pair is one byte.
+    The code of row ``16*tile + g + 8*r``, column ``256*kgroup + 32*t + 8*p + 2*q + e``
+    (``t`` in 0..7 = block within the group, ``r`` in 0..1, ``p`` in 0..3, ``e`` in 0..1) occupies
+    bits ``[((2*t + r) * 8 + s) * k, ... + k)`` with ``s = 2*p + e``. So codes ``s = 2p, 2p+1``
+    form the ``2k``-bit pair index that the kernel looks up; for k = 4 each pair is one byte.
 ``absmax_gemm``: uint8 ``[N_pad / 16, KG, 2, 8, 8]`` — indexed ``[tile, kgroup, r, g, t]``: the
     E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``.
 
@@ -65,8 +67,8 @@ def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int,
     nt, kg = b_shape[0], b_shape[1]
     codes = unpack_bitplanes(packed, k).reshape(N, K_dim)
     codes = torch.nn.functional.pad(codes, (0, kg * K_GROUP - K_dim, 0, nt * TILE_ROWS - N))
-    # rows = 16*T + 8*r + g ; cols = 256*j + 32*t + 8*q + s
-    c = codes.reshape(nt, 2, 8, kg, 8, 4, 8).permute(0, 3, 2, 5, 4, 1, 6)  # T j g q t r s
+    # rows = 16*T + 8*r + g ; cols = 256*j + 32*t + 8*p + 2*q + e ; s = 2*p + e
+    c = codes.reshape(nt, 2, 8, kg, 8, 4, 4, 2).permute(0, 3, 2, 6, 4, 1, 5, 7)  # T j g q t r p e
     c = c.reshape(nt, kg, LANES, 128)
     shifts = torch.arange(k, device=c.device, dtype=torch.int64)
     bits = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, k, 4, 32)  # bit string, 128k bits
@@ -90,7 +92,7 @@ def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, k: int, N: in
     bits = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int64)) & 1
     bits = bits.reshape(nt, kg, LANES, 128, k)
     codes = (bits << torch.arange(k, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t r s)
-    codes = codes.reshape(nt, kg, 8, 4, 8, 2, 8).permute(0, 5, 2, 1, 4, 3, 6)  # T r g j t q s
+    codes = codes.reshape(nt, kg, 8, 4, 8, 2, 4, 2).permute(0, 5, 2, 1, 4, 6, 3, 7)  # T r g j t p q e
     codes = codes.reshape(nt * TILE_ROWS, kg * K_GROUP)[:N, :K_dim]
     packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), k)
 

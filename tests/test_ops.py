@@ -94,7 +94,9 @@ def _documented_code(b_gemm, k, row, col):
     r, g = divmod(rr, 8)
     kgroup, cc = divmod(col, 256)
     t, c32 = divmod(cc, 32)
-    q, s = divmod(c32, 8)
+    p, qe = divmod(c32, 8)  # column 8p + 2q + e of the block: code s = 2p + e of lane 4g + q
+    q, e = divmod(qe, 2)
+    s = 2 * p + e
     lane = 4 * g + q
     o = ((2 * t + r) * 8 + s) * k
     code = 0
@@ -144,7 +146,7 @@ def test_layout_k4_pairs_are_bytes():
     assert o % 8 == 0
     word = int(b[0, 0, o // 128, lane, (o % 128) // 32]) & 0xFFFFFFFF
     byte = (word >> (o % 32)) & 0xFF
-    row, col = g + 8 * r, 32 * t + 8 * q + 2 * p
+    row, col = g + 8 * r, 32 * t + 8 * p + 2 * q
     assert byte == int(codes[row, col]) | (int(codes[row, col + 1]) << 4)
 
 

@@ -68,6 +68,11 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(gmem), "r"(src_bytes));
 }
+// 4-byte global -> shared copy (through L1: the four copies of one 16-byte chunk hit one line); src_bytes = 0
+// zero-fills the destination.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes = 4) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(smem)), "l"(gmem), "r"(src_bytes));
+}
 
 // ---------------------------------------------------------------------------- mbarriers and bulk copies
 // An mbarrier completes a phase when its expected arrivals (and, on sm_90, its expected bytes) are in;
@@ -178,5 +183,112 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
+
+// ---------------------------------------------------------------------------- warpgroup MMA (sm_90)
+// wgmma: the 4 warps of a warpgroup multiply A (64 x 16, from registers: warp i holds rows 16i..16i+15 in
+// mma_16816's A order) by B (16 x N, read from shared memory through a descriptor) into D (64 x N, f32, warp i
+// holds rows 16i.. as N/8 mma_16816 D fragments). Asynchronous: issued, committed as a group, waited for.
+// wgmma is an sm_90a feature (not in plain sm_90 code, nor on later architectures): kbit/_build.py builds
+// Hopper GPUs as 9.0a, and the host picks the wgmma path only on compute capability 9.x.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KBIT_WGMMA 1
+#else
+#define KBIT_WGMMA 0
+#endif
+
+// Shared-memory matrix descriptor of a K-major operand without swizzle: 8 x 16-byte "core matrices" of 128
+// contiguous bytes; lead_bytes apart along K, stride_bytes apart along N (PTX ISA, matrix descriptor format).
+__device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t smem_address, uint32_t lead_bytes, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_address & 0x3FFFF) >> 4) | static_cast<uint64_t>(lead_bytes >> 4) << 16 |
+         static_cast<uint64_t>(stride_bytes >> 4) << 32;
+}
+
+#if KBIT_WGMMA
+// Orders this thread's register writes (A fragments, accumulators) before the wgmmas that read them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// wgmma reads shared memory through the async proxy: shared-memory writes seen through the generic proxy
+// (cp.async, st.shared) need this fence before a wgmma may read them.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The accumulators after a wait: redefined here, so the compiler reads them only after it.
+template <int F>
+__device__ __forceinline__ void fence_accumulators(float (&d)[F][4]) {
+#pragma unroll
+  for (int f = 0; f < F; ++f) asm volatile("" : "+f"(d[f][0]), "+f"(d[f][1]), "+f"(d[f][2]), "+f"(d[f][3])::"memory");
+}
+
+// Two 16-bit values times a packed pair of 16-bit scales, rounded once.
+template <typename T>
+__device__ __forceinline__ uint32_t mul_pair(uint32_t v, uint32_t s) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __half>::value) asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(s));
+  else asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(s));
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t splat_pair(float v) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __half>::value) asm("cvt.rn.f16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(v));
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(v));
+  return r;
+}
+
+// D(64 x N) += A(64 x 16) * B(16 x N), N = 8 * (fragments of d). Inline asm cannot loop, so each N's operand
+// list is written out; KBIT_WGMMA_ASM adds the instruction for both 16-bit types (scale-d = 1: accumulate).
+#define KBIT_WGMMA_ASM(SHAPE, ONE, OPERANDS, ...)                                                              \
+  if constexpr (std::is_same<T, __half>::value)                                                               \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " ONE ", 0;\n\twgmma.mma_async.sync.aligned." SHAPE  \
+                 ".f32.f16.f16 " OPERANDS ", p, 1, 1, 0;\n\t}\n"                                                  \
+                 : __VA_ARGS__);                                                                               \
+  else                                                                                                         \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " ONE ", 0;\n\twgmma.mma_async.sync.aligned." SHAPE  \
+                 ".f32.bf16.bf16 " OPERANDS ", p, 1, 1, 0;\n\t}\n"                                                \
+                 : __VA_ARGS__);
+#define KBIT_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+template <int N>
+struct Wgmma;
+template <>
+struct Wgmma<32> {
+  template <typename T>
+  static __device__ __forceinline__ void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    KBIT_WGMMA_ASM("m64n32k16", "%21",
+                   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}, {%16, %17, %18, %19}, %20",
+                   KBIT_ACC4(0), KBIT_ACC4(1), KBIT_ACC4(2), KBIT_ACC4(3)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1))
+  }
+};
+template <>
+struct Wgmma<64> {
+  template <typename T>
+  static __device__ __forceinline__ void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    KBIT_WGMMA_ASM("m64n64k16", "%37",
+                   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}, {%32, %33, %34, %35}, %36",
+                   KBIT_ACC4(0), KBIT_ACC4(1), KBIT_ACC4(2), KBIT_ACC4(3),
+                   KBIT_ACC4(4), KBIT_ACC4(5), KBIT_ACC4(6), KBIT_ACC4(7)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1))
+  }
+};
+template <>
+struct Wgmma<128> {
+  template <typename T>
+  static __device__ __forceinline__ void run(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    KBIT_WGMMA_ASM("m64n128k16", "%69",
+                   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" "}, {%64, %65, %66, %67}, %68",
+                   KBIT_ACC4(0), KBIT_ACC4(1), KBIT_ACC4(2), KBIT_ACC4(3),
+                   KBIT_ACC4(4), KBIT_ACC4(5), KBIT_ACC4(6), KBIT_ACC4(7),
+                   KBIT_ACC4(8), KBIT_ACC4(9), KBIT_ACC4(10), KBIT_ACC4(11),
+                   KBIT_ACC4(12), KBIT_ACC4(13), KBIT_ACC4(14), KBIT_ACC4(15)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1))
+  }
+};
+#undef KBIT_ACC4
+#undef KBIT_WGMMA_ASM
+#endif  // KBIT_WGMMA
 
 }  // namespace kbit

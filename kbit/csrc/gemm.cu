@@ -5,15 +5,22 @@
 
 namespace kbit {
 
-// Calls f(GemmConfig<k, mb>{}) for the runtime (k, mb).
+// Calls f(GemmConfig<k, mb, wgmma>{}) for the runtime (k, mb, wgmma): the configurations launch_gemm_mb builds.
 template <typename F>
-auto with_config(int k, int mb, F f) {
+auto with_config(int k, int mb, bool wgmma, F f) {
   auto pick = [&](auto kc) {
     constexpr int K = decltype(kc)::value;
+    if (wgmma) {
+      switch (mb) {
+        case 4: return f(GemmConfig<K, 4, true>{});
+        case 8: return f(GemmConfig<K, 8, true>{});
+        default: return f(GemmConfig<K, 16, true>{});
+      }
+    }
     switch (mb) {
-      case 1: return f(GemmConfig<K, 1>{});
-      case 2: return f(GemmConfig<K, 2>{});
-      default: return f(GemmConfig<K, 4>{});
+      case 1: return f(GemmConfig<K, 1, false>{});
+      case 2: return f(GemmConfig<K, 2, false>{});
+      default: return f(GemmConfig<K, 4, false>{});
     }
   };
   switch (k) {
@@ -24,31 +31,36 @@ auto with_config(int k, int mb, F f) {
   }
 }
 
-int gemm_smem_bytes(int k, int mb) {
-  return with_config(k, mb, [](auto cfg) { return decltype(cfg)::kSmemTotal; });
+int gemm_smem_bytes(int k, int mb, bool wgmma) {
+  return with_config(k, mb, wgmma, [](auto cfg) { return decltype(cfg)::kSmemTotal; });
 }
-bool gemm_on_sm80(int k, int mb) {
-  return with_config(k, mb, [](auto cfg) { return decltype(cfg)::kOnSm80; });
+bool gemm_on_sm80(int k, int mb, bool wgmma) {
+  return with_config(k, mb, wgmma, [](auto cfg) { return decltype(cfg)::kOnSm80; });
 }
 
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   GemmPlan plan{};
-  // 8-token MMA tiles per pass: enough for M, at most 4 (32 tokens: more would spill registers);
-  // larger M loops over passes.
-  plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : 4;
   int smem_limit = 0, dev = 0, major = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) {
     cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   }
-  while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb) > smem_limit) plan.mb /= 2;
-  plan.smem_bytes = gemm_smem_bytes(k, plan.mb);
+  // 8-token MMA tiles per pass: enough for M; larger M loops over passes. mma.sync takes at most 4 (32
+  // tokens: more would spill registers), wgmma (sm_90, from 17 tokens on) up to 16.
+  const bool wgmma = major >= 9 && M > 16;
+  plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 || !wgmma ? 4 : M <= 64 ? 8 : 16;
+  plan.wgmma = wgmma;
+  while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb, plan.wgmma) > smem_limit) {
+    plan.mb /= 2;
+    plan.wgmma = plan.wgmma && plan.mb >= 4;
+  }
+  plan.smem_bytes = gemm_smem_bytes(k, plan.mb, plan.wgmma);
   plan.smem_limit = smem_limit;
   plan.cc_major = major;
-  plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb);
+  plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb, plan.wgmma);
   const int tokens = plan.mb * 8;
   plan.m_passes = (M + tokens - 1) / tokens;
-  const int rows = gemm_tile_rows(k, plan.mb);
+  const int rows = gemm_tile_rows(k, plan.mb, plan.wgmma);
   const int n_tiles = (N + rows - 1) / rows, k_groups = (K_w + kKGroup - 1) / kKGroup;
   plan.total_steps = plan.m_passes * n_tiles * k_groups;
   // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile).
@@ -57,16 +69,17 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_groups == 0;
   // One partial tile per CTA (GemmConfig::kPartialFloats): a CTA publishes at most one, see finish_tile.
-  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * gemm_tile_rows(k, plan.mb) / 16 * plan.mb * 32 * 4;
+  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * gemm_tile_rows(k, plan.mb, plan.wgmma) / 16 * plan.mb * 32 * 4;
   return plan;
 }
 
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.N = N;
-  const int rows = gemm_tile_rows(p.k, plan.mb);
+  const int rows = gemm_tile_rows(p.k, plan.mb, plan.wgmma);
   p.n_tiles = (N + rows - 1) / rows;
   p.k_groups = (K_w + kKGroup - 1) / kKGroup;
   p.mb = plan.mb;
+  p.wgmma = plan.wgmma;
   p.grid = plan.grid;
   p.steps_per_cta = plan.total_steps / plan.grid;
   p.extra_steps = plan.total_steps % plan.grid;

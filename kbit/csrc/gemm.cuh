@@ -1,7 +1,7 @@
 // The fused dequantize + GEMM kernel: y[M, N] = x[M, K] @ W_hat[N, K]^T, W_hat read from the GEMM layout.
 //
 // Reads top to bottom:
-//   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB)
+//   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB, tensor-core instruction)
 //   build_tables    the per-CTA lookup table: codes -> 16-bit codebook values
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   SmemLayout      where the tables (at an aligned shared address) and each stage's pieces live
@@ -11,7 +11,9 @@
 //   load_weights    one warp's copies of one step's weights (bulk copies on sm_90, cp.async on sm_80)
 //   load_activations one warp's share of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
-//                   32 columns and applies each block's scale to the fp32 result
+//                   32 columns and applies each block's scale to the fp32 result (mma.sync)
+//   compute_step_wgmma the same for 64 rows per warpgroup and 32..128 tokens, block scales applied to the
+//                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
 //   gemm_main       the persistent, stream-K main loop: no CTA-wide barrier per step, each warp waits
@@ -21,6 +23,13 @@
 // Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
 // (16 k x 8 tokens), so one m16n8k16 serves up to 8 tokens with no wasted weight work (C^T = W X^T).
 // Each of the 8 warps owns one or two row tiles of 16 weight rows; the warps share a step's activations.
+// Two tensor-core paths share everything but the math (GemmConfig::kWgmma):
+//   mma.sync m16n8k16, up to 32 tokens per pass (all GPUs): each warp loads its activation fragments from
+//     shared memory into registers, and scales each block's fp32 result (one FFMA per accumulator per block);
+//   wgmma m64nNk16, N = 32..128 tokens per pass (sm_90): each warpgroup's 4 warps supply 64 weight rows from
+//     registers, the tensor cores read the activations from shared memory themselves, and the block scales
+//     are applied to the weights in 16 bits (one HMUL2 per register, whatever the token count), so a pass
+//     of up to 128 tokens costs one table lookup per weight pair and no FFMA per token.
 //
 // Work: a step is (token pass, CTA row tile, 256-column k-group). The total step range is cut into
 // `grid` contiguous pieces (stream-K), one per CTA, so every SM streams weights whatever the shape.
@@ -51,22 +60,29 @@ constexpr int kStaticSmemMax = 2048;
 // one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
 // more shared memory than sm_80 has).
 constexpr int kGemmWarps = 8;
-__host__ __device__ constexpr int gemm_row_tiles(int k, int mb) { return k != 5 || mb == 1 ? 2 : 1; }
-__host__ __device__ constexpr int gemm_tile_rows(int k, int mb) { return kGemmWarps * gemm_row_tiles(k, mb) * 16; }
+__host__ __device__ constexpr int gemm_row_tiles(int k, int mb, bool wgmma) { return wgmma ? 1 : k != 5 || mb == 1 ? 2 : 1; }
+__host__ __device__ constexpr int gemm_tile_rows(int k, int mb, bool wgmma) {
+  return kGemmWarps * gemm_row_tiles(k, mb, wgmma) * 16;
+}
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
-template <int K, int MB>
+// WG: the wgmma path (sm_90), with one row tile per warp (a warpgroup's 64 rows per wgmma; the accumulators of
+// 128 tokens and the A fragments of a whole step already take ~130 registers).
+template <int K, int MB, bool WG>
 struct GemmConfig {
+  static constexpr int kBits = K, kMB = MB;
+  static constexpr bool kWgmma = WG;
   static constexpr int kWarps = kGemmWarps;
-  static constexpr int kRowTiles = gemm_row_tiles(K, MB);
+  static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileRows = gemm_tile_rows(K, MB);                // weight rows per CTA tile
+  static constexpr int kTileRows = gemm_tile_rows(K, MB, WG);            // weight rows per CTA tile
   static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
   static constexpr int kAbsStage = kWarps * kRowTiles * 128;        // per row tile: 16 rows x 8 blocks
-  static constexpr int kXStage = MB * 8 * kXRowHalves * 2;  // MB*8 tokens x 256 k (+ padding)
+  // MB*8 tokens x 256 k: padded rows (mma.sync), or wgmma's core matrices (8 tokens x 8 k, 128 B each).
+  static constexpr int kXStage = WG ? MB * 8 * kKGroup * 2 : MB * 8 * kXRowHalves * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
   //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l (bytes
@@ -75,8 +91,10 @@ struct GemmConfig {
   //          lane, fewer at K = 5, where 32 copies would take 128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at
   //          larger MB, which needs the room for activations (and to fit sm_80's 163 KB). 8 copies means
   //          4 lanes share each, 3 wavefronts per lookup on average; 16 copies, 2.
+  //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
+  //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
   // The E4M4 block scales need no table (e4m4_byte_to_float).
-  static constexpr bool kByteRows = K == 2 || K == 4;  // table rows addressed by one byte of codes (PRMT)
+  static constexpr bool kByteRows = !WG && (K == 2 || K == 4);  // table rows addressed by one byte (PRMT)
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopyBytes = MB == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
@@ -104,7 +122,7 @@ struct GemmConfig {
   // Per-CTA total (static + dynamic) when the dynamic base is below kTableAlign: what the plan checks.
   static constexpr int kSmemTotal = kTableAlign - kReservedSmem + kTables + kHighBytes;
   // Built for sm_80-class GPUs: what fits their shared memory. The host refuses the rest.
-  static constexpr bool kOnSm80 = kSmemTotal <= kSm80SmemMax;
+  static constexpr bool kOnSm80 = !WG && kSmemTotal <= kSm80SmemMax;
   static constexpr int kPartialFloats = kWarps * kFrags * 32 * 4;  // one CTA's partial output tile
 };
 
@@ -119,9 +137,9 @@ struct GemmConfig {
 // `code_value` is codebook[threadIdx.x] for the first 2^K threads, loaded by the caller before it issued
 // the pipeline's first copies: loaded here, behind ~100 KB of weight copies from the same SM, it arrived
 // after 3-6 us (clock64 trace, H100), and the whole CTA waited for it.
-template <int K, int MB, typename T>
+template <class Cfg, typename T>
 __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) {
-  using Cfg = GemmConfig<K, MB>;
+  constexpr int K = Cfg::kBits;
   const int tid = threadIdx.x;
   __shared__ float codebook[1 << K];
   if (tid < (1 << K)) codebook[tid] = code_value;
@@ -158,13 +176,13 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
   }
 }
 
-// A lane's lookup base: the table's (aligned) shared address OR'd with this lane's copy offset. K = 2, 4:
-// byte 0 = the lane's offset in a row, bytes 2..3 = the table's; K = 3, 5: low bits = the lane's copy
-// offset, the rest the table's.
-template <int K, int MB>
+// A lane's lookup base: the table's (aligned) shared address OR'd with this lane's copy offset. Row tables
+// (K = 2, 4): byte 0 = the lane's offset in a row, bytes 2..3 = the table's; compact tables: low bits = the
+// lane's copy offset, the rest the table's.
+template <class Cfg>
 __device__ __forceinline__ uint32_t lane_select(uint32_t table, int lane) {
-  using Cfg = GemmConfig<K, MB>;
-  uint32_t sel = table | (K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u);
+  constexpr int K = Cfg::kBits;
+  uint32_t sel = table | (Cfg::kByteRows && K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u);
   // Opaque to the compiler: otherwise it re-derives the offset from the thread index inside every lookup.
   asm volatile("" : "+r"(sel));
   return sel;
@@ -202,22 +220,22 @@ __device__ __forceinline__ void lds128_if(bool active, uint32_t address, uint4& 
       : "r"(address), "r"(static_cast<int>(active)));
 }
 
-// A-fragment registers of block t: h[r][j] = codebook values of columns 8q + 2j, 8q + 2j + 1 of row g + 8r,
-// as a 16-bit pair. w is the lane's bit string; the code of (t, r, s) sits at bits ((2t + r) * 8 + s) * K.
-template <int K, int MB>
-__device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * K], int t,
+// A-fragment registers of block t: h[r][j] = codebook values of columns 8j + 2q, 8j + 2q + 1 of row g + 8r,
+// as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; the code of (t, r, s) sits at bits ((2t + r) * 8 + s) * K.
+template <class Cfg>
+__device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBits], int t,
                                                 uint32_t sel, uint32_t (&h)[2][4]) {
-  using Cfg = GemmConfig<K, MB>;
+  constexpr int K = Cfg::kBits;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if constexpr (K == 2) {  // quad j of (t, r) is byte 2r + j of word t
+    if constexpr (Cfg::kByteRows && K == 2) {  // quad j of (t, r) is byte 2r + j of word t
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const uint2 v = lds64(byte_row_address(w[t], 2 * r + j, sel));
         h[r][2 * j] = v.x;
         h[r][2 * j + 1] = v.y;
       }
-    } else if constexpr (K == 4) {  // pair j of (t, r) is byte j of word 2t + r
+    } else if constexpr (Cfg::kByteRows) {  // K = 4: pair j of (t, r) is byte j of word 2t + r
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         h[r][j] = lds32(byte_row_address(w[2 * t + r], j, sel));
@@ -241,9 +259,8 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * K], int 
 //   [table, table + kTables)        the lookup tables, table aligned to kTableAlign
 //   [table + kTables, ...)          the other code pieces, then the other small pieces
 // Stage s is (codes(s), small(s)); small = the warps' scales (kAbsStage), then the activations.
-template <int K, int MB>
+template <class Cfg>
 struct SmemLayout {
-  using Cfg = GemmConfig<K, MB>;
   uint8_t* smem;   // the dynamic base
   uint32_t table;  // shared address of the tables
   uint32_t pad;    // bytes from the dynamic base to the tables
@@ -299,9 +316,8 @@ struct StepCursor {
 // the activations tie the warps together, and only as far as the pipeline is deep. With one
 // __syncthreads per step (v1-v8), every warp waited for the slowest at every step: 30% of all stall
 // cycles at M = 1 (ncu, v8).
-template <int K, int MB>
+template <class Cfg>
 struct Barriers {
-  using Cfg = GemmConfig<K, MB>;
   uint64_t weights_full[Cfg::kStages][Cfg::kWarps];
   uint64_t acts_full[Cfg::kStages];
   uint64_t acts_free[Cfg::kStages];
@@ -324,16 +340,16 @@ struct Barriers {
 // One warp's weights of one step, per row tile r: its codes, K*512 contiguous bytes at B_gemm[tile16][kgroup],
 // and block scales, 128 contiguous bytes at absmax_gemm[tile16][kgroup]. In shared memory a warp's row
 // tiles sit next to each other: codes at warp * kRowTiles * K*512 + r * K*512, scales likewise.
-template <int K, int MB>
+template <class Cfg>
 __device__ __forceinline__ int64_t weights_index(const GemmParams& p, const StepCursor& c, int r) {
-  using Cfg = GemmConfig<K, MB>;
   const int64_t tile16 = (static_cast<int64_t>(c.ntile) * Cfg::kWarps + (threadIdx.x >> 5)) * Cfg::kRowTiles + r;
   return tile16 * p.k_groups + c.kgroup;
 }
-template <int K, int MB>
+template <class Cfg>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
                                              uint64_t* full, const StepCursor& c) {
-  constexpr int RT = GemmConfig<K, MB>::kRowTiles;
+  constexpr int K = Cfg::kBits;
+  constexpr int RT = Cfg::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint8_t* codes = codes_piece + warp * RT * K * 512;
   uint8_t* scales = small_piece + warp * RT * 128;
@@ -342,7 +358,7 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
     mbarrier_arrive_expect_bytes(full, RT * (K * 512 + 128));
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      const int64_t at = weights_index<K, MB>(p, c, r);
+      const int64_t at = weights_index<Cfg>(p, c, r);
       bulk_copy_to_shared(codes + r * K * 512, p.b + at * (K * 32), K * 512, full);
       bulk_copy_to_shared(scales + r * 128, p.absmax + at * 128, 128, full);
     }
@@ -350,7 +366,7 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
 #else
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
-    const int64_t at = weights_index<K, MB>(p, c, r);
+    const int64_t at = weights_index<Cfg>(p, c, r);
     const uint4* src = p.b + at * (K * 32) + lane;
 #pragma unroll
     for (int v = 0; v < K; ++v) cp_async16(codes + r * K * 512 + (v * 32 + lane) * 16, src + v * 32);
@@ -360,23 +376,53 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
 #endif
 }
 
-// One warp's share of one step's activations: token rows warp, warp + kWarps, ... (rows past M are not
-// copied, compute_step never reads them), lane l copying columns 8l .. 8l+7 (zero-filled past K_x).
-// Every thread arrives on `full`, whether it copied or not.
-template <int K, int MB, typename T>
+// One warp's share of one step's activations (rows past M are not copied: the MMA's token columns are
+// independent, and theirs are never stored; columns past K_x are zero-filled). Every thread arrives on
+// `full`, whether it copied or not. The two paths store them differently:
+//   mma.sync: token row `row` at row * kXRowHalves halves, each block of 32 columns with its 4 x 4 pieces
+//     of 4 bytes transposed, so that lane q's four column pairs 8p + 2q (p = 0..3, its A fragment's k order)
+//     sit side by side at 8q: one 16-byte load per lane and block. Rows warp, warp + kWarps, ...; 4 copies of
+//     4 bytes per lane and row, lane l copying pairs l, l + 32, ... (32 pieces of 128 contiguous bytes, and
+//     32 different banks in shared memory).
+//   wgmma: the tensor cores' K-major layout without swizzle: token n, columns 8c .. 8c + 7 at
+//     (n / 8) * 4096 + c * 128 + (n % 8) * 16 bytes (8 x 8 core matrices, 128 B apart along k). 8-token groups
+//     warp, warp + kWarps, ...; lane l copies token l % 8, chunks l / 8 + 4i: 16-byte copies, each
+//     instruction filling 4 whole core matrices.
+template <class Cfg, typename T>
 __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* small_piece, uint64_t* full,
                                                  const StepCursor& c) {
-  using Cfg = GemmConfig<K, MB>;
+  constexpr int MB = Cfg::kMB;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* x = static_cast<const T*>(p.x);
   uint8_t* xs = small_piece + Cfg::kAbsStage;
-  const int rows = min(MB * 8, p.M - c.mpass * MB * 8), kcol = c.kgroup * kKGroup + lane * 8;
-  const bool ok = kcol < p.K_x;
+  const int rows = min(MB * 8, p.M - c.mpass * MB * 8), kcol0 = c.kgroup * kKGroup;
+  const T* x_pass = x + static_cast<int64_t>(c.mpass * MB * 8) * p.lda + kcol0;
+  if constexpr (Cfg::kWgmma) {
+    const int n = lane & 7;
 #pragma unroll
-  for (int row = warp; row < MB * 8; row += Cfg::kWarps) {
-    if (row >= rows) break;
-    const T* src = x + static_cast<int64_t>(c.mpass * MB * 8 + row) * p.lda + kcol;
-    cp_async16(xs + (row * kXRowHalves + lane * 8) * 2, ok ? src : x, ok ? 16 : 0);
+    for (int group = warp; group < MB; group += Cfg::kWarps) {
+      if (group * 8 + n >= rows) continue;
+      const T* src = x_pass + static_cast<int64_t>(group * 8 + n) * p.lda;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int chunk = (lane >> 3) + 4 * i;
+        const bool ok = kcol0 + chunk * 8 < p.K_x;
+        cp_async16(xs + group * 4096 + chunk * 128 + n * 16, ok ? src + chunk * 8 : x, ok ? 16 : 0);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int row = warp; row < MB * 8; row += Cfg::kWarps) {
+      if (row >= rows) break;
+      const T* src = x_pass + static_cast<int64_t>(row) * p.lda;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int piece = 32 * u + lane, t = piece >> 4, p4 = (piece >> 2) & 3, q = piece & 3;
+        const int col = 32 * t + 8 * p4 + 2 * q;  // pair p4 of lane q in block t
+        const bool ok = kcol0 + col < p.K_x;
+        cp_async4(xs + (row * kXRowHalves + 32 * t + 8 * q + 2 * p4) * 2, ok ? src + col : x, ok ? 4 : 0);
+      }
+    }
   }
   mbarrier_arrive_after_cp_async(full);
 }
@@ -386,10 +432,10 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
 // registers hold stale values, which reach only their own output columns (the MMA's columns are
 // independent), and those are never stored. At M = 1 only lanes 0..3 load activations, one wavefront per
 // 16-byte load instead of four.
-template <int K, int MB, typename T>
+template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
-                                             int x_rows, float (&acc)[GemmConfig<K, MB>::kFrags][4]) {
-  using Cfg = GemmConfig<K, MB>;
+                                             int x_rows, float (&acc)[Cfg::kFrags][4]) {
+  constexpr int K = Cfg::kBits, MB = Cfg::kMB;
   constexpr int RT = Cfg::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   uint32_t w[RT][4 * K];
@@ -418,7 +464,7 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
       const float s_lo = e4m4_byte_to_float(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
       const float s_hi = e4m4_byte_to_float(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
       uint32_t h[2][4];
-      block_fragments<K, MB>(w[r], t, sel, h);
+      block_fragments<Cfg>(w[r], t, sel, h);
       const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
       const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
 #pragma unroll
@@ -438,10 +484,58 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
   }
 }
 
-template <int K, int MB, typename T>
+#if KBIT_WGMMA
+// One warp's part of one warpgroup step: its 16 weight rows x 256 k, through 16 wgmmas (8 blocks x 2 k-steps)
+// of the warpgroup's 64 rows against MB*8 tokens, accumulated into acc (the D fragments of those tokens).
+// Each block's E4M4 scales multiply the looked-up weights in 16 bits before the MMA (the product rounded once,
+// like the dequantized weights cuBLAS would read). All 16 A fragments are built first (64 registers), then
+// the wgmmas are issued back to back and waited for once: the other warpgroup's lookups overlap them.
+template <class Cfg, typename T>
+__device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
+                                                   float (&acc)[Cfg::kFrags][4]) {
+  constexpr int K = Cfg::kBits;
+  static_assert(Cfg::kRowTiles == 1, "one row tile per warp");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  uint32_t w[4 * K];
+  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + warp * K * 32 + lane;
+#pragma unroll
+  for (int v = 0; v < K; ++v) {
+    const uint4 t = bv[v * 32];
+    w[4 * v] = t.x; w[4 * v + 1] = t.y; w[4 * v + 2] = t.z; w[4 * v + 3] = t.w;
+  }
+  const uint8_t* ab = small_piece + warp * 128;
+  const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
+  const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
+  uint32_t a[8][2][4];
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
+    const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
+    uint32_t h[2][4];
+    block_fragments<Cfg>(w, t, sel, h);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+    a[t][0][0] = h[0][0], a[t][0][1] = h[1][0], a[t][0][2] = h[0][1], a[t][0][3] = h[1][1];  // k-step 0
+    a[t][1][0] = h[0][2], a[t][1][1] = h[1][2], a[t][1][2] = h[0][3], a[t][1][3] = h[1][3];  // k-step 1
+  }
+  // Block t, k-step s: columns 32t + 16s .. + 15, core matrices 4t + 2s and 4t + 2s + 1.
+  const uint64_t desc = wgmma_descriptor(shared_address(small_piece + Cfg::kAbsStage), 128, 4096);
+  fence_accumulators(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < 8; ++t)
+#pragma unroll
+    for (int s = 0; s < 2; ++s) Wgmma<Cfg::kMB * 8>::template run<T>(acc, a[t][s], desc + (4 * t + 2 * s) * 8);
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_accumulators(acc);
+}
+#endif
+
+template <class Cfg, typename T>
 __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, float s,
-                                           const float (&acc)[GemmConfig<K, MB>::kFrags][4]) {
-  using Cfg = GemmConfig<K, MB>;
+                                           const float (&acc)[Cfg::kFrags][4]) {
+  constexpr int MB = Cfg::kMB;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
@@ -481,16 +575,16 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
 // range; a contributor whose range starts in the tile published long before, one whose whole range lies in
 // the tile publishes at its end too: then the wait is one L2 hand-off (store landing + a poll, 1.5 us median,
 // globaltimer trace, H100). "The last to arrive reduces" had cost a store, fence and counter round trip more.
-template <int K, int MB, typename T>
+template <class Cfg, typename T>
 __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCursor& c, int first, int last,
-                                            float out_scale, const float (&acc)[GemmConfig<K, MB>::kFrags][4]) {
-  using Cfg = GemmConfig<K, MB>;
+                                            float out_scale, const float (&acc)[Cfg::kFrags][4]) {
+  constexpr int MB = Cfg::kMB;
   constexpr int F = Cfg::kFrags;
   const int tile = c.tile(p);
   const int tile_first = tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
   const bool holds_first = tile_first >= first, holds_last = tile_last < last;
   if (holds_first && holds_last) {
-    store_tile<K, MB, T>(p, c, out_scale, acc);
+    store_tile<Cfg, T>(p, c, out_scale, acc);
     return;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -499,9 +593,9 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   };
   // Fragment f (token tile f % MB) of this lane holds tokens 2q, 2q + 1 of its tile: only those below M are
   // ever stored, so only they move (at M = 1, a quarter of the lanes: the reducer's polls are 4x smaller).
-  // Not at MB = 4 (M > 16, mostly full tiles), whose build spills with the extra predicates.
+  // Not at MB >= 4 (M > 16, mostly full tiles), whose builds spill with the extra predicates.
   const int lane_token = c.mpass * MB * 8 + 2 * (lane & 3);
-  auto live = [&](int f) { return MB == 4 || lane_token + (f % MB) * 8 < p.M; };
+  auto live = [&](int f) { return MB >= 4 || lane_token + (f % MB) * 8 < p.M; };
   if (!holds_first) {
     float* mine = partial(blockIdx.x);
 #pragma unroll
@@ -551,17 +645,17 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
         }
       }
   }
-  store_tile<K, MB, T>(p, c, out_scale, sum);
+  store_tile<Cfg, T>(p, c, out_scale, sum);
 }
 
-template <int K, int MB, typename T>
+template <class Cfg, typename T>
 __device__ __forceinline__ void gemm_main(const GemmParams& p) {
-  using Cfg = GemmConfig<K, MB>;
+  constexpr int K = Cfg::kBits, MB = Cfg::kMB;
   constexpr int S = Cfg::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
-  const SmemLayout<K, MB> layout(smem);
+  const SmemLayout<Cfg> layout(smem);
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
-  __shared__ Barriers<K, MB> bars;
+  __shared__ Barriers<Cfg> bars;
 
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -575,7 +669,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     StepCursor at(p, first);
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
       for (int r = 0; r < Cfg::kRowTiles; ++r) {
-        const int64_t i = weights_index<K, MB>(p, at, r);
+        const int64_t i = weights_index<Cfg>(p, at, r);
         prefetch_l2(p.b + i * (K * 32), K * 512);
         prefetch_l2(p.absmax + i * 128, 128);
       }
@@ -594,11 +688,11 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
   StepCursor load_at(p, first);
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {  // every CTA has a step 0
-    load_weights<K, MB>(p, layout.codes(s), layout.small(s), &bars.weights_full[s][warp], load_at);
-    load_activations<K, MB, T>(p, layout.small(s), &bars.acts_full[s], load_at);
-    if (s == 0) build_tables<K, MB, T>(code_value, layout.tables());
+    load_weights<Cfg>(p, layout.codes(s), layout.small(s), &bars.weights_full[s][warp], load_at);
+    load_activations<Cfg, T>(p, layout.small(s), &bars.acts_full[s], load_at);
+    if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
   }
-  const uint32_t sel = lane_select<K, MB>(layout.table, lane);
+  const uint32_t sel = lane_select<Cfg>(layout.table, lane);
   __syncthreads();  // tables complete
 
   float acc[Cfg::kFrags][4] = {};
@@ -610,22 +704,30 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     const int refill = slot == 0 ? S - 1 : slot - 1;
     const bool more = step + S - 1 < last;
     if (more)
-      load_weights<K, MB>(p, layout.codes(refill), layout.small(refill), &bars.weights_full[refill][warp], load_at);
+      load_weights<Cfg>(p, layout.codes(refill), layout.small(refill), &bars.weights_full[refill][warp], load_at);
 
     mbarrier_wait(&bars.weights_full[slot][warp], phase);
     mbarrier_wait(&bars.acts_full[slot], phase);
-    compute_step<K, MB, T>(layout.codes(slot), layout.small(slot), sel, min(MB * 8, p.M - c.mpass * MB * 8), acc);
+#if KBIT_WGMMA
+    if constexpr (Cfg::kWgmma) {
+      fence_proxy_async_shared();  // the activations landed through cp.async: visible to the tensor cores now
+      compute_step_wgmma<Cfg, T>(layout.codes(slot), layout.small(slot), sel, acc);
+    } else
+#endif
+    {
+      compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, min(MB * 8, p.M - c.mpass * MB * 8), acc);
+    }
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&bars.acts_free[slot]);
 
     // Its activations once every warp is done with step - 1 (by now, mostly without waiting).
     if (more) {
       if (step > first) mbarrier_wait(&bars.acts_free[refill], slot == 0 ? phase ^ 1u : phase);
-      load_activations<K, MB, T>(p, layout.small(refill), &bars.acts_full[refill], load_at);
+      load_activations<Cfg, T>(p, layout.small(refill), &bars.acts_full[refill], load_at);
       load_at.advance(p);
     }
     if (c.kgroup == p.k_groups - 1 || step == last - 1) {
-      finish_tile<K, MB, T>(p, c, first, last, out_scale, acc);
+      finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
 #pragma unroll
       for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
     }
@@ -633,28 +735,29 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   }
 }
 
-template <int K, int MB, typename T>
-__global__ void __launch_bounds__(GemmConfig<K, MB>::kThreads, 1) gemm_kernel(const GemmParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  // Not built for sm_80-class GPUs (the host refuses to launch it on one, see GemmConfig::kOnSm80).
-  if constexpr (!GemmConfig<K, MB>::kOnSm80) {
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_kernel(const GemmParams p) {
+#if defined(__CUDA_ARCH__)
+  // What a GPU cannot run is built as a trap, and the host never launches it there: wgmma needs sm_90a, and
+  // sm_80-class GPUs get what fits their shared memory (GemmConfig::kOnSm80).
+  constexpr bool kBuilt = Cfg::kWgmma ? KBIT_WGMMA == 1 : __CUDA_ARCH__ >= 900 || Cfg::kOnSm80;
+  if constexpr (!kBuilt) {
     __trap();
   } else
 #endif
   {
-    gemm_main<K, MB, T>(p);
+    gemm_main<Cfg, T>(p);
   }
 }
 
 // Host side: launch one configuration (instantiated per bit width in gemm_k{2,3,4,5}.cu).
 // Dynamic shared memory of a launch: up to the aligned table address (which depends on the reserved and
 // static shared memory below the dynamic base), the tables, and the pieces above them.
-template <int K, int MB, typename T>
+template <class Cfg, typename T>
 cudaError_t gemm_dynamic_smem(int& bytes) {
-  using Cfg = GemmConfig<K, MB>;
   cudaFuncAttributes attr{};
   int device = 0, reserved = 0;
-  cudaError_t err = cudaFuncGetAttributes(&attr, gemm_kernel<K, MB, T>);
+  cudaError_t err = cudaFuncGetAttributes(&attr, gemm_kernel<Cfg, T>);
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
   if (err != cudaSuccess) return err;
@@ -662,14 +765,13 @@ cudaError_t gemm_dynamic_smem(int& bytes) {
   const int pad = (Cfg::kTableAlign - base % Cfg::kTableAlign) % Cfg::kTableAlign;
   if (pad < Cfg::kLowBytes) return cudaErrorInvalidConfiguration;
   bytes = pad + Cfg::kTables + Cfg::kHighBytes;
-  return cudaFuncSetAttribute(gemm_kernel<K, MB, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  return cudaFuncSetAttribute(gemm_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <int K, int MB, typename T>
+template <class Cfg, typename T>
 cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
-  using Cfg = GemmConfig<K, MB>;
   static int smem_bytes = 0;
-  static const cudaError_t attr = gemm_dynamic_smem<K, MB, T>(smem_bytes);
+  static const cudaError_t attr = gemm_dynamic_smem<Cfg, T>(smem_bytes);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.grid);
@@ -681,15 +783,20 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = p.dependent_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, gemm_kernel<K, MB, T>, p);
+  return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, p);
 }
 
+// The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, wgmma with
+// 32, 64 or 128.
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
-  switch (p.mb) {
-    case 1: return launch_gemm<K, 1, T>(p, stream);
-    case 2: return launch_gemm<K, 2, T>(p, stream);
-    case 4: return launch_gemm<K, 4, T>(p, stream);
+  switch (p.wgmma ? -p.mb : p.mb) {
+    case 1: return launch_gemm<GemmConfig<K, 1, false>, T>(p, stream);
+    case 2: return launch_gemm<GemmConfig<K, 2, false>, T>(p, stream);
+    case 4: return launch_gemm<GemmConfig<K, 4, false>, T>(p, stream);
+    case -4: return launch_gemm<GemmConfig<K, 4, true>, T>(p, stream);
+    case -8: return launch_gemm<GemmConfig<K, 8, true>, T>(p, stream);
+    case -16: return launch_gemm<GemmConfig<K, 16, true>, T>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -705,7 +812,7 @@ cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
 template <int K>
 cudaError_t gemm_for_bits(const GemmParams& p, cudaStream_t stream);
 
-int gemm_smem_bytes(int k, int mb);
-bool gemm_on_sm80(int k, int mb);
+int gemm_smem_bytes(int k, int mb, bool wgmma);
+bool gemm_on_sm80(int k, int mb, bool wgmma);
 
 }  // namespace kbit

@@ -1,6 +1,7 @@
 // Storage format -> GEMM layout (kbit/layout.py documents the layout; repack_reference is the reference).
 // Runs once per weight at load time. One thread builds one lane's bit string for one (tile, k-group):
-// 16 runs of 8 codes, each run cut from one storage block, placed at the bit offsets the fused kernel reads.
+// 16 runs of 8 codes (four column pairs), each cut from one storage block, placed at the bit offsets the fused
+// kernel reads.
 #include "common.cuh"
 
 namespace kbit {
@@ -32,12 +33,12 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
       const int64_t blk = static_cast<int64_t>(row) * blocks_per_row + kb;
       uint32_t planes[K];
 #pragma unroll
-      for (int b = 0; b < K; ++b) planes[b] = inside ? packed[blk * K + b] >> (8 * q) : 0u;
+      for (int b = 0; b < K; ++b) planes[b] = inside ? packed[blk * K + b] >> (2 * q) : 0u;
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
         uint32_t code = 0;
 #pragma unroll
-        for (int b = 0; b < K; ++b) code |= ((planes[b] >> s) & 1u) << b;
+        for (int b = 0; b < K; ++b) code |= ((planes[b] >> (8 * (s >> 1) + (s & 1))) & 1u) << b;  // column 8p + 2q + e
         const int o = ((2 * t + r) * 8 + s) * K, wi = o >> 5, bi = o & 31;
         words[wi] |= code << bi;
         if (bi + K > 32) words[wi + 1] |= code >> (32 - bi);
