@@ -207,7 +207,9 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t smem_address, uint
 // Orders this thread's register writes (A fragments, accumulators) before the wgmmas that read them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N committed groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // wgmma reads shared memory through the async proxy: shared-memory writes seen through the generic proxy
 // (cp.async, st.shared) need this fence before a wgmma may read them.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

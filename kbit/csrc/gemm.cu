@@ -5,22 +5,23 @@
 
 namespace kbit {
 
-// Calls f(GemmConfig<k, mb, wgmma>{}) for the runtime (k, mb, wgmma): the configurations launch_gemm_mb builds.
+// Calls f(GemmConfig<k, mb, wgmma_tiles>{}) for the runtime values: the configurations launch_gemm_mb builds.
 template <typename F>
-auto with_config(int k, int mb, bool wgmma, F f) {
+auto with_config(int k, int mb, int wgmma_tiles, F f) {
   auto pick = [&](auto kc) {
     constexpr int K = decltype(kc)::value;
-    if (wgmma) {
-      switch (mb) {
-        case 4: return f(GemmConfig<K, 4, true>{});
-        case 8: return f(GemmConfig<K, 8, true>{});
-        default: return f(GemmConfig<K, 16, true>{});
-      }
-    }
-    switch (mb) {
-      case 1: return f(GemmConfig<K, 1, false>{});
-      case 2: return f(GemmConfig<K, 2, false>{});
-      default: return f(GemmConfig<K, 4, false>{});
+    switch (gemm_config_key(mb, wgmma_tiles)) {
+      case gemm_config_key(1, 0): return f(GemmConfig<K, 1, 0>{});
+      case gemm_config_key(2, 0): return f(GemmConfig<K, 2, 0>{});
+      case gemm_config_key(4, 1): return f(GemmConfig<K, 4, 1>{});
+      case gemm_config_key(8, 1): return f(GemmConfig<K, 8, 1>{});
+      case gemm_config_key(16, 1): return f(GemmConfig<K, 16, 1>{});
+      case gemm_config_key(4, 2): return f(GemmConfig<K, 4, 2>{});
+      case gemm_config_key(8, 2): return f(GemmConfig<K, 8, 2>{});
+      case gemm_config_key(16, 2):
+        if constexpr (K != 5) return f(GemmConfig<K, 16, 2>{});
+        return f(GemmConfig<K, 16, 1>{});  // not built (gemm_plan never picks it)
+      default: return f(GemmConfig<K, 4, 0>{});
     }
   };
   switch (k) {
@@ -31,11 +32,11 @@ auto with_config(int k, int mb, bool wgmma, F f) {
   }
 }
 
-int gemm_smem_bytes(int k, int mb, bool wgmma) {
-  return with_config(k, mb, wgmma, [](auto cfg) { return decltype(cfg)::kSmemTotal; });
+int gemm_smem_bytes(int k, int mb, int wgmma_tiles) {
+  return with_config(k, mb, wgmma_tiles, [](auto cfg) { return decltype(cfg)::kSmemTotal; });
 }
-bool gemm_on_sm80(int k, int mb, bool wgmma) {
-  return with_config(k, mb, wgmma, [](auto cfg) { return decltype(cfg)::kOnSm80; });
+bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
+  return with_config(k, mb, wgmma_tiles, [](auto cfg) { return decltype(cfg)::kOnSm80; });
 }
 
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
@@ -46,22 +47,28 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   }
   // 8-token MMA tiles per pass: enough for M; larger M loops over passes. mma.sync takes at most 4 (32
-  // tokens: more would spill registers), wgmma (sm_90, from 17 tokens on) up to 16.
-  const bool wgmma = major >= 9 && M > 16;
+  // tokens: more would spill registers), wgmma (compute capability 9.x, from 17 tokens on) up to 16.
+  const bool wgmma = major == 9 && M > 16;
   plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 || !wgmma ? 4 : M <= 64 ? 8 : 16;
-  plan.wgmma = wgmma;
-  while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb, plan.wgmma) > smem_limit) {
+  plan.wgmma_tiles = wgmma ? 1 : 0;
+  while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb, plan.wgmma_tiles) > smem_limit) {
     plan.mb /= 2;
-    plan.wgmma = plan.wgmma && plan.mb >= 4;
+    if (plan.mb < 4) plan.wgmma_tiles = 0;
   }
-  plan.smem_bytes = gemm_smem_bytes(k, plan.mb, plan.wgmma);
+  // wgmma with 256-row tiles where every CTA has many steps (>= 16): there the activations' traffic from L2
+  // bounds the kernel and half of it goes; on smaller problems the extra split-K costs more (gemm.cuh).
+  const int passes = (M + plan.mb * 8 - 1) / (plan.mb * 8), k_groups = (K_w + kKGroup - 1) / kKGroup;
+  const int64_t steps_two = static_cast<int64_t>(passes) * ((N + 255) / 256) * k_groups;
+  if (plan.wgmma_tiles && !(k == 5 && plan.mb == 16) && steps_two >= 16LL * num_sms &&
+      (smem_limit == 0 || gemm_smem_bytes(k, plan.mb, 2) <= smem_limit))
+    plan.wgmma_tiles = 2;
+  plan.smem_bytes = gemm_smem_bytes(k, plan.mb, plan.wgmma_tiles);
   plan.smem_limit = smem_limit;
   plan.cc_major = major;
-  plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb, plan.wgmma);
-  const int tokens = plan.mb * 8;
-  plan.m_passes = (M + tokens - 1) / tokens;
-  const int rows = gemm_tile_rows(k, plan.mb, plan.wgmma);
-  const int n_tiles = (N + rows - 1) / rows, k_groups = (K_w + kKGroup - 1) / kKGroup;
+  plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb, plan.wgmma_tiles);
+  plan.m_passes = passes;
+  const int rows = gemm_tile_rows(k, plan.mb, plan.wgmma_tiles);
+  const int n_tiles = (N + rows - 1) / rows;
   plan.total_steps = plan.m_passes * n_tiles * k_groups;
   // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile).
   const int want = forced_grid > 0 ? std::min(forced_grid, num_sms) : num_sms;
@@ -69,17 +76,17 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_groups == 0;
   // One partial tile per CTA (GemmConfig::kPartialFloats): a CTA publishes at most one, see finish_tile.
-  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * gemm_tile_rows(k, plan.mb, plan.wgmma) / 16 * plan.mb * 32 * 4;
+  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * gemm_tile_rows(k, plan.mb, plan.wgmma_tiles) / 16 * plan.mb * 32 * 4;
   return plan;
 }
 
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.N = N;
-  const int rows = gemm_tile_rows(p.k, plan.mb, plan.wgmma);
+  const int rows = gemm_tile_rows(p.k, plan.mb, plan.wgmma_tiles);
   p.n_tiles = (N + rows - 1) / rows;
   p.k_groups = (K_w + kKGroup - 1) / kKGroup;
   p.mb = plan.mb;
-  p.wgmma = plan.wgmma;
+  p.wgmma_tiles = plan.wgmma_tiles;
   p.grid = plan.grid;
   p.steps_per_cta = plan.total_steps / plan.grid;
   p.extra_steps = plan.total_steps % plan.grid;

@@ -59,21 +59,28 @@ constexpr int kStaticSmemMax = 2048;
 // 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps
 // one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
 // more shared memory than sm_80 has).
+// wgmma: one or two row tiles (CTA tiles of 128 or 256 rows). With two, each step's activations (MB*8 tokens x
+// 256 k, 16-64 KB from L2) serve twice the weights: with one at 128 tokens, the activations were 4x the
+// weights' bytes and the kernel ran at the rate the SM takes data in (~19 GB/s per SM, H100; 238 vs 192 us
+// for 8192 -> 28672, K = 4). But half the tiles means more split-K and 2x larger partials: on small shapes
+// (4096 -> 4096: 107 vs 31 us) one is faster. K = 5 at 128 tokens has one only: two would not fit two stages.
 constexpr int kGemmWarps = 8;
-__host__ __device__ constexpr int gemm_row_tiles(int k, int mb, bool wgmma) { return wgmma ? 1 : k != 5 || mb == 1 ? 2 : 1; }
-__host__ __device__ constexpr int gemm_tile_rows(int k, int mb, bool wgmma) {
-  return kGemmWarps * gemm_row_tiles(k, mb, wgmma) * 16;
+// wgmma_tiles: 0 for mma.sync, else the wgmma path's row tiles per warp (the host picks them per shape).
+__host__ __device__ constexpr int gemm_row_tiles(int k, int mb, int wgmma_tiles) {
+  return wgmma_tiles ? wgmma_tiles : k != 5 || mb == 1 ? 2 : 1;
+}
+__host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles) {
+  return kGemmWarps * gemm_row_tiles(k, mb, wgmma_tiles) * 16;
 }
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
-// WG: the wgmma path (sm_90), with one row tile per warp (a warpgroup's 64 rows per wgmma; the accumulators of
-// 128 tokens and the A fragments of a whole step already take ~130 registers).
-template <int K, int MB, bool WG>
+// WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp.
+template <int K, int MB, int WG>
 struct GemmConfig {
   static constexpr int kBits = K, kMB = MB;
-  static constexpr bool kWgmma = WG;
+  static constexpr bool kWgmma = WG > 0;
   static constexpr int kWarps = kGemmWarps;
   static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
@@ -82,7 +89,7 @@ struct GemmConfig {
   static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
   static constexpr int kAbsStage = kWarps * kRowTiles * 128;        // per row tile: 16 rows x 8 blocks
   // MB*8 tokens x 256 k: padded rows (mma.sync), or wgmma's core matrices (8 tokens x 8 k, 128 B each).
-  static constexpr int kXStage = WG ? MB * 8 * kKGroup * 2 : MB * 8 * kXRowHalves * 2;
+  static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRowHalves * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
   //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l (bytes
@@ -94,9 +101,9 @@ struct GemmConfig {
   //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
   // The E4M4 block scales need no table (e4m4_byte_to_float).
-  static constexpr bool kByteRows = !WG && (K == 2 || K == 4);  // table rows addressed by one byte (PRMT)
+  static constexpr bool kByteRows = !kWgmma && (K == 2 || K == 4);  // table rows addressed by one byte (PRMT)
   static constexpr int kPairs = 1 << (2 * K);
-  static constexpr int kCopyBytes = MB == 1 ? 65536 : 32768;  // the most a compact table may take
+  static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
   static constexpr int kPairTable = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
   static constexpr int kTables = kPairTable;
@@ -122,7 +129,7 @@ struct GemmConfig {
   // Per-CTA total (static + dynamic) when the dynamic base is below kTableAlign: what the plan checks.
   static constexpr int kSmemTotal = kTableAlign - kReservedSmem + kTables + kHighBytes;
   // Built for sm_80-class GPUs: what fits their shared memory. The host refuses the rest.
-  static constexpr bool kOnSm80 = !WG && kSmemTotal <= kSm80SmemMax;
+  static constexpr bool kOnSm80 = !kWgmma && kSmemTotal <= kSm80SmemMax;
   static constexpr int kPartialFloats = kWarps * kFrags * 32 * 4;  // one CTA's partial output tile
 };
 
@@ -427,6 +434,24 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
   mbarrier_arrive_after_cp_async(full);
 }
 
+// One warp's codes (its bit string, kbit/layout.py) and E4M4 block scales of one step's row tile r:
+// scales_lo = row g's 8 blocks, scales_hi = row g + 8's.
+template <class Cfg>
+__device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, const uint8_t* small_piece, int r,
+                                                uint32_t (&w)[4 * Cfg::kBits], uint2& scales_lo, uint2& scales_hi) {
+  constexpr int K = Cfg::kBits, RT = Cfg::kRowTiles;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + (warp * RT + r) * K * 32 + lane;
+  const uint8_t* ab = small_piece + (warp * RT + r) * 128;
+#pragma unroll
+  for (int v = 0; v < K; ++v) {
+    const uint4 t = bv[v * 32];
+    w[4 * v] = t.x; w[4 * v + 1] = t.y; w[4 * v + 2] = t.z; w[4 * v + 3] = t.w;
+  }
+  scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);
+  scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);
+}
+
 // One warp, one step: its row tiles (16 weight rows each) x 256 k against MB*8 tokens, accumulated into acc
 // (fragment r * MB + mb). Token rows at or past x_rows (the rows this pass has) are not loaded: their
 // registers hold stale values, which reach only their own output columns (the MMA's columns are
@@ -437,21 +462,11 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
                                              int x_rows, float (&acc)[Cfg::kFrags][4]) {
   constexpr int K = Cfg::kBits, MB = Cfg::kMB;
   constexpr int RT = Cfg::kRowTiles;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   uint32_t w[RT][4 * K];
   uint2 scales_lo[RT], scales_hi[RT];
-  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + warp * RT * K * 32 + lane;
-  const uint8_t* ab = small_piece + warp * RT * 128;
 #pragma unroll
-  for (int r = 0; r < RT; ++r) {
-#pragma unroll
-    for (int v = 0; v < K; ++v) {
-      const uint4 t = bv[(r * K + v) * 32];
-      w[r][4 * v] = t.x; w[r][4 * v + 1] = t.y; w[r][4 * v + 2] = t.z; w[r][4 * v + 3] = t.w;
-    }
-    scales_lo[r] = *reinterpret_cast<const uint2*>(ab + r * 128 + g * 8);       // row g, blocks 0..7
-    scales_hi[r] = *reinterpret_cast<const uint2*>(ab + r * 128 + 64 + g * 8);  // row g + 8
-  }
+  for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r]);
   const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) + (g * kXRowHalves + 8 * q) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
 
@@ -485,49 +500,47 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
 }
 
 #if KBIT_WGMMA
-// One warp's part of one warpgroup step: its 16 weight rows x 256 k, through 16 wgmmas (8 blocks x 2 k-steps)
-// of the warpgroup's 64 rows against MB*8 tokens, accumulated into acc (the D fragments of those tokens).
-// Each block's E4M4 scales multiply the looked-up weights in 16 bits before the MMA (the product rounded once,
-// like the dequantized weights cuBLAS would read). All 16 A fragments are built first (64 registers), then
-// the wgmmas are issued back to back and waited for once: the other warpgroup's lookups overlap them.
+// One warp's part of one warpgroup step: per row tile, its 16 weight rows x 256 k, through 16 wgmmas (8 blocks
+// x 2 k-steps) of the warpgroup's 64 rows against MB*8 tokens, accumulated into acc (row tile r: fragments
+// r * MB .., the D fragments of those tokens). Each block's E4M4 scales multiply the looked-up weights in 16 bits
+// before the MMA (the product rounded once, like the dequantized weights cuBLAS would read). One group of two
+// wgmmas per (row tile, block); its A fragments are built while the previous group runs: two register sets,
+// each rewritten once the group before the previous one is done (8 registers each: next to 2 x 64
+// accumulators at 128 tokens, the A fragments or codes of a whole step would spill).
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
                                                    float (&acc)[Cfg::kFrags][4]) {
-  constexpr int K = Cfg::kBits;
-  static_assert(Cfg::kRowTiles == 1, "one row tile per warp");
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  uint32_t w[4 * K];
-  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + warp * K * 32 + lane;
-#pragma unroll
-  for (int v = 0; v < K; ++v) {
-    const uint4 t = bv[v * 32];
-    w[4 * v] = t.x; w[4 * v + 1] = t.y; w[4 * v + 2] = t.z; w[4 * v + 3] = t.w;
-  }
-  const uint8_t* ab = small_piece + warp * 128;
-  const uint2 scales_lo = *reinterpret_cast<const uint2*>(ab + g * 8);       // row g, blocks 0..7
-  const uint2 scales_hi = *reinterpret_cast<const uint2*>(ab + 64 + g * 8);  // row g + 8
-  uint32_t a[8][2][4];
-#pragma unroll
-  for (int t = 0; t < 8; ++t) {
-    const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
-    const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
-    uint32_t h[2][4];
-    block_fragments<Cfg>(w, t, sel, h);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
-    a[t][0][0] = h[0][0], a[t][0][1] = h[1][0], a[t][0][2] = h[0][1], a[t][0][3] = h[1][1];  // k-step 0
-    a[t][1][0] = h[0][2], a[t][1][1] = h[1][2], a[t][1][2] = h[0][3], a[t][1][3] = h[1][3];  // k-step 1
-  }
+  constexpr int K = Cfg::kBits, MB = Cfg::kMB, RT = Cfg::kRowTiles;
   // Block t, k-step s: columns 32t + 16s .. + 15, core matrices 4t + 2s and 4t + 2s + 1.
   const uint64_t desc = wgmma_descriptor(shared_address(small_piece + Cfg::kAbsStage), 128, 4096);
   fence_accumulators(acc);
-  wgmma_fence();
+  uint32_t a[2][2][4];  // [group % 2][k-step]
 #pragma unroll
-  for (int t = 0; t < 8; ++t)
+  for (int r = 0; r < RT; ++r) {  // row tiles one after the other: one tile's codes in registers at a time
+    uint32_t w[4 * K];
+    uint2 scales_lo, scales_hi;
+    load_tile_codes<Cfg>(codes_piece, small_piece, r, w, scales_lo, scales_hi);
 #pragma unroll
-    for (int s = 0; s < 2; ++s) Wgmma<Cfg::kMB * 8>::template run<T>(acc, a[t][s], desc + (4 * t + 2 * s) * 8);
-  wgmma_commit();
-  wgmma_wait_all();
+    for (int t = 0; t < 8; ++t) {
+      const int group = r * 8 + t;
+      const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
+      const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
+      uint32_t h[2][4];
+      block_fragments<Cfg>(w, t, sel, h);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+      if (group >= 2) wgmma_wait<1>();  // group - 2 is done with a[group % 2]
+      uint32_t (&ag)[2][4] = a[group % 2];
+      ag[0][0] = h[0][0], ag[0][1] = h[1][0], ag[0][2] = h[0][1], ag[0][3] = h[1][1];  // k-step 0
+      ag[1][0] = h[0][2], ag[1][1] = h[1][2], ag[1][2] = h[0][3], ag[1][3] = h[1][3];  // k-step 1
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+        Wgmma<MB * 8>::template run<T>(reinterpret_cast<float (&)[MB][4]>(acc[r * MB]), ag[s], desc + (4 * t + 2 * s) * 8);
+      wgmma_commit();
+    }
+  }
+  wgmma_wait<0>();
   fence_accumulators(acc);
 }
 #endif
@@ -577,7 +590,7 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
 // globaltimer trace, H100). "The last to arrive reduces" had cost a store, fence and counter round trip more.
 template <class Cfg, typename T>
 __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCursor& c, int first, int last,
-                                            float out_scale, const float (&acc)[Cfg::kFrags][4]) {
+                                            float out_scale, float (&acc)[Cfg::kFrags][4]) {
   constexpr int MB = Cfg::kMB;
   constexpr int F = Cfg::kFrags;
   const int tile = c.tile(p);
@@ -604,48 +617,52 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
     return;
   }
   const int others = cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
-  // Contributors in flight at once, all their fragments: one L2 round trip per batch, not per partial (a tile
-  // of a small GEMM has ~8). At most 16 fragments (64 registers); one partial at a time at 8 fragments per
-  // warp and on sm_80, whose builds spill with more.
+  // Contributors in flight at once, up to 8 fragments of each: one L2 round trip per batch, not per partial (a
+  // tile of a small GEMM has ~8). At most 16 fragments (64 registers); one partial at a time at 8 or more
+  // fragments per warp and on sm_80, and 2 fragments at a time next to 32 accumulator fragments (wgmma, 128
+  // tokens), whose builds spill with more. The sums build up in acc itself (a copy would spill there too),
+  // each fragment adding its partials in CTA order whatever the batches.
   constexpr int kInFlight = KBIT_BULK_COPY && F < 8 ? 16 / F : 1;
+  constexpr int kBatch = F < 8 ? F : F < 32 ? 8 : 2;
   const float empty = __uint_as_float(kPartialEmpty);
-  float sum[F][4];
-#pragma unroll
-  for (int f = 0; f < F; ++f) sum[f][0] = acc[f][0], sum[f][1] = acc[f][1], sum[f][2] = acc[f][2], sum[f][3] = acc[f][3];
   for (int j0 = 1; j0 <= others; j0 += kInFlight) {
-    float4 v[kInFlight][F];
-    bool landed;
-    do {
-      landed = true;
+#pragma unroll
+    for (int f0 = 0; f0 < F; f0 += kBatch) {
+      float4 v[kInFlight][kBatch];
+      bool landed;
+      do {
+        landed = true;
+#pragma unroll
+        for (int i = 0; i < kInFlight; ++i)
+#pragma unroll
+          for (int f = 0; f < kBatch; ++f)
+            if (j0 + i <= others && live(f0 + f)) v[i][f] = ld_relaxed_gpu(partial(blockIdx.x + j0 + i) + (f0 + f) * 128);
+#pragma unroll
+        for (int i = 0; i < kInFlight; ++i)
+#pragma unroll
+          for (int f = 0; f < kBatch; ++f) {
+            const uint32_t e = kPartialEmpty;
+            if (j0 + i <= others && live(f0 + f))
+              landed &= __float_as_uint(v[i][f].x) != e && __float_as_uint(v[i][f].y) != e &&
+                        __float_as_uint(v[i][f].z) != e && __float_as_uint(v[i][f].w) != e;
+          }
+        // Not yet: wait a little before asking L2 again; every poll moves the whole batch (up to 64 KB per CTA).
+        if (!landed) __nanosleep(128);
+      } while (!landed);
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i)
+        if (j0 + i <= others) {
 #pragma unroll
-        for (int f = 0; f < F; ++f)
-          if (j0 + i <= others && live(f)) v[i][f] = ld_relaxed_gpu(partial(blockIdx.x + j0 + i) + f * 128);
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-#pragma unroll
-        for (int f = 0; f < F; ++f) {
-          const uint32_t e = kPartialEmpty;
-          if (j0 + i <= others && live(f))
-            landed &= __float_as_uint(v[i][f].x) != e && __float_as_uint(v[i][f].y) != e &&
-                      __float_as_uint(v[i][f].z) != e && __float_as_uint(v[i][f].w) != e;
+          for (int f = 0; f < kBatch; ++f) {
+            if (!live(f0 + f)) continue;
+            float (&d)[4] = acc[f0 + f];
+            d[0] += v[i][f].x, d[1] += v[i][f].y, d[2] += v[i][f].z, d[3] += v[i][f].w;
+            st_relaxed_gpu(partial(blockIdx.x + j0 + i) + (f0 + f) * 128, make_float4(empty, empty, empty, empty));
+          }
         }
-      // Not yet: wait a little before asking L2 again; every poll moves the whole batch (up to 64 KB per CTA).
-      if (!landed) __nanosleep(128);
-    } while (!landed);
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i)
-      if (j0 + i <= others) {
-#pragma unroll
-        for (int f = 0; f < F; ++f) {
-          if (!live(f)) continue;
-          sum[f][0] += v[i][f].x, sum[f][1] += v[i][f].y, sum[f][2] += v[i][f].z, sum[f][3] += v[i][f].w;
-          st_relaxed_gpu(partial(blockIdx.x + j0 + i) + f * 128, make_float4(empty, empty, empty, empty));
-        }
-      }
+    }
   }
-  store_tile<Cfg, T>(p, c, out_scale, sum);
+  store_tile<Cfg, T>(p, c, out_scale, acc);
 }
 
 template <class Cfg, typename T>
@@ -705,6 +722,13 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     const bool more = step + S - 1 < last;
     if (more)
       load_weights<Cfg>(p, layout.codes(refill), layout.small(refill), &bars.weights_full[refill][warp], load_at);
+    // Its activations once every warp is done with step - 1. With 3+ stages after this step's math (by then,
+    // mostly without waiting); with 2, now: after the math they would have no step to land in.
+    auto load_next_activations = [&] {
+      if (step > first) mbarrier_wait(&bars.acts_free[refill], slot == 0 ? phase ^ 1u : phase);
+      load_activations<Cfg, T>(p, layout.small(refill), &bars.acts_full[refill], load_at);
+    };
+    if (S == 2 && more) load_next_activations();
 
     mbarrier_wait(&bars.weights_full[slot][warp], phase);
     mbarrier_wait(&bars.acts_full[slot], phase);
@@ -720,12 +744,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&bars.acts_free[slot]);
 
-    // Its activations once every warp is done with step - 1 (by now, mostly without waiting).
-    if (more) {
-      if (step > first) mbarrier_wait(&bars.acts_free[refill], slot == 0 ? phase ^ 1u : phase);
-      load_activations<Cfg, T>(p, layout.small(refill), &bars.acts_full[refill], load_at);
-      load_at.advance(p);
-    }
+    if (S > 2 && more) load_next_activations();
+    if (more) load_at.advance(p);
     if (c.kgroup == p.k_groups - 1 || step == last - 1) {
       finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
 #pragma unroll
@@ -787,16 +807,22 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
 }
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, wgmma with
-// 32, 64 or 128.
+// 32, 64 or 128, with one or two row tiles per warp (not two at K = 5 and 128 tokens: no room).
+constexpr int gemm_config_key(int mb, int wgmma_tiles) { return wgmma_tiles * 32 + mb; }
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
-  switch (p.wgmma ? -p.mb : p.mb) {
-    case 1: return launch_gemm<GemmConfig<K, 1, false>, T>(p, stream);
-    case 2: return launch_gemm<GemmConfig<K, 2, false>, T>(p, stream);
-    case 4: return launch_gemm<GemmConfig<K, 4, false>, T>(p, stream);
-    case -4: return launch_gemm<GemmConfig<K, 4, true>, T>(p, stream);
-    case -8: return launch_gemm<GemmConfig<K, 8, true>, T>(p, stream);
-    case -16: return launch_gemm<GemmConfig<K, 16, true>, T>(p, stream);
+  switch (gemm_config_key(p.mb, p.wgmma_tiles)) {
+    case gemm_config_key(1, 0): return launch_gemm<GemmConfig<K, 1, 0>, T>(p, stream);
+    case gemm_config_key(2, 0): return launch_gemm<GemmConfig<K, 2, 0>, T>(p, stream);
+    case gemm_config_key(4, 0): return launch_gemm<GemmConfig<K, 4, 0>, T>(p, stream);
+    case gemm_config_key(4, 1): return launch_gemm<GemmConfig<K, 4, 1>, T>(p, stream);
+    case gemm_config_key(8, 1): return launch_gemm<GemmConfig<K, 8, 1>, T>(p, stream);
+    case gemm_config_key(16, 1): return launch_gemm<GemmConfig<K, 16, 1>, T>(p, stream);
+    case gemm_config_key(4, 2): return launch_gemm<GemmConfig<K, 4, 2>, T>(p, stream);
+    case gemm_config_key(8, 2): return launch_gemm<GemmConfig<K, 8, 2>, T>(p, stream);
+    case gemm_config_key(16, 2):
+      if constexpr (K != 5) return launch_gemm<GemmConfig<K, 16, 2>, T>(p, stream);
+      [[fallthrough]];
     default: return cudaErrorInvalidValue;
   }
 }
@@ -812,7 +838,7 @@ cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
 template <int K>
 cudaError_t gemm_for_bits(const GemmParams& p, cudaStream_t stream);
 
-int gemm_smem_bytes(int k, int mb, bool wgmma);
-bool gemm_on_sm80(int k, int mb, bool wgmma);
+int gemm_smem_bytes(int k, int mb, int wgmma_tiles);
+bool gemm_on_sm80(int k, int mb, int wgmma_tiles);
 
 }  // namespace kbit

@@ -44,7 +44,7 @@ struct GemmParams {
   int steps_per_cta;        // pipeline steps (token passes x n_tiles x k_groups) / grid
   int extra_steps;          // pipeline steps % grid
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 4, 8 or 16 (wgmma)
-  bool wgmma;               // the wgmma path (sm_90; see gemm.cuh)
+  int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   int k;                    // bits
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
@@ -57,7 +57,7 @@ constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
 // How a GEMM will run: chosen on the host before allocating its workspace.
 struct GemmPlan {
   int mb, m_passes, grid, total_steps;
-  bool wgmma;               // the tensor-core path: wgmma (sm_90) or mma.sync
+  int wgmma_tiles;          // 0: mma.sync; 1 or 2: wgmma with that many row tiles per warp (GemmParams)
   int64_t partial_floats;   // floats of split-K workspace (0 when every CTA owns whole tiles)
   int smem_bytes;           // shared memory per CTA the configuration needs
   int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
