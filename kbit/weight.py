@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,12 +19,35 @@ from .formats import (
 from .functional import GEMM_DTYPES, _check_tensor, _resolve_codebook, check_finite
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-# From this many tokens on, dequantize + cuBLAS beat the fused kernel, per bit width. Measured on an H100
-# (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md and _m160_224.md, docs/PERFORMANCE.md): at
-# M = 128 the fused kernel wins for K = 2..4 on the large shapes (K = 4, 8192->28672: 264 vs 380 us) and
-# ties at K = 5; the fused time grows by one weight pass per 32 tokens, so K = 2 ties at M = 160, K = 4 at
-# M = 192 (385 vs 385 us); at M = 256 dequantize + cuBLAS wins for every K.
+# From this many tokens on, dequantize + cuBLAS beat the fused kernel's mma.sync path, per bit width. Measured on
+# an H100 (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md and _m160_224.md at faa39cf,
+# docs/PERFORMANCE.md): the fused time grows by one weight pass per 32 tokens, so K = 2 ties at M = 160, K = 4
+# at M = 192; at M = 256 dequantize + cuBLAS wins for every K. GPUs without the wgmma path use these.
 DEQUANT_CUBLAS_MIN_M = {2: 160, 3: 160, 4: 192, 5: 128}
+# Compute capability 9.x (the wgmma path, 128 tokens per weight pass), H100 at the wgmma commit
+# (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md): at M = 128 the fused kernel wins on every
+# shape of >= 32M weights (8192->28672, K = 4: 197 vs 379 us; 14336->4096: 76 vs 107 us) and loses on smaller
+# ones (4096->4096: 31 vs 27 us); past 128 tokens it takes a second pass, which still wins for weights of
+# >= 128M at K <= 4 (370 vs 403 us at M = 256) and nowhere else.
+WGMMA_FUSED_MIN_WEIGHTS = 1 << 25
+WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS = 1 << 27
+
+
+@functools.lru_cache(maxsize=None)
+def _has_wgmma_path(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def use_dequant_cublas(qw: "QuantizedWeight", M: int, device: torch.device) -> bool:
+    """Whether dequantize + cuBLAS beats the fused kernel for M tokens on this CUDA device."""
+    if not _has_wgmma_path(device.index if device.index is not None else torch.cuda.current_device()):
+        return M >= DEQUANT_CUBLAS_MIN_M[qw.k]
+    weights = qw.shape[0] * qw.shape[1]
+    if M <= 128:  # one pass: 65..128 tokens cost what 128 do
+        return M > 64 and weights < WGMMA_FUSED_MIN_WEIGHTS
+    return M > 256 or weights < WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS or qw.k == 5
+
+
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 STATE_KEYS = ("packed", "absmax", "codebook", "scale", "meta")
 
@@ -192,7 +216,7 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, num_bl
     if x.device.type == "cuda":
         check_dtype(x.dtype, "x", GEMM_DTYPES)
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        if num_blocks == 0 and x2.shape[0] >= DEQUANT_CUBLAS_MIN_M[qw.k]:
+        if num_blocks == 0 and use_dequant_cublas(qw, x2.shape[0], x.device):
             y = torch.nn.functional.linear(x2, qw.dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()
