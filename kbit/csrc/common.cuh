@@ -252,16 +252,6 @@ __device__ __forceinline__ uint32_t splat_pair(float v) {
 template <int N>
 struct Wgmma;
 template <>
-struct Wgmma<32> {
-  template <typename T>
-  static __device__ __forceinline__ void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc) {
-    KBIT_WGMMA_ASM("m64n32k16", "%21",
-                   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}, {%16, %17, %18, %19}, %20",
-                   KBIT_ACC4(0), KBIT_ACC4(1), KBIT_ACC4(2), KBIT_ACC4(3)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1))
-  }
-};
-template <>
 struct Wgmma<64> {
   template <typename T>
   static __device__ __forceinline__ void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc) {

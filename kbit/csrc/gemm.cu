@@ -13,11 +13,8 @@ auto with_config(int k, int mb, int wgmma_tiles, F f) {
     switch (gemm_config_key(mb, wgmma_tiles)) {
       case gemm_config_key(1, 0): return f(GemmConfig<K, 1, 0>{});
       case gemm_config_key(2, 0): return f(GemmConfig<K, 2, 0>{});
-      case gemm_config_key(4, 1): return f(GemmConfig<K, 4, 1>{});
-      case gemm_config_key(8, 1): return f(GemmConfig<K, 8, 1>{});
-      case gemm_config_key(16, 1): return f(GemmConfig<K, 16, 1>{});
-      case gemm_config_key(4, 2): return f(GemmConfig<K, 4, 2>{});
       case gemm_config_key(8, 2): return f(GemmConfig<K, 8, 2>{});
+      case gemm_config_key(16, 1): return f(GemmConfig<K, 16, 1>{});
       case gemm_config_key(16, 2):
         if constexpr (K != 5) return f(GemmConfig<K, 16, 2>{});
         return f(GemmConfig<K, 16, 1>{});  // not built (gemm_plan never picks it)
@@ -47,26 +44,25 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   }
   // 8-token MMA tiles per pass: enough for M; larger M loops over passes. mma.sync takes at most 4 (32
-  // tokens: more would spill registers), wgmma (compute capability 9.x, from 17 tokens on) up to 16.
-  const bool wgmma = major == 9 && M > 16;
-  plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 || !wgmma ? 4 : M <= 64 ? 8 : 16;
-  plan.wgmma_tiles = wgmma ? 1 : 0;
-  while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb, plan.wgmma_tiles) > smem_limit) {
-    plan.mb /= 2;
-    if (plan.mb < 4) plan.wgmma_tiles = 0;
-  }
-  // wgmma with 256-row tiles where every CTA has many steps (>= 16): there the activations' traffic from L2
-  // bounds the kernel and half of it goes; on smaller problems the extra split-K costs more (gemm.cuh).
-  const int passes = (M + plan.mb * 8 - 1) / (plan.mb * 8), k_groups = (K_w + kKGroup - 1) / kKGroup;
-  const int64_t steps_two = static_cast<int64_t>(passes) * ((N + 255) / 256) * k_groups;
-  if (plan.wgmma_tiles && !(k == 5 && plan.mb == 16) && steps_two >= 16LL * num_sms &&
-      (smem_limit == 0 || gemm_smem_bytes(k, plan.mb, 2) <= smem_limit))
-    plan.wgmma_tiles = 2;
+  // tokens: more would spill registers), wgmma (compute capability 9.x) 8 or 16. wgmma from 65 tokens on, and
+  // from 33 on problems with >= 16 steps per CTA in 256-row tiles: below that mma.sync's 32-token passes are
+  // faster (docs/PERFORMANCE.md, v23). wgmma takes 256-row tiles exactly on those problems: there the
+  // activations' traffic from L2 bounds it and half of it goes; elsewhere the extra split-K costs more.
+  const int k_groups = (K_w + kKGroup - 1) / kKGroup;
+  auto steps_in_256_row_tiles = [&](int mb) {
+    return static_cast<int64_t>((M + mb * 8 - 1) / (mb * 8)) * ((N + 255) / 256) * k_groups;
+  };
+  const bool hopper = major == 9;
+  const bool wgmma = hopper && (M > 64 || (M > 32 && steps_in_256_row_tiles(8) >= 16LL * num_sms));
+  plan.mb = M <= 8 ? 1 : M <= 16 ? 2 : !wgmma ? 4 : M <= 64 ? 8 : 16;
+  plan.wgmma_tiles = !wgmma ? 0 : plan.mb == 8 || (k != 5 && steps_in_256_row_tiles(16) >= 16LL * num_sms) ? 2 : 1;
+  if (smem_limit > 0 && gemm_smem_bytes(k, plan.mb, plan.wgmma_tiles) > smem_limit) plan.mb = 4, plan.wgmma_tiles = 0;
+  while (plan.mb > 1 && smem_limit > 0 && gemm_smem_bytes(k, plan.mb, 0) > smem_limit) plan.mb /= 2;
   plan.smem_bytes = gemm_smem_bytes(k, plan.mb, plan.wgmma_tiles);
   plan.smem_limit = smem_limit;
   plan.cc_major = major;
   plan.built = major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb, plan.wgmma_tiles);
-  plan.m_passes = passes;
+  plan.m_passes = (M + plan.mb * 8 - 1) / (plan.mb * 8);
   const int rows = gemm_tile_rows(k, plan.mb, plan.wgmma_tiles);
   const int n_tiles = (N + rows - 1) / rows;
   plan.total_steps = plan.m_passes * n_tiles * k_groups;

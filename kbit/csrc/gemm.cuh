@@ -12,7 +12,7 @@
 //   load_activations one warp's share of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result (mma.sync)
-//   compute_step_wgmma the same for 64 rows per warpgroup and 32..128 tokens, block scales applied to the
+//   compute_step_wgmma the same for 64 rows per warpgroup and 64 or 128 tokens, block scales applied to the
 //                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
@@ -26,7 +26,7 @@
 // Two tensor-core paths share everything but the math (GemmConfig::kWgmma):
 //   mma.sync m16n8k16, up to 32 tokens per pass (all GPUs): each warp loads its activation fragments from
 //     shared memory into registers, and scales each block's fp32 result (one FFMA per accumulator per block);
-//   wgmma m64nNk16, N = 32..128 tokens per pass (sm_90): each warpgroup's 4 warps supply 64 weight rows from
+//   wgmma m64nNk16, N = 64 or 128 tokens per pass (sm_90a): each warpgroup's 4 warps supply 64 weight rows from
 //     registers, the tensor cores read the activations from shared memory themselves, and the block scales
 //     are applied to the weights in 16 bits (one HMUL2 per register, whatever the token count), so a pass
 //     of up to 128 tokens costs one table lookup per weight pair and no FFMA per token.
@@ -806,8 +806,9 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, p);
 }
 
-// The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, wgmma with
-// 32, 64 or 128, with one or two row tiles per warp (not two at K = 5 and 128 tokens: no room).
+// The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass; wgmma with 64
+// tokens and 256-row tiles, or 128 tokens and 128- or 256-row tiles (not 256 at K = 5: no room). gemm_plan
+// picks among them.
 constexpr int gemm_config_key(int mb, int wgmma_tiles) { return wgmma_tiles * 32 + mb; }
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
@@ -815,11 +816,8 @@ cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
     case gemm_config_key(1, 0): return launch_gemm<GemmConfig<K, 1, 0>, T>(p, stream);
     case gemm_config_key(2, 0): return launch_gemm<GemmConfig<K, 2, 0>, T>(p, stream);
     case gemm_config_key(4, 0): return launch_gemm<GemmConfig<K, 4, 0>, T>(p, stream);
-    case gemm_config_key(4, 1): return launch_gemm<GemmConfig<K, 4, 1>, T>(p, stream);
-    case gemm_config_key(8, 1): return launch_gemm<GemmConfig<K, 8, 1>, T>(p, stream);
-    case gemm_config_key(16, 1): return launch_gemm<GemmConfig<K, 16, 1>, T>(p, stream);
-    case gemm_config_key(4, 2): return launch_gemm<GemmConfig<K, 4, 2>, T>(p, stream);
     case gemm_config_key(8, 2): return launch_gemm<GemmConfig<K, 8, 2>, T>(p, stream);
+    case gemm_config_key(16, 1): return launch_gemm<GemmConfig<K, 16, 1>, T>(p, stream);
     case gemm_config_key(16, 2):
       if constexpr (K != 5) return launch_gemm<GemmConfig<K, 16, 2>, T>(p, stream);
       [[fallthrough]];

@@ -1,4 +1,4 @@
-// Fused GEMM instantiations for k = 4: mma.sync MB in {1, 2, 4}, wgmma MB in {4, 8, 16}, x {fp16, bf16} (gemm.cuh).
+// Fused GEMM instantiations for k = 4: mma.sync MB in {1, 2, 4}, wgmma MB in {8, 16}, x {fp16, bf16} (gemm.cuh).
 #include "gemm.cuh"
 
 namespace kbit {

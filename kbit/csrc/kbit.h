@@ -43,7 +43,7 @@ struct GemmParams {
   int grid;                 // CTAs; CTA c owns steps_per_cta steps, one more if c < extra_steps
   int steps_per_cta;        // pipeline steps (token passes x n_tiles x k_groups) / grid
   int extra_steps;          // pipeline steps % grid
-  int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 4, 8 or 16 (wgmma)
+  int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   int k;                    // bits
   DType dtype;              // of x, y, bias
