@@ -5,35 +5,25 @@
 
 namespace kbit {
 
-// Calls f(GemmConfig<k, mb, wgmma_tiles>{}) for the runtime values: the configurations launch_gemm_mb builds.
-template <typename F>
-auto with_config(int k, int mb, int wgmma_tiles, F f) {
-  auto pick = [&](auto kc) {
-    constexpr int K = decltype(kc)::value;
-    switch (gemm_config_key(mb, wgmma_tiles)) {
-      case gemm_config_key(1, 0): return f(GemmConfig<K, 1, 0>{});
-      case gemm_config_key(2, 0): return f(GemmConfig<K, 2, 0>{});
-      case gemm_config_key(8, 2): return f(GemmConfig<K, 8, 2>{});
-      case gemm_config_key(16, 1): return f(GemmConfig<K, 16, 1>{});
-      case gemm_config_key(16, 2):
-        if constexpr (K != 5) return f(GemmConfig<K, 16, 2>{});
-        return f(GemmConfig<K, 16, 1>{});  // not built (gemm_plan never picks it)
-      default: return f(GemmConfig<K, 4, 0>{});
-    }
-  };
+// A compile-time property of the configuration (k, mb, wgmma_tiles), or `otherwise` if it is not built.
+template <typename F, typename R>
+R config_property(int k, int mb, int wgmma_tiles, R otherwise, F f) {
+  R r = otherwise;
+  auto get = [&](auto cfg) { r = f(cfg); };
   switch (k) {
-    case 2: return pick(std::integral_constant<int, 2>{});
-    case 3: return pick(std::integral_constant<int, 3>{});
-    case 4: return pick(std::integral_constant<int, 4>{});
-    default: return pick(std::integral_constant<int, 5>{});
+    case 2: with_gemm_config<2>(mb, wgmma_tiles, get); break;
+    case 3: with_gemm_config<3>(mb, wgmma_tiles, get); break;
+    case 4: with_gemm_config<4>(mb, wgmma_tiles, get); break;
+    default: with_gemm_config<5>(mb, wgmma_tiles, get); break;
   }
+  return r;
 }
 
 int gemm_smem_bytes(int k, int mb, int wgmma_tiles) {
-  return with_config(k, mb, wgmma_tiles, [](auto cfg) { return decltype(cfg)::kSmemTotal; });
+  return config_property(k, mb, wgmma_tiles, 0, [](auto cfg) { return decltype(cfg)::kSmemTotal; });
 }
 bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
-  return with_config(k, mb, wgmma_tiles, [](auto cfg) { return decltype(cfg)::kOnSm80; });
+  return config_property(k, mb, wgmma_tiles, false, [](auto cfg) { return decltype(cfg)::kOnSm80; });
 }
 
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {

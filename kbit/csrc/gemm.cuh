@@ -810,19 +810,30 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
 // tokens and 256-row tiles, or 128 tokens and 128- or 256-row tiles (not 256 at K = 5: no room). gemm_plan
 // picks among them.
 constexpr int gemm_config_key(int mb, int wgmma_tiles) { return wgmma_tiles * 32 + mb; }
+// Calls f(GemmConfig<K, mb, wgmma_tiles>{}) if that configuration is built; returns whether it is. The one list
+// of configurations, for the launcher and for the host's plan (gemm.cu).
+template <int K, typename F>
+bool with_gemm_config(int mb, int wgmma_tiles, F&& f) {
+  switch (gemm_config_key(mb, wgmma_tiles)) {
+    case gemm_config_key(1, 0): f(GemmConfig<K, 1, 0>{}); return true;
+    case gemm_config_key(2, 0): f(GemmConfig<K, 2, 0>{}); return true;
+    case gemm_config_key(4, 0): f(GemmConfig<K, 4, 0>{}); return true;
+    case gemm_config_key(8, 2): f(GemmConfig<K, 8, 2>{}); return true;
+    case gemm_config_key(16, 1): f(GemmConfig<K, 16, 1>{}); return true;
+    case gemm_config_key(16, 2):
+      if constexpr (K != 5) {
+        f(GemmConfig<K, 16, 2>{});
+        return true;
+      }
+      return false;
+    default: return false;
+  }
+}
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
-  switch (gemm_config_key(p.mb, p.wgmma_tiles)) {
-    case gemm_config_key(1, 0): return launch_gemm<GemmConfig<K, 1, 0>, T>(p, stream);
-    case gemm_config_key(2, 0): return launch_gemm<GemmConfig<K, 2, 0>, T>(p, stream);
-    case gemm_config_key(4, 0): return launch_gemm<GemmConfig<K, 4, 0>, T>(p, stream);
-    case gemm_config_key(8, 2): return launch_gemm<GemmConfig<K, 8, 2>, T>(p, stream);
-    case gemm_config_key(16, 1): return launch_gemm<GemmConfig<K, 16, 1>, T>(p, stream);
-    case gemm_config_key(16, 2):
-      if constexpr (K != 5) return launch_gemm<GemmConfig<K, 16, 2>, T>(p, stream);
-      [[fallthrough]];
-    default: return cudaErrorInvalidValue;
-  }
+  cudaError_t err = cudaErrorInvalidValue;
+  with_gemm_config<K>(p.mb, p.wgmma_tiles, [&](auto cfg) { err = launch_gemm<decltype(cfg), T>(p, stream); });
+  return err;
 }
 
 // Explicit list of instantiations, one file per bit width so ninja builds them in parallel.
