@@ -184,6 +184,16 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+// Four 8 x 8 matrices of 16-bit values from shared memory: lane l gives the address of row l % 8 of matrix l / 8
+// (16 contiguous bytes); register i of lane 4g + q receives row g, columns 2q, 2q + 1 of matrix i, which is
+// mma_16816's B fragment for token g when the rows are tokens and the columns k. Volatile, like lds128_if:
+// it must stay below the wait for the barrier that says its data landed.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t address, uint4& v) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address));
+}
+
 // ---------------------------------------------------------------------------- warpgroup MMA (sm_90)
 // wgmma: the 4 warps of a warpgroup multiply A (64 x 16, from registers: warp i holds rows 16i..16i+15 in
 // mma_16816's A order) by B (16 x N, read from shared memory through a descriptor) into D (64 x N, f32, warp i

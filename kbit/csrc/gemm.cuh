@@ -45,7 +45,6 @@
 namespace kbit {
 
 constexpr int kKGroup = 256;              // k columns per pipeline step
-constexpr int kXRowHalves = kKGroup + 32; // padded activation row in shared memory: conflict-free 16B reads
 // Shared address space of a CTA on sm_90: kReservedSmem bytes reserved by the system, then static, then
 // dynamic shared memory, up to kSharedTop (227 KB opt-in per CTA). Static shared memory (barriers, flags) is
 // assumed to stay under kStaticSmemMax; the kernel checks its layout at run time.
@@ -88,8 +87,17 @@ struct GemmConfig {
   static constexpr int kTileRows = gemm_tile_rows(K, MB, WG);            // weight rows per CTA tile
   static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
   static constexpr int kAbsStage = kWarps * kRowTiles * 128;        // per row tile: 16 rows x 8 blocks
-  // MB*8 tokens x 256 k: padded rows (mma.sync), or wgmma's core matrices (8 tokens x 8 k, 128 B each).
-  static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRowHalves * 2;
+  // Activations, MB*8 tokens x 256 k (load_activations): wgmma's core matrices (8 tokens x 8 k, 128 B each), or
+  // padded token rows of kXRow halves (mma.sync). Those are read two ways:
+  //   MB = 1 (kXPairsTransposed): one predicated 16-byte load per lane and block (at M = 1 only lanes 0..3 load:
+  //     one wavefront, not four), the block's pieces transposed on the way in; rows 576 B apart (64 mod 128),
+  //     so the two rows of one 8-lane phase hit different banks;
+  //   MB >= 2: ldmatrix in the rows' natural order, 16-byte copies; rows 528 B apart (16 mod 128), so the 8 rows
+  //     of one matrix hit 8 different 16-byte bank groups. Transposing there cost 4x the copy instructions:
+  //     M = 16 on 8192 -> 28672 went from 54.0 to 59.7 us (v20).
+  static constexpr bool kXPairsTransposed = !kWgmma && MB == 1;
+  static constexpr int kXRow = kXPairsTransposed ? kKGroup + 32 : kKGroup + 8;
+  static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
   //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l (bytes
@@ -386,11 +394,12 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
 // One warp's share of one step's activations (rows past M are not copied: the MMA's token columns are
 // independent, and theirs are never stored; columns past K_x are zero-filled). Every thread arrives on
 // `full`, whether it copied or not. The two paths store them differently:
-//   mma.sync: token row `row` at row * kXRowHalves halves, each block of 32 columns with its 4 x 4 pieces
-//     of 4 bytes transposed, so that lane q's four column pairs 8p + 2q (p = 0..3, its A fragment's k order)
-//     sit side by side at 8q: one 16-byte load per lane and block. Rows warp, warp + kWarps, ...; 4 copies of
-//     4 bytes per lane and row, lane l copying pairs l, l + 32, ... (32 pieces of 128 contiguous bytes, and
-//     32 different banks in shared memory).
+//   mma.sync: token row `row` at row * kXRow halves; rows warp, warp + kWarps, ... With kXPairsTransposed, each
+//     block of 32 columns has its 4 x 4 pieces of 4 bytes transposed, so that lane q's four column pairs
+//     8p + 2q (p = 0..3, its A fragment's k order) sit side by side at 8q: one 16-byte load per lane and block;
+//     4 copies of 4 bytes per lane and row, lane l copying pairs l, l + 32, ... (32 pieces of 128 contiguous
+//     bytes, and 32 different banks in shared memory). Otherwise in natural order: one 16-byte copy per lane
+//     and row (ldmatrix does the transposition).
 //   wgmma: the tensor cores' K-major layout without swizzle: token n, columns 8c .. 8c + 7 at
 //     (n / 8) * 4096 + c * 128 + (n % 8) * 16 bytes (8 x 8 core matrices, 128 B apart along k). 8-token groups
 //     warp, warp + kWarps, ...; lane l copies token l % 8, chunks l / 8 + 4i: 16-byte copies, each
@@ -422,12 +431,18 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
     for (int row = warp; row < MB * 8; row += Cfg::kWarps) {
       if (row >= rows) break;
       const T* src = x_pass + static_cast<int64_t>(row) * p.lda;
+      if constexpr (Cfg::kXPairsTransposed) {
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int piece = 32 * u + lane, t = piece >> 4, p4 = (piece >> 2) & 3, q = piece & 3;
-        const int col = 32 * t + 8 * p4 + 2 * q;  // pair p4 of lane q in block t
+        for (int u = 0; u < 4; ++u) {
+          const int piece = 32 * u + lane, t = piece >> 4, p4 = (piece >> 2) & 3, q = piece & 3;
+          const int col = 32 * t + 8 * p4 + 2 * q;  // pair p4 of lane q in block t
+          const bool ok = kcol0 + col < p.K_x;
+          cp_async4(xs + (row * Cfg::kXRow + 32 * t + 8 * q + 2 * p4) * 2, ok ? src + col : x, ok ? 4 : 0);
+        }
+      } else {
+        const int col = 8 * lane;
         const bool ok = kcol0 + col < p.K_x;
-        cp_async4(xs + (row * kXRowHalves + 32 * t + 8 * q + 2 * p4) * 2, ok ? src + col : x, ok ? 4 : 0);
+        cp_async16(xs + (row * Cfg::kXRow + col) * 2, ok ? src + col : x, ok ? 16 : 0);
       }
     }
   }
@@ -453,10 +468,11 @@ __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, cons
 }
 
 // One warp, one step: its row tiles (16 weight rows each) x 256 k against MB*8 tokens, accumulated into acc
-// (fragment r * MB + mb). Token rows at or past x_rows (the rows this pass has) are not loaded: their
-// registers hold stale values, which reach only their own output columns (the MMA's columns are
-// independent), and those are never stored. At M = 1 only lanes 0..3 load activations, one wavefront per
-// 16-byte load instead of four.
+// (fragment r * MB + mb). Token rows at or past x_rows (the rows this pass has) are stale: they reach only
+// their own output columns (the MMA's columns are independent), and those are never stored. With transposed
+// pairs (MB = 1) those rows are not even loaded: at M = 1 only lanes 0..3 load activations, one wavefront
+// per 16-byte load instead of four. Otherwise one ldmatrix per token tile and block: lane l points at token
+// l % 8, columns 8 * (l / 8) .. + 7 of the block, so register i is the B fragment of k-step i / 2, half i % 2.
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
                                              int x_rows, float (&acc)[Cfg::kFrags][4]) {
@@ -467,13 +483,19 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
   uint2 scales_lo[RT], scales_hi[RT];
 #pragma unroll
   for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r]);
-  const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) + (g * kXRowHalves + 8 * q) * 2;
+  constexpr int XR = Cfg::kXRow;
+  const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) +
+                      (Cfg::kXPairsTransposed ? g * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3)) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) lds128_if(mb * 8 + g < x_rows, xs + (mb * 8 * kXRowHalves + t * 32) * 2, xv[mb]);
+    for (int mb = 0; mb < MB; ++mb) {
+      const uint32_t at = xs + (mb * 8 * XR + t * 32) * 2;
+      if constexpr (Cfg::kXPairsTransposed) lds128_if(mb * 8 + g < x_rows, at, xv[mb]);
+      else ldmatrix_x4(at, xv[mb]);
+    }
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
       const float s_lo = e4m4_byte_to_float(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
