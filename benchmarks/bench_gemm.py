@@ -8,7 +8,9 @@ Method: first the device-to-device copy bandwidth is measured (bytes read + writ
 Every timing is a CUDA graph of R calls, each call on a different copy of its weights, the copies
 together exceeding twice the L2 cache; the graph is replayed several times and the median replay
 time / R is the per-call time. Reported per (shape, M, K): µs, % of the roofline (floor = (k-bit
-weight bytes + x bytes + y bytes) / copy bandwidth; 100% = at the floor), and speedup over cuBLAS
+weight bytes + x bytes + y bytes) / copy bandwidth; 100% = at the floor), the time of a device-to-device
+copy moving the same bytes (half read, half written; timed the same way: what a memory-only kernel of
+that size reaches in this harness, launch and tail included), and speedup over cuBLAS
 ``F.linear`` in the same dtype (fp16 by default) timed the same way. Peers, when available:
 dequantize + cuBLAS (``kbit.dequantize`` then ``F.linear``), torch int4
 (``aten._weight_int4pack_mm``, group size 128; it may only accept bf16 activations), bitsandbytes
@@ -292,6 +294,29 @@ class Gemlite(Peer):
 class Runner:
     def __init__(self, args, bw: float, l2: int):
         self.args, self.bw, self.l2 = args, bw, l2
+        self._copy_us: dict[int, float] = {}
+
+    def copy_us(self, nbytes: float) -> float:
+        """Per-call time of copying nbytes / 2 (so nbytes move), rotated over buffers > 2x L2 like the GEMMs.
+
+        The faster of two timings, each on its own buffers: mid-size copies (10-30 MB) timed 10-15% apart
+        from one allocation to the next (H100)."""
+        torch = common.torch
+        half = max(256, int(nbytes / 2) // 256 * 256)
+        key = half >> 16  # one timing per 64 KB of size
+        if key not in self._copy_us:
+            times = []
+            for _ in range(2):
+                n = copies_for(2 * half, self.l2)
+                bufs = [(torch.empty(half, dtype=torch.uint8, device="cuda").fill_(1),
+                         torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(n)]
+                calls = [(lambda s=s, d=d: d.copy_(s)) for s, d in bufs]
+                calls = calls * max(1, -(-self.args.calls // len(calls)))
+                times.append(time_graph(calls, replays=self.args.replays)["us"])
+                del bufs, calls
+                free_memory()
+            self._copy_us[key] = min(times)
+        return self._copy_us[key]
 
     def rotation(self, peer: Peer, W):
         """Prepare one weight copy, then enough clones that the set exceeds 2x L2."""
@@ -402,12 +427,15 @@ def bench_shape(runner: Runner, k_in: int, n_out: int, dtype, log) -> tuple[list
             free_memory()
         wbytes = kbit_weight_bytes(n_out, k_in, k)
         for m in args.m_list:
-            fl = floor_us(gemm_bytes(m, k_in, n_out, wbytes), runner.bw)
+            nbytes = gemm_bytes(m, k_in, n_out, wbytes)
+            fl = floor_us(nbytes, runner.bw)
+            copy_us = runner.copy_us(nbytes)
             fl16 = floor_us(gemm_bytes(m, k_in, n_out, n_out * k_in * 2), runner.bw)
             us = kb_us.get(m)
             rows.append({
                 "shape": name, "k_in": k_in, "n_out": n_out, "dtype": dtype_name(dtype), "M": m, "K": k,
                 "kbit_us": us, "floor_us": fl, "roofline_pct": (100 * fl / us) if us else None,
+                "copy_us": copy_us, "copy_roofline_pct": 100 * fl / copy_us,
                 "cublas_us": cublas.get(m), "speedup": (cublas[m] / us) if us and cublas.get(m) else None,
                 "cublas_roofline_pct": (100 * fl16 / cublas[m]) if cublas.get(m) else None,
                 "floor_speedup": (cublas[m] / fl) if cublas.get(m) else None,
@@ -468,12 +496,14 @@ def geomean_lines(rows: list) -> list[str]:
 
 
 def full_table(rows: list) -> str:
-    headers = ["shape", "dtype", "M", "K", "kbit us", "floor us", "% roofline", "cuBLAS us", "speedup",
+    headers = ["shape", "dtype", "M", "K", "kbit us", "floor us", "% roofline", "copy us", "copy % roofline",
+               "cuBLAS us", "speedup",
                "cuBLAS % roofline", "deq+cuBLAS us", "torch int4 us", "bnb NF4 us", "gemlite us", "err ratio"]
     body = []
     for r in rows:
         body.append([r["shape"], r["dtype"], r["M"], r["K"], fmt_us(r["kbit_us"]), fmt_us(r["floor_us"]),
-                     fmt_pct(r["roofline_pct"]), fmt_us(r["cublas_us"]), fmt_ratio(r["speedup"]),
+                     fmt_pct(r["roofline_pct"]), fmt_us(r.get("copy_us")), fmt_pct(r.get("copy_roofline_pct")),
+                     fmt_us(r["cublas_us"]), fmt_ratio(r["speedup"]),
                      fmt_pct(r["cublas_roofline_pct"]), fmt_us(r["dequant_cublas_us"]), fmt_us(r["int4_us"]),
                      fmt_us(r["bnb_us"]), fmt_us(r["gemlite_us"]),
                      "n/a" if r["err_ratio"] is None else f"{r['err_ratio']:.2f}"])
@@ -491,7 +521,8 @@ def render_markdown(data: dict) -> str:
         f"Measured copy bandwidth: **{data['copy_bandwidth'] / 1e12:.2f} TB/s** (bytes read + written). "
         f"CUDA graphs of >= {data['args']['calls']} calls over weight copies totalling > 2x L2, median of "
         f"{data['args']['replays']} replays. Floor = (k-bit weight bytes incl. E4M4 absmax + x + y) / copy bandwidth; "
-        "% roofline = floor / time. Speedup = cuBLAS `F.linear` (same dtype, rotated weights) / kbit. "
+        "% roofline = floor / time. copy = a device-to-device copy moving the same bytes (half read, half "
+        "written), timed the same way. Speedup = cuBLAS `F.linear` (same dtype, rotated weights) / kbit. "
         "err ratio = max|kbit - fp32 ref| / max|F.linear(dequant) - fp32 ref| at M=16 (tests require <= 2).",
         "",
         "## Speedup over cuBLAS (in parentheses: % of roofline)",
