@@ -9,9 +9,10 @@ Reduction order. Inside each quantization block of 32 columns, lane ``l = 4*g + 
 owns the columns of the MMA's A fragment in its natural k order: pair ``p`` (``p`` in 0..3) is
 columns ``8p + 2q, 8p + 2q + 1`` of rows ``g`` and ``g + 8``, i.e. k slots ``2q, 2q+1`` (p = 0) and
 ``2q+8, 2q+9`` (p = 1) of k-step 0 and the same of k-step 1 (p = 2, 3). So the same registers
-feed ``mma.sync`` (whose activations the kernel stores with each lane's four pairs side by side,
-one 16-byte load per lane) and ``wgmma`` (which reads the activations from shared memory in their
-natural order).
+feed ``mma.sync`` and ``wgmma``. A lane's pairs of a block are ordered ``(p, r)``: pair ``p`` of
+row ``g``, then pair ``p`` of row ``g + 8``, as the MMA's A registers take them (row ``g`` k-lo,
+row ``g + 8`` k-lo, row ``g`` k-hi, row ``g + 8`` k-hi), so one 64-bit lookup of two pairs (k = 2)
+fills two A registers side by side.
 
 Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(K_dim / 256)``):
 
@@ -21,8 +22,9 @@ Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(
     (bit ``o`` of the string is bit ``o % 32`` of word ``(o % 128) // 32`` of vec ``o // 128``).
     The code of row ``16*tile + g + 8*r``, column ``256*kgroup + 32*t + 8*p + 2*q + e``
     (``t`` in 0..7 = block within the group, ``r`` in 0..1, ``p`` in 0..3, ``e`` in 0..1) occupies
-    bits ``[((2*t + r) * 8 + s) * k, ... + k)`` with ``s = 2*p + e``. So codes ``s = 2p, 2p+1``
-    form the ``2k``-bit pair index that the kernel looks up; for k = 4 each pair is one byte.
+    bits ``[(2 * P + e) * k, ... + k)`` with pair number ``P = 8*t + 2*p + r``. So the two codes of
+    pair ``P`` form the ``2k``-bit index that the kernel looks up; for k = 4 each pair is one byte,
+    for k = 2 each byte is pair ``p`` of both rows.
 ``absmax_gemm``: uint8 ``[N_pad / 16, KG, 2, 8, 8]`` — indexed ``[tile, kgroup, r, g, t]``: the
     E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``.
 
@@ -67,8 +69,8 @@ def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int,
     nt, kg = b_shape[0], b_shape[1]
     codes = unpack_bitplanes(packed, k).reshape(N, K_dim)
     codes = torch.nn.functional.pad(codes, (0, kg * K_GROUP - K_dim, 0, nt * TILE_ROWS - N))
-    # rows = 16*T + 8*r + g ; cols = 256*j + 32*t + 8*p + 2*q + e ; s = 2*p + e
-    c = codes.reshape(nt, 2, 8, kg, 8, 4, 4, 2).permute(0, 3, 2, 6, 4, 1, 5, 7)  # T j g q t r p e
+    # rows = 16*T + 8*r + g ; cols = 256*j + 32*t + 8*p + 2*q + e ; bit string order (t, p, r, e)
+    c = codes.reshape(nt, 2, 8, kg, 8, 4, 4, 2).permute(0, 3, 2, 6, 4, 5, 1, 7)  # T j g q t p r e
     c = c.reshape(nt, kg, LANES, 128)
     shifts = torch.arange(k, device=c.device, dtype=torch.int64)
     bits = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, k, 4, 32)  # bit string, 128k bits
@@ -91,8 +93,8 @@ def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, k: int, N: in
     words = b_gemm.permute(0, 1, 3, 2, 4).to(torch.int64) & 0xFFFFFFFF  # T j lane v w
     bits = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int64)) & 1
     bits = bits.reshape(nt, kg, LANES, 128, k)
-    codes = (bits << torch.arange(k, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t r s)
-    codes = codes.reshape(nt, kg, 8, 4, 8, 2, 4, 2).permute(0, 5, 2, 1, 4, 6, 3, 7)  # T r g j t p q e
+    codes = (bits << torch.arange(k, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t p r e)
+    codes = codes.reshape(nt, kg, 8, 4, 8, 4, 2, 2).permute(0, 6, 2, 1, 4, 5, 3, 7)  # T r g j t p q e
     codes = codes.reshape(nt * TILE_ROWS, kg * K_GROUP)[:N, :K_dim]
     packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), k)
 

@@ -96,9 +96,8 @@ def _documented_code(b_gemm, k, row, col):
     t, c32 = divmod(cc, 32)
     p, qe = divmod(c32, 8)  # column 8p + 2q + e of the block: code s = 2p + e of lane 4g + q
     q, e = divmod(qe, 2)
-    s = 2 * p + e
     lane = 4 * g + q
-    o = ((2 * t + r) * 8 + s) * k
+    o = (2 * (8 * t + 2 * p + r) + e) * k
     code = 0
     for i in range(k):
         bit = o + i
@@ -142,7 +141,7 @@ def test_layout_k4_pairs_are_bytes():
     absmax = torch.ones(N * K_dim // 32, dtype=torch.uint8)
     b, _ = layout.repack_reference(packed, absmax, k, N, K_dim)
     lane, g, q, t, r, p = 4 * 3 + 2, 3, 2, 5, 1, 3
-    o = ((2 * t + r) * 8 + 2 * p) * k  # a multiple of 8: byte aligned
+    o = (8 * t + 2 * p + r) * 2 * k  # pair 8t + 2p + r: a multiple of 8, byte aligned
     assert o % 8 == 0
     word = int(b[0, 0, o // 128, lane, (o % 128) // 32]) & 0xFFFFFFFF
     byte = (word >> (o % 32)) & 0xFF

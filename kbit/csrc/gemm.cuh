@@ -236,33 +236,32 @@ __device__ __forceinline__ void lds128_if(bool active, uint32_t address, uint4& 
 }
 
 // A-fragment registers of block t: h[r][j] = codebook values of columns 8j + 2q, 8j + 2q + 1 of row g + 8r,
-// as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; the code of (t, r, s) sits at bits ((2t + r) * 8 + s) * K.
+// as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; pair
+// P = 8t + 2j + r (its two codes) sits at bits 2PK .. 2PK + 2K - 1: in the order the MMA's A registers take
+// the pairs, so at K = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers (with rows as the
+// inner index the quads held both pairs of one row: ~4 register moves per MMA, 125 per step, SASS).
 template <class Cfg>
 __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBits], int t,
                                                 uint32_t sel, uint32_t (&h)[2][4]) {
   constexpr int K = Cfg::kBits;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if constexpr (Cfg::kByteRows && K == 2) {  // quad j of (t, r) is byte 2r + j of word t
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (Cfg::kByteRows && K == 2) {  // pairs 8t + 2j, 8t + 2j + 1: byte j of word t
+      const uint2 v = lds64(byte_row_address(w[t], j, sel));
+      h[0][j] = v.x;
+      h[1][j] = v.y;
+    } else {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const uint2 v = lds64(byte_row_address(w[t], 2 * r + j, sel));
-        h[r][2 * j] = v.x;
-        h[r][2 * j + 1] = v.y;
-      }
-    } else if constexpr (Cfg::kByteRows) {  // K = 4: pair j of (t, r) is byte j of word 2t + r
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        h[r][j] = lds32(byte_row_address(w[2 * t + r], j, sel));
-    } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
-      constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 : 4;
-      static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int o = ((2 * t + r) * 8 + 2 * j) * K, wi = o >> 5, bi = o & 31;
-        const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
-        const uint32_t off = ((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | sel;
-        h[r][j] = lds32(off);
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (Cfg::kByteRows) {  // K = 4: pair 8t + 2j + r is byte (2j + r) % 4 of word 2t + j / 2
+          h[r][j] = lds32(byte_row_address(w[2 * t + (j >> 1)], 2 * (j & 1) + r, sel));
+        } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
+          constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 : 4;
+          static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
+          const int o = (8 * t + 2 * j + r) * 2 * K, wi = o >> 5, bi = o & 31;
+          const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
+          h[r][j] = lds32(((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | sel);
+        }
       }
     }
   }

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
         uint32_t code = 0;
 #pragma unroll
         for (int b = 0; b < K; ++b) code |= ((planes[b] >> (8 * (s >> 1) + (s & 1))) & 1u) << b;  // column 8p + 2q + e
-        const int o = ((2 * t + r) * 8 + s) * K, wi = o >> 5, bi = o & 31;
+        const int o = ((8 * t + 2 * (s >> 1) + r) * 2 + (s & 1)) * K, wi = o >> 5, bi = o & 31;  // pair 8t + 2p + r
         words[wi] |= code << bi;
         if (bi + K > 32) words[wi + 1] |= code >> (32 - bi);
       }
