@@ -62,7 +62,9 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid) {
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_groups == 0;
   // One partial tile per CTA (GemmConfig::kPartialFloats): a CTA publishes at most one, see finish_tile.
-  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * gemm_tile_rows(k, plan.mb, plan.wgmma_tiles) / 16 * plan.mb * 32 * 4;
+  const int partial_per_cta =
+      config_property(k, plan.mb, plan.wgmma_tiles, 0, [](auto cfg) { return decltype(cfg)::kPartialFloats; });
+  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
   return plan;
 }
 
