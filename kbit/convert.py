@@ -154,7 +154,7 @@ def quantize_directory(
     Raises ``ConversionError`` (with the reason) for directories it cannot convert. Returns a
     summary dict (layer count, sizes, output path).
     """
-    from .formats import check_bits
+    from ._validate import check_bits
     from .hf import default_skip, dtype_kwarg, save_quantized
     from .nn import KbitLinear, quantize_model
 

@@ -1,6 +1,6 @@
 """The storage format, in pure PyTorch: the ground truth every CUDA kernel is tested against.
 
-Storage format (exactly the seeds' format, see ``docs/FORMATS.md``):
+Storage format (exactly the seeds' format; the README's "Format" section says the same for users):
 
 * The input is flattened and cut into blocks of 32 consecutive elements (the last block is
   zero-padded).
@@ -37,41 +37,18 @@ SUPPORTED_BITS = (2, 3, 4, 5)
 E4M4_BIAS = 11
 E4M4_MAX = 31.0  # exponent field 15, mantissa 15: 2**4 * 31/16
 E4M4_MIN_SUBNORMAL = 2.0**-14  # exponent field 0, mantissa 1: 2**(1 - 11) / 16
-E4M4_MIN_NORMAL = 2.0**-10
-INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+E4M4_MIN_NORMAL = 2.0**-10  # exponent field 1, mantissa 0: below it a block's scale keeps fewer than 4 bits
+
+# What a saved weight holds besides the block data: the keys of QuantizedWeight.state_dict() / KbitLinear's
+# buffers, and ``meta`` = int64 [k, out_features, in_features, dtype code] with these dtype codes.
+STATE_KEYS = ("packed", "absmax", "codebook", "scale", "meta")
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
-# ----------------------------------------------------------------------------- validation
-def check_bits(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int in {SUPPORTED_BITS}, got {type(k).__name__}")
-    if k not in SUPPORTED_BITS:
-        raise ValueError(f"k must be one of {SUPPORTED_BITS}, got {k}")
-    return k
-
-
-def check_dtype(dtype, name: str, allowed=INPUT_DTYPES) -> None:
-    if dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name} must have dtype in ({names}), got {str(dtype).replace('torch.', '')}")
-
-
-def check_codebook(codebook: torch.Tensor, k: int) -> torch.Tensor:
-    """Validate a user codebook: 2**k finite float values, strictly ascending. Returns float32."""
-    if not isinstance(codebook, torch.Tensor):
-        raise TypeError(f"codebook must be a torch.Tensor, got {type(codebook).__name__}")
-    if codebook.dim() != 1 or codebook.numel() != 2**k:
-        raise ValueError(f"codebook for k={k} must be 1-D with {2**k} entries, got shape {tuple(codebook.shape)}")
-    if not codebook.is_floating_point():
-        raise TypeError(f"codebook must be a floating-point tensor, got {codebook.dtype}")
-    cb = codebook.detach().to(torch.float32)
-    if not bool(torch.isfinite(cb).all()):
-        raise ValueError("codebook contains NaN or Inf")
-    if not bool((cb[1:] > cb[:-1]).all()):
-        raise ValueError("codebook must be sorted strictly ascending")
-    if float(cb.abs().max()) > 1.0 + 1e-6:
-        raise ValueError("codebook values must lie in [-1, 1] (they are multiples of the block absmax)")
-    return cb.contiguous()
+def meta_tensor(k: int, shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """The ``meta`` entry of a saved [N, K] weight quantized from ``dtype``."""
+    return torch.tensor([k, shape[0], shape[1], DTYPE_CODES[dtype]], dtype=torch.int64, device=device)
 
 
 # ----------------------------------------------------------------------------- codebook
@@ -91,7 +68,10 @@ def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
 
 def create_normal_float_codebook(k: int = 4, device=None) -> torch.Tensor:
     """The normal-float codebook: 2**k sorted levels, max |value| == 1 (cached per k)."""
-    check_bits(k)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int in {SUPPORTED_BITS} (bits per weight), got {type(k).__name__}")
+    if k not in SUPPORTED_BITS:
+        raise ValueError(f"k must be one of {SUPPORTED_BITS} (bits per weight), got {k}")
     cb = _normal_float_codebook_cpu(k)
     return cb.to(device=device, copy=True) if device is not None else cb.clone()  # never the cached tensor
 
@@ -102,6 +82,9 @@ def encode_absmax_e4m4(x: torch.Tensor) -> torch.Tensor:
 
     Integer arithmetic on the float32 bit pattern, so the CUDA encoder can match it exactly.
     """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"encode_absmax_e4m4 expects a floating-point torch.Tensor, got {type(x).__name__}"
+                        + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
     x = x.to(torch.float32)
     if bool((x < 0).any()) or not bool(torch.isfinite(x).all()):
         raise ValueError("encode_absmax_e4m4 expects finite, non-negative values")
@@ -125,8 +108,9 @@ def encode_absmax_e4m4(x: torch.Tensor) -> torch.Tensor:
 
 def decode_absmax_e4m4(code: torch.Tensor) -> torch.Tensor:
     """Decode E4M4 uint8 codes to float32 (exact)."""
-    if code.dtype != torch.uint8:
-        raise TypeError(f"E4M4 codes must be uint8, got {code.dtype}")
+    if not isinstance(code, torch.Tensor) or code.dtype != torch.uint8:
+        got = code.dtype if isinstance(code, torch.Tensor) else type(code).__name__
+        raise TypeError(f"decode_absmax_e4m4 expects a uint8 torch.Tensor of E4M4 codes, got {got}")
     c = code.to(torch.int32)
     e = c >> 4
     m = (c & 0xF).to(torch.float32)
@@ -154,6 +138,11 @@ def num_blocks(n: int) -> int:
     return (n + BLOCK_SIZE - 1) // BLOCK_SIZE
 
 
+def padded_in_features(K: int) -> int:
+    """Columns of a stored [N, K] weight: K rounded up to a multiple of 32 (rows are zero-padded)."""
+    return num_blocks(K) * BLOCK_SIZE
+
+
 def _to_int32_bits(x: torch.Tensor) -> torch.Tensor:
     """int64 values in [0, 2**32) -> int32 with the same bit pattern."""
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
@@ -177,20 +166,32 @@ def unpack_bitplanes(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- reference quantize / dequantize
-def quantize_reference(A: torch.Tensor, codebook: torch.Tensor, k: int, scale: torch.Tensor):
-    """Reference implementation of the quantize op (no validation). Returns (packed, absmax)."""
-    x = A.reshape(-1).to(torch.float32) * (1.0 / scale.to(device=A.device, dtype=torch.float32))
-    n = x.numel()
-    nb = num_blocks(n)
-    x = torch.nn.functional.pad(x, (0, nb * BLOCK_SIZE - n)).reshape(nb, BLOCK_SIZE)
-    absmax = encode_absmax_e4m4(x.abs().amax(dim=1)) if nb else torch.zeros(0, dtype=torch.uint8, device=A.device)
-    dec = decode_absmax_e4m4(absmax)
-    recip = torch.where(dec > 0, 1.0 / torch.where(dec > 0, dec, torch.ones_like(dec)), torch.zeros_like(dec))
+def nearest_codes(x: torch.Tensor, decoded_absmax: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Codes of blocks ``x`` [nb, 32] (float32, already divided by the tensor scale) for their decoded absmax.
+
+    ``v = x * (1 / d)`` (0 where d == 0), then the number of codebook midpoints strictly below ``v``.
+    """
+    recip = torch.where(decoded_absmax > 0, 1.0 / torch.where(decoded_absmax > 0, decoded_absmax, 1.0), 0.0)
     v = x * recip[:, None]
     cb = codebook.to(device=x.device, dtype=torch.float32)
     mids = (cb[1:] + cb[:-1]) * 0.5
-    codes = torch.bucketize(v, mids, right=False)  # number of midpoints strictly below v
-    return pack_bitplanes(codes, k), absmax
+    return torch.bucketize(v, mids, right=False)
+
+
+def blocks_of(A: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A flattened, divided by ``scale`` in float32, zero-padded and cut into blocks: [nb, 32]."""
+    x = A.reshape(-1).to(torch.float32) * (1.0 / scale.to(device=A.device, dtype=torch.float32))
+    n = x.numel()
+    return torch.nn.functional.pad(x, (0, num_blocks(n) * BLOCK_SIZE - n)).reshape(-1, BLOCK_SIZE)
+
+
+def quantize_reference(A: torch.Tensor, codebook: torch.Tensor, k: int, scale: torch.Tensor):
+    """Reference implementation of the quantize op (no validation). Returns (packed, absmax)."""
+    x = blocks_of(A, scale)
+    if x.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.int32, device=A.device), torch.zeros(0, dtype=torch.uint8, device=A.device)
+    absmax = encode_absmax_e4m4(x.abs().amax(dim=1))
+    return pack_bitplanes(nearest_codes(x, decode_absmax_e4m4(absmax), codebook), k), absmax
 
 
 def dequantize_reference(packed, absmax, codebook, k: int, n: int, dtype, scale: torch.Tensor):

@@ -7,66 +7,26 @@ absmax range) synchronize once; the ops themselves never do.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import ops
-from .formats import (
-    BLOCK_SIZE,
-    E4M4_MAX,
-    E4M4_MIN_SUBNORMAL,
+from ._validate import (
+    GEMM_DTYPES,
     check_bits,
     check_codebook,
     check_dtype,
-    create_normal_float_codebook,
-    num_blocks,
+    check_finite,
+    check_int,
+    check_same_device,
+    check_scale,
+    check_tensor,
 )
+from .formats import BLOCK_SIZE, E4M4_MAX, E4M4_MIN_SUBNORMAL, create_normal_float_codebook, num_blocks
 from .layout import gemm_shapes
-
-GEMM_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _check_tensor(t, name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_same_device(**tensors) -> torch.device:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    first = next(iter(devices.values()))
-    for name, dev in devices.items():
-        if dev != first:
-            names = ", ".join(f"{n} on {d}" for n, d in devices.items())
-            raise ValueError(f"all tensors must be on one device, got {names}")
-    return first
-
-
-def _scale_tensor(scale, device) -> Tensor:
-    """Validate a per-tensor scale (a positive power of two) and return it as a 0-dim float32 tensor."""
-    if scale is None:
-        return torch.ones((), dtype=torch.float32, device=device)
-    t = torch.as_tensor(scale, dtype=torch.float32).reshape(()).to(device)
-    value = float(t)
-    if not (math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5):
-        raise ValueError(f"scale must be a positive finite power of two, got {value}")
-    return t
-
-
-def _resolve_codebook(codebook, k: int, device) -> Tensor:
-    if codebook is None:
-        return create_normal_float_codebook(k, device=device)
-    return check_codebook(codebook, k).to(device=device, copy=True)  # never an alias of the caller's tensor
-
-
-def check_finite(A: Tensor, name: str) -> None:
-    if A.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device and holds no values to quantize")
-    if A.numel() and not bool(torch.isfinite(A).all()):
-        bad = int((~torch.isfinite(A)).sum())
-        raise ValueError(f"{name} contains {bad} NaN/Inf value(s); kbit quantizes finite values only")
+from .weight import resolve_codebook
 
 
 def quantize_kbit(A: Tensor, k: int = 4, codebook: Optional[Tensor] = None, scale=None):
@@ -76,12 +36,12 @@ def quantize_kbit(A: Tensor, k: int = 4, codebook: Optional[Tensor] = None, scal
     ``A / scale`` must fit E4M4's range, otherwise this raises (``kbit.quantize`` picks the scale
     for you).
     """
-    _check_tensor(A, "A")
-    check_bits(k)
+    check_tensor(A, "A")
+    k = check_bits(k)
     check_dtype(A.dtype, "A")
     check_finite(A, "A")
-    cb = _resolve_codebook(codebook, k, A.device)
-    s = _scale_tensor(scale, A.device)
+    cb = resolve_codebook(codebook, k, A.device)
+    s = check_scale(scale, A.device)
     if A.numel():
         amax = A.detach().reshape(-1).float().abs()
         amax = torch.nn.functional.pad(amax, (0, num_blocks(amax.numel()) * BLOCK_SIZE - amax.numel()))
@@ -99,37 +59,35 @@ def quantize_kbit(A: Tensor, k: int = 4, codebook: Optional[Tensor] = None, scal
 
 
 def _check_storage(packed, absmax, codebook, k: int, n: int):
-    _check_tensor(packed, "packed")
-    _check_tensor(absmax, "absmax")
-    check_bits(k)
+    check_tensor(packed, "packed")
+    check_tensor(absmax, "absmax")
     if packed.dtype != torch.int32:
         raise TypeError(f"packed must be int32, got {packed.dtype}")
     if absmax.dtype != torch.uint8:
         raise TypeError(f"absmax must be uint8 (E4M4 codes), got {absmax.dtype}")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
     nb = num_blocks(n)
-    if packed.numel() != nb * k or absmax.numel() != nb:
+    if packed.shape != (nb * k,) or absmax.shape != (nb,):
         raise ValueError(
-            f"{n} elements at k={k} need {nb * k} packed words and {nb} absmax codes, "
-            f"got {packed.numel()} and {absmax.numel()}"
+            f"{n} elements at k={k} need packed of shape ({nb * k},) and absmax of shape ({nb},), "
+            f"got {tuple(packed.shape)} and {tuple(absmax.shape)}"
         )
     cb = check_codebook(codebook, k)
-    _check_same_device(packed=packed, absmax=absmax, codebook=codebook)
+    check_same_device(packed=packed, absmax=absmax, codebook=codebook)
     return cb.to(packed.device)
 
 
 def dequantize_kbit(packed, absmax, codebook, k: int, n: int, dtype=torch.float16, scale=None) -> Tensor:
     """Reconstruct the flat tensor of ``n`` elements in ``dtype`` (fp16, bf16 or fp32)."""
     check_dtype(dtype, "dtype")
+    k, n = check_bits(k), check_int(n, "n", 0)
     cb = _check_storage(packed, absmax, codebook, k, n)
-    s = _scale_tensor(scale, packed.device)
+    s = check_scale(scale, packed.device)
     return ops.dequantize(packed.contiguous(), absmax.contiguous(), cb, k, n, dtype, s)
 
 
 def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
     """Storage format of an [N, K_dim] weight -> the GEMM layout ``(B_gemm, absmax_gemm)``."""
-    check_bits(k)
+    k, N, K_dim = check_bits(k), check_int(N, "N", 1), check_int(K_dim, "K_dim", 1)
     if K_dim % BLOCK_SIZE:
         raise ValueError(f"K_dim must be a multiple of {BLOCK_SIZE} for the GEMM layout, got {K_dim}")
     _check_storage(packed, absmax, create_normal_float_codebook(k), k, N * K_dim)
@@ -149,8 +107,15 @@ def kbit_gemm(
     num_blocks: int = 0,
 ) -> Tensor:
     """C[M, N] = A[M, K_dim] @ W_hat[N, K_dim]^T (+ bias) from the GEMM layout."""
-    _check_tensor(A, "A")
-    check_bits(k)
+    check_tensor(A, "A")
+    k, N, K_dim = check_bits(k), check_int(N, "N", 1), check_int(K_dim, "K_dim", 1)
+    num_blocks = check_int(num_blocks, "num_blocks", 0)
+    if K_dim % BLOCK_SIZE:
+        raise ValueError(f"K_dim must be a multiple of {BLOCK_SIZE} (the GEMM layout's row length), got {K_dim}")
+    for name, t in (("b_gemm", b_gemm), ("absmax_gemm", absmax_gemm)):
+        check_tensor(t, name)
+    if b_gemm.dtype != torch.int32 or absmax_gemm.dtype != torch.uint8:
+        raise TypeError(f"the GEMM layout must be (int32, uint8) tensors, got ({b_gemm.dtype}, {absmax_gemm.dtype})")
     check_dtype(A.dtype, "A", GEMM_DTYPES)
     if A.dim() != 2 or A.shape[1] > K_dim:
         raise ValueError(f"A must be [M, K] with K <= K_dim={K_dim}, got shape {tuple(A.shape)}")
@@ -161,11 +126,12 @@ def kbit_gemm(
             f"got {tuple(b_gemm.shape)} and {tuple(absmax_gemm.shape)}"
         )
     if bias is not None:
-        _check_tensor(bias, "bias")
+        check_tensor(bias, "bias")
         if bias.shape != (N,):
             raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
     cb = check_codebook(codebook, k)
-    _check_same_device(A=A, b_gemm=b_gemm, absmax_gemm=absmax_gemm, codebook=codebook, bias=bias)
-    s = _scale_tensor(scale, A.device)
+    check_same_device(A=A, b_gemm=b_gemm, absmax_gemm=absmax_gemm, codebook=codebook, bias=bias)
+    s = check_scale(scale, A.device)
     bias = None if bias is None else bias.to(A.dtype).contiguous()
-    return ops.gemm(A.contiguous(), b_gemm, absmax_gemm, cb.to(A.device), s, bias, k, N, K_dim, int(num_blocks))
+    return ops.gemm(A.contiguous(), b_gemm.contiguous(), absmax_gemm.contiguous(), cb.to(A.device), s, bias, k, N,
+                    K_dim, num_blocks)

@@ -364,7 +364,7 @@ def _read_kbit_config(weights: Path, directory: Optional[Path]) -> dict:
 
 def _quantized_layers(state: dict, tied: dict) -> dict:
     """{module name: (k, out_features, in_features, dtype, has_bias)} from the saved ``.meta`` tensors."""
-    from .weight import _CODE_DTYPES
+    from ._validate import check_meta
 
     names = set()
     for key in list(state) + list(tied):
@@ -375,11 +375,9 @@ def _quantized_layers(state: dict, tied: dict) -> dict:
         meta_key = tied.get(name + ".meta", name + ".meta")
         if meta_key not in state:
             raise ValueError(f"kbit checkpoint has {name}.packed but no {name}.meta")
-        k, N, K, code = (int(v) for v in state[meta_key].tolist())
-        if code not in _CODE_DTYPES:
-            raise ValueError(f"{name}.meta holds unknown dtype code {code}")
+        k, (N, K), dtype = check_meta(state[meta_key], meta_key)
         bias_key = name + ".bias"
-        layers[name] = (k, N, K, _CODE_DTYPES[code], bias_key in state or bias_key in tied)
+        layers[name] = (k, N, K, dtype, bias_key in state or bias_key in tied)
     return layers
 
 

@@ -13,22 +13,32 @@ safetensors) and loads into a module built from its shape alone::
 
 Dtype casts (``.half()``, ``.to(torch.bfloat16)``) move the bias but never touch the quantized
 buffers; device moves move everything. The module keeps one ``QuantizedWeight`` view of its
-buffers so that the GEMM layout derived on CUDA is cached across forwards; the view is rebuilt
-whenever the buffers change (device moves, ``load_state_dict``, or assigning a new buffer).
+buffers; the view is rebuilt whenever the buffers change (device moves, ``load_state_dict``, or
+assigning a new buffer).
+
+On a CUDA device the module also holds the weight's GEMM layout (``kbit.layout``) as two
+non-persistent buffers (never saved), derived as soon as the module lands there (``.to("cuda")``,
+``load_state_dict``, ``from_quantized``) or by ``kbit.prepare(model)``, and marked as static
+addresses for ``torch.compile``: nothing is allocated lazily inside a compiled or captured region.
+
+A checkpoint is untrusted input: ``load_state_dict`` checks every tensor's dtype, shape and values
+(``kbit._validate``) before anything reaches a kernel.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from typing import Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from .formats import check_bits, check_codebook, create_normal_float_codebook, num_blocks
-from .weight import _CODE_DTYPES, _DTYPE_CODES, STATE_KEYS, QuantizedWeight, matmul, padded_in_features, quantize
+from ._validate import check_bits, check_codebook, check_int, check_meta, check_scale, check_storage_tensor
+from .formats import DTYPE_CODES, create_normal_float_codebook, meta_tensor, num_blocks, padded_in_features
+from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_with_report
 
-__all__ = ["KbitLinear", "quantize_model"]
+__all__ = ["KbitLinear", "quantize_model", "prepare"]
 
 # Buffers whose dtype is part of the format: module-wide dtype casts must leave them alone.
 _FORMAT_BUFFERS = ("packed", "absmax", "codebook", "scale", "meta")
@@ -60,12 +70,10 @@ class KbitLinear(nn.Module):
         codebook: Optional[Tensor] = None,
     ):
         super().__init__()
-        check_bits(k)
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if dtype not in _DTYPE_CODES:
-            raise TypeError(f"dtype must be one of {tuple(_DTYPE_CODES)}, got {dtype}")
+        k = check_bits(k)
+        in_features, out_features = check_int(in_features, "in_features", 1), check_int(out_features, "out_features", 1)
+        if dtype not in DTYPE_CODES:
+            raise TypeError(f"dtype must be one of {tuple(DTYPE_CODES)}, got {dtype}")
         self.in_features, self.out_features, self.k = in_features, out_features, k
         self.weight_dtype = dtype
         nb = num_blocks(out_features * padded_in_features(in_features))
@@ -75,6 +83,8 @@ class KbitLinear(nn.Module):
         self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("meta", self._meta_tensor(device))
+        self.register_buffer("gemm_codes", None, persistent=False)  # the GEMM layout, on CUDA only
+        self.register_buffer("gemm_absmax", None, persistent=False)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -83,10 +93,7 @@ class KbitLinear(nn.Module):
 
     # ------------------------------------------------------------------ construction
     def _meta_tensor(self, device=None) -> Tensor:
-        return torch.tensor(
-            [self.k, self.out_features, self.in_features, _DTYPE_CODES[self.weight_dtype]],
-            dtype=torch.int64, device=device,
-        )
+        return meta_tensor(self.k, (self.out_features, self.in_features), self.weight_dtype, device)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[Tensor] = None) -> "KbitLinear":
@@ -105,7 +112,7 @@ class KbitLinear(nn.Module):
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         mod._qw = qw
-        return mod
+        return mod.prepare()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, k: int = 4, codebook: Optional[Tensor] = None) -> "KbitLinear":
@@ -117,7 +124,7 @@ class KbitLinear(nn.Module):
             raise ValueError("cannot quantize a Linear whose weight is on the meta device (it holds no values); "
                              "load its weights first")
         with torch.no_grad():
-            qw = quantize(w.detach(), k=k, codebook=codebook)
+            qw = quantize(w.detach(), k=k, codebook=codebook, name="linear.weight")
         return cls.from_quantized(qw, linear.bias)
 
     # ------------------------------------------------------------------ the QuantizedWeight view
@@ -136,12 +143,29 @@ class KbitLinear(nn.Module):
                 self.packed, self.absmax, self.codebook, self.scale,
                 self.k, (self.out_features, self.in_features), self.weight_dtype,
             )
+            if self.gemm_codes is not None and self.gemm_codes.device == qw.device:
+                qw.attach_gemm_layout(self.gemm_codes, self.gemm_absmax)
             self._qw = qw
         return qw
 
     def _invalidate(self) -> None:
         self._qw = None
 
+    def prepare(self) -> "KbitLinear":
+        """On a CUDA device: derive the GEMM layout now, as buffers marked static for ``torch.compile``.
+
+        Called when the module moves to CUDA or loads a state dict there; call it yourself (or
+        ``kbit.prepare(model)``) after replacing a buffer by hand. Does nothing elsewhere. Returns self.
+        """
+        if self.packed.device.type != "cuda":
+            self.gemm_codes = self.gemm_absmax = None
+            return self
+        qw = self.qweight
+        self.gemm_codes, self.gemm_absmax = qw.prepare().gemm_layout()
+        for t in (self.packed, self.absmax, self.codebook, self.scale, self.gemm_codes, self.gemm_absmax):
+            # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
+            torch._dynamo.mark_static_address(t)
+        return self
     def dequantize(self, dtype=None) -> Tensor:
         """The [out_features, in_features] reconstructed weight (default: the original dtype)."""
         return self.qweight.dequantize(dtype)
@@ -167,38 +191,58 @@ class KbitLinear(nn.Module):
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
         self._invalidate()
+        if self.packed.device.type != "meta":
+            self.prepare()
         return self
 
     # ------------------------------------------------------------------ loading
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # A checkpoint is untrusted: check what it holds for this layer before any of it is assigned.
         meta = state_dict.get(prefix + "meta")
+        dtype = self.weight_dtype
         if isinstance(meta, Tensor) and meta.device.type != "meta":
-            if meta.shape != (4,):
-                error_msgs.append(f"{prefix}meta must have shape (4,), got {tuple(meta.shape)}")
+            try:
+                k, shape, dtype = check_meta(meta, prefix + "meta")
+            except (TypeError, ValueError) as e:
+                error_msgs.append(str(e))
                 return
-            k, N, K, code = (int(v) for v in meta.tolist())
-            if (k, N, K) != (self.k, self.out_features, self.in_features):
+            if (k, shape) != (self.k, (self.out_features, self.in_features)):
                 error_msgs.append(
-                    f"{prefix}meta describes a k={k} [{N}, {K}] weight, but this KbitLinear is k={self.k} "
+                    f"{prefix}meta describes a k={k} {list(shape)} weight, but this KbitLinear is k={self.k} "
                     f"[{self.out_features}, {self.in_features}]; build it with the checkpoint's shape and k"
                 )
                 return
-            if code not in _CODE_DTYPES:
-                error_msgs.append(f"{prefix}meta holds unknown dtype code {code}")
-                return
-            dtype = _CODE_DTYPES[code]
-        else:
-            dtype = self.weight_dtype
-        # Keep the format's float32 buffers float32 even if the checkpoint was cast.
-        for name in ("codebook", "scale"):
+        for name in ("codebook", "scale"):  # float32 by definition; a checkpoint cast to 16 bits still loads
             t = state_dict.get(prefix + name)
             if isinstance(t, Tensor) and t.dtype != torch.float32 and t.is_floating_point():
                 state_dict[prefix + name] = t.to(torch.float32)
+        try:
+            self._check_incoming(state_dict, prefix)
+        except (TypeError, ValueError) as e:
+            error_msgs.append(str(e))
+            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.weight_dtype = dtype
         self._invalidate()
+        if self.packed.device.type == "cuda":
+            self.prepare()
+
+    def _check_incoming(self, state_dict, prefix: str) -> None:
+        """Dtype, shape and values of each storage tensor a state dict brings (missing ones keep the module's)."""
+        shape = (self.out_features, self.in_features)
+        for key in ("packed", "absmax", "codebook", "scale"):
+            t = state_dict.get(prefix + key)
+            if t is None:
+                continue
+            check_storage_tensor(t, key, self.k, shape, prefix)
+            if t.device.type == "meta":
+                continue
+            if key == "codebook":
+                check_codebook(t, self.k, prefix + key)
+            elif key == "scale":
+                check_scale(t, t.device, prefix + key)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -240,39 +284,77 @@ def quantize_model(
     ``nn.MultiheadAttention`` (which reads its weight directly). A Linear shared under several
     names becomes one shared ``KbitLinear``. Returns the model (or the new module if ``model``
     itself is an eligible Linear).
+
+    Every layer is quantized before any is swapped: a layer that cannot be quantized (NaN weights, say)
+    raises a ``ValueError`` naming it and leaves the model unchanged. A layer some of whose blocks lose
+    more than the format's error bound gets a ``kbit.PrecisionWarning`` naming it and the count; a model
+    with nothing eligible gets a ``UserWarning`` saying why.
     """
-    check_bits(k)
+    k = check_bits(k)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if codebook is not None:
         codebook = check_codebook(codebook, k)
     skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
+    min_features = check_int(min_features, "min_features", 0)
 
     mha_children = set()
     for m in model.modules():
         if isinstance(m, nn.MultiheadAttention):
             mha_children.update(id(c) for c in m.children())
 
-    targets = []
+    targets, skipped, small = [], 0, 0
     for name, m in model.named_modules(remove_duplicate=False):
         if not isinstance(m, nn.Linear) or isinstance(m, KbitLinear):
             continue
         if id(m) in mha_children or _matches(name, skip):
-            continue
-        if min(m.in_features, m.out_features) < min_features:
-            continue
-        targets.append((name, m))
+            skipped += 1
+        elif min(m.in_features, m.out_features) < min_features:
+            small += 1
+        else:
+            targets.append((name, m))
+    if not targets:
+        warnings.warn(
+            f"quantize_model: nothing to quantize in {type(model).__name__}: {skipped + small} nn.Linear layer(s), "
+            f"{skipped} skipped by name (skip={list(skip)}) or inside nn.MultiheadAttention, {small} narrower than "
+            f"min_features={min_features}",
+            UserWarning, stacklevel=2,
+        )
+        return model
 
     replaced = {}
     with torch.no_grad():
         for name, lin in _progress(targets, len(targets), progress):
-            new = replaced.get(id(lin))
-            if new is None:
-                new = KbitLinear.from_linear(lin, k=k, codebook=codebook)
-                replaced[id(lin)] = new
-            if name == "":
-                return new
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, new)
+            if id(lin) in replaced:
+                continue
+            label = f"{name or type(lin).__name__}.weight"
+            try:
+                qw, loss = quantize_with_report(lin.weight.detach(), k=k, codebook=codebook, name=label)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"quantize_model: cannot quantize {name or 'the model'}: {e}; the model is unchanged") from e
+            if loss.beyond_bound or loss.saturated:
+                warnings.warn(loss.describe(label), PrecisionWarning, stacklevel=2)
+            replaced[id(lin)] = (qw, lin.bias)
+    modules = {key: KbitLinear.from_quantized(qw, bias) for key, (qw, bias) in replaced.items()}
+    for name, lin in targets:
+        if name == "":
+            return modules[id(lin)]
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, modules[id(lin)])
+    return model
+
+
+def prepare(model: Union[nn.Module, QuantizedWeight]):
+    """Derive every kbit layer's GEMM layout on its CUDA device now, before ``torch.compile`` or graph capture.
+
+    Moving a model to CUDA already does this; call it after changing kbit buffers by hand. Returns its argument.
+    """
+    if isinstance(model, QuantizedWeight):
+        return model.prepare()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or a kbit.QuantizedWeight, got {type(model).__name__}")
+    for m in model.modules():
+        if isinstance(m, KbitLinear):
+            m.prepare()
     return model

@@ -3,22 +3,40 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import warnings
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from . import ops
+from ._validate import (
+    GEMM_DTYPES,
+    check_bits,
+    check_codebook,
+    check_dtype,
+    check_finite,
+    check_int,
+    check_meta,
+    check_not_meta,
+    check_scale,
+    check_storage,
+    check_tensor,
+)
+from .layout import gemm_shapes
 from .formats import (
     BLOCK_SIZE,
-    check_bits,
-    check_dtype,
+    STATE_KEYS,
+    blocks_of,
     choose_tensor_scale,
-    num_blocks,
+    create_normal_float_codebook,
+    decode_absmax_e4m4,
+    meta_tensor,
+    nearest_codes,
+    pack_bitplanes,
+    padded_in_features,
 )
-from .functional import GEMM_DTYPES, _check_tensor, _resolve_codebook, check_finite
 
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # From this many tokens on, dequantize + cuBLAS beat the fused kernel's mma.sync path, per bit width. Measured on
 # an H100 (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md and _m160_224.md at faa39cf,
 # docs/PERFORMANCE.md): the fused time grows by one weight pass per 32 tokens, so K = 2 ties at M = 160, K = 4
@@ -48,13 +66,33 @@ def use_dequant_cublas(qw: "QuantizedWeight", M: int, device: torch.device) -> b
     return M > 256 or weights < WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS or qw.k == 5
 
 
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-STATE_KEYS = ("packed", "absmax", "codebook", "scale", "meta")
+class PrecisionWarning(UserWarning):
+    """Some blocks of a quantized weight lost more than the format's error bound (see ``PrecisionLoss``)."""
 
 
-def padded_in_features(K: int) -> int:
-    """Columns of the stored matrix: K rounded up to a multiple of 32 (rows are zero-padded)."""
-    return -(-K // BLOCK_SIZE) * BLOCK_SIZE
+class PrecisionLoss(NamedTuple):
+    """Blocks of a quantized weight outside the format's per-block bound ``(max_gap / 2 + 1/16) * absmax``.
+
+    ``kbit.quantize`` puts the largest block absmax of a weight near the top of E4M4's range (a per-tensor power
+    of two), which leaves 2**14 below it at full precision and 2**19 in all. A block far smaller than the
+    largest one (a weight with a huge outlier) falls into E4M4's subnormals or below them: its scale keeps few
+    bits (``beyond_bound``) or rounds to zero (``zeroed``). A weight within 1/16 of its dtype's largest finite
+    value would dequantize to Inf; such blocks get the next smaller block scale instead (``saturated``), so
+    every finite weight dequantizes to a finite value.
+    """
+
+    zeroed: int  # blocks with a nonzero absmax whose block scale rounds to zero (included in beyond_bound)
+    beyond_bound: int  # blocks whose largest error exceeds the bound
+    saturated: int  # blocks whose block scale was lowered to stay finite in the weight's dtype
+    blocks: int
+
+    def describe(self, name: str) -> str:
+        return (
+            f"{name}: {self.beyond_bound} of {self.blocks} blocks lose more than the format's error bound "
+            f"({self.zeroed} of them round to zero, {self.saturated} saturated at the dtype's largest value): the "
+            f"weight spans more than E4M4's dynamic range (2**19 between its largest and smallest block absmax), "
+            f"for example a huge outlier; those blocks are reconstructed with a larger error"
+        )
 
 
 class QuantizedWeight:
@@ -63,20 +101,20 @@ class QuantizedWeight:
     Storage: the [N, K_pad] matrix (K_pad = K rounded up to a multiple of 32, extra columns
     zero) flattened row-major and quantized in blocks of 32 (``kbit.formats``), so each block
     lies within one row. ``scale`` is the per-tensor power of two (a 0-dim float32 tensor).
-    The GEMM layout (``kbit.layout``) is derived on first use on a CUDA device and cached; it is
-    never saved.
+    The GEMM layout (``kbit.layout``) is derived on a CUDA device by ``prepare()`` (or on first eager use)
+    and cached; it is never saved.
+
+    The constructor checks dtypes, shapes, devices and contiguity (no values: it is cheap and safe while
+    tracing); ``from_state_dict`` also checks the values an untrusted checkpoint could get wrong.
     """
 
     def __init__(self, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, k: int, shape, dtype):
-        check_bits(k)
-        N, K = (int(s) for s in shape)
-        nb = num_blocks(N * padded_in_features(K))
-        if packed.shape != (nb * k,) or absmax.shape != (nb,) or codebook.shape != (2**k,) or scale.shape != ():
-            raise ValueError(
-                f"inconsistent QuantizedWeight for k={k}, shape=({N}, {K}): expected packed ({nb * k},), "
-                f"absmax ({nb},), codebook ({2**k},), scale (); got {tuple(packed.shape)}, "
-                f"{tuple(absmax.shape)}, {tuple(codebook.shape)}, {tuple(scale.shape)}"
-            )
+        k = check_bits(k)
+        if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
+            raise ValueError(f"shape must be (out_features, in_features), got {shape!r}")
+        N, K = check_int(shape[0], "shape[0]", 1), check_int(shape[1], "shape[1]", 1)
+        check_dtype(dtype, "dtype")
+        check_storage(packed, absmax, codebook, scale, k, (N, K))
         self.packed, self.absmax, self.codebook, self.scale = packed, absmax, codebook, scale
         self.k, self.shape, self.dtype = k, (N, K), dtype
         self._gemm = None  # (device, b_gemm, absmax_gemm)
@@ -129,9 +167,31 @@ class QuantizedWeight:
     def gemm_layout(self):
         """(B_gemm, absmax_gemm) on this weight's device, derived once and cached."""
         if self._gemm is None or self._gemm[0] != self.device:
+            if torch.compiler.is_compiling() and self.device.type == "cuda":
+                # Derived inside a compiled region, the layout would be a graph output kept alive by this object:
+                # under CUDA graphs (mode="reduce-overhead") its memory belongs to the graph's pool.
+                raise RuntimeError(
+                    "kbit: this weight's GEMM layout was not prepared before torch.compile; call kbit.prepare(model) "
+                    "(or QuantizedWeight.prepare()) after moving the model to the GPU"
+                )
             b, a = ops.repack(self.packed, self.absmax, self.k, self.shape[0], padded_in_features(self.shape[1]))
             self._gemm = (self.device, b, a)
         return self._gemm[1], self._gemm[2]
+
+    def attach_gemm_layout(self, b_gemm: Tensor, absmax_gemm: Tensor) -> None:
+        """Use an already derived GEMM layout of this weight (KbitLinear keeps it as module buffers)."""
+        want = gemm_shapes(self.k, self.shape[0], padded_in_features(self.shape[1]))
+        if (tuple(b_gemm.shape), tuple(absmax_gemm.shape)) != want or b_gemm.device != self.device:
+            raise ValueError(f"a GEMM layout of shapes {want} on {self.device} was expected, got "
+                             f"{tuple(b_gemm.shape)} and {tuple(absmax_gemm.shape)} on {b_gemm.device}")
+        self._gemm = (self.device, b_gemm, absmax_gemm)
+
+    def prepare(self) -> "QuantizedWeight":
+        """Derive the GEMM layout now when on a CUDA device, so that no later call allocates it. Returns self."""
+        check_not_meta(self.packed, "packed")
+        if self.device.type == "cuda":
+            self.gemm_layout()
+        return self
 
     def dequantize(self, dtype=None) -> Tensor:
         dtype = self.dtype if dtype is None else dtype
@@ -144,7 +204,7 @@ class QuantizedWeight:
 
     # ------------------------------------------------------------------ serialization
     def meta_tensor(self) -> Tensor:
-        return torch.tensor([self.k, self.shape[0], self.shape[1], _DTYPE_CODES[self.dtype]], dtype=torch.int64)
+        return meta_tensor(self.k, self.shape, self.dtype)
 
     def state_dict(self, prefix: str = "") -> dict:
         """Tensors only, so the dict saves with torch.save and safetensors alike."""
@@ -155,34 +215,102 @@ class QuantizedWeight:
 
     @classmethod
     def from_state_dict(cls, state: dict, prefix: str = "") -> "QuantizedWeight":
-        missing = [key for key in STATE_KEYS if prefix + key not in state]
+        """The weight saved by ``state_dict(prefix)``, every tensor and value checked (untrusted input)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict of tensors, got {type(state).__name__}")
+        missing = [prefix + key for key in STATE_KEYS if prefix + key not in state]
         if missing:
-            raise KeyError(f"state dict lacks {', '.join(prefix + m for m in missing)}")
-        k, N, K, code = (int(v) for v in state[prefix + "meta"].tolist())
-        if code not in _CODE_DTYPES:
-            raise ValueError(f"unknown dtype code {code} in {prefix}meta")
-        return cls(
-            state[prefix + "packed"], state[prefix + "absmax"], state[prefix + "codebook"], state[prefix + "scale"],
-            k, (N, K), _CODE_DTYPES[code],
-        )
+            raise ValueError(f"state dict lacks {', '.join(missing)}")
+        k, shape, dtype = check_meta(state[prefix + "meta"], prefix + "meta")
+        tensors = {key: check_tensor(state[prefix + key], prefix + key) for key in ("packed", "absmax", "codebook", "scale")}
+        for key in ("codebook", "scale"):  # float32 by definition; a checkpoint cast to 16 bits still loads
+            if tensors[key].is_floating_point():
+                tensors[key] = tensors[key].to(torch.float32)
+        check_storage(*tensors.values(), k, shape, prefix=prefix)
+        check_codebook(tensors["codebook"], k, prefix + "codebook")
+        check_scale(tensors["scale"], tensors["scale"].device, prefix + "scale")
+        return cls(*tensors.values(), k, shape, dtype)
 
 
 # ---------------------------------------------------------------------- high-level API
-def quantize(W: Tensor, k: int = 4, codebook: Optional[Tensor] = None) -> QuantizedWeight:
-    """Quantize an [N, K] weight (nn.Linear layout, fp16/bf16/fp32, any N and K)."""
-    _check_tensor(W, "W")
-    check_bits(k)
-    check_dtype(W.dtype, "W")
+def resolve_codebook(codebook, k: int, device) -> Tensor:
+    """The normal-float codebook, or a checked float32 copy of the caller's (never an alias of it)."""
+    if codebook is None:
+        return create_normal_float_codebook(k, device=device)
+    return check_codebook(codebook, k).to(device=device, copy=True)
+
+
+def _block_errors(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, scale: Tensor):
+    """Per block of the padded weight: (largest |error| in float32, true absmax, largest |reconstruction|)."""
+    w_hat = ops.dequantize(packed, absmax, cb, k, Wp.numel(), torch.float32, scale).reshape(-1, BLOCK_SIZE)
+    w = Wp.reshape(-1, BLOCK_SIZE).to(torch.float32)
+    return (w - w_hat).abs().amax(dim=1), w.abs().amax(dim=1), w_hat.abs().amax(dim=1)
+
+
+def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, scale: Tensor, blocks: Tensor) -> None:
+    """Lower the block scale of ``blocks`` until their largest level fits Wp's dtype, re-choosing their codes.
+
+    The true absmax of such a block is finite in the dtype, so one or two E4M4 steps down suffice; the top
+    element then clips by less than one step (1/16).
+    """
+    limit = torch.finfo(Wp.dtype).max
+    peak = float(cb.abs().max())
+    codes = absmax[blocks].to(torch.int32)
+    for _ in range(4):
+        too_big = decode_absmax_e4m4(codes.to(torch.uint8)) * float(scale) * peak > limit
+        codes = torch.where(too_big & (codes > 0), codes - 1, codes)
+    new_absmax = codes.to(torch.uint8)
+    x = blocks_of(Wp, scale)[blocks]
+    absmax[blocks] = new_absmax
+    packed.view(-1, k)[blocks] = pack_bitplanes(nearest_codes(x, decode_absmax_e4m4(new_absmax), cb), k).view(-1, k)
+
+
+def _audit(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, scale: Tensor) -> PrecisionLoss:
+    """Fix blocks that would dequantize past the dtype's range, then count blocks beyond the format's bound."""
+    _, true_absmax, peak = _block_errors(Wp, packed, absmax, cb, k, scale)
+    overflow = (peak > torch.finfo(Wp.dtype).max).nonzero().flatten()
+    if overflow.numel():
+        _saturate(Wp, packed, absmax, cb, k, scale, overflow)
+    err, true_absmax, _ = _block_errors(Wp, packed, absmax, cb, k, scale)
+    gaps = cb[1:] - cb[:-1]
+    slack = 1e-6 * true_absmax + torch.finfo(torch.float32).tiny  # float32 rounding of the comparison itself
+    bound = (float(gaps.max()) / 2 + 1 / 16) * true_absmax + slack
+    zeroed = (true_absmax > 0) & (decode_absmax_e4m4(absmax) == 0)
+    return PrecisionLoss(
+        zeroed=int(zeroed.sum()), beyond_bound=int((err > bound).sum()), saturated=int(overflow.numel()),
+        blocks=int(absmax.numel()),
+    )
+
+
+def quantize_with_report(W: Tensor, k: int = 4, codebook: Optional[Tensor] = None, name: str = "W"):
+    """``quantize`` without the warning: ``(QuantizedWeight, PrecisionLoss)``. ``name`` appears in errors."""
+    check_tensor(W, name)
+    k = check_bits(k)
+    check_dtype(W.dtype, name)
     if W.dim() != 2 or W.shape[0] == 0 or W.shape[1] == 0:
-        raise ValueError(f"W must be a non-empty 2-D [N, K] tensor, got shape {tuple(W.shape)}")
-    check_finite(W, "W")
-    cb = _resolve_codebook(codebook, k, W.device)
+        raise ValueError(f"{name} must be a non-empty 2-D [N, K] tensor, got shape {tuple(W.shape)}")
+    check_finite(W, name)
+    cb = resolve_codebook(codebook, k, W.device)
     N, K = W.shape
     kp = padded_in_features(K)
     Wp = W.detach() if kp == K else torch.nn.functional.pad(W.detach(), (0, kp - K))
+    Wp = Wp.contiguous()
     scale = choose_tensor_scale(Wp.abs().amax())
-    packed, absmax = ops.quantize(Wp.contiguous(), cb, k, scale)
-    return QuantizedWeight(packed, absmax, cb, scale, k, (N, K), W.dtype)
+    packed, absmax = ops.quantize(Wp, cb, k, scale)
+    loss = _audit(Wp, packed, absmax, cb, k, scale)
+    return QuantizedWeight(packed, absmax, cb, scale, k, (N, K), W.dtype), loss
+
+
+def quantize(W: Tensor, k: int = 4, codebook: Optional[Tensor] = None, name: str = "W") -> QuantizedWeight:
+    """Quantize an [N, K] weight (nn.Linear layout, fp16/bf16/fp32, any N and K).
+
+    Warns (``kbit.PrecisionWarning``, naming ``name`` and the count) when some blocks lose more than the
+    format's error bound; ``warnings.simplefilter("error", kbit.PrecisionWarning)`` makes that an error.
+    """
+    qw, loss = quantize_with_report(W, k, codebook, name)
+    if loss.beyond_bound or loss.saturated:
+        warnings.warn(loss.describe(name), PrecisionWarning, stacklevel=2)
+    return qw
 
 
 def dequantize(qw: QuantizedWeight, dtype=None) -> Tensor:
@@ -196,8 +324,9 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, num_bl
     """``x @ dequantize(qw).T (+ bias)`` for x of shape [..., K]; fused kernel on CUDA.
 
     On CPU, the weight is dequantized in float32 and multiplied in float32. Never synchronizes.
+    ``num_blocks`` > 0 forces the CUDA kernel's grid size (tests use it to force split-K).
     """
-    _check_tensor(x, "x")
+    check_tensor(x, "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"qw must be a kbit.QuantizedWeight, got {type(qw).__name__}")
     N, K = qw.shape
@@ -206,11 +335,12 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, num_bl
     if x.device != qw.device:
         raise ValueError(f"x is on {x.device} but the weight is on {qw.device}")
     if bias is not None:
-        _check_tensor(bias, "bias")
+        check_tensor(bias, "bias")
         if bias.shape != (N,):
             raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+    num_blocks = check_int(num_blocks, "num_blocks", 0)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x.device.type == "cuda":

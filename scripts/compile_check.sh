@@ -30,5 +30,16 @@ if [ -n "$spills" ]; then
   grep -B2 -E "[1-9][0-9]* bytes (spill|stack)" "$out"/*.log | grep -E "Compiling entry" || true
   exit 1
 fi
+# The PyTorch binding: a syntax and type check against torch's headers (CPU wheels ship them without the CMake-made
+# c10/cuda macro header, which only names build options, so an empty one stands in).
+if TORCH_INC=$(python -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))" 2>/dev/null); then
+  CUDA_INC=$(dirname "$(command -v "$NVCC")")/../include
+  [ -f "$CUDA_INC/cuda_runtime.h" ] || CUDA_INC=$(ls -d /usr/local/cuda*/include 2>/dev/null | head -1)
+  mkdir -p "$out/inc/c10/cuda/impl" && echo "#pragma once" >"$out/inc/c10/cuda/impl/cuda_cmake_macros.h"
+  # shellcheck disable=SC2086
+  ${CXX:-g++} -std=c++17 -fsyntax-only $TORCH_INC -I"$out/inc" -I"$CUDA_INC" kbit/csrc/binding.cpp ||
+    { echo "compile_check: FAILED (kbit/csrc/binding.cpp)"; exit 1; }
+  binding="binding.cpp checked, "
+fi
 maxreg=$(cat "$out"/*.log | grep -oE "Used [0-9]+ registers" | awk '{print $2}' | sort -n | tail -1)
-echo "compile_check: OK: ${#SOURCES[@]} sources x sm_{${ARCHS[*]}}, $kernels kernels, 0 spills, max $maxreg registers"
+echo "compile_check: OK: ${binding:-}${#SOURCES[@]} sources x sm_{${ARCHS[*]}}, $kernels kernels, 0 spills, max $maxreg registers"

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -25,32 +26,50 @@ kbit::DType to_dtype(at::ScalarType t) {
   }
 }
 
-void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "kbit: ", name, " must be a CUDA tensor");
+// Every tensor that reaches a kernel is checked here, whatever Python checked before: a crafted checkpoint
+// must never make a kernel read or write out of bounds. on: the device all of an op's tensors must share.
+void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
+                 const at::Device& on) {
+  TORCH_CHECK(t.defined(), "kbit: ", name, " is undefined");
+  TORCH_CHECK(t.is_cuda() && t.device() == on, "kbit: ", name, " must be on ", on, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "kbit: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, "kbit: ", name, " must have shape ", shape, ", got ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), "kbit: ", name, " must be contiguous");
+}
+
+void check_bits(int64_t k) { TORCH_CHECK(k >= 2 && k <= 5, "kbit: k must be 2..5, got ", k); }
+
+// The kernels index rows and columns with int: sizes past it are refused, not wrapped.
+void check_dim(int64_t v, const char* name, int64_t minimum) {
+  TORCH_CHECK(v >= minimum && v <= std::numeric_limits<int>::max(), "kbit: ", name, " must be in [", minimum, ", ",
+              std::numeric_limits<int>::max(), "], got ", v);
 }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "kbit: ", what, " failed: ", cudaGetErrorString(err));
 }
 
-const float* scalar_ptr(const at::Tensor& scale) {
-  check_cuda(scale, "scale");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "kbit: scale must be one float32");
+// The per-tensor scale: one float32 on the op's device (a 0-dim or one-element tensor).
+const float* scalar_ptr(const at::Tensor& scale, const at::Device& on) {
+  check_input(scale, "scale", at::kFloat, scale.sizes(), on);
+  TORCH_CHECK(scale.numel() == 1, "kbit: scale must hold one float32, got shape ", scale.sizes());
   return scale.data_ptr<float>();
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tensor& codebook, int64_t k,
                                             const at::Tensor& scale) {
-  check_cuda(A, "A");
-  check_cuda(codebook, "codebook");
-  TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (1 << k), "kbit: bad codebook");
-  const c10::cuda::CUDAGuard guard(A.device());
+  check_bits(k);
+  TORCH_CHECK(A.is_cuda(), "kbit: A must be a CUDA tensor");
+  const at::Device on = A.device();
+  check_input(A, "A", A.scalar_type(), A.sizes(), on);
+  to_dtype(A.scalar_type());
+  check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
+  const c10::cuda::CUDAGuard guard(on);
   const int64_t n = A.numel(), nb = (n + 31) / 32;
   auto packed = at::empty({nb * k}, A.options().dtype(at::kInt));
   auto absmax = at::empty({nb}, A.options().dtype(at::kByte));
   check_launch(kbit::quantize(A.data_ptr(), to_dtype(A.scalar_type()), n, codebook.data_ptr<float>(),
-                              static_cast<int>(k), scalar_ptr(scale), reinterpret_cast<uint32_t*>(packed.data_ptr()),
+                              static_cast<int>(k), scalar_ptr(scale, on), reinterpret_cast<uint32_t*>(packed.data_ptr()),
                               absmax.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()),
                "quantize");
   return {packed, absmax};
@@ -58,29 +77,47 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tenso
 
 at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook, int64_t k,
                       int64_t n, at::ScalarType dtype, const at::Tensor& scale) {
-  check_cuda(packed, "packed");
-  check_cuda(absmax, "absmax");
-  check_cuda(codebook, "codebook");
-  TORCH_CHECK(packed.numel() == (n + 31) / 32 * k && absmax.numel() == (n + 31) / 32, "kbit: storage size mismatch");
-  const c10::cuda::CUDAGuard guard(packed.device());
+  check_bits(k);
+  TORCH_CHECK(n >= 0, "kbit: n must be >= 0, got ", n);
+  to_dtype(dtype);
+  TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
+  const at::Device on = packed.device();
+  const int64_t nb = (n + 31) / 32;
+  check_input(packed, "packed", at::kInt, {nb * k}, on);
+  check_input(absmax, "absmax", at::kByte, {nb}, on);
+  check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
+  const c10::cuda::CUDAGuard guard(on);
   auto out = at::empty({n}, packed.options().dtype(dtype));
   check_launch(kbit::dequantize(reinterpret_cast<const uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),
-                                codebook.data_ptr<float>(), static_cast<int>(k), scalar_ptr(scale), n, out.data_ptr(),
-                                to_dtype(dtype), c10::cuda::getCurrentCUDAStream()),
+                                codebook.data_ptr<float>(), static_cast<int>(k), scalar_ptr(scale, on), n,
+                                out.data_ptr(), to_dtype(dtype), c10::cuda::getCurrentCUDAStream()),
                "dequantize");
   return out;
 }
 
+// Shapes of the GEMM layout of an [N, K_dim] weight (kbit/layout.py's gemm_shapes).
+std::vector<int64_t> layout_codes_shape(int64_t k, int64_t N, int64_t K_dim) {
+  return {(N + 255) / 256 * 16, (K_dim + 255) / 256, k, 32, 4};
+}
+std::vector<int64_t> layout_absmax_shape(int64_t N, int64_t K_dim) {
+  return {(N + 255) / 256 * 16, (K_dim + 255) / 256, 2, 8, 8};
+}
+
 std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Tensor& absmax, int64_t k, int64_t N,
                                           int64_t K_dim) {
-  check_cuda(packed, "packed");
-  check_cuda(absmax, "absmax");
-  TORCH_CHECK(K_dim % 32 == 0 && packed.numel() == N * K_dim / 32 * k && absmax.numel() == N * K_dim / 32,
-              "kbit: storage size mismatch");
-  const c10::cuda::CUDAGuard guard(packed.device());
-  const int64_t tiles16 = (N + 255) / 256 * 16, groups = (K_dim + 255) / 256;
-  auto b = at::empty({tiles16, groups, k, 32, 4}, packed.options());
-  auto a = at::empty({tiles16, groups, 2, 8, 8}, absmax.options());
+  check_bits(k);
+  check_dim(N, "N", 1);
+  check_dim(K_dim, "K_dim", 32);
+  TORCH_CHECK(K_dim % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", K_dim);
+  TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
+  const at::Device on = packed.device();
+  const int64_t nb = N * (K_dim / 32);
+  check_input(packed, "packed", at::kInt, {nb * k}, on);
+  check_input(absmax, "absmax", at::kByte, {nb}, on);
+  const c10::cuda::CUDAGuard guard(on);
+  // Outputs get their dtype from the layout, never from the inputs' options.
+  auto b = at::empty(layout_codes_shape(k, N, K_dim), packed.options().dtype(at::kInt));
+  auto a = at::empty(layout_absmax_shape(N, K_dim), packed.options().dtype(at::kByte));
   check_launch(kbit::repack(reinterpret_cast<const uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),
                             static_cast<int>(k), static_cast<int>(N), static_cast<int>(K_dim),
                             reinterpret_cast<uint32_t*>(b.data_ptr()), a.data_ptr<uint8_t>(),
@@ -124,13 +161,22 @@ bool dependent_launch_enabled() {
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
                 int64_t num_blocks) {
-  check_cuda(b, "b_gemm");
-  check_cuda(absmax, "absmax_gemm");
-  check_cuda(codebook, "codebook");
+  check_bits(k);
+  check_dim(N, "N", 1);
+  check_dim(K_w, "K_dim", 32);
+  TORCH_CHECK(K_w % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", K_w);
+  TORCH_CHECK(num_blocks >= 0 && num_blocks <= std::numeric_limits<int>::max(), "kbit: num_blocks must be >= 0");
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
-  TORCH_CHECK(x_in.size(1) <= (K_w + 255) / 256 * 256, "kbit: x has more columns than the weight");
-  const c10::cuda::CUDAGuard guard(x_in.device());
+  TORCH_CHECK(x_in.size(1) <= K_w, "kbit: x has ", x_in.size(1), " columns, more than the weight's ", K_w);
+  check_dim(x_in.size(0), "M (rows of x)", 0);
+  const at::Device on = x_in.device();
+  check_input(b, "b_gemm", at::kInt, layout_codes_shape(k, N, K_w), on);
+  check_input(absmax, "absmax_gemm", at::kByte, layout_absmax_shape(N, K_w), on);
+  check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
+  const float* scale_ptr = scalar_ptr(scale, on);
+  if (bias) check_input(*bias, "bias", x_in.scalar_type(), {N}, on);
+  const c10::cuda::CUDAGuard guard(on);
   // The kernel reads x in 16-byte pieces: pad the columns to a multiple of 8 and realign if needed.
   at::Tensor x = x_in.contiguous();
   if (x.size(1) % 8) x = at::constant_pad_nd(x, {0, 8 - x.size(1) % 8});
@@ -138,10 +184,6 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  if (bias) {
-    check_cuda(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N, "kbit: bias must be [N] in x's dtype");
-  }
   int sms = 0;
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
   const kbit::GemmPlan plan =
@@ -159,7 +201,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.b = reinterpret_cast<const uint4*>(b.data_ptr());
   p.absmax = absmax.data_ptr<uint8_t>();
   p.codebook = codebook.data_ptr<float>();
-  p.scale = scalar_ptr(scale);
+  p.scale = scale_ptr;
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.y = y.data_ptr();
   p.partials = plan.partial_floats > 0 ? split_k_partials(plan.partial_floats, x, stream) : nullptr;
