@@ -164,7 +164,7 @@ class KbitLinear(nn.Module):
         self.gemm_codes, self.gemm_absmax = qw.prepare().gemm_layout()
         for t in (self.packed, self.absmax, self.codebook, self.scale, self.gemm_codes, self.gemm_absmax):
             # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
-            torch._dynamo.mark_static_address(t)
+            torch._dynamo.mark_static_address(t, guard=False)
         return self
     def dequantize(self, dtype=None) -> Tensor:
         """The [out_features, in_features] reconstructed weight (default: the original dtype)."""

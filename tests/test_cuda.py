@@ -771,6 +771,76 @@ def test_sanitize_gemm(k):
     torch.cuda.synchronize()
 
 
+# ----------------------------------------------------------------------------- malformed input reaches the binding
+def _malformed_cases():
+    """(name, call) pairs that hand the CUDA binding crafted tensors directly, bypassing kbit's Python checks."""
+    from kbit._build import cuda_ext
+
+    ext = cuda_ext()
+    k, N, K_dim = 4, 256, 512
+    W = torch.randn(N, K_dim, device="cuda").half() * 0.02
+    qw = kbit.quantize(W, k)
+    b, a = qw.gemm_layout()
+    cb, s, x = qw.codebook, qw.scale, torch.randn(3, K_dim, device="cuda").half()
+    n = N * K_dim
+    as_u8 = qw.packed.to(torch.uint8)  # same element count, a quarter of the bytes
+    return [
+        ("dequantize packed uint8", lambda: ext.dequantize(as_u8, qw.absmax, cb, k, n, torch.float16, s)),
+        ("dequantize packed float32", lambda: ext.dequantize(qw.packed.float(), qw.absmax, cb, k, n, torch.float16, s)),
+        ("dequantize n too large", lambda: ext.dequantize(qw.packed, qw.absmax, cb, k, n + 4096, torch.float16, s)),
+        ("dequantize short codebook", lambda: ext.dequantize(qw.packed, qw.absmax, cb[:8], k, n, torch.float16, s)),
+        ("dequantize scale int", lambda: ext.dequantize(qw.packed, qw.absmax, cb, k, n, torch.float16, s.int())),
+        ("dequantize k=6", lambda: ext.dequantize(qw.packed, qw.absmax, cb, 6, n, torch.float16, s)),
+        ("dequantize int8 out", lambda: ext.dequantize(qw.packed, qw.absmax, cb, k, n, torch.int8, s)),
+        ("dequantize codebook on cpu", lambda: ext.dequantize(qw.packed, qw.absmax, cb.cpu(), k, n, torch.float16, s)),
+        ("dequantize strided packed", lambda: ext.dequantize(torch.stack([qw.packed, qw.packed], 1)[:, 0], qw.absmax,
+                                                             cb, k, n, torch.float16, s)),
+        ("repack packed uint8", lambda: ext.repack(as_u8, qw.absmax, k, N, K_dim)),
+        ("repack absmax int32", lambda: ext.repack(qw.packed, qw.absmax.int(), k, N, K_dim)),
+        ("repack K_dim 50", lambda: ext.repack(qw.packed, qw.absmax, k, N, 50)),
+        ("repack N larger", lambda: ext.repack(qw.packed, qw.absmax, k, N * 2, K_dim)),
+        ("repack N negative", lambda: ext.repack(qw.packed, qw.absmax, k, -N, -K_dim)),
+        ("gemm b_gemm int64", lambda: ext.gemm(x, b.long(), a, cb, s, None, k, N, K_dim, 0)),
+        ("gemm b_gemm short", lambda: ext.gemm(x, b[:-1], a, cb, s, None, k, N, K_dim, 0)),
+        ("gemm layout for a larger N", lambda: ext.gemm(x, b, a, cb, s, None, k, N * 4, K_dim, 0)),
+        ("gemm layout for a larger K", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim * 4, 0)),
+        ("gemm absmax float", lambda: ext.gemm(x, b, a.float(), cb, s, None, k, N, K_dim, 0)),
+        ("gemm codebook short", lambda: ext.gemm(x, b, a, cb[:4], s, None, k, N, K_dim, 0)),
+        ("gemm scale on cpu", lambda: ext.gemm(x, b, a, cb, s.cpu(), None, k, N, K_dim, 0)),
+        ("gemm bias short", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N - 1, device="cuda").half(), k, N, K_dim, 0)),
+        ("gemm bias bf16", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N, device="cuda").bfloat16(), k, N, K_dim, 0)),
+        ("gemm x too wide", lambda: ext.gemm(torch.randn(3, K_dim + 8, device="cuda").half(), b, a, cb, s, None, k, N,
+                                             K_dim, 0)),
+        ("gemm k mismatch", lambda: ext.gemm(x, b, a, cb, s, None, 3, N, K_dim, 0)),
+        ("quantize short codebook", lambda: ext.quantize(W, cb[:4], k, s)),
+        ("quantize codebook float16", lambda: ext.quantize(W, cb.half(), k, s)),
+    ]
+
+
+def test_sanitize_malformed_tensors_are_refused_by_the_binding():
+    """Every crafted tensor gets a 'kbit:' error before any kernel runs (compute-sanitizer sees no access)."""
+    for name, call in _malformed_cases():
+        with pytest.raises(RuntimeError, match="kbit: "):
+            call()
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+
+
+def test_sanitize_malformed_checkpoint_on_cuda():
+    """The report's exploit end to end on the GPU: packed stored as another dtype, loaded into a CUDA layer."""
+    layer = kbit.KbitLinear.from_linear(torch.nn.Linear(256, 128).half().cuda(), k=4)
+    state = layer.state_dict()
+    for dtype in (torch.uint8, torch.int16, torch.float32):
+        bad = dict(state, packed=state["packed"].to(dtype))
+        with pytest.raises(RuntimeError, match="packed must be int32"):
+            layer.load_state_dict(bad)
+        with pytest.raises(TypeError, match="packed must be int32"):
+            kbit.QuantizedWeight.from_state_dict(bad)
+    y = layer(torch.randn(2, 256, device="cuda").half())  # the refused loads left a working layer
+    assert bool(torch.isfinite(y).all())
+    torch.cuda.synchronize()
+
+
 # ----------------------------------------------------------------------------- harness report (keep last)
 def test_poison_coverage():
     """Report how often the poisoned blocks really became the ops' outputs in this session.

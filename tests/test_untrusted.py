@@ -1,0 +1,351 @@
+"""Untrusted checkpoints and bad input: a clear TypeError/ValueError (or, through ``load_state_dict``, PyTorch's
+RuntimeError listing ours), or a correct result; never a silently wrong answer, never Inf from finite weights.
+
+Property-based: hypothesis draws dtypes, shapes, values and missing/extra keys. The GPU side (the binding's own
+checks under compute-sanitizer) is in tests/test_cuda.py (``test_sanitize_malformed_*``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kbit  # noqa: E402
+from kbit.formats import STATE_KEYS, dequantize_reference  # noqa: E402
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
+DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.bool]
+CLEAR = (TypeError, ValueError)
+
+
+def _valid_state(k=3, N=24, K=70, dtype=torch.float16):
+    W = (torch.randn(N, K) * 0.02).to(dtype)
+    return kbit.quantize(W, k=k).state_dict(), W
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same elements in another dtype (what a crafted checkpoint stores), or the same bytes reinterpreted."""
+    if dtype == torch.bool:
+        return t != 0
+    return t.to(dtype)
+
+
+# A mutation of one entry of a valid state dict: (description, function of the entry -> new entry or None to drop).
+def _mutations():
+    def reshape_same_numel(t):
+        return t.reshape(1, -1) if t.dim() else t.reshape(1)
+
+    def shrink(t):
+        return t.reshape(-1)[:-1].clone() if t.numel() > 1 else t.reshape(-1)[:0].clone()
+
+    def grow(t):
+        return torch.cat([t.reshape(-1), t.reshape(-1)[:1]])
+
+    def reverse(t):
+        return t.flip(0) if t.dim() else t
+
+    def nan(t):
+        return torch.full_like(t, float("nan")) if t.is_floating_point() else t
+
+    def inf(t):
+        return torch.full_like(t, float("inf")) if t.is_floating_point() else t
+
+    def halve(t):
+        return t * 0.5 if t.is_floating_point() else t // 2
+
+    def negate(t):
+        return -t if t.dtype != torch.bool and t.dtype != torch.uint8 else t
+
+    def times3(t):
+        return t * 3
+
+    def strided(t):
+        return torch.stack([t, t], -1).reshape(-1)[::2] if t.dim() == 1 else t
+
+    fns = {"drop": lambda t: None, "reshape": reshape_same_numel, "shrink": shrink, "grow": grow,
+           "reverse": reverse, "nan": nan, "inf": inf, "halve": halve, "negate": negate, "times3": times3,
+           "strided": strided, "zero": torch.zeros_like}
+    fns.update({f"as_{str(d).replace('torch.', '')}": (lambda d: lambda t: _cast(t, d))(d) for d in DTYPES})
+    return fns
+
+
+MUTATIONS = _mutations()
+
+
+@st.composite
+def mutated_states(draw):
+    k = draw(st.sampled_from([2, 3, 4, 5]))
+    N = draw(st.integers(1, 40))
+    K = draw(st.integers(1, 100))
+    state, W = _valid_state(k, N, K)
+    plan = draw(st.lists(st.tuples(st.sampled_from(STATE_KEYS + ("extra",)), st.sampled_from(sorted(MUTATIONS))),
+                         min_size=1, max_size=3))
+    for key, name in plan:
+        if key == "extra":
+            state["extra"] = torch.zeros(3)
+            continue
+        if key not in state:
+            continue
+        new = MUTATIONS[name](state[key])
+        if new is None:
+            del state[key]
+        else:
+            state[key] = new
+    return state, W, plan, k
+
+
+def _assert_valid_weight(qw: kbit.QuantizedWeight):
+    """What loading promises: the format's dtypes and shapes, a valid codebook and scale, finite output."""
+    assert qw.packed.dtype == torch.int32 and qw.absmax.dtype == torch.uint8
+    cb, s = qw.codebook, float(qw.scale)
+    assert bool(torch.isfinite(cb).all()) and bool((cb[1:] > cb[:-1]).all()) and abs(float(cb.abs().max()) - 1) < 1e-6
+    assert s > 0 and math.isfinite(s) and math.frexp(s)[0] == 0.5
+    w = qw.dequantize(torch.float32)
+    assert w.shape == qw.shape and bool(torch.isfinite(w).all())
+    N, K = qw.shape
+    ref = dequantize_reference(qw.packed, qw.absmax, qw.codebook, qw.k, qw.packed.numel() // qw.k * 32,
+                               torch.float32, qw.scale).reshape(N, -1)[:, :K]
+    assert torch.equal(w, ref)
+
+
+@FUZZ
+@given(mutated_states())
+def test_fuzz_quantized_weight_from_state_dict(case):
+    state, W, plan, k = case
+    try:
+        qw = kbit.QuantizedWeight.from_state_dict(state)
+    except CLEAR:
+        return
+    _assert_valid_weight(qw)
+
+
+@FUZZ
+@given(mutated_states())
+def test_fuzz_kbit_linear_load_state_dict(case):
+    state, W, plan, k = case
+    N, K = W.shape
+    layer = kbit.KbitLinear(K, N, bias=False, k=k, dtype=torch.float16)
+    try:
+        layer.load_state_dict(state, strict=bool(plan[0][1] != "drop"))
+    except CLEAR:
+        return
+    except RuntimeError as e:  # load_state_dict's own error, which lists ours
+        assert "Error(s) in loading state_dict" in str(e)
+        # torch reports missing/unexpected keys after copying the rest; whatever it copied passed our checks.
+        _assert_valid_weight(layer.qweight)
+        return
+    _assert_valid_weight(layer.qweight)
+    y = layer(torch.randn(2, K, dtype=torch.float16))
+    assert bool(torch.isfinite(y).all())
+
+
+@FUZZ
+@given(
+    st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    st.integers(1, 24), st.integers(1, 80), st.sampled_from([2, 3, 4, 5]),
+    st.sampled_from(["normal", "outlier", "max", "tiny", "zeros", "nan", "inf", "mixed_scales"]),
+)
+def test_fuzz_quantize(dtype, N, K, k, kind):
+    W = torch.randn(N, K) * 0.02
+    finfo = torch.finfo(dtype)
+    if kind == "outlier":
+        W[0, 0] = 1e4
+    elif kind == "max":
+        W[-1, -1] = finfo.max
+        W[0, 0] = -finfo.max
+    elif kind == "tiny":
+        W = W * 1e-30
+    elif kind == "zeros":
+        W.zero_()
+    elif kind == "nan":
+        W[N // 2, K // 2] = float("nan")
+    elif kind == "inf":
+        W[0, -1] = float("-inf")
+    elif kind == "mixed_scales":
+        W[: N // 2] *= 1e-6
+    W = W.to(dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            qw, loss = kbit.weight.quantize_with_report(W, k=k)
+        except CLEAR:
+            assert not bool(torch.isfinite(W).all()), "finite weights must quantize"
+            return
+    W_hat = qw.dequantize()
+    assert bool(torch.isfinite(W_hat).all()), "finite weights must dequantize to finite values"
+    assert not [w for w in caught if issubclass(w.category, kbit.PrecisionWarning)]  # the report, not a warning
+    # The report is exact: recount the blocks beyond the bound from the result.
+    Wp = torch.nn.functional.pad(W.float(), (0, qw.packed.numel() // qw.k * 32 // N - K)).reshape(-1, 32)
+    Wh = torch.nn.functional.pad(qw.dequantize(torch.float32), (0, Wp.numel() // N - K)).reshape(-1, 32)
+    cb = qw.codebook
+    amax = Wp.abs().amax(1)
+    bound = (float((cb[1:] - cb[:-1]).max()) / 2 + 1 / 16) * amax + 1e-6 * amax + torch.finfo(torch.float32).tiny
+    assert loss.beyond_bound == int(((Wp - Wh).abs().amax(1) > bound).sum())
+    if kind in ("normal", "zeros"):
+        assert loss.beyond_bound == 0 and loss.saturated == 0
+
+
+# ----------------------------------------------------------------------------- the format's values
+def _state_with(**changes):
+    state, _ = _valid_state(k=2)
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize("name,changes,error,match", [
+    ("codebook NaN", dict(codebook=torch.tensor([-1.0, float("nan"), 0.5, 1.0])), ValueError, "NaN"),
+    ("codebook unsorted", dict(codebook=torch.tensor([-1.0, 0.5, -0.5, 1.0])), ValueError, "ascending"),
+    ("codebook max 0.5", dict(codebook=torch.tensor([-0.5, -0.1, 0.1, 0.5])), ValueError, "largest"),
+    ("codebook int", dict(codebook=torch.tensor([-1, 0, 1, 2])), TypeError, "float"),
+    ("scale NaN", dict(scale=torch.tensor(float("nan"))), ValueError, "power of two"),
+    ("scale Inf", dict(scale=torch.tensor(float("inf"))), ValueError, "power of two"),
+    ("scale negative", dict(scale=torch.tensor(-0.25)), ValueError, "power of two"),
+    ("scale 3", dict(scale=torch.tensor(3.0)), ValueError, "power of two"),
+    ("scale int", dict(scale=torch.tensor(2)), TypeError, "float"),
+    ("meta 3 elements", dict(meta=torch.tensor([2, 24, 70])), ValueError, r"shape \(4,\)"),
+    ("meta float", dict(meta=torch.tensor([2.0, 24.0, 70.0, 0.0])), TypeError, "integer"),
+    ("meta negative shape", dict(meta=torch.tensor([2, -24, 70, 0])), ValueError, "positive"),
+    ("meta zero shape", dict(meta=torch.tensor([2, 0, 70, 0])), ValueError, "positive"),
+    ("meta dtype code", dict(meta=torch.tensor([2, 24, 70, 7])), ValueError, "dtype code"),
+    ("meta bits", dict(meta=torch.tensor([6, 24, 70, 0])), ValueError, "k must be one of"),
+])
+def test_bad_format_values(name, changes, error, match):
+    with pytest.raises(error, match=match):
+        kbit.QuantizedWeight.from_state_dict(_state_with(**changes))
+    layer = kbit.KbitLinear(70, 24, bias=False, k=2)
+    with pytest.raises((RuntimeError, error), match=match):
+        layer.load_state_dict(_state_with(**changes))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.float32, torch.int64])
+def test_packed_of_another_dtype_with_the_same_element_count(dtype, tmp_path):
+    """The report's exploit: packed re-stored as another dtype with the same element count must not load."""
+    state, _ = _valid_state(k=4)
+    bad = dict(state, packed=state["packed"].to(dtype))
+    with pytest.raises(TypeError, match="packed must be int32"):
+        kbit.QuantizedWeight.from_state_dict(bad)
+    layer = kbit.KbitLinear(70, 24, bias=False, k=4)
+    with pytest.raises(RuntimeError, match="packed must be int32"):
+        layer.load_state_dict(bad)
+    model = nn.Sequential(nn.Linear(70, 24, bias=False))
+    model = kbit.quantize_model(model, k=4, min_features=1, progress=False)
+    sd = model.state_dict()
+    sd["0.packed"] = sd["0.packed"].to(dtype)
+    with pytest.raises(RuntimeError, match="packed must be int32"):
+        model.load_state_dict(sd)
+
+
+def test_mixed_devices_rejected():
+    state, _ = _valid_state()
+    qw = kbit.QuantizedWeight.from_state_dict(state)
+    with pytest.raises(ValueError, match="one device"):
+        kbit.QuantizedWeight(qw.packed, qw.absmax, qw.codebook, qw.scale.to("meta"), qw.k, qw.shape, qw.dtype)
+
+
+def test_missing_scale_after_assign_load_is_an_error_not_garbage():
+    """strict=False, assign=True on a module built on meta, without its scale: a clear error, every call."""
+    state, W = _valid_state(k=4)
+    layer = kbit.KbitLinear(70, 24, bias=False, k=4, device="meta")
+    del state["scale"]
+    result = layer.load_state_dict(state, strict=False, assign=True)
+    assert result.missing_keys == ["scale"]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="scale on meta"):
+            layer(torch.randn(2, 70, dtype=torch.float16))
+
+
+def test_shapes_must_be_positive_ints():
+    qw = kbit.quantize(torch.randn(24, 64))
+    for shape in [(-24, 64), (24, 0), (24.0, 64), (24,), "24x64"]:
+        with pytest.raises(CLEAR):
+            kbit.QuantizedWeight(qw.packed, qw.absmax, qw.codebook, qw.scale, 4, shape, torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        kbit.QuantizedWeight(qw.packed, qw.absmax, qw.codebook, qw.scale, 4, (24, 64), torch.int32)
+
+
+# ----------------------------------------------------------------------------- precision loss is reported
+def test_outlier_blocks_are_reported_with_counts():
+    W = torch.randn(512, 512) * 0.02
+    W[3, 7] = 1e4
+    with pytest.warns(kbit.PrecisionWarning, match=r"W: (\d+) of 8192 blocks") as record:
+        qw = kbit.quantize(W, k=4)
+    loss = kbit.weight.quantize_with_report(W, k=4)[1]
+    assert loss.beyond_bound > 0 and loss.zeroed > 0 and str(loss.beyond_bound) in str(record[0].message)
+    assert bool(torch.isfinite(qw.dequantize()).all())
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    with torch.no_grad():
+        model[2].weight.copy_(W)
+    with pytest.warns(kbit.PrecisionWarning, match=r"^2\.weight: "):
+        kbit.quantize_model(model, k=4, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kbit.PrecisionWarning)
+        with pytest.raises(kbit.PrecisionWarning):
+            kbit.quantize(W, k=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_weights_at_the_dtype_maximum_stay_finite(dtype):
+    big = torch.finfo(dtype).max
+    W = torch.randn(8, 64).to(dtype)
+    W[0, :3] = torch.tensor([big, -big, big * 0.999]).to(dtype)
+    with pytest.warns(kbit.PrecisionWarning, match="saturated"):
+        qw = kbit.quantize(W, k=4)
+    W_hat = qw.dequantize()
+    assert bool(torch.isfinite(W_hat).all())
+    # Saturated blocks clip by less than one E4M4 step; the other blocks are what the quantize op made.
+    assert float((W_hat[0, :3].float() - W[0, :3].float()).abs().max()) <= big / 8
+    packed, absmax = kbit.ops.quantize(W.contiguous(), qw.codebook, 4, qw.scale)
+    assert int(qw.absmax[0]) == int(absmax[0]) - 1 and torch.equal(absmax[1:], qw.absmax[1:])
+    assert torch.equal(packed[4:], qw.packed[4:])
+
+
+# ----------------------------------------------------------------------------- clear errors
+def test_quantize_model_nan_layer_is_named_and_model_unchanged():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight[5, 5] = float("nan")
+    before = [type(m) for m in model]
+    with pytest.raises(ValueError, match=r"cannot quantize 2: .*NaN.*the model is unchanged"):
+        kbit.quantize_model(model, k=4, min_features=1, progress=False)
+    assert [type(m) for m in model] == before
+
+
+def test_quantize_model_with_nothing_to_quantize_says_so():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    with pytest.warns(UserWarning, match=r"nothing to quantize .* 2 narrower than min_features=128"):
+        kbit.quantize_model(model, k=4, progress=False)
+    with pytest.warns(UserWarning, match=r"2 skipped by name"):
+        kbit.quantize_model(model, k=4, skip=("0", "1"), min_features=1, progress=False)
+
+
+def test_functional_api_messages():
+    qw = kbit.quantize(torch.randn(64, 96), k=4)
+    b, a = qw.gemm_layout()
+    x = torch.randn(2, 96).half()
+    with pytest.raises(ValueError, match="K_dim must be a multiple of 32"):
+        kbit.kbit_gemm(x, b, a, qw.codebook, 4, 64, 50, scale=qw.scale)
+    with pytest.raises(TypeError, match="K_dim must be an int"):
+        kbit.kbit_gemm(x, b, a, qw.codebook, 4, 64, 96.0, scale=qw.scale)
+    with pytest.raises(TypeError, match="GEMM layout must be"):
+        kbit.kbit_gemm(x, b.to(torch.int64), a, qw.codebook, 4, 64, 96, scale=qw.scale)
+    with pytest.raises(TypeError, match="N must be an int"):
+        kbit.repack_for_gemm(qw.packed, qw.absmax, 4, 40.0, 96)
+    with pytest.raises(ValueError, match="N must be >= 1"):
+        kbit.repack_for_gemm(qw.packed, qw.absmax, 4, -64, 96)
+    with pytest.raises(TypeError, match="n must be an int"):
+        kbit.dequantize_kbit(qw.packed, qw.absmax, qw.codebook, 4, 64.5)
+    with pytest.raises(TypeError, match="encode_absmax_e4m4 expects a floating-point torch.Tensor"):
+        kbit.encode_absmax_e4m4([0.5, 1.0])
+    with pytest.raises(TypeError, match="decode_absmax_e4m4 expects a uint8 torch.Tensor"):
+        kbit.decode_absmax_e4m4([3, 4])
+    with pytest.raises(TypeError, match="num_blocks must be an int"):
+        kbit.matmul(x, qw, num_blocks=1.5)
