@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import kbit
 from kbit import formats, layout, ops
+from kbit._validate import check_codebook
 
 pytestmark = [
     pytest.mark.cuda,
@@ -179,7 +180,7 @@ def make_codebook(k: int, kind: str, seed: int) -> torch.Tensor:
         v = torch.sort(torch.rand(2**k, generator=g) * 1.6 - 1.0).values  # in [-1, 0.6)
         v[0] = -1.0
         if bool((v[1:] > v[:-1]).all()):
-            return formats.check_codebook(v, k)
+            return check_codebook(v, k)
 
 
 def random_storage(n: int, k: int, seed: int):
@@ -820,6 +821,7 @@ def _malformed_cases():
 def test_sanitize_malformed_tensors_are_refused_by_the_binding():
     """Every crafted tensor gets a 'kbit:' error before any kernel runs (compute-sanitizer sees no access)."""
     for name, call in _malformed_cases():
+        print(f"malformed case: {name}", flush=True)
         with pytest.raises(RuntimeError, match="kbit: "):
             call()
             torch.cuda.synchronize()

@@ -22,27 +22,40 @@ kbit::DType to_dtype(at::ScalarType t) {
     case at::kHalf: return kbit::DType::F16;
     case at::kBFloat16: return kbit::DType::BF16;
     case at::kFloat: return kbit::DType::F32;
-    default: TORCH_CHECK(false, "kbit: unsupported dtype ", t);
+    default: TORCH_CHECK(false, "kbit: unsupported dtype ", c10::toString(t));
   }
+}
+
+// Error messages format numbers with std::to_string, not through a stream: streaming an integer uses the
+// locale's facets, which crash when the extension and libtorch were linked against different libstdc++ builds.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string shape_string(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 // Every tensor that reaches a kernel is checked here, whatever Python checked before: a crafted checkpoint
 // must never make a kernel read or write out of bounds. on: the device all of an op's tensors must share.
-void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
+void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, const std::vector<int64_t>& shape,
                  const at::Device& on) {
   TORCH_CHECK(t.defined(), "kbit: ", name, " is undefined");
-  TORCH_CHECK(t.is_cuda() && t.device() == on, "kbit: ", name, " must be on ", on, ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "kbit: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, "kbit: ", name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.is_cuda() && t.device() == on, "kbit: ", name, " must be on ", on.str(), ", got ", t.device().str());
+  TORCH_CHECK(t.scalar_type() == dtype, "kbit: ", name, " must be ", c10::toString(dtype), ", got ",
+              c10::toString(t.scalar_type()));
+  if (t.sizes() != at::IntArrayRef(shape)) {
+    TORCH_CHECK(false, "kbit: ", name, " must have shape ", shape_string(shape), ", got ", shape_string(t.sizes()));
+  }
   TORCH_CHECK(t.is_contiguous(), "kbit: ", name, " must be contiguous");
 }
 
-void check_bits(int64_t k) { TORCH_CHECK(k >= 2 && k <= 5, "kbit: k must be 2..5, got ", k); }
+void check_bits(int64_t k) { TORCH_CHECK(k >= 2 && k <= 5, "kbit: k must be 2..5, got ", num(k)); }
 
 // The kernels index rows and columns with int: sizes past it are refused, not wrapped.
 void check_dim(int64_t v, const char* name, int64_t minimum) {
-  TORCH_CHECK(v >= minimum && v <= std::numeric_limits<int>::max(), "kbit: ", name, " must be in [", minimum, ", ",
-              std::numeric_limits<int>::max(), "], got ", v);
+  TORCH_CHECK(v >= minimum && v <= std::numeric_limits<int>::max(), "kbit: ", name, " must be in [", num(minimum),
+              ", ", num(std::numeric_limits<int>::max()), "], got ", num(v));
 }
 
 void check_launch(cudaError_t err, const char* what) {
@@ -51,8 +64,8 @@ void check_launch(cudaError_t err, const char* what) {
 
 // The per-tensor scale: one float32 on the op's device (a 0-dim or one-element tensor).
 const float* scalar_ptr(const at::Tensor& scale, const at::Device& on) {
-  check_input(scale, "scale", at::kFloat, scale.sizes(), on);
-  TORCH_CHECK(scale.numel() == 1, "kbit: scale must hold one float32, got shape ", scale.sizes());
+  check_input(scale, "scale", at::kFloat, scale.sizes().vec(), on);
+  TORCH_CHECK(scale.numel() == 1, "kbit: scale must hold one float32, got shape ", shape_string(scale.sizes()));
   return scale.data_ptr<float>();
 }
 
@@ -61,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tenso
   check_bits(k);
   TORCH_CHECK(A.is_cuda(), "kbit: A must be a CUDA tensor");
   const at::Device on = A.device();
-  check_input(A, "A", A.scalar_type(), A.sizes(), on);
+  check_input(A, "A", A.scalar_type(), A.sizes().vec(), on);
   to_dtype(A.scalar_type());
   check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
   const c10::cuda::CUDAGuard guard(on);
@@ -78,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tenso
 at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook, int64_t k,
                       int64_t n, at::ScalarType dtype, const at::Tensor& scale) {
   check_bits(k);
-  TORCH_CHECK(n >= 0, "kbit: n must be >= 0, got ", n);
+  TORCH_CHECK(n >= 0, "kbit: n must be >= 0, got ", num(n));
   to_dtype(dtype);
   TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
   const at::Device on = packed.device();
@@ -108,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(K_dim, "K_dim", 32);
-  TORCH_CHECK(K_dim % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", K_dim);
+  TORCH_CHECK(K_dim % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", num(K_dim));
   TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
   const at::Device on = packed.device();
   const int64_t nb = N * (K_dim / 32);
@@ -130,23 +143,33 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
 // kernel restores what it used), so a buffer filled once serves every later GEMM of its stream: no fill
 // kernel per call. One buffer per (device, stream), since GEMMs on different streams may overlap. Buffers are
 // kept for the life of the process (a captured CUDA graph holds their address); a larger need adds a larger
-// one. A stream under capture with no buffer large enough gets a filled one for that call only: a buffer
-// first filled inside a graph is not filled until the graph runs.
+// one. They come from cudaMalloc, not the caching allocator: during the warm-up runs of torch.compile's CUDA
+// graph trees the caching allocator hands out the graph's private pool, where a buffer kept past the call is
+// an untracked live tensor. A stream under capture with no buffer large enough gets a filled one for that call
+// only, from the graph's pool: a buffer first filled inside a graph is not filled until the graph runs.
 float* split_k_partials(int64_t n, const at::Tensor& like, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_launch(cudaStreamIsCapturing(stream, &capture), "stream capture query");
+  struct Workspace {
+    float* words;
+    int64_t floats;
+  };
   static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, std::vector<at::Tensor>> buffers;
+  static std::map<std::pair<int, cudaStream_t>, std::vector<Workspace>> buffers;
   const std::lock_guard<std::mutex> lock(mutex);
   auto& list = buffers[{like.get_device(), stream}];
-  if (list.empty() || list.back().numel() < n) {
-    auto filled = at::full({std::max<int64_t>(n, 1 << 16)}, static_cast<int32_t>(kbit::kPartialEmpty),
-                           like.options().dtype(at::kInt));
+  if (!list.empty() && list.back().floats >= n) return list.back().words;
+  const int64_t floats = std::max<int64_t>(n, 1 << 16);
+  const auto words = like.options().dtype(at::kInt);
+  if (capture != cudaStreamCaptureStatusNone) {
     // Under capture, the graph's memory pool keeps this allocation for the graph, as for any workspace.
-    if (capture != cudaStreamCaptureStatusNone) return reinterpret_cast<float*>(filled.data_ptr<int32_t>());
-    list.push_back(filled);
+    return reinterpret_cast<float*>(at::full({floats}, static_cast<int32_t>(kbit::kPartialEmpty), words).data_ptr());
   }
-  return reinterpret_cast<float*>(list.back().data_ptr<int32_t>());
+  void* memory = nullptr;
+  check_launch(cudaMalloc(&memory, floats * sizeof(float)), "split-K workspace allocation");
+  at::from_blob(memory, {floats}, words).fill_(static_cast<int32_t>(kbit::kPartialEmpty));
+  list.push_back({static_cast<float*>(memory), floats});
+  return list.back().words;
 }
 
 // Programmatic dependent launch of the GEMM (sm_90, see common.cuh); KBIT_DEPENDENT_LAUNCH=0 turns it off.
@@ -164,11 +187,11 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(K_w, "K_dim", 32);
-  TORCH_CHECK(K_w % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", K_w);
+  TORCH_CHECK(K_w % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", num(K_w));
   TORCH_CHECK(num_blocks >= 0 && num_blocks <= std::numeric_limits<int>::max(), "kbit: num_blocks must be >= 0");
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
-  TORCH_CHECK(x_in.size(1) <= K_w, "kbit: x has ", x_in.size(1), " columns, more than the weight's ", K_w);
+  TORCH_CHECK(x_in.size(1) <= K_w, "kbit: x has ", num(x_in.size(1)), " columns, more than the weight's ", num(K_w));
   check_dim(x_in.size(0), "M (rows of x)", 0);
   const at::Device on = x_in.device();
   check_input(b, "b_gemm", at::kInt, layout_codes_shape(k, N, K_w), on);
@@ -190,10 +213,10 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
       kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k), sms,
                       static_cast<int>(num_blocks));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM at k=", k, " needs ",
-              plan.smem_bytes / 1024, " KB of shared memory per block; this GPU allows ", plan.smem_limit / 1024,
+  TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM at k=", num(k), " needs ",
+              num(plan.smem_bytes / 1024), " KB of shared memory per block; this GPU allows ", num(plan.smem_limit / 1024),
               " KB (use dequantize + matmul)");
-  TORCH_CHECK(plan.built, "kbit: the fused GEMM at k=", k, " for ", M, " tokens is not built for this GPU's architecture "
+  TORCH_CHECK(plan.built, "kbit: the fused GEMM at k=", num(k), " for ", num(M), " tokens is not built for this GPU's architecture "
               "(use dequantize + matmul)");
 
   kbit::GemmParams p{};
