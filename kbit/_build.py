@@ -5,15 +5,25 @@ sources in ``kbit/csrc`` with ``torch.utils.cpp_extension.load`` (ninja builds t
 in parallel) into ``$KBIT_CACHE_DIR`` (default ``~/.cache/kbit``), in a folder named after a
 hash of the sources, the torch and CUDA versions and the target architectures, so a changed
 source or a different GPU builds anew and an unchanged one loads in a second.
+
+Concurrent processes: a build holds an exclusive ``flock`` on ``build.lock`` in that folder (the
+file names the holder's pid). The kernel releases an flock when its holder dies, so a build killed
+mid-compile (nvcc out of memory, say) never blocks later ones; a waiting process says whom it waits
+for and gives up after ``$KBIT_BUILD_LOCK_TIMEOUT`` seconds (default 1800). While holding it, a
+``lock`` file left by ``torch.utils.cpp_extension`` (which otherwise waits on it forever) can only
+be stale, and is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -55,6 +65,71 @@ def _library_file(directory: Path) -> Path:
     return directory / "kbit_cuda.so"
 
 
+LOCK_NAME = "build.lock"
+TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+DEFAULT_LOCK_TIMEOUT_S = 1800.0
+
+
+def lock_timeout() -> float:
+    raw = os.environ.get("KBIT_BUILD_LOCK_TIMEOUT", "")
+    try:
+        return float(raw) if raw else DEFAULT_LOCK_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"KBIT_BUILD_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, timeout: float, poll_s: float = 0.2) -> Iterator[None]:
+    """Hold the folder's build lock (see the module docstring); TimeoutError after ``timeout`` seconds."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK_NAME, "a+") as f:
+        deadline, told = time.monotonic() + timeout, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"kbit: gave up after {timeout:.0f} s waiting for process {holder} to finish building the CUDA "
+                        f"extension in {directory} (set KBIT_BUILD_LOCK_TIMEOUT to wait longer)") from None
+                if not told:
+                    print(f"kbit: waiting for process {holder}, which is building the CUDA extension in {directory}",
+                          file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(poll_s)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            stale = directory / TORCH_LOCK_NAME
+            if stale.exists():
+                print(f"kbit: removing {stale}, left by a build that did not finish", file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def arch_list(archs: str) -> Iterator[None]:
+    """TORCH_CUDA_ARCH_LIST set to ``archs`` for the build only; the caller's value comes back after."""
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_ext():
     """Build (first time only) and load the extension; returns ``torch.ops.kbit_cuda``."""
@@ -68,16 +143,16 @@ def cuda_ext():
     if fresh:
         print(f"kbit: building the CUDA extension for sm {target_archs()} in {directory} "
               "(first use only; a few minutes)...", file=sys.stderr, flush=True)
-    os.environ["TORCH_CUDA_ARCH_LIST"] = target_archs()
-    load(
-        name="kbit_cuda",
-        sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=NVCC_FLAGS,
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=bool(os.environ.get("KBIT_VERBOSE_BUILD")),
-    )
+    with build_lock(directory, lock_timeout()), arch_list(target_archs()):
+        load(
+            name="kbit_cuda",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=NVCC_FLAGS,
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=bool(os.environ.get("KBIT_VERBOSE_BUILD")),
+        )
     if fresh:
         print("kbit: CUDA extension built.", file=sys.stderr, flush=True)
     return torch.ops.kbit_cuda

@@ -131,6 +131,22 @@ def _copy_side_files(src: Path, dst: Path) -> list:
     return copied
 
 
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConversionError(f"--device {device!r} is not a device (use cpu, cuda or cuda:<index>)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"a CPU-only build of torch {torch.__version__}" if torch.version.cuda is None else "no visible GPU"
+            raise ConversionError(f"--device {device}: CUDA is not available here ({build}); "
+                                  "quantize with --device cpu, or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConversionError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif dev.type != "cpu":
+        raise ConversionError(f"--device {device}: kbit quantizes on cpu or cuda")
+
+
 def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
@@ -176,6 +192,7 @@ def quantize_directory(
             raise ConversionError("--out must differ from the model directory")
         if any(out_dir.iterdir()) and not overwrite:
             raise ConversionError(f"--out {out_dir} is not empty (pass --overwrite to write into it)")
+    _check_device(device)
     if dtype not in _DTYPES and dtype != "auto":
         raise ConversionError(f"dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
     torch_dtype = _pick_dtype(dtype, raw)

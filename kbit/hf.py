@@ -38,11 +38,14 @@ import copy
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 from torch import nn
+
+from ._atomic import atomic_directory
 
 __all__ = ["save_quantized", "load_quantized", "init_empty_weights", "default_skip", "KBIT_CONFIG_NAME",
            "WEIGHTS_NAME"]
@@ -298,12 +301,41 @@ def _kbit_config(model: nn.Module, tied: dict, extra: Optional[dict]) -> dict:
     return cfg
 
 
+def _save_configs(model: nn.Module, directory: Path) -> None:
+    """``config.json`` and ``generation_config.json`` of a transformers model (nothing for other modules)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        config.architectures = [type(model).__name__]
+        if hasattr(config, "_attn_implementation_autoset"):  # transformers 4.45-4.47: not for config.json
+            try:
+                del config._attn_implementation_autoset
+            except AttributeError:
+                pass
+        config.save_pretrained(directory)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        try:
+            can_generate = model.can_generate() if hasattr(model, "can_generate") else True
+        except Exception:
+            can_generate = False
+        if can_generate:
+            try:
+                gen.save_pretrained(directory)
+            except Exception:  # an invalid generation config must not block saving the weights
+                pass
+
+
 def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], extra_config: Optional[dict] = None) -> Path:
     """Save a model quantized with ``kbit.quantize_model`` to ``out_dir`` (created if needed).
 
     Writes ``config.json`` (when the model has a ``transformers`` config), ``kbit_config.json``
     and ``model.safetensors``; see the module docstring for the layout. ``extra_config`` entries
     are added to ``kbit_config.json``. Returns the directory.
+
+    The save is atomic (``kbit._atomic``): every file is written to a temporary sibling directory
+    that then takes ``out_dir``'s place, so an interrupted save leaves the previous checkpoint
+    intact and loadable, never a mix of the two.
     """
     from safetensors.torch import save_file
 
@@ -317,35 +349,12 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], extra_con
     if metas:
         raise ValueError(f"cannot save tensors on the meta device (no values): {', '.join(metas[:5])}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
     tensors, tied = _dedupe(state, {n for n, _ in model.named_parameters(remove_duplicate=False)})
     kcfg = _kbit_config(model, tied, extra_config)
-
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config = copy.deepcopy(config)
-        config.architectures = [type(model).__name__]
-        if hasattr(config, "_attn_implementation_autoset"):  # transformers 4.45-4.47: not for config.json
-            try:
-                del config._attn_implementation_autoset
-            except AttributeError:
-                pass
-        config.save_pretrained(out)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and hasattr(gen, "save_pretrained"):
-        try:
-            can_generate = model.can_generate() if hasattr(model, "can_generate") else True
-        except Exception:
-            can_generate = False
-        if can_generate:
-            try:
-                gen.save_pretrained(out)
-            except Exception:  # an invalid generation config must not block saving the weights
-                pass
-
-    save_file(_to_saveable(tensors), str(out / WEIGHTS_NAME), metadata={"format": "pt", "kbit": json.dumps(kcfg)})
-    (out / KBIT_CONFIG_NAME).write_text(json.dumps(kcfg, indent=2) + "\n")
+    with atomic_directory(out) as tmp:
+        _save_configs(model, tmp)
+        save_file(_to_saveable(tensors), str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "kbit": json.dumps(kcfg)})
+        (tmp / KBIT_CONFIG_NAME).write_text(json.dumps(kcfg, indent=2) + "\n")
     return out
 
 
@@ -354,7 +363,12 @@ def _read_kbit_config(weights: Path, directory: Optional[Path]) -> dict:
     from safetensors import safe_open
 
     if directory is not None and (directory / KBIT_CONFIG_NAME).is_file():
-        return json.loads((directory / KBIT_CONFIG_NAME).read_text())
+        try:
+            return json.loads((directory / KBIT_CONFIG_NAME).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            # The weights file carries the same JSON in its header: a damaged side file loses nothing.
+            warnings.warn(f"{directory / KBIT_CONFIG_NAME} is unreadable ({e}); using the copy in {weights.name}'s header",
+                          stacklevel=3)
     with safe_open(str(weights), framework="pt") as f:
         meta = f.metadata() or {}
     if "kbit" not in meta:

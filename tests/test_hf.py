@@ -284,6 +284,21 @@ def test_cli_quantize_errors(case, src_dir, tmp_path, capsys):
     assert not (out.exists() and case != "same_out" and any(out.iterdir()))
 
 
+@pytest.mark.parametrize("device, msg", [("cuda", "CUDA is not available"), ("cuda:7", None), ("meta", "kbit quantizes on cpu"),
+                                         ("not a device", "is not a device")])
+def test_cli_quantize_device_errors(device, msg, src_dir, tmp_path, capsys):
+    if device.startswith("cuda") and torch.cuda.is_available():
+        if torch.cuda.device_count() > 7:
+            pytest.skip("this machine has a cuda:7")
+        msg = "CUDA device(s) are visible"
+    msg = msg or "CUDA is not available"
+    out = tmp_path / "out"
+    assert cli_quantize([str(src_dir), "--out", str(out), "--device", device, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "kbit quantize: error:" in err and msg in err, err
+    assert not out.exists()
+
+
 def test_cli_quantize_usage(capsys):
     assert cli_quantize(["--help"]) == 0
     assert "--bits" in capsys.readouterr().out

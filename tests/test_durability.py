@@ -1,0 +1,264 @@
+"""Nothing lost, nothing hung: atomic checkpoint saves (a process killed mid-save leaves the old checkpoint whole),
+a damaged kbit_config.json, and the CUDA build's lock (a build killed mid-compile never blocks later ones)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("safetensors")
+
+import kbit  # noqa: E402
+from kbit import _atomic, _build  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The child builds the same two-layer model from a seed, so parent and child agree on its shape.
+MODEL_SRC = """
+import torch
+from torch import nn
+import kbit
+
+def build(seed, k):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(96, 160), nn.ReLU(), nn.Linear(160, 64))
+    return kbit.quantize_model(model, k=k, min_features=0, progress=False)
+"""
+
+
+def _model_module(tmp_path: Path) -> Path:
+    (tmp_path / "tiny_model.py").write_text(MODEL_SRC)
+    return tmp_path
+
+
+def _build_model(tmp_path: Path, seed: int, k: int):
+    sys.path.insert(0, str(_model_module(tmp_path)))
+    try:
+        import importlib
+
+        import tiny_model
+
+        importlib.reload(tiny_model)
+        return tiny_model.build(seed, k)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def _skeleton(tmp_path: Path):
+    return _build_model(tmp_path, 0, 2)  # any K: loading replaces every quantized buffer
+
+
+def _outputs(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+# Each kill point SIGKILLs the child at one moment of save_quantized over an existing checkpoint.
+KILL_POINTS = {
+    # half of the new weights file written
+    "weights": """
+import safetensors.torch as st
+real = st.save_file
+def save_file(tensors, path, metadata=None):
+    real(tensors, path, metadata=metadata)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+st.save_file = save_file
+""",
+    # every file written, the directories not yet swapped
+    "swap": """
+import kbit._atomic as a
+def _replace(tmp, target):
+    os.kill(os.getpid(), signal.SIGKILL)
+a._replace = _replace
+""",
+    # swapped, the old directory not yet deleted
+    "cleanup": """
+import kbit._atomic as a, shutil
+real_rmtree = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if a._TMP_MARK in str(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_rmtree(path, *args, **kwargs)
+a.shutil.rmtree = rmtree
+""",
+}
+
+
+def _kill_during_save(tmp_path: Path, out: Path, point: str) -> None:
+    script = "import os, signal, sys\n" + textwrap.dedent(KILL_POINTS[point]) + textwrap.dedent(f"""
+        sys.path.insert(0, {str(tmp_path)!r})
+        import tiny_model, kbit
+        kbit.save_quantized(tiny_model.build(2, 5), {str(out)!r})
+        print("save finished: the kill point was never reached")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("point", sorted(KILL_POINTS))
+def test_kill_during_save_leaves_a_whole_checkpoint(point, tmp_path):
+    _model_module(tmp_path)
+    out = tmp_path / "ckpt"
+    old, new = _build_model(tmp_path, 1, 3), _build_model(tmp_path, 2, 5)
+    kbit.save_quantized(old, out)
+    (out / "tokenizer.json").write_text('{"kept": true}')
+    x = torch.randn(3, 96)
+
+    _kill_during_save(tmp_path, out, point)
+
+    loaded = kbit.load_quantized(out, model=_skeleton(tmp_path))
+    # before the swap the old checkpoint is there; after it, the new one: never a mix of the two
+    expect = new if point == "cleanup" else old
+    assert torch.equal(_outputs(loaded, x), _outputs(expect, x))
+    assert json.loads((out / "kbit_config.json").read_text())["bits"] == (5 if point == "cleanup" else 3)
+    assert (out / "tokenizer.json").read_text() == '{"kept": true}'
+    leftovers = [p for p in tmp_path.iterdir() if _atomic._TMP_MARK in p.name]
+    assert leftovers, "the killed save's temporary directory should be what is left"
+
+    kbit.save_quantized(new, out)  # the next save removes the dead process's temporary directory
+    assert not [p for p in tmp_path.iterdir() if _atomic._TMP_MARK in p.name]
+    assert torch.equal(_outputs(kbit.load_quantized(out, model=_skeleton(tmp_path)), x), _outputs(new, x))
+
+
+def test_save_replaces_checkpoint_files_and_keeps_others(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old shard")
+    (out / "model.safetensors.index.json").write_text("{}")
+    (out / "README.md").write_text("notes")
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / "vocab.txt").write_text("a b c")
+    model = _build_model(tmp_path, 3, 4)
+    kbit.save_quantized(model, out)
+    names = {p.name for p in out.iterdir()}
+    assert names == {"model.safetensors", "kbit_config.json", "README.md", "tokenizer"}
+    assert (out / "tokenizer" / "vocab.txt").read_text() == "a b c"
+    x = torch.randn(2, 96)
+    assert torch.equal(_outputs(kbit.load_quantized(out, model=_skeleton(tmp_path)), x), _outputs(model, x))
+
+
+def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
+    out = tmp_path / "ckpt"
+    old = _build_model(tmp_path, 1, 3)
+    kbit.save_quantized(old, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", fail)
+    with pytest.raises(OSError, match="No space"):
+        kbit.save_quantized(_build_model(tmp_path, 2, 5), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_save_without_rename_exchange(tmp_path, monkeypatch):
+    """Where renameat2 is missing the fallback renames aside; the result is the same."""
+    monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
+    out = tmp_path / "ckpt"
+    kbit.save_quantized(_build_model(tmp_path, 1, 3), out)
+    new = _build_model(tmp_path, 2, 5)
+    kbit.save_quantized(new, out)
+    x = torch.randn(2, 96)
+    assert torch.equal(_outputs(kbit.load_quantized(out, model=_skeleton(tmp_path)), x), _outputs(new, x))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "binary", "empty"])
+def test_damaged_kbit_config_falls_back_to_the_weights_header(damage, tmp_path):
+    out = tmp_path / "ckpt"
+    model = _build_model(tmp_path, 4, 4)
+    kbit.save_quantized(model, out)
+    cfg = out / "kbit_config.json"
+    text = cfg.read_text()
+    cfg.write_bytes({"truncated": text[: len(text) // 2].encode(), "binary": b"\xff\xfe\x00", "empty": b""}[damage])
+    with pytest.warns(UserWarning, match="unreadable"):
+        loaded = kbit.load_quantized(out, model=_skeleton(tmp_path))
+    x = torch.randn(2, 96)
+    assert torch.equal(_outputs(loaded, x), _outputs(model, x))
+
+
+# ----------------------------------------------------------------------------- the CUDA build's lock
+pytest.importorskip("fcntl")
+
+HOLD_LOCK = """
+import os, signal, sys, time
+from pathlib import Path
+from kbit import _build
+with _build.build_lock(Path(sys.argv[1]), timeout=5):
+    print("holding", flush=True)
+    if sys.argv[2] == "die":
+        os.kill(os.getpid(), signal.SIGKILL)  # like nvcc's OOM kill of a build: no cleanup runs
+    time.sleep(60)
+"""
+
+
+def _holder(directory: Path, mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(directory), mode], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def test_build_lock_of_a_killed_build_is_not_stale(tmp_path):
+    proc = _holder(tmp_path, "die")
+    proc.wait(timeout=30)
+    (tmp_path / _build.TORCH_LOCK_NAME).write_text("")  # torch's baton, left by the killed build
+    t0 = time.monotonic()
+    with _build.build_lock(tmp_path, timeout=5):
+        assert not (tmp_path / _build.TORCH_LOCK_NAME).exists()
+        assert (tmp_path / _build.LOCK_NAME).read_text() == str(os.getpid())
+    assert time.monotonic() - t0 < 2
+
+
+def test_build_lock_waits_then_names_the_holder(tmp_path, capsys):
+    proc = _holder(tmp_path, "hold")
+    try:
+        with pytest.raises(TimeoutError, match=f"process {proc.pid}.*KBIT_BUILD_LOCK_TIMEOUT"):
+            with _build.build_lock(tmp_path, timeout=0.5, poll_s=0.05):
+                pass
+        assert f"waiting for process {proc.pid}" in capsys.readouterr().err
+    finally:
+        proc.kill()
+        proc.wait()
+    with _build.build_lock(tmp_path, timeout=5):  # free once the holder is gone
+        pass
+
+
+def test_lock_timeout_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KBIT_BUILD_LOCK_TIMEOUT", "12.5")
+    assert _build.lock_timeout() == 12.5
+    monkeypatch.setenv("KBIT_BUILD_LOCK_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="KBIT_BUILD_LOCK_TIMEOUT"):
+        _build.lock_timeout()
+    monkeypatch.delenv("KBIT_BUILD_LOCK_TIMEOUT")
+    assert _build.lock_timeout() == _build.DEFAULT_LOCK_TIMEOUT_S
+
+
+@pytest.mark.parametrize("before", [None, "8.0"])
+def test_arch_list_is_restored_after_the_build(before, monkeypatch):
+    if before is None:
+        monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", before)
+    with _build.arch_list("9.0a"):
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    assert os.environ.get("TORCH_CUDA_ARCH_LIST") == before
+    with pytest.raises(RuntimeError):
+        with _build.arch_list("9.0a"):
+            raise RuntimeError("nvcc failed")
+    assert os.environ.get("TORCH_CUDA_ARCH_LIST") == before
