@@ -16,13 +16,15 @@ from .formats import (
 )
 from .functional import dequantize_kbit, kbit_gemm, quantize_kbit, repack_for_gemm
 from .weight import PrecisionLoss, PrecisionWarning, QuantizedWeight, dequantize, matmul, quantize
-from .nn import KbitLinear, prepare, quantize_model
+from .nn import KbitLinear, prepare, quantize_model, quantized_fraction
+from .moe import KbitExperts
 from .hf import load_quantized, save_quantized  # transformers is imported only when used
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedWeight", "quantize", "dequantize", "matmul", "KbitLinear", "quantize_model", "prepare",
+    "QuantizedWeight", "quantize", "dequantize", "matmul", "KbitLinear", "KbitExperts", "quantize_model",
+    "quantized_fraction", "prepare",
     "save_quantized", "load_quantized", "PrecisionWarning", "PrecisionLoss",
     "create_normal_float_codebook", "encode_absmax_e4m4", "decode_absmax_e4m4",
     "quantize_kbit", "dequantize_kbit", "repack_for_gemm", "kbit_gemm",

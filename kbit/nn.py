@@ -28,6 +28,7 @@ A checkpoint is untrusted input: ``load_state_dict`` checks every tensor's dtype
 from __future__ import annotations
 
 import fnmatch
+import logging
 import warnings
 from typing import Iterable, Optional, Union
 
@@ -36,9 +37,12 @@ from torch import Tensor, nn
 
 from ._validate import check_bits, check_codebook, check_int, check_meta, check_scale, check_storage_tensor
 from .formats import DTYPE_CODES, create_normal_float_codebook, meta_tensor, num_blocks, padded_in_features
+from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_with_report
 
-__all__ = ["KbitLinear", "quantize_model", "prepare"]
+__all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
+
+logger = logging.getLogger("kbit")
 
 # Buffers whose dtype is part of the format: module-wide dtype casts must leave them alone.
 _FORMAT_BUFFERS = ("packed", "absmax", "codebook", "scale", "meta")
@@ -285,6 +289,12 @@ def quantize_model(
     names becomes one shared ``KbitLinear``. Returns the model (or the new module if ``model``
     itself is an eligible Linear).
 
+    Mixture-of-experts layers whose experts are fused 3-D parameters (transformers 5.x: ``experts.gate_up_proj``
+    [E, 2I, H] and ``experts.down_proj``) become ``kbit.KbitExperts`` under the same rules (``skip`` by the experts
+    module's name, ``min_features`` against H and I); a fused experts module kbit cannot compute (biases, no gate,
+    its own gating) stays in full precision with a ``UserWarning`` naming it. The share of the model's weights
+    now quantized (``quantized_fraction``) is logged to the ``"kbit"`` logger.
+
     Every layer is quantized before any is swapped: a layer that cannot be quantized (NaN weights, say)
     raises a ``ValueError`` naming it and leaves the model unchanged. A layer some of whose blocks lose
     more than the format's error bound gets a ``kbit.PrecisionWarning`` naming it and the count; a model
@@ -313,11 +323,23 @@ def quantize_model(
             small += 1
         else:
             targets.append((name, m))
-    if not targets:
+    expert_targets = []
+    for name, m in find_experts(model):
+        why = unsupported_reason(m)
+        if _matches(name, skip):
+            skipped += 1
+        elif why:
+            warnings.warn(f"quantize_model: {name}: {why}; its experts stay in full precision", UserWarning,
+                          stacklevel=2)
+        elif min(experts_shape(m)[1:]) < min_features:
+            small += 1
+        else:
+            expert_targets.append((name, m))
+    if not targets and not expert_targets:
         warnings.warn(
-            f"quantize_model: nothing to quantize in {type(model).__name__}: {skipped + small} nn.Linear layer(s), "
-            f"{skipped} skipped by name (skip={list(skip)}) or inside nn.MultiheadAttention, {small} narrower than "
-            f"min_features={min_features}",
+            f"quantize_model: nothing to quantize in {type(model).__name__}: {skipped + small} nn.Linear or experts "
+            f"layer(s), {skipped} skipped by name (skip={list(skip)}) or inside nn.MultiheadAttention, {small} "
+            f"narrower than min_features={min_features}",
             UserWarning, stacklevel=2,
         )
         return model
@@ -335,14 +357,41 @@ def quantize_model(
             if loss.beyond_bound or loss.saturated:
                 warnings.warn(loss.describe(label), PrecisionWarning, stacklevel=2)
             replaced[id(lin)] = (qw, lin.bias)
-    modules = {key: KbitLinear.from_quantized(qw, bias) for key, (qw, bias) in replaced.items()}
-    for name, lin in targets:
+        for name, m in expert_targets:
+            if id(m) in replaced:
+                continue
+            try:
+                experts, losses = KbitExperts.from_experts(m, k=k, codebook=codebook, name=name)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"quantize_model: cannot quantize {name}: {e}; the model is unchanged") from e
+            for label, loss in precision_losses(losses):
+                warnings.warn(loss.describe(label), PrecisionWarning, stacklevel=2)
+            replaced[id(m)] = experts
+    modules = {key: KbitLinear.from_quantized(*new) if isinstance(new, tuple) else new
+               for key, new in replaced.items()}
+    for name, m in targets + expert_targets:
         if name == "":
-            return modules[id(lin)]
+            return modules[id(m)]
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, modules[id(lin)])
+        setattr(parent, child, modules[id(m)])
+    logger.info("quantize_model: %.1f%% of %s's weights quantized to k=%d", 100 * quantized_fraction(model),
+                type(model).__name__, k)
     return model
+
+
+def quantized_fraction(model: nn.Module) -> float:
+    """Share of ``model``'s weights (elements of quantized weights and of remaining parameters) in kbit storage."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    quantized = 0
+    for m in model.modules():
+        if isinstance(m, KbitLinear):
+            quantized += m.in_features * m.out_features
+        elif isinstance(m, KbitExperts):
+            quantized += 3 * m.num_experts * m.hidden_dim * m.intermediate_dim
+    total = quantized + sum(p.numel() for p in model.parameters())
+    return quantized / total if total else 0.0
 
 
 def prepare(model: Union[nn.Module, QuantizedWeight]):

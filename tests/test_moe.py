@@ -1,0 +1,432 @@
+"""Mixture-of-experts on CPU: KbitExperts against a per-expert reference, quantize_model on tiny MoE models of
+every transformers family that keeps fused experts, save/load, untrusted checkpoints, unsupported variants."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kbit
+from kbit.moe import KbitExperts
+
+from test_formats import DTYPES, KS, _name
+
+transformers = pytest.importorskip("transformers")
+
+TOP_KS = (1, 2, 4, 6, 8)
+ROUTINGS = ("random", "one_expert", "some_empty", "unrouted")
+
+
+# ----------------------------------------------------------------------------- references and inputs
+def experts_reference(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, idx: torch.Tensor,
+                      w: torch.Tensor) -> torch.Tensor:
+    """float32 [T, H]: the sum over choices (t, j) of a valid expert e of w[t, j] * down[e] @ (silu(g) * u), where
+    g, u = gate_up[e] @ x[t]."""
+    E = gate_up.shape[0]
+    out = torch.zeros(x.shape[0], down.shape[1])
+    for t in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            if 0 <= e < E:
+                g, u = (gate_up[e] @ x[t].float()).chunk(2)
+                out[t] += float(w[t, j]) * (down[e] @ (F.silu(g) * u))
+    return out
+
+
+def routing(kind: str, T: int, top_k: int, E: int) -> torch.Tensor:
+    """[T, top_k] expert ids: distinct per token; ``one_expert``: every token's first choice is one expert;
+    ``some_empty``: only half of the experts get tokens; ``unrouted``: some choices are E or -1 (no expert)."""
+    pool = E // 2 if kind == "some_empty" and top_k <= E // 2 else E
+    if not T:
+        return torch.zeros(0, top_k, dtype=torch.long)
+    idx = torch.stack([torch.randperm(pool)[:top_k] for _ in range(T)])
+    if kind == "one_expert":
+        e0 = int(torch.randint(0, E, ()))
+        for t in range(T):
+            row = [e0] + [e for e in idx[t].tolist() if e != e0]
+            idx[t] = torch.tensor(row[:top_k])
+    if kind == "unrouted":
+        idx[torch.rand(T, top_k) < 0.3] = E
+        idx[0, -1] = -1
+    return idx
+
+
+def random_experts(E: int, H: int, I: int, dtype=torch.float32):
+    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(dtype)
+    down = (torch.randn(E, H, I) * 0.05).to(dtype)
+    return gate_up, down
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, dtype, what: str) -> None:
+    """The module rounds the gate/up product, the activation and the down product to ``dtype``: a few of its
+    rounding steps, relative to the output's scale."""
+    eps = torch.finfo(dtype).eps
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    err = float((out.float() - ref).abs().max()) if ref.numel() else 0.0
+    assert err <= 16 * eps * scale + 1e-30, f"{what}: max error {err:.3g} vs output scale {scale:.3g} (eps {eps:.3g})"
+
+
+# ----------------------------------------------------------------------------- KbitExperts
+@pytest.mark.parametrize("routing_kind", ROUTINGS)
+@pytest.mark.parametrize("top_k", TOP_KS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("k", KS)
+def test_experts_match_per_expert_reference(k, dtype, top_k, routing_kind):
+    E, H, I, T = 10, 72, 40, 13  # H and I not multiples of 32: padded storage
+    gate_up, down = random_experts(E, H, I, dtype)
+    mod, _ = KbitExperts.from_weights(gate_up, down, k=k)
+    x = torch.randn(T, H).to(dtype)
+    idx = routing(routing_kind, T, top_k, E)
+    w = torch.rand(T, top_k)
+    with torch.no_grad():
+        out = mod(x, idx, w)
+    assert out.shape == (T, H) and out.dtype == dtype
+    ref = experts_reference(mod.dequantize("gate_up", torch.float32), mod.dequantize("down", torch.float32), x, idx, w)
+    check_close(out, ref, dtype, f"k={k} {_name(dtype)} top_k={top_k} routing={routing_kind}")
+
+
+@pytest.mark.parametrize("k", KS)
+def test_expert_storage_is_per_expert_quantize(k):
+    """Row e of every buffer is exactly kbit.quantize of expert e's weight alone."""
+    gate_up, down = random_experts(4, 64, 48, torch.bfloat16)
+    gate_up[2] *= 1000.0  # a different per-tensor scale for one expert
+    mod, _ = KbitExperts.from_weights(gate_up, down, k=k)
+    for proj, weights in (("gate_up", gate_up), ("down", down)):
+        for e in range(4):
+            want = kbit.quantize(weights[e], k=k)
+            got = mod.expert_weight(proj, e)
+            for name in ("packed", "absmax", "scale", "codebook"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), f"{proj}[{e}].{name}"
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert torch.equal(mod.dequantize("gate_up"), torch.stack([kbit.dequantize(kbit.quantize(w, k)) for w in gate_up]))
+
+
+def test_experts_empty_input_and_duplicate_choices():
+    gate_up, down = random_experts(6, 64, 32)
+    mod, _ = KbitExperts.from_weights(gate_up, down, k=4)
+    with torch.no_grad():
+        out = mod(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+        assert out.shape == (0, 64)
+        x, idx, w = torch.randn(3, 64), torch.tensor([[1, 1], [5, 1], [0, 0]]), torch.rand(3, 2)
+        ref = experts_reference(mod.dequantize("gate_up"), mod.dequantize("down"), x, idx, w)
+        check_close(mod(x, idx, w), ref, torch.float32, "an expert chosen twice by one token")
+
+
+def test_experts_forward_argument_errors():
+    mod, _ = KbitExperts.from_weights(*random_experts(4, 64, 32), k=3)
+    x, idx, w = torch.randn(5, 64), torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2)
+    with pytest.raises(ValueError, match="hidden_states"):
+        mod(torch.randn(5, 63), idx, w)
+    with pytest.raises(ValueError, match="top_k_index and top_k_weights"):
+        mod(x, idx, torch.rand(5, 3))
+    with pytest.raises(TypeError, match="top_k_index must be an integer"):
+        mod(x, idx.float(), w)
+    with pytest.raises(TypeError, match="top_k_weights must be a floating"):
+        mod(x, idx, idx)
+    with pytest.raises(ValueError, match="expert must be <"):
+        mod.expert_weight("down", 4)
+    with pytest.raises(ValueError, match="proj must be one of"):
+        mod.expert_weight("up", 0)
+
+
+def test_experts_dtype_casts_keep_the_format():
+    mod, _ = KbitExperts.from_weights(*random_experts(3, 64, 32), k=4)
+    before = {n: b.clone() for n, b in mod.state_dict().items()}
+    mod.half()
+    mod.to(torch.bfloat16)
+    for name, t in mod.state_dict().items():
+        assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
+
+
+# ----------------------------------------------------------------------------- save / load
+def _state_round_trip(mod: KbitExperts, via: str) -> dict:
+    state = mod.state_dict()
+    assert all(isinstance(t, torch.Tensor) for t in state.values())
+    if via == "torch":
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)
+    st = pytest.importorskip("safetensors.torch")
+    return st.load(st.save({k: v.contiguous() for k, v in state.items()}))
+
+
+@pytest.mark.parametrize("via", ["torch", "safetensors"])
+@pytest.mark.parametrize("k", KS)
+def test_experts_save_load_round_trip(k, via):
+    E, H, I = 5, 96, 64
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, torch.float16), k=k)
+    loaded = _state_round_trip(mod, via)
+    assert set(loaded) == {f"{p}_{s}" for p in ("gate_up", "down") for s in ("packed", "absmax", "scale")} | {
+        "codebook", "meta"}
+    for fresh in (KbitExperts(E, H, I, k=k), KbitExperts(E, H, I, k=k, device="meta")):
+        fresh.load_state_dict(loaded, assign=fresh.gate_up_packed.is_meta)
+        assert fresh.weight_dtype == torch.float16
+        x, idx, w = torch.randn(7, H).half(), routing("random", 7, 2, E), torch.rand(7, 2)
+        with torch.no_grad():
+            assert torch.equal(fresh(x, idx, w), mod(x, idx, w))
+
+
+def _corrupt(state: dict, case: str) -> tuple:
+    state = dict(state)
+    if case == "meta_k":
+        state["meta"] = state["meta"].clone()
+        state["meta"][0] += 1
+        return state, "describes k="
+    if case == "meta_shape":
+        state["meta"] = state["meta"][:4].clone()
+        return state, "shape \\(5,\\)"
+    if case == "scale_not_power_of_two":
+        state["down_scale"] = state["down_scale"] * 3
+        return state, "powers of two"
+    if case == "scale_negative":
+        state["gate_up_scale"] = -state["gate_up_scale"]
+        return state, "powers of two"
+    if case == "codebook_unsorted":
+        state["codebook"] = state["codebook"].flip(0)
+        return state, "ascending"
+    if case == "packed_dtype":
+        state["gate_up_packed"] = state["gate_up_packed"].to(torch.int64)
+        return state, "gate_up_packed must be torch.int32"
+    if case == "absmax_shape":
+        state["down_absmax"] = state["down_absmax"][:, :-1].contiguous()
+        return state, "down_absmax must be"
+    if case == "not_contiguous":
+        state["gate_up_absmax"] = state["gate_up_absmax"].t().contiguous().t()
+        return state, "contiguous"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["meta_k", "meta_shape", "scale_not_power_of_two", "scale_negative",
+                                  "codebook_unsorted", "packed_dtype", "absmax_shape", "not_contiguous"])
+def test_experts_refuse_bad_checkpoints(case):
+    E, H, I = 4, 64, 32
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I), k=4)
+    state, message = _corrupt(mod.state_dict(), case)
+    fresh = KbitExperts(E, H, I, k=4)
+    before = {n: b.clone() for n, b in fresh.state_dict().items()}
+    with pytest.raises(RuntimeError, match=message):
+        fresh.load_state_dict(state)
+    for name, t in fresh.state_dict().items():  # nothing was assigned
+        assert torch.equal(t, before[name]), name
+
+
+def test_experts_load_16_bit_codebook_and_scales():
+    mod, _ = KbitExperts.from_weights(*random_experts(3, 64, 32), k=4)
+    state = {n: t.half() if n in ("codebook", "gate_up_scale", "down_scale") else t
+             for n, t in mod.state_dict().items()}
+    fresh = KbitExperts(3, 64, 32, k=4)
+    fresh.load_state_dict(state)
+    assert fresh.codebook.dtype == torch.float32 and torch.equal(fresh.down_scale, mod.down_scale)
+
+
+# ----------------------------------------------------------------------------- tiny transformers models
+COMMON = dict(vocab_size=320, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+              max_position_embeddings=256)
+MOE = dict(intermediate_size=256, moe_intermediate_size=128, num_experts_per_tok=2)
+MLA = dict(kv_lora_rank=64, q_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(MOE, num_experts=8, shared_expert_intermediate_size=256)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(MOE, num_experts=8)),
+    "deepseek_v2": ("DeepseekV2Config", dict(MOE, **dict(MLA, q_lora_rank=None), n_routed_experts=8, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "deepseek_v3": ("DeepseekV3Config", dict(MOE, **MLA, n_routed_experts=8, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "glm4_moe": ("Glm4MoeConfig", dict(MOE, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                                       n_group=1, topk_group=1)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(MOE, **MLA, n_routed_experts=8, n_shared_experts=1,
+                                                first_k_dense_replace=1, n_group=1, topk_group=1)),
+}
+
+
+def tiny_moe(family: str, dtype=torch.float32) -> nn.Module:
+    config_name, extra = FAMILIES[family]
+    config_cls = getattr(transformers, config_name, None)
+    if config_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**COMMON, **extra), dtype=dtype).eval()
+    with torch.no_grad():  # non-trivial norms and router biases, so that a mix-up of tensors would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def moe_pair(request):
+    """(original fp32 model, K=4 quantized copy) per family."""
+    torch.manual_seed(4321)
+    model = tiny_moe(request.param)
+    return model, kbit.quantize_model(copy.deepcopy(model), k=4, progress=False)
+
+
+def test_quantize_model_quantizes_every_expert(moe_pair):
+    model, q = moe_pair
+    fused = [n for n, _ in kbit.moe.find_experts(model)]
+    assert fused, "the tiny model has fused experts"
+    for name in fused:
+        m = q.get_submodule(name)
+        assert isinstance(m, KbitExperts), f"{name} is {type(m).__name__}"
+        assert (m.num_experts, m.hidden_dim, m.intermediate_dim) == kbit.moe.experts_shape(model.get_submodule(name))
+    assert not [n for n, p in q.named_parameters() if p.dim() >= 3], "a 3-D parameter stayed in full precision"
+    linear_left = [n for n, m in q.named_modules() if type(m) is nn.Linear and n != "lm_head" and
+                   min(m.in_features, m.out_features) >= 128]
+    assert not linear_left
+    # Embeddings and lm_head (320 x 128 each) are what stays; every expert and projection is quantized.
+    assert kbit.quantized_fraction(q) > 0.75 and kbit.quantized_fraction(model) == 0.0
+
+
+def test_quantized_moe_matches_dequantized_reference(moe_pair):
+    """The quantized model computes what the original computes with every weight replaced by its reconstruction."""
+    model, q = moe_pair
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, m in q.named_modules():
+            if isinstance(m, kbit.KbitLinear):
+                ref.get_submodule(name).weight.copy_(m.dequantize(torch.float32))
+            elif isinstance(m, KbitExperts):
+                target = ref.get_submodule(name)
+                target.gate_up_proj.copy_(m.dequantize("gate_up", torch.float32))
+                target.down_proj.copy_(m.dequantize("down", torch.float32))
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 9))
+    a, b, full = logits(q, ids), logits(ref, ids), logits(model, ids)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(a, full)
+    assert float((a - full).norm() / full.norm()) < 0.4
+
+
+def test_quantized_moe_generates(moe_pair):
+    _, q = moe_pair
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 5))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                  pad_token_id=0)
+    out = q.generate(ids, **kwargs)
+    assert out.shape == (2, 10) and torch.equal(out[:, :5], ids)
+    assert torch.equal(out, q.generate(ids, **kwargs))
+
+
+def test_quantized_moe_state_dict_round_trip(moe_pair):
+    """state_dict (tensors only) into a model quantized from other weights: the same logits."""
+    model, q = moe_pair
+    buf = io.BytesIO()
+    torch.save(q.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    other = kbit.quantize_model(copy.deepcopy(model).apply(_perturb), k=4, progress=False)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 6))
+    assert not torch.equal(logits(other, ids), logits(q, ids))
+    other.load_state_dict(state)
+    assert torch.equal(logits(other, ids), logits(q, ids))
+
+
+def _perturb(m: nn.Module) -> None:
+    with torch.no_grad():
+        for p in m.parameters(recurse=False):
+            p.add_(torch.randn_like(p) * 0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_name)
+@pytest.mark.parametrize("k", KS)
+def test_quantize_model_16_bit_moe(k, dtype):
+    model = tiny_moe("qwen3_moe", dtype)
+    q = kbit.quantize_model(copy.deepcopy(model), k=k, progress=False)
+    experts = [m for m in q.modules() if isinstance(m, KbitExperts)]
+    assert len(experts) == 2 and all(m.k == k and m.weight_dtype == dtype for m in experts)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 4))
+    out = logits(q, ids)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all())
+
+
+def test_quantize_model_skip_and_min_features_apply_to_experts():
+    model = tiny_moe("mixtral")
+    q = kbit.quantize_model(copy.deepcopy(model), k=4, skip=("lm_head", "*.experts"), progress=False)
+    assert not any(isinstance(m, KbitExperts) for m in q.modules())
+    assert any(isinstance(m, kbit.KbitLinear) for m in q.modules())
+    with pytest.warns(UserWarning, match="nothing to quantize.*10 narrower than min_features=129"):
+        q = kbit.quantize_model(copy.deepcopy(model), k=4, min_features=129, progress=False)
+    assert not any(isinstance(m, KbitExperts) for m in q.modules())  # H = 128 < 129
+
+
+def test_quantize_model_is_all_or_nothing_with_experts():
+    model = tiny_moe("qwen3_moe")
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[3, 0, 0] = float("nan")
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts.*down_proj\[3\].*NaN"):
+        kbit.quantize_model(model, k=4, progress=False)
+    assert not any(isinstance(m, (KbitExperts, kbit.KbitLinear)) for m in model.modules())
+    for (n, a), (_, b) in zip(model.named_parameters(), before.named_parameters()):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), n
+
+
+# ----------------------------------------------------------------------------- other expert layouts
+class FusedExperts(nn.Module):
+    """A transformers-5-style fused experts module; ``transposed`` stores [E, H, 2I] / [E, I, H] (Aria)."""
+
+    def __init__(self, E, H, I, transposed=False, **flags):
+        super().__init__()
+        gate_up, down = random_experts(E, H, I)
+        self.is_transposed = transposed
+        self.gate_up_proj = nn.Parameter(gate_up.transpose(1, 2).contiguous() if transposed else gate_up)
+        self.down_proj = nn.Parameter(down.transpose(1, 2).contiguous() if transposed else down)
+        self.act_fn = nn.SiLU()
+        self.__dict__.update(flags)
+
+
+def test_transposed_fused_experts():
+    mod = nn.ModuleDict({"experts": FusedExperts(6, 128, 128, transposed=True)})
+    original = mod.experts
+    kbit.quantize_model(mod, k=5, progress=False)
+    assert isinstance(mod.experts, KbitExperts)
+    x, idx, w = torch.randn(9, 128), routing("random", 9, 2, 6), torch.rand(9, 2)
+    with torch.no_grad():
+        out = mod.experts(x, idx, w)
+    check_close(out, experts_reference(mod.experts.dequantize("gate_up"), mod.experts.dequantize("down"), x, idx, w),
+                torch.float32, "transposed experts")
+    full = experts_reference(original.gate_up_proj.detach().transpose(1, 2),
+                             original.down_proj.detach().transpose(1, 2), x, idx, w)
+    assert float((out - full).norm() / full.norm()) < 0.2  # K = 5: ~5% weight error per projection
+
+
+@pytest.mark.parametrize("flag", [{"has_bias": True}, {"has_gate": False}, {"is_concatenated": False},
+                                  {"has_post_expert_norm": True}])
+def test_unsupported_fused_experts_are_reported(flag):
+    mod = nn.ModuleDict({"experts": FusedExperts(4, 128, 128, **flag),
+                         "proj": nn.Linear(128, 128)})
+    with pytest.warns(UserWarning, match=f"experts: FusedExperts has {next(iter(flag))}"):
+        kbit.quantize_model(mod, k=4, progress=False)
+    assert type(mod.experts) is FusedExperts and isinstance(mod.proj, kbit.KbitLinear)
+    assert kbit.quantized_fraction(mod) < 0.1
+
+
+class OldExpert(nn.Module):
+    """transformers 4.x per-expert MLP (MixtralBlockSparseTop2MLP): w1 gate, w3 up, w2 down."""
+
+    def __init__(self, H, I):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+        self.w2 = nn.Linear(I, H, bias=False)
+
+
+def test_per_expert_linear_layout_is_quantized():
+    """Older transformers keep one nn.Linear per expert projection: each becomes a KbitLinear; the router stays."""
+    block = nn.ModuleDict({"gate": nn.Linear(128, 8, bias=False),
+                           "experts": nn.ModuleList(OldExpert(128, 256) for _ in range(8))})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kbit.quantize_model(block, k=4, progress=False)
+    assert all(isinstance(getattr(e, n), kbit.KbitLinear) for e in block.experts for n in ("w1", "w2", "w3"))
+    assert type(block.gate) is nn.Linear
+    assert kbit.quantized_fraction(block) > 0.99
