@@ -16,9 +16,10 @@ Decoding is greedy with a ``transformers.StaticCache`` (fixed shapes, fixed addr
 decode step -- the model forward for one token per sequence, argmax, and advancing the position --
 runs in one of three modes (``--mode``):
 
-* ``graph`` (default on CUDA): the step is captured once in a ``torch.cuda.CUDAGraph`` and
-  replayed, so the timing has no Python or launch overhead;
-* ``compile``: ``torch.compile(step, mode="reduce-overhead")`` (CUDA graphs through inductor);
+* ``compile`` (default on CUDA, the fastest fp16 path): ``torch.compile(step, mode="reduce-overhead")``
+  (inductor fuses norms, rotary and the rest; CUDA graphs remove launch gaps), kbit layers prepared
+  by ``kbit.prepare`` first;
+* ``graph``: the eager step captured once in a ``torch.cuda.CUDAGraph`` and replayed;
 * ``eager`` (default on CPU): plain calls.
 
 Throughput is ``batch * new_tokens / time`` of the decode steps after the prefill (median of
@@ -66,8 +67,9 @@ def llama_config(layers, hidden, intermediate, heads, kv_heads, vocab, max_posit
     )
 
 
-def build_model(config, device, dtype, seed: int = 0, bits=None):
-    """Random-weight LlamaForCausalLM on ``device``; Linear projections kbit-quantized if ``bits``."""
+def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=None):
+    """Random-weight LlamaForCausalLM on ``device``; Linear projections kbit-quantized if ``bits``,
+    the lm_head too (to ``lm_head_bits``) if that is given."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -76,13 +78,21 @@ def build_model(config, device, dtype, seed: int = 0, bits=None):
     model.eval().requires_grad_(False)
     if bits is not None:
         kbit.quantize_model(model, k=bits, progress=False)
+        if lm_head_bits:
+            kbit.quantize_model(model, k=lm_head_bits, skip=(), progress=False)  # only lm_head is left
     return model
 
 
 def model_bytes(model) -> dict:
+    """Resident bytes of parameters and buffers, and the bytes one decode step reads: everything but the
+    embedding table and, for a kbit layer whose GEMM layout is on the GPU, its storage-format copy."""
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     emb = model.get_input_embeddings().weight
-    return {"total": total, "per_step": total - emb.numel() * emb.element_size()}
+    unread = emb.numel() * emb.element_size()
+    for m in model.modules():
+        if isinstance(m, kbit.KbitLinear) and getattr(m, "gemm_codes", None) is not None:
+            unread += m.packed.nbytes + m.absmax.nbytes
+    return {"total": total, "per_step": total - unread}
 
 
 # ---------------------------------------------------------------------- decoding
@@ -162,9 +172,7 @@ class GreedyDecoder:
             with torch.cuda.graph(self.graph):
                 self._step()
         elif self.mode == "compile":
-            for _ in range(1):  # derive kbit's GEMM layouts eagerly, then pin every weight tensor
-                self._step()
-            _mark_static_weights(self.model)
+            kbit.prepare(self.model)  # GEMM layouts exist (and are static) before anything is captured
             self.compiled = torch.compile(self._next_token, mode="reduce-overhead")
             for _ in range(warmup):
                 self.step()
@@ -215,17 +223,51 @@ class GreedyDecoder:
         return statistics.median(times)
 
 
-def _mark_static_weights(model):
-    """Tell dynamo/cudagraphs that kbit's derived tensors (the cached GEMM layout) never move, so
-    reduce-overhead does not copy them into its graph inputs on every call."""
-    for m in model.modules():
-        if isinstance(m, kbit.KbitLinear):
-            qw = m.qweight
-            tensors = [qw.packed, qw.absmax, qw.codebook, qw.scale]
-            if getattr(qw, "_gemm", None) is not None:
-                tensors += [qw._gemm[1], qw._gemm[2]]
-            for t in tensors:
-                torch._dynamo.mark_static_address(t)
+@torch.no_grad()
+def time_prefill(model, prompt, repeats: int) -> float:
+    """Median seconds from a [1, P] prompt to its first token (eager forward into a static cache)."""
+    dec = GreedyDecoder(model, 1, -(-(prompt.shape[1] + 8) // 64) * 64, mode="eager")
+    dec.prefill(prompt)  # warm-up: cuBLAS heuristics, kbit's dequantize workspace
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dec.prefill(prompt)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# Kernel-name substrings per group of the step profile, first match wins.
+KERNEL_GROUPS = (("kbit GEMM", ("kbit",)), ("cuBLAS GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+                 ("attention", ("flash", "attention", "fmha", "sdpa")))
+
+
+@torch.no_grad()
+def profile_steps(dec: "GreedyDecoder", prompt, steps: int = 16) -> dict:
+    """GPU kernel time per decode step by group (torch profiler), in microseconds."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dec.prefill(prompt)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            dec.step()
+        torch.cuda.synchronize()
+    groups = {name: 0.0 for name, _ in KERNEL_GROUPS}
+    groups["other kernels"] = 0.0
+    launches = 0
+    for ev in prof.key_averages():
+        if ev.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(ev, "self_device_time_total", None)
+        us = ev.self_cuda_time_total if us is None else us
+        name = ev.key.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other kernels")
+        groups[group] += us / steps
+        launches += ev.count
+    return {"kernel_us_per_step": groups, "kernels_per_step": launches / steps}
 
 
 def hf_generate(model, prompt, new_tokens: int):
@@ -247,7 +289,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
         args.dtype if args.dtype != "auto" else ("float16" if device.type == "cuda" else "float32")]
-    mode = args.mode if args.mode != "auto" else ("graph" if device.type == "cuda" else "eager")
+    mode = args.mode if args.mode != "auto" else ("compile" if device.type == "cuda" else "eager")
     shape = dict(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
                  kv_heads=args.kv_heads, vocab=args.vocab)
     config = llama_config(**shape)
@@ -264,7 +306,9 @@ def run(args) -> dict:
         if bits is None and dtype != torch.float16:
             label = str(dtype).replace("torch.", "")
         t0 = time.perf_counter()
-        model = build_model(config, device, dtype, seed=args.seed, bits=bits)
+        if bits is not None and args.quantize_lm_head:
+            label += f" + lm_head K={args.quantize_lm_head}"
+        model = build_model(config, device, dtype, seed=args.seed, bits=bits, lm_head_bits=args.quantize_lm_head)
         nbytes = model_bytes(model)
         row = {"format": label, "bits": bits, "model_bytes": nbytes["total"], "bytes_per_step": nbytes["per_step"],
                "build_s": time.perf_counter() - t0, "batches": {}}
@@ -295,11 +339,17 @@ def run(args) -> dict:
                 res["tokens_per_s"] = b * args.new_tokens / secs
                 res["steps_per_s"] = args.new_tokens / secs
                 res["effective_GBps"] = nbytes["per_step"] * args.new_tokens / secs / 1e9
+            if args.profile and device.type == "cuda":
+                res["profile"] = profile_steps(dec, prompts[b])
             row["batches"][str(b)] = res
             print(f"{label:>10}  batch {b:>3}: " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), file=sys.stderr,
                 flush=True)
             del dec
+        if args.prefill_len and device.type == "cuda" and not args.no_timing:
+            prompt = torch.randint(0, args.vocab, (1, args.prefill_len), generator=gen).to(device)
+            row["prefill_s"] = time_prefill(model, prompt, args.repeats)
+            print(f"{label:>10}  prefill {args.prefill_len}: {1e3 * row['prefill_s']:.1f} ms", file=sys.stderr, flush=True)
         rows.append(row)
         del model
         gc.collect()
@@ -315,6 +365,7 @@ def run(args) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
     return {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode, "prompt_len": args.prompt_len,
+            "prefill_len": args.prefill_len,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "max_cache_len": max_len, "env": env,
             "rows": rows, "check_passed": ok if args.check else None}
 
@@ -344,9 +395,12 @@ def markdown(result: dict) -> str:
             f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env['transformers']}, "
             f"{env['date']}.")
     base_name = base["format"] if base else "fp16"
-    cols = ["weights", "model GB"]
+    cols = ["weights", "resident GB"]
     for b in batches:
         cols += [f"B={b} tok/s", f"B={b} vs {base_name}", f"B={b} eff. GB/s"]
+    prefill = any("prefill_s" in r for r in result["rows"])
+    if prefill:
+        cols += [f"TTFT {result['prefill_len']} ms", f"TTFT vs {base_name}"]
     checked = any("graph_equals_eager" in res for r in result["rows"] for res in r["batches"].values())
     if checked:
         cols.append(f"{result['mode']} tokens == eager")
@@ -361,14 +415,41 @@ def markdown(result: dict) -> str:
             cells += [f"{tps:.1f}" if tps else "-", f"{tps / ref:.2f}x" if tps and ref else "-",
                       f"{res['effective_GBps']:.0f}" if res.get("effective_GBps", 0) >= 10
                       else f"{res['effective_GBps']:.3f}" if "effective_GBps" in res else "-"]
+        if prefill:
+            ttft, ref = r.get("prefill_s"), base.get("prefill_s") if base else None
+            cells += [f"{1e3 * ttft:.1f}" if ttft else "-", f"{ttft / ref:.2f}x" if ttft and ref else "-"]
         if checked:
             flags = [res.get("graph_equals_eager") for res in r["batches"].values()]
             cells.append("yes" if all(flags) else "NO")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("eff. GB/s: bytes of all weights except the embedding table, read once per decode step, times steps/s "
-                 "(KV-cache traffic not counted).")
+    lines.append("resident GB: parameters and buffers on the device (a kbit layer on the GPU holds its storage format "
+                 "and its GEMM layout). eff. GB/s: the weight bytes one decode step reads (all but the embedding table and "
+                 "the storage copies), times steps/s (KV-cache traffic not counted).")
+    if prefill:
+        lines.append(f"TTFT: batch 1, a {result['prefill_len']}-token prompt, eager forward into the static cache.")
+    lines += _profile_table(result)
     return "\n".join(lines) + "\n"
+
+
+def _profile_table(result: dict) -> list:
+    rows = [(r["format"], b, res) for r in result["rows"] for b, res in r["batches"].items() if "profile" in res]
+    if not rows:
+        return []
+    groups = [g for g, _ in KERNEL_GROUPS] + ["other kernels"]
+    lines = ["", "Where one decode step's time goes (torch profiler, GPU kernel time per step, µs; idle = step time "
+             "minus kernel time: launch gaps and host work):", "",
+             "| weights | batch | step µs | " + " | ".join(groups) + " | idle | kernels/step |",
+             "|---|---:|---:|" + "---:|" * (len(groups) + 2)]
+    for fmt, b, res in rows:
+        prof = res["profile"]
+        step = 1e6 / res["steps_per_s"] if res.get("steps_per_s") else None
+        busy = sum(prof["kernel_us_per_step"].values())
+        cells = [fmt, b, f"{step:.0f}" if step else "-"]
+        cells += [f"{prof['kernel_us_per_step'][g]:.0f}" for g in groups]
+        cells += [f"{step - busy:.0f}" if step else "-", f"{prof['kernels_per_step']:.0f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 def parse_args(argv=None):
@@ -384,12 +465,18 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"))
     p.add_argument("--mode", default="auto", choices=("auto", "graph", "compile", "eager"),
-                   help="how a decode step runs (auto: graph on CUDA, eager on CPU)")
+                   help="how a decode step runs (auto: compile on CUDA, the best fp16 path; eager on CPU)")
     p.add_argument("--check", action="store_true", help="compare graph/compiled decoding with eager greedy decoding")
     p.add_argument("--check-tokens", type=int, default=32)
     p.add_argument("--strict-generate", action="store_true",
                    help="with --check on CPU, also fail when model.generate differs from the static-cache loop")
     p.add_argument("--no-timing", action="store_true", help="check only")
+    p.add_argument("--prefill-len", type=int, default=2048,
+                   help="time to first token of a batch-1 prompt this long (CUDA; 0: skip)")
+    p.add_argument("--quantize-lm-head", type=int, default=0, metavar="BITS",
+                   help="also quantize lm_head (to 4 or 5 bits, say) in the kbit rows (default: fp16)")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU kernel time per decode step by group (kbit GEMM, cuBLAS, attention, other)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default=None, help="results file suffix (default: the device, e.g. h100)")
