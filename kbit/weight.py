@@ -49,6 +49,11 @@ DEQUANT_CUBLAS_MIN_M = {2: 160, 3: 160, 4: 192, 5: 128}
 # >= 128M at K <= 4 (370 vs 403 us at M = 256) and nowhere else.
 WGMMA_FUSED_MIN_WEIGHTS = 1 << 25
 WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS = 1 << 27
+# With the warp-specialized kernel (gemm_ws.cuh, H200, docs/PERFORMANCE.md v27) the fused GEMM beats dequantize +
+# cuBLAS on >= 128M weights through 1024 tokens (8192->28672, K = 4, M = 1024: 730 vs 878 us), K = 5 through 512,
+# and on >= 32M weights through 256 (4096->14336, M = 256: 65 vs 89 us).
+WS_FUSED_MAX_M = 1024
+WS_FUSED_MAX_M_MID = 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +68,9 @@ def use_dequant_cublas(qw: "QuantizedWeight", M: int, device: torch.device) -> b
     weights = qw.shape[0] * qw.shape[1]
     if M <= 128:  # one pass: 65..128 tokens cost what 128 do
         return M > 64 and weights < WGMMA_FUSED_MIN_WEIGHTS
-    return M > 256 or weights < WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS or qw.k == 5
+    if weights < WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS:
+        return M > WS_FUSED_MAX_M_MID or weights < WGMMA_FUSED_MIN_WEIGHTS
+    return M > WS_FUSED_MAX_M or (M > 512 and qw.k == 5)
 
 
 class PrecisionWarning(UserWarning):

@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
 SOURCES=(kbit/csrc/quantize.cu kbit/csrc/repack.cu kbit/csrc/gemm.cu kbit/csrc/gemm_k2.cu kbit/csrc/gemm_k3.cu
-         kbit/csrc/gemm_k4.cu kbit/csrc/gemm_k5.cu)
+         kbit/csrc/gemm_k4.cu kbit/csrc/gemm_k5.cu
+         kbit/csrc/gemm_ws_k2.cu kbit/csrc/gemm_ws_k3.cu kbit/csrc/gemm_ws_k4.cu kbit/csrc/gemm_ws_k5.cu)
 ARCHS=(80 90a)  # 90a: the GEMM's wgmma path (kbit/_build.py builds Hopper as 9.0a)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

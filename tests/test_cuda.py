@@ -432,7 +432,7 @@ def run_matmul(x, qw, bias=None, num_blocks=0, do_poison=True):
     return out
 
 
-def _gemm_sweep(qw: kbit.QuantizedWeight, seed: int, ms, dtypes=GEMM_DTYPES, **params) -> None:
+def _gemm_sweep(qw: kbit.QuantizedWeight, seed: int, ms, dtypes=GEMM_DTYPES, num_blocks=0, **params) -> None:
     """kbit.matmul for every M and dtype (bias on every other M); collect failures, report all."""
     N, K = qw.shape
     chk = GemmChecker(qw)
@@ -443,7 +443,7 @@ def _gemm_sweep(qw: kbit.QuantizedWeight, seed: int, ms, dtypes=GEMM_DTYPES, **p
             use_bias = i % 2 == 1
             x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.float32).to(dtype)
             bias = torch.randn(N, generator=g, device="cuda", dtype=torch.float32).to(dtype) if use_bias else None
-            out = run_matmul(x, qw, bias)
+            out = run_matmul(x, qw, bias, num_blocks=num_blocks)
             if out.shape != (M, N) or out.dtype != dtype or not out.is_cuda:
                 failures.append(f"dtype={_name(dtype)} M={M}: output {tuple(out.shape)} {out.dtype} {out.device}")
                 continue
@@ -469,6 +469,55 @@ def test_gemm_big_shape(k):
     _gemm_sweep(qw, seed, (1, 5, 16, 31, 64, 100))  # on H100/H200, 64 and 100 take wgmma's 256-row tiles
     del qw
     torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- warp-specialized kernel (sm_90a)
+# gemm_ws.cuh, forced with KBIT_GEMM_PATH=ws at every M (32, 64 or 128 tokens per tile, several passes past 128),
+# through the fused op (num_blocks = 1000: the natural grid of one CTA per SM, never dequantize + cuBLAS).
+WS_MS = (1, 5, 17, 32, 33, 64, 65, 100, 128, 129, 256, 300)
+WS_SHAPES = ((4096, 4096), (1000, 4128), (256, 40), (130, 4104), (1536, 2048), (72, 100), (14336, 4096))
+needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                  reason="the warp-specialized GEMM runs on compute capability 9.x")
+
+
+@needs_hopper
+@pytest.mark.parametrize("N,K", WS_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_warp_specialized(k, N, K, monkeypatch):
+    monkeypatch.setenv("KBIT_GEMM_PATH", "ws")
+    seed = seed_for("gemm-ws", k, N, K)
+    qw = quantized_weight(N, K, k, seed)
+    _gemm_sweep(qw, seed, WS_MS, num_blocks=1000, path="ws")
+
+
+@needs_hopper
+@pytest.mark.parametrize("k,dtype", [(k, torch.float16) for k in BITS] + [(4, torch.bfloat16)], ids=lambda v: _name(v))
+def test_split_k_deterministic_warp_specialized(k, dtype, monkeypatch):
+    """Forced grids on the warp-specialized kernel: within tolerance, bitwise identical over repeats."""
+    monkeypatch.setenv("KBIT_GEMM_PATH", "ws")
+    seed = seed_for("splitk-ws", k, dtype)
+    g = gen(seed + 1, "cuda")
+    failures = []
+    for N, K in SPLITK_SHAPES:
+        qw = quantized_weight(N, K, k, seed)
+        chk = GemmChecker(qw)
+        for M in (17, 100, 200):
+            x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+            bias = torch.randn(N, generator=g, device="cuda").to(dtype) if M == 100 else None
+            for grid in SPLITK_GRIDS:
+                first = run_matmul(x, qw, bias, num_blocks=grid)
+                st = chk.stats(x, bias, first)
+                where = f"N={N} K={K} M={M} num_blocks={grid}"
+                if not st["ok"]:
+                    failures.append(f"{where}: {chk.describe(st)}")
+                    continue
+                ref_bits = _bits(first)
+                mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
+                for _ in range(max(1, SPLITK_REPS // 10)):
+                    mismatches += (_bits(run_matmul(x, qw, bias, num_blocks=grid)) != ref_bits).any().to(torch.int64)
+                if int(mismatches):
+                    failures.append(f"{where}: {int(mismatches)} repeats differ bitwise from the first run")
+    assert not failures, tag(seed, op="split-k-ws", k=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
 
 
 @pytest.mark.parametrize("N,K", ((384, 96), (1000, 4128), (4096, 4096), (1536, 2048)), ids=lambda v: str(v))

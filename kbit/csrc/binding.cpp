@@ -181,6 +181,15 @@ bool dependent_launch_enabled() {
   return enabled;
 }
 
+// KBIT_GEMM_PATH=ws / classic forces the warp-specialized kernel (compute capability 9.x) / gemm.cuh's; unset or
+// anything else lets the planner choose. Read at every call, so a benchmark or tuner can switch it in-process.
+kbit::GemmPath gemm_path() {
+  const char* v = std::getenv("KBIT_GEMM_PATH");
+  if (v == nullptr) return kbit::GemmPath::Auto;
+  const std::string s(v);
+  return s == "ws" ? kbit::GemmPath::WarpSpecialized : s == "classic" ? kbit::GemmPath::Classic : kbit::GemmPath::Auto;
+}
+
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
                 int64_t num_blocks) {
@@ -211,7 +220,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
   const kbit::GemmPlan plan =
       kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k), sms,
-                      static_cast<int>(num_blocks));
+                      static_cast<int>(num_blocks), gemm_path());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM at k=", num(k), " needs ",
               num(plan.smem_bytes / 1024), " KB of shared memory per block; this GPU allows ", num(plan.smem_limit / 1024),

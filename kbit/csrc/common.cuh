@@ -262,6 +262,16 @@ __device__ __forceinline__ uint32_t splat_pair(float v) {
 template <int N>
 struct Wgmma;
 template <>
+struct Wgmma<32> {
+  template <typename T>
+  static __device__ __forceinline__ void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    KBIT_WGMMA_ASM("m64n32k16", "%21",
+                   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}, {%16, %17, %18, %19}, %20",
+                   KBIT_ACC4(0), KBIT_ACC4(1), KBIT_ACC4(2), KBIT_ACC4(3)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1))
+  }
+};
+template <>
 struct Wgmma<64> {
   template <typename T>
   static __device__ __forceinline__ void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc) {
@@ -291,6 +301,45 @@ struct Wgmma<128> {
 };
 #undef KBIT_ACC4
 #undef KBIT_WGMMA_ASM
+
+// Register budget of this warp's warpgroup from here on (sm_90a): a producer warpgroup that only issues copies
+// gives registers back, consumer warpgroups that hold accumulators take them. Every warp of the warpgroup runs
+// the same one; the kernel needs a register cap at entry (__launch_bounds__(threads, 1)).
+template <int N>
+__device__ __forceinline__ void warpgroup_registers_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void warpgroup_registers_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 #endif  // KBIT_WGMMA
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle the tensor copy engine writes
+// (CU_TENSOR_MAP_SWIZZLE_128B): rows of 128 B (64 16-bit k), the 16-byte chunks of row r at chunk ^ (r % 8), 8-row
+// atoms of 1024 B stacked along N. The atom must sit at a 1024-byte-aligned address; a k16 slice inside a row
+// starts 32 B further (the hardware applies the swizzle to the address bits, so the offset carries over).
+__device__ __forceinline__ uint64_t wgmma_descriptor_sw128(uint32_t smem_address) {
+  return static_cast<uint64_t>((smem_address & 0x3FFFF) >> 4) | static_cast<uint64_t>(1024 >> 4) << 32 |
+         static_cast<uint64_t>(1) << 62;
+}
+
+// A descriptor advanced by `units` of 16 bytes (its start address field), computed where it is used: a volatile
+// asm stays between the wgmmas around it, so the compiler cannot compute all of a loop's descriptors ahead and
+// hold them in registers.
+__device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t units) {
+  uint64_t r;
+  asm volatile("add.s64 %0, %1, %2;\n" : "=l"(r) : "l"(desc), "l"(static_cast<uint64_t>(units)));
+  return r;
+}
+
+#if KBIT_BULK_COPY
+// A 2-D tile of a tensor map (the TMA unit's tiled mode) global -> shared, completion on an mbarrier; elements
+// outside the tensor arrive as zeros and count towards the bytes like the others. c0 is the inner coordinate.
+// The map must live in kernel parameter, constant or global memory (a __grid_constant__ parameter here).
+__device__ __forceinline__ void tensor_copy_2d_to_shared(void* smem, const void* tensor_map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          shared_address(smem)),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(shared_address(bar))
+      : "memory");
+}
+#endif
 
 }  // namespace kbit

@@ -256,7 +256,8 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
         if constexpr (Cfg::kByteRows) {  // K = 4: pair 8t + 2j + r is byte (2j + r) % 4 of word 2t + j / 2
           h[r][j] = lds32(byte_row_address(w[2 * t + (j >> 1)], 2 * (j & 1) + r, sel));
         } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
-          constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 : 4;
+          constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 :
+                                 Cfg::kCopies == 4 ? 4 : Cfg::kCopies == 2 ? 3 : 2;
           static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
           const int o = (8 * t + 2 * j + r) * 2 * K, wi = o >> 5, bi = o & 31;
           const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);

@@ -45,6 +45,8 @@ struct GemmParams {
   int extra_steps;          // pipeline steps % grid
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
+  int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64 or 128: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
+                            // with that many tokens per tile (mb = ws_tokens / 8)
   int k;                    // bits
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
@@ -58,6 +60,7 @@ constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
 struct GemmPlan {
   int mb, m_passes, grid, total_steps;
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: wgmma with that many row tiles per warp (GemmParams)
+  int ws_tokens;            // 0, or tokens per tile of the warp-specialized kernel (GemmParams)
   int64_t partial_floats;   // floats of split-K workspace (0 when every CTA owns whole tiles)
   int smem_bytes;           // shared memory per CTA the configuration needs
   int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
@@ -65,8 +68,12 @@ struct GemmPlan {
   bool built;               // whether the configuration is built for the device (GemmConfig::kOnSm80)
 };
 
+// Which kernel: the planner's choice, or one forced (KBIT_GEMM_PATH in the binding: tests and tuning).
+// WarpSpecialized is honoured on compute capability 9.x only.
+enum class GemmPath : int { Auto = 0, Classic = 1, WarpSpecialized = 2 };
+
 // num_sms: multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K).
-GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid);
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid, GemmPath path = GemmPath::Auto);
 // Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);

@@ -1,0 +1,459 @@
+// The warp-specialized fused dequantize + GEMM (sm_90a): y[M, N] = x[M, K] @ W_hat[N, K]^T for 17+ tokens, from
+// the same GEMM layout as gemm.cuh (kbit/layout.py).
+//
+// Reads top to bottom:
+//   WsConfig            compile-time sizes of one configuration (bits K, tokens per tile NT)
+//   ws_producer         one thread: per step, TMA copies of the activations and bulk copies of the weights into
+//                       the next free stage of the ring
+//   ws_finish           stores a finished tile, or reduces it with the other CTAs that hold parts of it
+//   ws_consumer         a consumer warpgroup's main loop: dequantize block t + 1 while block t's wgmmas run
+//                       (block_fragments of gemm.cuh, block scales applied in 16 bits)
+//   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
+//   launch_gemm_ws      host side: the activations' tensor map, the launch
+//
+// Roles. A CTA is three warpgroups. Warpgroup 0 is the producer: one thread issues every copy, the warpgroup
+// gives its registers back (setmaxnreg) and does nothing else. Warpgroups 1 and 2 are consumers: each owns 128
+// weight rows of the CTA's 256-row tile (two m64 blocks, i.e. two 16-row tiles per warp), turns their codes into
+// wgmma's register-sourced A operand (swap-AB: weights are A, tokens are wgmma's N), and multiplies them by
+// the NT tokens the tensor cores read from shared memory. Nothing but the mbarriers of the stage ring ties the
+// consumers to the producer, so copies, dequantization and tensor-core work overlap; the two consumer
+// warpgroups interleave on the tensor cores. Compared with gemm.cuh's wgmma path (every warp copies and
+// dequantizes, 8 warps at 255 registers, activations by per-thread cp.async: issue slots 25-36% busy at
+// M = 64-128, docs/PERFORMANCE.md), the copies cost the consumers nothing and the activations arrive as whole
+// 128-byte rows.
+//
+// Work: as in gemm.cuh, a step is (token pass, 256-row tile, 256-column k-group); the total step range is cut
+// into `grid` contiguous pieces (stream-K), and a tile split between CTAs is reduced by the CTA holding its
+// first k-group, through the same kPartialEmpty protocol (finish_tile in gemm.cuh says why it cannot deadlock).
+
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cudaTypedefs.h>
+
+#include "gemm.cuh"
+
+namespace kbit {
+
+constexpr int kWsThreads = 384;                    // warpgroup 0: producer; 1 and 2: consumers
+constexpr int kWsTileRows = 256;                   // weight rows per CTA tile: 2 consumer warpgroups x 128
+constexpr int kWsTile16s = kWsTileRows / 16;       // 16-row tiles of the GEMM layout per CTA tile
+constexpr int kWsSmemBudget = 227 * 1024;          // static + dynamic shared memory per CTA (sm_90 opt-in)
+constexpr int kWsProducerRegisters = 40;           // setmaxnreg: 128 x 40 + 256 x 232 <= 64K registers
+constexpr int kWsConsumerRegisters = 232;
+
+// Tokens per tile NT: 32, 64 or 128 (the host picks the smallest that holds M, 128 past that: more passes).
+template <int K, int NT>
+struct WsConfig {
+  static constexpr int kBits = K, kTokens = NT;
+  static constexpr int kThreads = kWsThreads;
+  static constexpr int kConsumerWarps = 8;
+  static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per m64 block and warp
+  // One stage = one step: the activations (NT tokens x 256 k, four TMA boxes of 64 k, 128-byte swizzled rows),
+  // then per 16-row tile its codes (K * 512 B) and its E4M4 block scales (128 B), as bulk copies. Every piece
+  // starts 1024-byte aligned (the swizzle atoms) when the stage does.
+  static constexpr int kXBox = NT * 128;
+  static constexpr int kCodeBytes = K * 512;
+  static constexpr int kCodesOffset = 4 * kXBox;
+  static constexpr int kScalesOffset = kCodesOffset + kWsTile16s * kCodeBytes;
+  static constexpr int kStageBytes = kScalesOffset + kWsTile16s * 128;
+  static_assert(kXBox % 1024 == 0 && kStageBytes % 1024 == 0, "stage pieces must stay 1024-byte aligned");
+  // The pair table (build_tables' compact form: kCopies lane copies of each pair's two codebook values) sits at
+  // a constant shared address aligned to its size, just below the top of the shared window: a lookup address is
+  // then one LOP3 (the pair's bits, the table and the lane's copy offset OR-ed: block_fragments in gemm.cuh).
+  // The stages fill the space from the dynamic base (after at most kStaticSmemMax of static shared memory) up to
+  // the table. As many stages as fit (at most 4) first, then as many lane copies as fit next to them (at most 32,
+  // and 32 KB).
+  static constexpr bool kByteRows = false;
+  static constexpr int kPairs = 1 << (2 * K);
+  static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
+  static constexpr int table_address(int bytes) { return (kSharedTop - bytes) / bytes * bytes; }
+  static constexpr int stages_with(int copies) {
+    return (table_address(kPairs * copies * 4) - kStagesFrom) / kStageBytes;
+  }
+  static constexpr int kMostStages = stages_with(1) < 4 ? stages_with(1) : 4;
+  static constexpr int pick_copies(int c) {
+    return c == 1 || (kPairs * c * 4 <= 32768 && stages_with(c) >= kMostStages) ? c : pick_copies(c / 2);
+  }
+  static constexpr int kCopies = pick_copies(32);
+  static constexpr int kStages = kMostStages;
+  static constexpr int kTables = kPairs * kCopies * 4;
+  static constexpr int kTableAddress = table_address(kTables);
+  static_assert(kStages >= 2, "a ring needs two stages");
+  // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
+  static constexpr int kSmemTotal = kTableAddress + kTables - kReservedSmem;
+  static constexpr int kPartialFloats = kWsTileRows * NT;  // one CTA's partial output tile (split-K)
+};
+
+// ---------------------------------------------------------------------------- the producer
+// Stage s is free again once all 8 consumer warps have arrived on empty[s]; full[s] completes when its bytes
+// (kStageBytes, boxes partly or wholly outside x included: those arrive as zeros) have landed. The n-th use of
+// a stage waits for the (n-1)-th completion of its empty barrier.
+template <class Cfg>
+__device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, uint8_t* stages, uint64_t* full,
+                                            uint64_t* empty, int first, int last) {
+  constexpr int K = Cfg::kBits, S = Cfg::kStages;
+  StepCursor c(p, first);
+  int slot = 0;
+  uint32_t phase = 0;
+  for (int step = first; step < last; ++step, c.advance(p)) {
+    if (step - first >= S) mbarrier_wait(&empty[slot], phase ^ 1u);
+    uint8_t* stage = stages + slot * Cfg::kStageBytes;
+    uint64_t* bar = &full[slot];
+    mbarrier_arrive_expect_bytes(bar, Cfg::kStageBytes);
+    const int k0 = c.kgroup * kKGroup, m0 = c.mpass * Cfg::kTokens;
+#pragma unroll
+    for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(stage + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
+    const int64_t tile0 = static_cast<int64_t>(c.ntile) * kWsTile16s;
+#pragma unroll 4
+    for (int i = 0; i < kWsTile16s; ++i) {
+      const int64_t at = (tile0 + i) * p.k_groups + c.kgroup;  // B_gemm[tile16][kgroup], absmax_gemm likewise
+      bulk_copy_to_shared(stage + Cfg::kCodesOffset + i * Cfg::kCodeBytes, p.b + at * (K * 32), Cfg::kCodeBytes, bar);
+      bulk_copy_to_shared(stage + Cfg::kScalesOffset + i * 128, p.absmax + at * 128, 128, bar);
+    }
+    if (++slot == S) slot = 0, phase ^= 1u;
+  }
+}
+
+// ---------------------------------------------------------------------------- the end of a tile
+// acc[b][j] is the D fragment of m64 block b (this warp's 16-row tile `tile16s[b]`), tokens 8j ..: rows g and g + 8,
+// tokens 2q and 2q + 1 (common.cuh). Partials: per CTA kPartialFloats, per consumer warp its 2 * F fragments of
+// 32 lanes x 4 floats (16-byte accesses, contiguous per warp). Who reduces, and why the waits cannot deadlock:
+// finish_tile in gemm.cuh.
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& c, const int (&tile16s)[2], float s,
+                                         const float (&acc)[2][Cfg::kFrags][4]) {
+  constexpr int F = Cfg::kFrags;
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  int n[2][2];  // [m64 block][row g, row g + 8]
+  float bn[2][2];
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      n[b][half] = c.ntile * kWsTileRows + tile16s[b] * 16 + g + 8 * half;
+      bn[b][half] = bias && n[b][half] < p.N ? to_float(bias[n[b][half]]) : 0.0f;
+    }
+  // Token rows outermost: one row address live at a time (all 2F of them at once, 64-bit each, spilled at 128
+  // tokens next to the accumulators).
+#pragma unroll
+  for (int j = 0; j < F; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = c.mpass * Cfg::kTokens + 8 * j + 2 * q + e;
+      if (m >= p.M) continue;
+      T* row = y + static_cast<int64_t>(m) * p.N;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          if (n[b][half] < p.N) row[n[b][half]] = from_float<T>(acc[b][j][2 * half + e] * s + bn[b][half]);
+    }
+  }
+}
+
+// holds_first / holds_last: this CTA holds the tile's first / last k-group (its own range starts / ends inside
+// the tile otherwise). Same protocol as finish_tile: contributors store their partial and go on; the reducer
+// polls each word until it is no longer kPartialEmpty, adds the partials in CTA order, puts kPartialEmpty back.
+// (Tried and measured slower, v27: one flag per contributor warp, written after a __threadfence, so the reducer
+// loads the words unchecked; 8192 -> 28672 at M = 128 went from 108 to 237 us.)
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_finish(const GemmParams& p, const StepCursor& c, bool holds_first, bool holds_last,
+                                          const int (&tile16s)[2], float out_scale, float (&acc)[2][Cfg::kFrags][4]) {
+  constexpr int F = Cfg::kFrags;
+  const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
+  if (holds_first && holds_last) {
+    ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
+    return;
+  }
+  const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
+  auto partial = [&](int cta, int b, int j) {
+    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + ((cwarp * 2 + b) * F + j) * 128 + lane * 4;
+  };
+  // Only the fragments of real tokens move (at M = 17 on a 32-token tile, about half the lanes).
+  const int lane_token = c.mpass * Cfg::kTokens + 2 * (lane & 3);
+  auto live = [&](int j) { return lane_token + 8 * j < p.M; };
+  if (!holds_first) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int j = 0; j < F; ++j)
+        if (live(j)) st_relaxed_gpu(partial(blockIdx.x, b, j), make_float4(acc[b][j][0], acc[b][j][1], acc[b][j][2], acc[b][j][3]));
+    return;
+  }
+  // The reducer: each later contributor in CTA order, kBatch fragments in flight per L2 round trip (next to the
+  // accumulators: 4 at 128 tokens).
+  constexpr int kBatch = F <= 4 ? F : 4;
+  const float empty = __uint_as_float(kPartialEmpty);
+  const int others = cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x);
+  for (int o = 1; o <= others; ++o) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+      for (int j0 = 0; j0 < F; j0 += kBatch) {
+        float4 v[kBatch];
+        bool landed;
+        do {
+          landed = true;
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j)
+            if (live(j0 + j)) v[j] = ld_relaxed_gpu(partial(blockIdx.x + o, b, j0 + j));
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            const uint32_t e = kPartialEmpty;
+            if (live(j0 + j))
+              landed &= __float_as_uint(v[j].x) != e && __float_as_uint(v[j].y) != e &&
+                        __float_as_uint(v[j].z) != e && __float_as_uint(v[j].w) != e;
+          }
+          if (!landed) __nanosleep(128);
+        } while (!landed);
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (!live(j0 + j)) continue;
+          float (&d)[4] = acc[b][j0 + j];
+          d[0] += v[j].x, d[1] += v[j].y, d[2] += v[j].z, d[3] += v[j].w;
+          st_relaxed_gpu(partial(blockIdx.x + o, b, j0 + j), make_float4(empty, empty, empty, empty));
+        }
+      }
+    }
+  }
+  ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
+}
+
+#if KBIT_WGMMA
+// ---------------------------------------------------------------------------- a consumer warpgroup
+// Per step: wait for the stage, then per 16-row tile b of this warp (m64 block b of the warpgroup) its codes and
+// scales, and per block t of 32 columns one wgmma group: 2 wgmmas (k16 slices) of 64 rows x NT tokens x 16. A
+// group's A fragments are built while the previous group runs: two register sets, set i % 2 rewritten once
+// `wgmma_wait<1>` says group i - 2 is done (8 registers each; with both tiles per group, or one tile's codes
+// kept for the other's groups, the 128-token build spills). The stage goes back to the producer once its last
+// group is done: one drain per step and warpgroup, which the other consumer warpgroup's groups cover on the
+// tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
+// across the step loop; ptxas then serializes every wgmma, C7518.)
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* stages, uint64_t* full, uint64_t* empty,
+                                            int first, int last) {
+  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags;
+  const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4, wg = cwarp >> 2;
+  const int tile16s[2] = {wg * 8 + (cwarp & 3), wg * 8 + 4 + (cwarp & 3)};  // m64 block b = 4 warps' tiles
+  const uint32_t sel = lane_select<Cfg>(Cfg::kTableAddress, lane);
+  const float out_scale = *p.scale;
+
+  float acc[2][F][4];
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int j = 0; j < F; ++j) acc[b][j][0] = acc[b][j][1] = acc[b][j][2] = acc[b][j][3] = 0.0f;
+  // Loop state kept small (at 128 tokens the accumulators leave ~100 registers): a step count, the cursor, and
+  // whether the current tile started in this CTA's range, in place of the step index and the range's ends.
+  StepCursor c(p, first);
+  int slot = 0;
+  uint32_t phase = 0;
+  bool from_start = c.kgroup == 0;
+  for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
+    mbarrier_wait(&full[slot], phase);
+    const uint8_t* stage = stages + slot * Cfg::kStageBytes;
+    // The stage's activation descriptor; each wgmma's is this plus its slice's offset, added right before it
+    // (volatile asm): computed ahead, the 16 descriptors of a step held 32 registers and the 128-token build spilled.
+    const uint64_t x_desc = wgmma_descriptor_sw128(shared_address(stage));
+    fence_accumulators(acc[0]);
+    fence_accumulators(acc[1]);
+    uint32_t a[2][2][4];  // [group % 2][k16 slice]
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      uint32_t w[4 * K];
+      const uint4* codes = reinterpret_cast<const uint4*>(stage + Cfg::kCodesOffset + tile16s[b] * Cfg::kCodeBytes) + lane;
+#pragma unroll
+      for (int v = 0; v < K; ++v) {
+        const uint4 u = codes[v * 32];
+        w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
+      }
+      const uint8_t* sc = stage + Cfg::kScalesOffset + tile16s[b] * 128 + (lane >> 2) * 8;
+      const uint2 scales_lo = *reinterpret_cast<const uint2*>(sc), scales_hi = *reinterpret_cast<const uint2*>(sc + 64);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const int group = b * 8 + t;
+        // Block t's codebook values times each row's block scale, in 16 bits (rounded once, as the dequantized
+        // weights cuBLAS would read).
+        const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
+        const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
+        uint32_t h[2][4];
+        block_fragments<Cfg>(w, t, sel, h);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+        if (group >= 2) wgmma_wait<1>();  // group - 2 is done with a[group % 2]
+        uint32_t (&ag)[2][4] = a[group % 2];
+        ag[0][0] = h[0][0], ag[0][1] = h[1][0], ag[0][2] = h[0][1], ag[0][3] = h[1][1];  // k16 slice 0
+        ag[1][0] = h[0][2], ag[1][1] = h[1][2], ag[1][2] = h[0][3], ag[1][3] = h[1][3];  // k16 slice 1
+        wgmma_fence();
+        // Block t: columns 32t .. 32t + 31 = box t / 2, bytes 64 (t % 2) + 32 s of each 128-byte row.
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+          Wgmma<NT>::template run<T>(acc[b], ag[s],
+                                     descriptor_plus(x_desc, ((t >> 1) * Cfg::kXBox + (t & 1) * 64 + s * 32) / 16));
+        wgmma_commit();
+      }
+    }
+    wgmma_wait<0>();
+    fence_accumulators(acc[0]);
+    fence_accumulators(acc[1]);
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&empty[slot]);
+    const bool holds_last = c.kgroup == p.k_groups - 1;
+    if (holds_last || remaining == 1) {
+      ws_finish<Cfg, T>(p, c, from_start, holds_last, tile16s, out_scale, acc);
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int j = 0; j < F; ++j) acc[b][j][0] = acc[b][j][1] = acc[b][j][2] = acc[b][j][3] = 0.0f;
+      from_start = true;  // the next tile starts at its k-group 0
+    }
+    if (++slot == S) slot = 0, phase ^= 1u;
+  }
+}
+#endif  // KBIT_WGMMA
+
+// ---------------------------------------------------------------------------- the kernel
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(kWsThreads, 1) gemm_ws_kernel(const __grid_constant__ GemmParams p,
+                                                                 const __grid_constant__ CUtensorMap x_map) {
+#if KBIT_WGMMA
+  constexpr int K = Cfg::kBits, S = Cfg::kStages;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  __shared__ uint64_t full[S], empty[S];
+  const uint32_t base = shared_address(smem);
+  uint8_t* stages = smem + (1024 - base % 1024) % 1024;  // the swizzle atoms need 1024-byte alignment
+  uint8_t* table = smem + (Cfg::kTableAddress - base);
+  if (threadIdx.x == 0) {  // host and kernel disagree on the layout: a bug
+    uint32_t dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic_bytes));
+    if (shared_address(stages) + S * Cfg::kStageBytes > Cfg::kTableAddress ||
+        base + dynamic_bytes < Cfg::kTableAddress + Cfg::kTables)
+      __trap();
+  }
+  const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
+  const int warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbarrier_init(&full[s], 1);                      // the producer's arrive (with the stage's bytes)
+      mbarrier_init(&empty[s], Cfg::kConsumerWarps);   // lane 0 of every consumer warp
+    }
+  }
+  mbarrier_init_fence();
+  // Launched early (programmatic dependent launch), warm L2 with the first steps' weights while the previous
+  // kernel drains (gemm.cuh does the same); nothing else may touch global memory before the wait.
+  if (p.dependent_launch && threadIdx.x == 0) {
+    StepCursor at(p, first);
+    for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
+      const int64_t i0 = static_cast<int64_t>(at.ntile) * kWsTile16s * p.k_groups + at.kgroup;
+      for (int i = 0; i < kWsTile16s; ++i) prefetch_l2(p.b + (i0 + static_cast<int64_t>(i) * p.k_groups) * (K * 32), K * 512);
+    }
+  }
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
+  build_tables<Cfg, T>(code_value, table);
+  __syncthreads();  // tables complete; from here on the roles never meet at a CTA-wide barrier
+  if (warp < 4) {
+    warpgroup_registers_dec<kWsProducerRegisters>();
+    if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, stages, full, empty, first, last);
+  } else {
+    warpgroup_registers_inc<kWsConsumerRegisters>();
+    ws_consumer<Cfg, T>(p, stages, full, empty, first, last);
+  }
+#else
+  __trap();  // wgmma, setmaxnreg: sm_90a only; the host picks this kernel only on compute capability 9.x
+#endif
+}
+
+// ---------------------------------------------------------------------------- host side
+// The activations as a 2-D tensor map [M rows, K_x columns] of 16-bit elements: boxes of 64 columns x NT rows, in
+// the 128-byte swizzle wgmma_descriptor_sw128 reads; rows past M and columns past K_x arrive as zeros. Encoded per
+// call (host only, no device work): x changes from call to call. The driver's encoder is looked up once.
+inline cudaError_t ws_activation_map(const GemmParams& p, int tokens, CUtensorMap& map) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.K_x), static_cast<cuuint64_t>(p.M)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.lda) * 2};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(tokens)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(p.x), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Dynamic shared memory of a launch: from the dynamic base (after the reserved and static shared memory) to the
+// table's end.
+template <class Cfg, typename T>
+cudaError_t gemm_ws_dynamic_smem(int& bytes) {
+  cudaFuncAttributes attr{};
+  int device = 0, reserved = 0;
+  cudaError_t err = cudaFuncGetAttributes(&attr, gemm_ws_kernel<Cfg, T>);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  if (err != cudaSuccess) return err;
+  const int base = reserved + static_cast<int>(attr.sharedSizeBytes);
+  if (base > kReservedSmem + kStaticSmemMax) return cudaErrorInvalidConfiguration;
+  bytes = Cfg::kTableAddress + Cfg::kTables - base;
+  return cudaFuncSetAttribute(gemm_ws_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+template <class Cfg, typename T>
+cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
+  alignas(64) CUtensorMap map;
+  cudaError_t err = ws_activation_map(p, Cfg::kTokens, map);
+  if (err != cudaSuccess) return err;
+  static int smem_bytes = 0;
+  static const cudaError_t attr = gemm_ws_dynamic_smem<Cfg, T>(smem_bytes);
+  if (attr != cudaSuccess) return attr;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.grid);
+  config.blockDim = dim3(kWsThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = p.dependent_launch ? 1 : 0;
+  return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, map);
+}
+
+// The configurations built, per bit width and dtype: 32, 64 or 128 tokens per tile. The one list, for the
+// launcher and for the host's plan (gemm.cu).
+template <int K, typename F>
+bool with_ws_config(int tokens, F&& f) {
+  switch (tokens) {
+    case 32: f(WsConfig<K, 32>{}); return true;
+    case 64: f(WsConfig<K, 64>{}); return true;
+    case 128: f(WsConfig<K, 128>{}); return true;
+    default: return false;
+  }
+}
+
+// Explicit list of instantiations, one file per bit width (gemm_ws_k{2,3,4,5}.cu).
+#define KBIT_INSTANTIATE_GEMM_WS(K)                                                                         \
+  template <>                                                                                               \
+  cudaError_t gemm_ws_for_bits<K>(const GemmParams& p, cudaStream_t stream) {                               \
+    cudaError_t err = cudaErrorInvalidValue;                                                                \
+    with_ws_config<K>(p.ws_tokens, [&](auto cfg) {                                                          \
+      err = p.dtype == DType::BF16 ? launch_gemm_ws<decltype(cfg), __nv_bfloat16>(p, stream)                \
+                                   : launch_gemm_ws<decltype(cfg), __half>(p, stream);                      \
+    });                                                                                                     \
+    return err;                                                                                             \
+  }
+
+template <int K>
+cudaError_t gemm_ws_for_bits(const GemmParams& p, cudaStream_t stream);
+
+}  // namespace kbit
