@@ -30,6 +30,7 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 # The .cu files are split so that ninja compiles them in parallel (one GEMM file per bit width).
 SOURCES = ["binding.cpp", "quantize.cu", "repack.cu", "gemm.cu", "gemm_k2.cu", "gemm_k3.cu", "gemm_k4.cu", "gemm_k5.cu",
+           "moe_route.cu", "moe_gemm.cu", "moe_gemm_k2.cu", "moe_gemm_k3.cu", "moe_gemm_k4.cu", "moe_gemm_k5.cu",
            "gemm_ws_k2.cu", "gemm_ws_k3.cu", "gemm_ws_k4.cu", "gemm_ws_k5.cu"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 

@@ -24,7 +24,18 @@ Storage (persistent buffers, what ``state_dict`` holds; H_pad = H rounded up to 
 Row e of each projection is exactly what ``kbit.quantize`` makes of that expert's weight alone
 (``QuantizedWeight.state_dict``), so ``expert_weight(proj, e)`` is a ``QuantizedWeight`` view of it.
 
-The forward is the per-expert reference: each routed expert's weights dequantized to float32.
+On a CUDA device the module also holds each projection's GEMM layout (``kbit.layout``), one per expert,
+stacked (``gate_up_gemm_codes`` [E, *B_gemm shape], ``gate_up_gemm_absmax`` [E, *absmax_gemm shape], the same
+for ``down``; non-persistent, never saved), derived when the module lands there. The gate/up layout is that of
+the weight with its rows interleaved by 8 (``kbit.grouped.gate_up_row_order``): each 16-row MMA tile then holds
+8 gate rows and their 8 up rows, so the grouped GEMM applies ``silu(gate) * up`` in its epilogue. The forward
+there runs ``kbit.ops.moe_route`` (the tokens sorted by expert on the GPU), two grouped GEMMs (every expert's
+tokens in one launch each; the routing weights applied in the second's epilogue) and ``moe_combine``: no host
+synchronization, CUDA-graph and ``torch.compile`` safe (``kbit.grouped`` documents the ops). Elsewhere (CPU,
+float32 activations, shapes the kernel does not take: H or I not a multiple of 8, more than
+``MAX_GROUPED_EXPERTS`` experts, or a GPU whose shared memory holds none of its configurations at this K) the
+forward is the per-expert reference: each routed expert's weights dequantized to float32. Inference only: no
+gradients flow through the grouped ops.
 """
 
 from __future__ import annotations
@@ -34,14 +45,40 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ._validate import check_bits, check_codebook, check_int, check_meta, check_not_meta, check_tensor
+from . import ops
+from ._build import cuda_ext
+from ._validate import GEMM_DTYPES, check_bits, check_codebook, check_int, check_meta, check_not_meta, check_tensor
 from .formats import CODE_DTYPES, DTYPE_CODES, create_normal_float_codebook, num_blocks, padded_in_features
+from .grouped import gate_up_row_order
+from .layout import gemm_shapes
 from .weight import PrecisionLoss, QuantizedWeight, quantize_with_report
 
-__all__ = ["KbitExperts", "find_experts"]
+__all__ = ["KbitExperts", "find_experts", "rows_per_pass", "MAX_GROUPED_EXPERTS"]
 
 PROJECTIONS = ("gate_up", "down")
 _FORMAT_SUFFIXES = ("packed", "absmax", "scale")
+# Experts per layer the routing kernel sorts in one CTA's shared memory (real models have up to 512).
+MAX_GROUPED_EXPERTS = 1024
+
+
+def rows_per_pass(slots: int, num_experts: int, supported=(8, 16, 32, 128)) -> int:
+    """Token rows per pass of the grouped GEMM, from the expected rows per routed expert.
+
+    The dense GEMM's configurations (``kbit/csrc/gemm.cu``): 8, 16 or 32 tokens per pass with mma.sync, 128 with
+    wgmma (Hopper) from 65 rows per expert on; the smallest of ``supported`` (what the device runs at the layer's
+    K, ``kbit_cuda.moe_rows_per_pass_supported``) that holds them, else its largest. An expert holding more rows
+    (skewed routing) takes several passes.
+    """
+    per_expert = -(-slots // max(1, min(num_experts, slots)))
+    wanted = 8 if per_expert <= 8 else 16 if per_expert <= 16 else 32 if per_expert <= 64 else 128
+    for rows in sorted(supported):  # a loop, not min(generator): torch.compile traces this
+        if rows >= wanted:
+            return rows
+    return max(supported)
+
+
+def _is_silu(act: nn.Module) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 class KbitExperts(nn.Module):
@@ -80,6 +117,10 @@ class KbitExperts(nn.Module):
         cb = create_normal_float_codebook(k) if codebook is None else check_codebook(codebook, k)
         self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))
         self.register_buffer("meta", self._meta_tensor(device))
+        for proj in PROJECTIONS:  # the GEMM layouts, on CUDA only
+            self.register_buffer(f"{proj}_gemm_codes", None, persistent=False)
+            self.register_buffer(f"{proj}_gemm_absmax", None, persistent=False)
+        self._rows_supported = ()  # rows per pass the device's grouped GEMM runs at this K (prepare)
 
     # ------------------------------------------------------------------ shapes and views
     def shapes(self) -> dict:
@@ -135,7 +176,7 @@ class KbitExperts(nn.Module):
                     qw, loss = quantize_with_report(w[e].detach(), k=k, codebook=mod.codebook, name=label)
                     packed[e], absmax[e], scale[e] = qw.packed, qw.absmax, qw.scale
                     losses.append((label, loss))
-        return mod, losses
+        return mod.prepare(), losses
 
     @classmethod
     def from_experts(cls, experts: nn.Module, k: int = 4, codebook: Optional[Tensor] = None, name: str = "experts"):
@@ -147,6 +188,52 @@ class KbitExperts(nn.Module):
         if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] and [E, I, H]
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         return cls.from_weights(gate_up, down, k=k, codebook=codebook, act_fn=experts.act_fn, name=name)
+
+    # ------------------------------------------------------------------ GEMM layouts
+    def grouped_supported(self) -> bool:
+        """Whether the grouped CUDA GEMM takes this layer's shapes (else the forward is the per-expert reference)."""
+        return self.hidden_dim % 8 == 0 and self.intermediate_dim % 8 == 0 and self.num_experts <= MAX_GROUPED_EXPERTS
+
+    def derive_gemm_layouts(self) -> None:
+        """Set the ``*_gemm_codes`` / ``*_gemm_absmax`` buffers from the storage, on its device (``prepare`` does
+        this on CUDA; on CPU the reference ops read them too)."""
+        device = self.gate_up_packed.device
+        for proj, (N, K) in self.shapes().items():
+            kp = padded_in_features(K)
+            b_shape, a_shape = gemm_shapes(self.k, N, kp)
+            codes = torch.empty(self.num_experts, *b_shape, dtype=torch.int32, device=device)
+            absmax = torch.empty(self.num_experts, *a_shape, dtype=torch.uint8, device=device)
+            packed_all, absmax_all = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_absmax")
+            order = gate_up_row_order(self.intermediate_dim, device) if proj == "gate_up" else None
+            for e in range(self.num_experts):
+                p, a = packed_all[e], absmax_all[e]
+                if order is not None:  # a storage row is whole blocks: reordering rows reorders their blocks
+                    p = p.view(N, -1)[order].reshape(-1)
+                    a = a.view(N, -1)[order].reshape(-1)
+                codes[e], absmax[e] = ops.repack(p, a, self.k, N, kp)
+            setattr(self, f"{proj}_gemm_codes", codes)
+            setattr(self, f"{proj}_gemm_absmax", absmax)
+
+    def prepare(self) -> "KbitExperts":
+        """On a CUDA device: derive the GEMM layouts now, as buffers marked static for ``torch.compile``.
+
+        Called when the module moves to CUDA or loads a state dict there; call it yourself (or
+        ``kbit.prepare(model)``) after replacing a buffer by hand. Does nothing elsewhere. Returns self.
+        """
+        device = self.gate_up_packed.device
+        if device.type == "cuda" and self.grouped_supported():
+            with torch.cuda.device(device):
+                self._rows_supported = tuple(cuda_ext().moe_rows_per_pass_supported(self.k))
+        if device.type != "cuda" or not self.grouped_supported() or not self._rows_supported:
+            for proj in PROJECTIONS:
+                setattr(self, f"{proj}_gemm_codes", None)
+                setattr(self, f"{proj}_gemm_absmax", None)
+            return self
+        self.derive_gemm_layouts()
+        for t in self.buffers():
+            # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
+            torch._dynamo.mark_static_address(t, guard=False)
+        return self
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -170,6 +257,8 @@ class KbitExperts(nn.Module):
         if not (x.device == idx.device == w.device == self.codebook.device):
             raise ValueError(f"hidden_states ({x.device}), top_k_index ({idx.device}), top_k_weights ({w.device}) "
                              f"and the experts ({self.codebook.device}) must be on one device")
+        if x.is_cuda and x.dtype in GEMM_DTYPES and self.gate_up_gemm_codes is not None:
+            return self._forward_grouped(x, idx, w)
         return self._forward_reference(x, idx, w)
 
     def _activate(self, gate_up: Tensor) -> Tensor:
@@ -193,6 +282,23 @@ class KbitExperts(nn.Module):
             out.index_add_(0, tokens, y.to(torch.float32) * weights[slots, None])
         return out.to(x.dtype)
 
+    def _forward_grouped(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        """Route on the device, then every expert's tokens in one grouped GEMM per projection (kbit.grouped)."""
+        T, top_k = idx.shape
+        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        rows = rows_per_pass(T * top_k, E, self._rows_supported or (8, 16, 32, 128))
+        x_rows, row_weights, position, passes, num_passes = ops.moe_route(idx.contiguous(), w.contiguous(), E, rows)
+        fused = _is_silu(self.act_fn)
+        h = ops.moe_gemm(x.contiguous(), self.gate_up_gemm_codes, self.gate_up_gemm_absmax, self.codebook,
+                         self.gate_up_scale, x_rows, None, passes, num_passes, self.k, 2 * I, padded_in_features(H),
+                         rows, fused, 0)
+        if not fused:  # the product's columns come interleaved by 8 (gate_up_row_order): gate, up, gate, ...
+            pairs = h.view(h.shape[0], I // 8, 2, 8)
+            h = (self.act_fn(pairs[:, :, 0]) * pairs[:, :, 1]).reshape(h.shape[0], I)
+        y = ops.moe_gemm(h, self.down_gemm_codes, self.down_gemm_absmax, self.codebook, self.down_scale, None,
+                         row_weights, passes, num_passes, self.k, H, padded_in_features(I), rows, False, 0)
+        return ops.moe_combine(y, position)
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, k={self.k}, "
@@ -209,6 +315,8 @@ class KbitExperts(nn.Module):
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        if self.gate_up_packed.device.type != "meta":
+            self.prepare()
         return self
 
     # ------------------------------------------------------------------ loading
@@ -227,6 +335,8 @@ class KbitExperts(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.weight_dtype = dtype
+        if self.gate_up_packed.device.type == "cuda":
+            self.prepare()
 
     def _check_meta(self, meta, name: str) -> torch.dtype:
         check_tensor(meta, name)
@@ -250,7 +360,7 @@ class KbitExperts(nn.Module):
             if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float32:
                 state_dict[prefix + name] = t.to(torch.float32)
         for name, want in self._buffers.items():
-            if name == "meta" or prefix + name not in state_dict:
+            if name.endswith(("_gemm_codes", "_gemm_absmax")) or name == "meta" or prefix + name not in state_dict:
                 continue
             t = check_tensor(state_dict[prefix + name], prefix + name)
             if t.dtype != want.dtype or t.shape != want.shape:

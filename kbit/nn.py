@@ -404,6 +404,6 @@ def prepare(model: Union[nn.Module, QuantizedWeight]):
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a kbit.QuantizedWeight, got {type(model).__name__}")
     for m in model.modules():
-        if isinstance(m, KbitLinear):
+        if isinstance(m, (KbitLinear, KbitExperts)):
             m.prepare()
     return model

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import formats, layout
+from . import formats, grouped, layout
 from ._build import cuda_ext
 
 
@@ -143,3 +143,84 @@ def _gemm_backward(ctx, grad):
 
 
 gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+
+
+# ----------------------------------------------------------------------------- mixture of experts (kbit.grouped)
+@torch.library.custom_op("kbit::moe_route", mutates_args=())
+def moe_route(
+    expert_ids: Tensor, weights: Tensor, num_experts: int, rows_per_pass: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A MoE layer's (token, choice) slots sorted by expert into token passes: (x_rows, row_weights, position,
+    passes, num_passes), as ``kbit.grouped`` documents them."""
+    return grouped.route_reference(expert_ids, weights, num_experts, rows_per_pass)
+
+
+@moe_route.register_fake
+def _(expert_ids, weights, num_experts, rows_per_pass):
+    T, top_k = expert_ids.shape
+    S = T * top_k
+    P = grouped.max_passes(num_experts, S, rows_per_pass)
+    i32 = torch.int32
+    return (expert_ids.new_empty(S, dtype=i32), expert_ids.new_empty(S, dtype=torch.float32),
+            expert_ids.new_empty(T, top_k, dtype=i32), expert_ids.new_empty(P, 4, dtype=i32),
+            expert_ids.new_empty(1, dtype=i32))
+
+
+@moe_route.register_kernel("cuda")
+def _(expert_ids, weights, num_experts, rows_per_pass):
+    return cuda_ext().moe_route(expert_ids, weights, num_experts, rows_per_pass)
+
+
+@torch.library.custom_op("kbit::moe_gemm", mutates_args=())
+def moe_gemm(
+    x: Tensor,
+    b_gemm: Tensor,
+    absmax_gemm: Tensor,
+    codebook: Tensor,
+    scale: Tensor,
+    x_rows: Optional[Tensor],
+    row_weights: Optional[Tensor],
+    passes: Tensor,
+    num_passes: Tensor,
+    k: int,
+    N: int,
+    K_dim: int,
+    rows_per_pass: int,
+    silu_gate: bool,
+    num_blocks: int,
+) -> Tensor:
+    """Every token pass of a MoE layer against its expert's weight (the experts' GEMM layouts stacked), in one
+    launch on CUDA: y[i] = x[x_rows[i]] @ W_hat[e].T * row_weights[i]; with ``silu_gate``, silu(gate) * up of
+    interleaved gate/up rows (``kbit.grouped``). ``num_blocks`` > 0 forces the CUDA grid (tests force split-K)."""
+    return grouped.moe_gemm_reference(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes,
+                                      num_passes, k, N, K_dim, silu_gate)
+
+
+@moe_gemm.register_fake
+def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, k, N, K_dim, rows_per_pass,
+      silu_gate, num_blocks):
+    rows = x_rows.shape[0] if x_rows is not None else x.shape[0]
+    return x.new_empty(rows, N // 2 if silu_gate else N)
+
+
+@moe_gemm.register_kernel("cuda")
+def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, k, N, K_dim, rows_per_pass,
+      silu_gate, num_blocks):
+    return cuda_ext().moe_gemm(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, k, N,
+                               K_dim, rows_per_pass, silu_gate, num_blocks)
+
+
+@torch.library.custom_op("kbit::moe_combine", mutates_args=())
+def moe_combine(y: Tensor, position: Tensor) -> Tensor:
+    """out[t] = sum_j y[position[t, j]] (fp32, j ascending, -1 skipped), in y's dtype."""
+    return grouped.combine_reference(y, position)
+
+
+@moe_combine.register_fake
+def _(y, position):
+    return y.new_empty(position.shape[0], y.shape[1])
+
+
+@moe_combine.register_kernel("cuda")
+def _(y, position):
+    return cuda_ext().moe_combine(y, position)

@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
 SOURCES=(kbit/csrc/quantize.cu kbit/csrc/repack.cu kbit/csrc/gemm.cu kbit/csrc/gemm_k2.cu kbit/csrc/gemm_k3.cu
          kbit/csrc/gemm_k4.cu kbit/csrc/gemm_k5.cu
+         kbit/csrc/moe_route.cu kbit/csrc/moe_gemm.cu kbit/csrc/moe_gemm_k2.cu kbit/csrc/moe_gemm_k3.cu
+         kbit/csrc/moe_gemm_k4.cu kbit/csrc/moe_gemm_k5.cu
          kbit/csrc/gemm_ws_k2.cu kbit/csrc/gemm_ws_k3.cu kbit/csrc/gemm_ws_k4.cu kbit/csrc/gemm_ws_k5.cu)
 ARCHS=(80 90a)  # 90a: the GEMM's wgmma path (kbit/_build.py builds Hopper as 9.0a)
 out=$(mktemp -d)

@@ -4,6 +4,7 @@ every transformers family that keeps fused experts, save/load, untrusted checkpo
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import warnings
 
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kbit
+from kbit import grouped, ops
+from kbit.formats import padded_in_features
 from kbit.moe import KbitExperts
 
 from test_formats import DTYPES, KS, _name
@@ -28,14 +31,13 @@ def experts_reference(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor
                       w: torch.Tensor) -> torch.Tensor:
     """float32 [T, H]: the sum over choices (t, j) of a valid expert e of w[t, j] * down[e] @ (silu(g) * u), where
     g, u = gate_up[e] @ x[t]."""
-    E = gate_up.shape[0]
     out = torch.zeros(x.shape[0], down.shape[1])
-    for t in range(idx.shape[0]):
-        for j in range(idx.shape[1]):
-            e = int(idx[t, j])
-            if 0 <= e < E:
-                g, u = (gate_up[e] @ x[t].float()).chunk(2)
-                out[t] += float(w[t, j]) * (down[e] @ (F.silu(g) * u))
+    flat, weights = idx.reshape(-1), w.reshape(-1).float()
+    for e in range(gate_up.shape[0]):
+        slots = (flat == e).nonzero().flatten()
+        tokens = slots // idx.shape[1]
+        g, u = (x[tokens].float() @ gate_up[e].T).chunk(2, dim=-1)
+        out.index_add_(0, tokens, (F.silu(g) * u) @ down[e].T * weights[slots, None])
     return out
 
 
@@ -73,22 +75,41 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, dtype, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- KbitExperts
-@pytest.mark.parametrize("routing_kind", ROUTINGS)
-@pytest.mark.parametrize("top_k", TOP_KS)
+E_TEST, H_TEST, I_TEST = 10, 72, 40  # H and I not multiples of 32 (padded storage), multiples of 8 (grouped path)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_experts(k: int, dtype) -> KbitExperts:
+    """A layer of random experts per (k, dtype), with its GEMM layouts (on CPU, for the reference ops)."""
+    torch.manual_seed(k * 31 + DTYPES.index(dtype))
+    mod, _ = KbitExperts.from_weights(*random_experts(E_TEST, H_TEST, I_TEST, dtype), k=k)
+    mod.derive_gemm_layouts()
+    return mod
+
+
+@functools.lru_cache(maxsize=None)
+def dequantized(mod: KbitExperts) -> tuple:
+    return mod.dequantize("gate_up", torch.float32), mod.dequantize("down", torch.float32)
+
+
+def reference_of(mod: KbitExperts, x, idx, w) -> torch.Tensor:
+    return experts_reference(*dequantized(mod), x, idx, w)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 @pytest.mark.parametrize("k", KS)
-def test_experts_match_per_expert_reference(k, dtype, top_k, routing_kind):
-    E, H, I, T = 10, 72, 40, 13  # H and I not multiples of 32: padded storage
-    gate_up, down = random_experts(E, H, I, dtype)
-    mod, _ = KbitExperts.from_weights(gate_up, down, k=k)
-    x = torch.randn(T, H).to(dtype)
-    idx = routing(routing_kind, T, top_k, E)
-    w = torch.rand(T, top_k)
-    with torch.no_grad():
-        out = mod(x, idx, w)
-    assert out.shape == (T, H) and out.dtype == dtype
-    ref = experts_reference(mod.dequantize("gate_up", torch.float32), mod.dequantize("down", torch.float32), x, idx, w)
-    check_close(out, ref, dtype, f"k={k} {_name(dtype)} top_k={top_k} routing={routing_kind}")
+def test_experts_match_per_expert_reference(k, dtype):
+    """Every top-k in {1, 2, 4, 6, 8} with every routing: random, all tokens on one expert, empty experts,
+    unrouted choices."""
+    mod, T = cached_experts(k, dtype), 13
+    for top_k in TOP_KS:
+        for routing_kind in ROUTINGS:
+            x, idx, w = torch.randn(T, H_TEST).to(dtype), routing(routing_kind, T, top_k, E_TEST), torch.rand(T, top_k)
+            with torch.no_grad():
+                out = mod(x, idx, w)
+            assert out.shape == (T, H_TEST) and out.dtype == dtype
+            check_close(out, reference_of(mod, x, idx, w), dtype,
+                        f"k={k} {_name(dtype)} top_k={top_k} routing={routing_kind}")
 
 
 @pytest.mark.parametrize("k", KS)
@@ -142,6 +163,125 @@ def test_experts_dtype_casts_keep_the_format():
     mod.to(torch.bfloat16)
     for name, t in mod.state_dict().items():
         assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
+
+
+# ----------------------------------------------------------------------------- the grouped ops (references)
+def test_route_reference_tables():
+    """kbit.grouped's documented tables on a hand-checked example (an unrouted choice, an empty expert, an
+    expert whose rows take two passes)."""
+    ids = torch.tensor([[1, 3], [1, 0], [4, 1]])  # 4 = E: not routed
+    w = torch.tensor([[0.5, 0.25], [0.125, 1.0], [2.0, 4.0]], dtype=torch.bfloat16)
+    x_rows, row_weights, position, passes, num_passes = ops.moe_route(ids, w, 4, 2)
+    assert x_rows.tolist() == [1, 0, 1, 2, 0, 0]  # expert 0: slot 3; expert 1: slots 0, 2, 5; expert 3: slot 1
+    assert row_weights.tolist() == [1.0, 0.5, 0.125, 4.0, 0.25, 0.0]
+    assert position.tolist() == [[1, 4], [2, 0], [-1, 3]]
+    assert passes.shape[0] == grouped.max_passes(4, 6, 2) == 7 and num_passes.tolist() == [4]
+    assert passes.tolist() == [[0, 0, 1, 0], [1, 1, 2, 0], [1, 3, 1, 0], [3, 4, 1, 0]] + [[0, 0, 0, 0]] * 3
+
+
+def _with_layouts(E, H, I, k, dtype=torch.float32):
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, dtype), k=k)
+    mod.derive_gemm_layouts()
+    return mod
+
+
+@pytest.mark.parametrize("silu_gate", [True, False])
+@pytest.mark.parametrize("k", KS)
+def test_moe_gemm_reference_is_per_pass_product(k, silu_gate):
+    E, H, I, T = 5, 64, 48, 11
+    mod = _with_layouts(E, H, I, k)
+    x, idx, w = torch.randn(T, H), routing("unrouted", T, 2, E), torch.rand(T, 2)
+    x_rows, row_weights, position, passes, num_passes = ops.moe_route(idx, w, E, 8)
+    if silu_gate:
+        got = ops.moe_gemm(x, mod.gate_up_gemm_codes, mod.gate_up_gemm_absmax, mod.codebook, mod.gate_up_scale, x_rows,
+                           None, passes, num_passes, k, 2 * I, H, 8, True, 0)
+    else:
+        got = ops.moe_gemm(x[:, :I].contiguous(), mod.down_gemm_codes, mod.down_gemm_absmax, mod.codebook,
+                           mod.down_scale, x_rows, row_weights, passes, num_passes, k, H, padded_in_features(I), 8,
+                           False, 0)
+    gate_up, down = mod.dequantize("gate_up"), mod.dequantize("down")
+    routed = int((position >= 0).sum())
+    for row in range(T * 2):
+        if row >= routed:
+            assert not bool(got[row].any()), "rows no pass covers are 0 in the reference"
+            continue
+        e = int(passes[(passes[:, 1] <= row) & (row < passes[:, 1] + passes[:, 2])][0, 0])
+        xr = x[int(x_rows[row])]
+        if silu_gate:
+            g, u = (gate_up[e] @ xr).chunk(2)
+            want = F.silu(g) * u
+        else:
+            want = down[e] @ xr[:I] * row_weights[row]
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-6)
+
+
+def test_combine_reference():
+    y = torch.randn(6, 16, dtype=torch.float16)
+    position = torch.tensor([[1, 4], [2, 0], [-1, 3]], dtype=torch.int32)
+    out = ops.moe_combine(y, position)
+    want = torch.stack([y[1].float() + y[4].float(), y[2].float() + y[0].float(), y[3].float()]).half()
+    assert out.dtype == torch.float16 and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("k", KS)
+def test_grouped_forward_through_reference_ops(k, dtype):
+    """The CUDA forward's Python side (route, fused gate/up, down with routing weights, combine) run through the
+    ops' references (what the kernels must reproduce): each top-k once, each routing kind."""
+    mod, T = cached_experts(k, dtype), 9
+    for top_k, routing_kind in ((1, "random"), (2, "unrouted"), (4, "one_expert"), (6, "some_empty"), (8, "random")):
+        x, idx, w = torch.randn(T, H_TEST).to(dtype), routing(routing_kind, T, top_k, E_TEST), torch.rand(T, top_k)
+        with torch.no_grad():
+            out = mod._forward_grouped(x, idx, w)
+        assert out.shape == (T, H_TEST) and out.dtype == dtype
+        check_close(out, reference_of(mod, x, idx, w), dtype, f"k={k} {_name(dtype)} top_k={top_k} {routing_kind}")
+
+
+def test_grouped_forward_with_another_activation():
+    """A gate activation other than SiLU: the GEMM stores gate and up interleaved, Python applies the activation."""
+    mod = _with_layouts(4, 64, 32, 4)
+    mod.act_fn = nn.GELU()
+    x, idx, w = torch.randn(5, 64), routing("random", 5, 2, 4), torch.rand(5, 2)
+    gate_up, down = mod.dequantize("gate_up"), mod.dequantize("down")
+    want = torch.zeros(5, 64)
+    for t in range(5):
+        for j in range(2):
+            g, u = (gate_up[int(idx[t, j])] @ x[t]).chunk(2)
+            want[t] += float(w[t, j]) * (down[int(idx[t, j])] @ (F.gelu(g) * u))
+    with torch.no_grad():
+        torch.testing.assert_close(mod._forward_grouped(x, idx, w), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mod(x, idx, w), want, rtol=1e-4, atol=1e-5)
+
+
+def test_opcheck_moe_ops():
+    mod = _with_layouts(4, 64, 32, 3)
+    x, idx, w = torch.randn(6, 64).half(), routing("unrouted", 6, 2, 4), torch.rand(6, 2)
+    torch.library.opcheck(ops.moe_route, (idx, w, 4, 8))
+    x_rows, row_weights, position, passes, num_passes = ops.moe_route(idx, w, 4, 8)
+    gu = (mod.gate_up_gemm_codes, mod.gate_up_gemm_absmax, mod.codebook, mod.gate_up_scale)
+    torch.library.opcheck(ops.moe_gemm, (x, *gu, x_rows, None, passes, num_passes, 3, 64, 64, 8, True, 0))
+    h = ops.moe_gemm(x, *gu, x_rows, None, passes, num_passes, 3, 64, 64, 8, True, 0)
+    down = (mod.down_gemm_codes, mod.down_gemm_absmax, mod.codebook, mod.down_scale)
+    torch.library.opcheck(ops.moe_gemm, (h, *down, None, row_weights, passes, num_passes, 3, 64, 32, 8, False, 0))
+    torch.library.opcheck(ops.moe_combine, (torch.randn(12, 64).half(), position))
+
+
+def test_compile_grouped_forward_fullgraph():
+    """The grouped forward traces whole (fake implementations, no host synchronization in the graph)."""
+    torch._dynamo.reset()
+    mod = _with_layouts(6, 64, 32, 4, torch.float16)
+    x, idx, w = torch.randn(7, 64).half(), routing("random", 7, 2, 6), torch.rand(7, 2)
+    compiled = torch.compile(mod._forward_grouped, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, idx, w), mod._forward_grouped(x, idx, w))
+
+
+def test_rows_per_pass_policy():
+    rows = kbit.moe.rows_per_pass
+    assert [rows(s, 128) for s in (0, 1, 8, 128, 2048, 8192, 4096 * 8)] == [8, 8, 8, 8, 16, 32, 128]
+    assert rows(16 * 2, 8) == 8 and rows(512 * 2, 8) == 128
+    assert rows(4096 * 8, 128, (8, 16, 32)) == 32  # no wgmma (not Hopper)
+    assert rows(8, 128, (16,)) == 16 and rows(4096 * 8, 128, (8,)) == 8  # what fits an sm_80's shared memory
 
 
 # ----------------------------------------------------------------------------- save / load

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kbit.h"
+#include "moe.h"
 
 namespace {
 
@@ -248,6 +249,184 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   return y;
 }
 
+// ---------------------------------------------------------------------------- mixture of experts (moe.h)
+// The token rows per pass the grouped GEMM has configurations for (kbit/moe.py rows_per_pass).
+void check_rows_per_pass(int64_t rows) {
+  TORCH_CHECK(rows == 8 || rows == 16 || rows == 32 || rows == 128, "kbit: rows_per_pass must be 8, 16, 32 or 128, got ",
+              num(rows));
+}
+
+void check_num_experts(int64_t E) {
+  TORCH_CHECK(E >= 1 && E <= kbit::kMaxGroupedExperts, "kbit: the number of experts must be in [1, ",
+              num(kbit::kMaxGroupedExperts), "], got ", num(E));
+}
+
+// The rows per pass the grouped GEMM runs on the current device at k bits: built for its architecture and within
+// its shared memory (kbit/moe.py picks among them; on sm_80-class GPUs some configurations do not fit).
+std::vector<int64_t> moe_rows_per_pass_supported(int64_t k) {
+  check_bits(k);
+  int device = 0, sms = 0;
+  check_launch(cudaGetDevice(&device), "device query");
+  check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device query");
+  std::vector<int64_t> rows;
+  for (const int r : {8, 16, 32, 128}) {
+    const kbit::GemmPlan plan = kbit::grouped_gemm_plan(r, static_cast<int>(k), sms, 0);
+    if (plan.built && (plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit)) rows.push_back(r);
+  }
+  return rows;
+}
+
+std::vector<int64_t> stacked(int64_t experts, std::vector<int64_t> shape) {
+  shape.insert(shape.begin(), experts);
+  return shape;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& expert_ids,
+                                                                                 const at::Tensor& weights,
+                                                                                 int64_t num_experts,
+                                                                                 int64_t rows_per_pass) {
+  TORCH_CHECK(expert_ids.is_cuda() && expert_ids.dim() == 2, "kbit: expert_ids must be a 2-D CUDA tensor [tokens, top_k]");
+  const at::Device on = expert_ids.device();
+  const bool ids_64 = expert_ids.scalar_type() == at::kLong;
+  TORCH_CHECK(ids_64 || expert_ids.scalar_type() == at::kInt, "kbit: expert_ids must be int64 or int32, got ",
+              c10::toString(expert_ids.scalar_type()));
+  check_input(expert_ids, "expert_ids", expert_ids.scalar_type(), expert_ids.sizes().vec(), on);
+  check_input(weights, "weights", weights.scalar_type(), expert_ids.sizes().vec(), on);
+  const kbit::DType weights_dtype = to_dtype(weights.scalar_type());
+  check_num_experts(num_experts);
+  check_rows_per_pass(rows_per_pass);
+  const int64_t tokens = expert_ids.size(0), top_k = expert_ids.size(1), slots = tokens * top_k;
+  check_dim(top_k, "top_k", 1);
+  check_dim(slots, "tokens * top_k", 0);
+  const int64_t max_passes = std::min(num_experts, slots) + slots / rows_per_pass;
+  const c10::cuda::CUDAGuard guard(on);
+  const auto i32 = expert_ids.options().dtype(at::kInt);
+  auto x_rows = at::empty({slots}, i32);
+  auto row_weights = at::empty({slots}, expert_ids.options().dtype(at::kFloat));
+  auto position = at::empty({tokens, top_k}, i32);
+  auto passes = at::empty({max_passes, 4}, i32);
+  auto num_passes = at::empty({1}, i32);
+  if (slots == 0) {
+    num_passes.zero_();
+    return {x_rows, row_weights, position, passes, num_passes};
+  }
+  check_launch(kbit::moe_route(expert_ids.data_ptr(), ids_64, weights.data_ptr(), weights_dtype, static_cast<int>(slots),
+                               static_cast<int>(top_k), static_cast<int>(num_experts), static_cast<int>(rows_per_pass),
+                               static_cast<int>(max_passes), x_rows.data_ptr<int>(), row_weights.data_ptr<float>(),
+                               position.data_ptr<int>(), reinterpret_cast<int4*>(passes.data_ptr()),
+                               num_passes.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),
+               "moe_route");
+  return {x_rows, row_weights, position, passes, num_passes};
+}
+
+at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
+                    const at::Tensor& scale, const std::optional<at::Tensor>& x_rows,
+                    const std::optional<at::Tensor>& row_weights, const at::Tensor& passes,
+                    const at::Tensor& num_passes, int64_t k, int64_t N, int64_t K_w, int64_t rows_per_pass,
+                    bool silu_gate, int64_t num_blocks) {
+  check_bits(k);
+  check_dim(N, "N", 1);
+  check_dim(K_w, "K_dim", 32);
+  TORCH_CHECK(K_w % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", num(K_w));
+  check_rows_per_pass(rows_per_pass);
+  TORCH_CHECK(num_blocks >= 0 && num_blocks <= std::numeric_limits<int>::max(), "kbit: num_blocks must be >= 0");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
+  const at::Device on = x.device();
+  check_input(x, "x", x.scalar_type(), x.sizes().vec(), on);
+  TORCH_CHECK(x.size(1) % 8 == 0 && x.size(1) <= K_w, "kbit: x must have a multiple of 8 columns, at most K_dim = ",
+              num(K_w), ", got ", num(x.size(1)));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "kbit: x must be 16-byte aligned");
+  check_dim(x.size(0), "rows of x", 0);
+  TORCH_CHECK(b.dim() == 6, "kbit: b_gemm must be the experts' GEMM layouts stacked [experts, ...], got shape ",
+              shape_string(b.sizes()));
+  const int64_t E = b.size(0);
+  check_num_experts(E);
+  check_input(b, "b_gemm", at::kInt, stacked(E, layout_codes_shape(k, N, K_w)), on);
+  check_input(absmax, "absmax_gemm", at::kByte, stacked(E, layout_absmax_shape(N, K_w)), on);
+  check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
+  check_input(scale, "scale", at::kFloat, {E}, on);
+  if (x_rows) {
+    TORCH_CHECK(x_rows->dim() == 1, "kbit: x_rows must be 1-D, got shape ", shape_string(x_rows->sizes()));
+    check_input(*x_rows, "x_rows", at::kInt, {x_rows->size(0)}, on);
+  }
+  const int64_t M = x_rows ? x_rows->size(0) : x.size(0);
+  check_dim(M, "rows of y", 0);
+  TORCH_CHECK(M == 0 || x.size(0) > 0, "kbit: x has no rows for x_rows to select");
+  if (row_weights) check_input(*row_weights, "row_weights", at::kFloat, {M}, on);
+  TORCH_CHECK(!(silu_gate && row_weights), "kbit: row_weights apply to the plain epilogue, not silu_gate");
+  TORCH_CHECK(!silu_gate || N % 16 == 0, "kbit: silu_gate needs N (gate and up rows) a multiple of 16, got ", num(N));
+  TORCH_CHECK(passes.dim() == 2, "kbit: passes must be [max_passes, 4], got shape ", shape_string(passes.sizes()));
+  check_input(passes, "passes", at::kInt, {passes.size(0), 4}, on);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(passes.data_ptr()) % 16 == 0, "kbit: passes must be 16-byte aligned");
+  check_input(num_passes, "num_passes", at::kInt, {1}, on);
+  const int64_t P = passes.size(0);
+  // Steps are ints on the device: passes x CTA row tiles (128 rows at the fewest) x k-groups.
+  TORCH_CHECK(P * ((N + 127) / 128) * ((K_w + 255) / 256) <= std::numeric_limits<int>::max(),
+              "kbit: too many passes for one grouped GEMM: ", num(P));
+  const c10::cuda::CUDAGuard guard(on);
+  auto y = at::empty({M, silu_gate ? N / 2 : N}, x.options());
+  if (M == 0 || P == 0) return y;
+  int sms = 0;
+  check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
+  const kbit::GemmPlan plan = kbit::grouped_gemm_plan(static_cast<int>(rows_per_pass), static_cast<int>(k), sms,
+                                                      static_cast<int>(num_blocks));
+  TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the grouped GEMM at k=", num(k),
+              " with ", num(rows_per_pass), " rows per pass needs ", num(plan.smem_bytes / 1024),
+              " KB of shared memory per block; this GPU allows ", num(plan.smem_limit / 1024), " KB");
+  TORCH_CHECK(plan.built, "kbit: the grouped GEMM at k=", num(k), " with ", num(rows_per_pass),
+              " rows per pass is not built for this GPU's architecture");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  kbit::GroupedGemmParams p{};
+  p.x = x.data_ptr();
+  p.b = reinterpret_cast<const uint4*>(b.data_ptr());
+  p.absmax = absmax.data_ptr<uint8_t>();
+  p.codebook = codebook.data_ptr<float>();
+  p.scale = scale.data_ptr<float>();
+  p.y = y.data_ptr();
+  p.partials = split_k_partials(plan.partial_floats, x, stream);
+  p.dependent_launch = dependent_launch_enabled() && plan.cc_major >= 9;
+  p.M = static_cast<int>(M);
+  p.K_x = static_cast<int>(x.size(1));
+  p.lda = static_cast<int>(x.size(1));
+  p.k = static_cast<int>(k);
+  p.dtype = to_dtype(x.scalar_type());
+  kbit::grouped_gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
+  p.passes = reinterpret_cast<const int4*>(passes.data_ptr());
+  p.num_passes = num_passes.data_ptr<int>();
+  p.x_rows = x_rows ? x_rows->data_ptr<int>() : nullptr;
+  p.row_weights = row_weights ? row_weights->data_ptr<float>() : nullptr;
+  p.max_passes = static_cast<int>(P);
+  p.num_experts = static_cast<int>(E);
+  p.x_count = static_cast<int>(x.size(0));
+  p.epilogue = silu_gate ? kbit::GroupedEpilogue::SiluGate : kbit::GroupedEpilogue::Store;
+  check_launch(kbit::grouped_gemm(p, stream), "moe_gemm");
+  return y;
+}
+
+at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& position) {
+  TORCH_CHECK(y.is_cuda() && y.dim() == 2, "kbit: y must be a 2-D CUDA tensor");
+  TORCH_CHECK(y.scalar_type() == at::kHalf || y.scalar_type() == at::kBFloat16, "kbit: y must be fp16 or bf16");
+  const at::Device on = y.device();
+  check_input(y, "y", y.scalar_type(), y.sizes().vec(), on);
+  TORCH_CHECK(y.size(1) % 8 == 0, "kbit: y must have a multiple of 8 columns, got ", num(y.size(1)));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0, "kbit: y must be 16-byte aligned");
+  check_dim(y.size(0), "rows of y", 0);
+  check_dim(y.size(1), "columns of y", 0);
+  TORCH_CHECK(position.dim() == 2, "kbit: position must be [tokens, top_k], got shape ", shape_string(position.sizes()));
+  check_input(position, "position", at::kInt, position.sizes().vec(), on);
+  check_dim(position.size(0), "tokens", 0);
+  check_dim(position.numel(), "tokens * top_k", 0);
+  const c10::cuda::CUDAGuard guard(on);
+  auto out = at::empty({position.size(0), y.size(1)}, y.options());
+  check_launch(kbit::moe_combine(y.data_ptr(), static_cast<int>(y.size(0)), position.data_ptr<int>(),
+                                 static_cast<int>(position.size(0)), static_cast<int>(position.size(1)),
+                                 static_cast<int>(y.size(1)), out.data_ptr(), to_dtype(y.scalar_type()),
+                                 c10::cuda::getCurrentCUDAStream()),
+               "moe_combine");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kbit_cuda, m) {
@@ -256,6 +435,13 @@ TORCH_LIBRARY(kbit_cuda, m) {
   m.def("repack(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
         "int K_dim, int num_blocks) -> Tensor");
+  m.def("moe_route(Tensor expert_ids, Tensor weights, int num_experts, int rows_per_pass) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? x_rows, "
+        "Tensor? row_weights, Tensor passes, Tensor num_passes, int k, int N, int K_dim, int rows_per_pass, "
+        "bool silu_gate, int num_blocks) -> Tensor");
+  m.def("moe_combine(Tensor y, Tensor position) -> Tensor");
+  m.def("moe_rows_per_pass_supported(int k) -> int[]", &moe_rows_per_pass_supported);  // no tensors: any backend
 }
 
 TORCH_LIBRARY_IMPL(kbit_cuda, CUDA, m) {
@@ -263,4 +449,7 @@ TORCH_LIBRARY_IMPL(kbit_cuda, CUDA, m) {
   m.impl("dequantize", &dequantize);
   m.impl("repack", &repack);
   m.impl("gemm", &gemm);
+  m.impl("moe_route", &moe_route);
+  m.impl("moe_gemm", &moe_gemm);
+  m.impl("moe_combine", &moe_combine);
 }

@@ -41,6 +41,7 @@
 // CTA per SM (so all start at once when the GPU is not shared).
 
 #include "common.cuh"
+#include "moe.h"
 
 namespace kbit {
 
@@ -75,11 +76,15 @@ __host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles)
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
-// WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp.
-template <int K, int MB, int WG>
+// WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp. G: 0 for one weight, else the
+// grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue.
+template <int K, int MB, int WG, int G = 0>
 struct GemmConfig {
   static constexpr int kBits = K, kMB = MB;
   static constexpr bool kWgmma = WG > 0;
+  static constexpr bool kGrouped = G != 0;
+  static constexpr GroupedEpilogue kEpilogue = static_cast<GroupedEpilogue>(G);
+  using Params = std::conditional_t<kGrouped, GroupedGemmParams, GemmParams>;  // what the kernel receives
   static constexpr int kWarps = kGemmWarps;
   static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
@@ -322,6 +327,53 @@ struct StepCursor {
   __device__ int tile(const GemmParams& p) const { return mpass * p.n_tiles + ntile; }
 };
 
+// A step's token pass: rows first .. first + rows - 1 of y (x_row says which rows of x they read), all against
+// weight `expert`. One weight: pass mpass is rows mpass * MB * 8 .., weight 0. Grouped (moe.h): entry mpass of
+// the routing kernel's table, refused (no rows) unless it lies inside y and the experts.
+struct TokenPass {
+  int first, rows, expert;
+};
+template <class Cfg>
+__device__ __forceinline__ TokenPass token_pass(const GemmParams& p, const StepCursor& c) {
+  constexpr int R = Cfg::kMB * 8;
+  if constexpr (Cfg::kGrouped) {
+    const auto& g = static_cast<const GroupedGemmParams&>(p);
+    const int4 t = g.passes[c.mpass];
+    const bool ok = t.x >= 0 && t.x < g.num_experts && t.y >= 0 && t.z >= 0 && t.z <= R && t.y <= p.M - t.z;
+    return ok ? TokenPass{t.y, t.z, t.x} : TokenPass{0, 0, 0};
+  } else {
+    const int first = c.mpass * R;
+    return {first, min(R, p.M - first), 0};
+  }
+}
+
+// Where row `row` of y reads its activations: x row x_rows[row] in a grouped GEMM that gathers (clamped into x),
+// else x row `row`.
+template <class Cfg, typename T>
+__device__ __forceinline__ const T* x_row(const GemmParams& p, int row) {
+  if constexpr (Cfg::kGrouped) {
+    const auto& g = static_cast<const GroupedGemmParams&>(p);
+    if (g.x_rows != nullptr) row = min(max(g.x_rows[row], 0), g.x_count - 1);
+  }
+  return static_cast<const T*>(p.x) + static_cast<int64_t>(row) * p.lda;
+}
+
+// The stream-K cut (first_step_of below): one weight, the host's plan; grouped, grid CTAs over num_passes *
+// n_tiles * k_groups steps, from the pass count the routing kernel wrote (read after grid_dependency_wait).
+struct StreamKCut {
+  int steps_per_cta, extra_steps;
+};
+template <class Cfg>
+__device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
+  if constexpr (Cfg::kGrouped) {
+    const auto& g = static_cast<const GroupedGemmParams&>(p);
+    const int total = min(max(*g.num_passes, 0), g.max_passes) * p.n_tiles * p.k_groups;
+    return {total / static_cast<int>(gridDim.x), total % static_cast<int>(gridDim.x)};
+  } else {
+    return {p.steps_per_cta, p.extra_steps};
+  }
+}
+
 // The pipeline's barriers. Stage s holds one step: per warp tile its codes and scales (read by that warp
 // only), and the activations (read by every warp).
 //   weights_full[s][w]  warp w's weights of the step have landed: warp w waits for it
@@ -357,7 +409,9 @@ struct Barriers {
 // tiles sit next to each other: codes at warp * kRowTiles * K*512 + r * K*512, scales likewise.
 template <class Cfg>
 __device__ __forceinline__ int64_t weights_index(const GemmParams& p, const StepCursor& c, int r) {
-  const int64_t tile16 = (static_cast<int64_t>(c.ntile) * Cfg::kWarps + (threadIdx.x >> 5)) * Cfg::kRowTiles + r;
+  int64_t tile16 = (static_cast<int64_t>(c.ntile) * Cfg::kWarps + (threadIdx.x >> 5)) * Cfg::kRowTiles + r;
+  if constexpr (Cfg::kGrouped)  // the pass's expert: the weights are stacked
+    tile16 += static_cast<int64_t>(token_pass<Cfg>(p, c).expert) * static_cast<const GroupedGemmParams&>(p).expert_tiles16;
   return tile16 * p.k_groups + c.kgroup;
 }
 template <class Cfg>
@@ -411,14 +465,14 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* x = static_cast<const T*>(p.x);
   uint8_t* xs = small_piece + Cfg::kAbsStage;
-  const int rows = min(MB * 8, p.M - c.mpass * MB * 8), kcol0 = c.kgroup * kKGroup;
-  const T* x_pass = x + static_cast<int64_t>(c.mpass * MB * 8) * p.lda + kcol0;
+  const TokenPass pass = token_pass<Cfg>(p, c);
+  const int rows = pass.rows, kcol0 = c.kgroup * kKGroup;
   if constexpr (Cfg::kWgmma) {
     const int n = lane & 7;
 #pragma unroll
     for (int group = warp; group < MB; group += Cfg::kWarps) {
       if (group * 8 + n >= rows) continue;
-      const T* src = x_pass + static_cast<int64_t>(group * 8 + n) * p.lda;
+      const T* src = x_row<Cfg, T>(p, pass.first + group * 8 + n) + kcol0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int chunk = (lane >> 3) + 4 * i;
@@ -430,7 +484,7 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
 #pragma unroll
     for (int row = warp; row < MB * 8; row += Cfg::kWarps) {
       if (row >= rows) break;
-      const T* src = x_pass + static_cast<int64_t>(row) * p.lda;
+      const T* src = x_row<Cfg, T>(p, pass.first + row) + kcol0;
       if constexpr (Cfg::kXPairsTransposed) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -567,9 +621,50 @@ __device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, c
 }
 #endif
 
+// A finished tile of the grouped GEMM: row m of the pass is row first + m of y, times its expert's scale, then
+// (Store) times the row's routing weight, or (SiluGate) silu(gate) * up of the lane's gate row g and up row g + 8
+// (kbit/grouped.py: rows interleaved by 8) into column 8 * tile16 + g of y's N / 2 columns, in fp32, rounded once.
+template <class Cfg, typename T>
+__device__ __forceinline__ void store_tile_grouped(const GemmParams& p, const StepCursor& c,
+                                                   const float (&acc)[Cfg::kFrags][4]) {
+  constexpr int MB = Cfg::kMB;
+  const auto& grouped = static_cast<const GroupedGemmParams&>(p);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const TokenPass pass = token_pass<Cfg>(p, c);
+  const float s = p.scale[pass.expert];
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int r = 0; r < Cfg::kRowTiles; ++r) {
+    const int tile16 = c.ntile * (Cfg::kTileRows / 16) + warp * Cfg::kRowTiles + r;
+    const int n = tile16 * 16 + g;  // this lane's rows n and n + 8
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      const float (&d)[4] = acc[r * MB + mb];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // token 2q + e: d[e] in row n, d[2 + e] in row n + 8
+        const int m = mb * 8 + 2 * q + e;
+        if (m >= pass.rows) continue;
+        const int64_t row = pass.first + m;
+        if constexpr (Cfg::kEpilogue == GroupedEpilogue::SiluGate) {
+          const float gate = d[e] * s, up = d[2 + e] * s;
+          if (n < p.N) y[row * (p.N / 2) + tile16 * 8 + g] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
+        } else {
+          const float w = grouped.row_weights != nullptr ? grouped.row_weights[row] : 1.0f;
+          if (n < p.N) y[row * p.N + n] = from_float<T>(d[e] * s * w);
+          if (n + 8 < p.N) y[row * p.N + n + 8] = from_float<T>(d[2 + e] * s * w);
+        }
+      }
+    }
+  }
+}
+
 template <class Cfg, typename T>
 __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, float s,
                                            const float (&acc)[Cfg::kFrags][4]) {
+  if constexpr (Cfg::kGrouped) {
+    store_tile_grouped<Cfg, T>(p, c, acc);
+    return;
+  }
   constexpr int MB = Cfg::kMB;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
@@ -593,12 +688,18 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
 // The stream-K cut: CTA b owns steps_per_cta steps, plus one more when b < extra_steps (total = grid *
 // steps_per_cta + extra_steps). first_step_of(b) is its first step, cta_of_step(s) the owner of step s.
 // Multiplications only on the way in; a 64-bit division per CTA cost ~1% of a small GEMM.
+__device__ __forceinline__ int first_step_of(const StreamKCut& cut, int b) {
+  return b * cut.steps_per_cta + min(b, cut.extra_steps);
+}
+__device__ __forceinline__ int cta_of_step(const StreamKCut& cut, int s) {
+  const int long_steps = cut.extra_steps * (cut.steps_per_cta + 1);  // steps owned by the longer CTAs
+  return s < long_steps ? s / (cut.steps_per_cta + 1) : cut.extra_steps + (s - long_steps) / cut.steps_per_cta;
+}
 __device__ __forceinline__ int first_step_of(const GemmParams& p, int b) {
-  return b * p.steps_per_cta + min(b, p.extra_steps);
+  return first_step_of(StreamKCut{p.steps_per_cta, p.extra_steps}, b);
 }
 __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
-  const int long_steps = p.extra_steps * (p.steps_per_cta + 1);  // steps owned by the longer CTAs
-  return s < long_steps ? s / (p.steps_per_cta + 1) : p.extra_steps + (s - long_steps) / p.steps_per_cta;
+  return cta_of_step(StreamKCut{p.steps_per_cta, p.extra_steps}, s);
 }
 
 // The tile of step c ends here for this CTA: store it, or, when other CTAs hold parts of its k range, either
@@ -629,8 +730,8 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   // Fragment f (token tile f % MB) of this lane holds tokens 2q, 2q + 1 of its tile: only those below M are
   // ever stored, so only they move (at M = 1, a quarter of the lanes: the reducer's polls are 4x smaller).
   // Not at MB >= 4 (M > 16, mostly full tiles), whose builds spill with the extra predicates.
-  const int lane_token = c.mpass * MB * 8 + 2 * (lane & 3);
-  auto live = [&](int f) { return MB >= 4 || lane_token + (f % MB) * 8 < p.M; };
+  const int lane_rows = token_pass<Cfg>(p, c).rows - 2 * (lane & 3);  // the pass's rows from the lane's first token
+  auto live = [&](int f) { return MB >= 4 || (f % MB) * 8 < lane_rows; };
   if (!holds_first) {
     float* mine = partial(blockIdx.x);
 #pragma unroll
@@ -638,7 +739,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
       if (live(f)) st_relaxed_gpu(mine + f * 128, make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]));
     return;
   }
-  const int others = cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
+  const int others = cta_of_step(stream_k_cut<Cfg>(p), tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
   // Contributors in flight at once, up to 8 fragments of each: one L2 round trip per batch, not per partial (a
   // tile of a small GEMM has ~8). At most 16 fragments (64 registers); one partial at a time at 8 or more
   // fragments per warp and on sm_80, and 2 fragments at a time next to 32 accumulator fragments (wgmma, 128
@@ -696,7 +797,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
   __shared__ Barriers<Cfg> bars;
 
-  const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
+  int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   bars.init(warp, lane);
   mbarrier_init_fence();
@@ -704,7 +805,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // Launched early (programmatic dependent launch), the CTA warms L2 with the weights of its first
   // steps while the previous kernel drains; everything else waits for that kernel. In a normal launch
   // there is nothing to overlap, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
-  if (p.dependent_launch && lane == 0) {
+  if (!Cfg::kGrouped && p.dependent_launch && lane == 0) {  // a grouped GEMM's passes are not written yet
     StepCursor at(p, first);
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
       for (int r = 0; r < Cfg::kRowTiles; ++r) {
@@ -717,6 +818,11 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 #endif
   grid_dependency_wait();
   allow_dependent_launch();
+  if constexpr (Cfg::kGrouped) {  // the routing kernel has written the passes: the step range is known now
+    const StreamKCut cut = stream_k_cut<Cfg>(p);
+    first = first_step_of(cut, blockIdx.x), last = first_step_of(cut, blockIdx.x + 1);
+    if (first == last) return;
+  }
   // Loaded now, not in the epilogue: there it would add a global round trip to the kernel's last ~2 us.
   const float out_scale = *p.scale;
 
@@ -761,7 +867,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     } else
 #endif
     {
-      compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, min(MB * 8, p.M - c.mpass * MB * 8), acc);
+      compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, token_pass<Cfg>(p, c).rows, acc);
     }
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&bars.acts_free[slot]);
@@ -778,7 +884,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 }
 
 template <class Cfg, typename T>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_kernel(const typename Cfg::Params p) {
 #if defined(__CUDA_ARCH__)
   // What a GPU cannot run is built as a trap, and the host never launches it there: wgmma needs sm_90a, and
   // sm_80-class GPUs get what fits their shared memory (GemmConfig::kOnSm80).
@@ -825,7 +931,7 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = p.dependent_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, p);
+  return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, static_cast<const typename Cfg::Params&>(p));
 }
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass; wgmma with 64

@@ -1,0 +1,47 @@
+// Host side of the grouped GEMM (moe.h): its plan, its parameters, dispatch on the bit width.
+#include <algorithm>
+
+#include "moe_gemm.cuh"
+
+namespace kbit {
+
+GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int forced_grid) {
+  GemmPlan plan{};
+  int smem_limit = 0, dev = 0, major = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  }
+  plan.mb = rows_per_pass / 8;
+  plan.wgmma_tiles = plan.mb == 16 ? grouped_wgmma_tiles(k) : 0;
+  plan.smem_bytes = gemm_smem_bytes(k, plan.mb, plan.wgmma_tiles);
+  plan.smem_limit = smem_limit;
+  plan.cc_major = major;
+  plan.built = plan.wgmma_tiles ? major == 9 : major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb, 0);
+  // Persistent: one CTA per SM (finish_tile's reducers wait for the CTAs after them, so all must be resident);
+  // the steps are cut among them on the device, once the routing kernel has counted the passes.
+  plan.grid = std::max(1, forced_grid > 0 ? std::min(forced_grid, num_sms) : num_sms);
+  plan.partial_floats = static_cast<int64_t>(plan.grid) * kGemmWarps * gemm_row_tiles(k, plan.mb, plan.wgmma_tiles) *
+                        plan.mb * 32 * 4;  // GemmConfig::kPartialFloats per CTA: any CTA may share a tile
+  return plan;
+}
+
+void grouped_gemm_fill_params(GroupedGemmParams& p, const GemmPlan& plan, int N, int K_w) {
+  gemm_fill_params(p, plan, N, K_w);
+  p.steps_per_cta = p.extra_steps = 0;  // cut on the device (stream_k_cut)
+  p.expert_tiles16 = (N + 255) / 256 * 16;
+}
+
+cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
+  if (p.M == 0 || p.max_passes == 0) return cudaSuccess;
+  if (p.K_x % 8 || p.lda % 8 || reinterpret_cast<uintptr_t>(p.x) % 16) return cudaErrorMisalignedAddress;
+  switch (p.k) {
+    case 2: return grouped_gemm_for_bits<2>(p, stream);
+    case 3: return grouped_gemm_for_bits<3>(p, stream);
+    case 4: return grouped_gemm_for_bits<4>(p, stream);
+    case 5: return grouped_gemm_for_bits<5>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace kbit
