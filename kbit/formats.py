@@ -57,7 +57,9 @@ def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
     # Expected value of N(0, 1) inside each of 2**k equiprobable bins:
     # E[X | a < X < b] = (phi(a) - phi(b)) / (Phi(b) - Phi(a)) = (phi(a) - phi(b)) * 2**k.
     n = 2**k
-    p = torch.arange(n + 1, dtype=torch.float64) / n
+    # On the CPU explicitly: the first call may come inside a torch.device("meta") context (transformers builds
+    # empty models in one), and a meta codebook would then be cached for good.
+    p = torch.arange(n + 1, dtype=torch.float64, device="cpu") / n
     edges = torch.special.ndtri(p)  # -inf ... +inf
     pdf = torch.exp(-0.5 * edges * edges) / math.sqrt(2.0 * math.pi)
     pdf = torch.where(torch.isfinite(edges), pdf, torch.zeros_like(pdf))

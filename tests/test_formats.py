@@ -116,6 +116,16 @@ def test_codebook_cached_and_safe_to_mutate():
     assert float(kbit.create_normal_float_codebook(4).abs().max()) == 1.0
 
 
+def test_codebook_cache_outlives_a_meta_device_context():
+    """transformers builds empty models under torch.device("meta"): a first call there must not cache a meta
+    codebook that every later quantization would then get."""
+    formats._normal_float_codebook_cpu.cache_clear()
+    with torch.device("meta"):
+        inside = kbit.create_normal_float_codebook(3)
+    assert inside.device.type == "cpu"
+    torch.testing.assert_close(kbit.create_normal_float_codebook(3), inside, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("k", [0, 1, 6, 8, -4])
 def test_codebook_bad_k(k):
     with pytest.raises(ValueError, match="k must be one of"):
