@@ -71,9 +71,10 @@ def _cmd_quantize(argv: List[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo
+    from . import __version__, demo
 
     parser = argparse.ArgumentParser(prog="python -m kbit", description="kbit: k-bit (K=2..5) weight quantization.")
+    parser.add_argument("--version", action="version", version=f"kbit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,info,build,quantize}")
 
     p = sub.add_parser("demo", help="quantize a synthetic Llama-shaped stack at K=2..5 and print a table",

@@ -1,0 +1,40 @@
+"""What an installation brings: the license, the base dependencies, ``python -m kbit --version``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kbit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_license_is_apache_2():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "Copyright the kbit authors" in text
+    project = _pyproject()
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+
+
+def test_base_dependencies():
+    """safetensors: kbit folders' weights; numpy: without it torch prints "Failed to initialize NumPy" on import."""
+    project = _pyproject()
+    names = {dep.split(">")[0].split("=")[0].split("<")[0].strip() for dep in project["dependencies"]}
+    assert {"torch", "numpy", "safetensors"} <= names
+    assert project["version"] == kbit.__version__
+
+
+def test_python_m_kbit_version():
+    proc = subprocess.run([sys.executable, "-m", "kbit", "--version"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"kbit {kbit.__version__}", proc
+    assert "NumPy" not in proc.stderr, proc.stderr
