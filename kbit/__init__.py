@@ -6,6 +6,9 @@
     layer = kbit.KbitLinear.from_linear(linear, k=4)
     kbit.quantize_model(model, k=4)     # swaps eligible nn.Linear layers in place
     kbit.prepare(model)                 # GEMM layouts on the GPU now (before torch.compile / CUDA graphs)
+
+    # transformers: quantize while loading, save_pretrained / from_pretrained round-trip
+    model = AutoModelForCausalLM.from_pretrained(model_id, quantization_config=kbit.KbitConfig(bits=4))
 """
 
 from . import ops  # noqa: F401  (registers the torch.library ops)
@@ -18,14 +21,31 @@ from .functional import dequantize_kbit, kbit_gemm, quantize_kbit, repack_for_ge
 from .weight import PrecisionLoss, PrecisionWarning, QuantizedWeight, dequantize, matmul, quantize
 from .nn import KbitLinear, prepare, quantize_model, quantized_fraction
 from .moe import KbitExperts
-from .hf import load_quantized, save_quantized  # transformers is imported only when used
+from .dequantized_weight import DequantizedWeight
+from .hf import save_quantized  # transformers is imported only when used
+from . import _transformers_hook
 
 __version__ = "0.1.0"
+
+_transformers_hook.install()  # from_pretrained knows quant_method "kbit" once transformers' quantizers load
+
+
+def __getattr__(name):
+    # These import transformers (KbitConfig) or peft (lora): only when asked for.
+    if name == "KbitConfig":
+        from .hf_quantizer import KbitConfig
+
+        return KbitConfig
+    if name == "lora":
+        import importlib
+
+        return importlib.import_module(".lora", __name__)
+    raise AttributeError(f"module 'kbit' has no attribute {name!r}")
 
 __all__ = [
     "QuantizedWeight", "quantize", "dequantize", "matmul", "KbitLinear", "KbitExperts", "quantize_model",
     "quantized_fraction", "prepare",
-    "save_quantized", "load_quantized", "PrecisionWarning", "PrecisionLoss",
+    "DequantizedWeight", "KbitConfig", "save_quantized", "PrecisionWarning", "PrecisionLoss",
     "create_normal_float_codebook", "encode_absmax_e4m4", "decode_absmax_e4m4",
     "quantize_kbit", "dequantize_kbit", "repack_for_gemm", "kbit_gemm",
 ]

@@ -1,19 +1,20 @@
-"""Convert a local Hugging Face ``transformers`` model directory to a kbit checkpoint.
+"""``python -m kbit quantize <model-dir> --bits 4 --out <dir>``: a transformers model directory to a kbit folder.
 
-    python -m kbit quantize <model-dir> --bits 4 --out <dir>
+A thin wrapper over transformers: ``from_pretrained(<model-dir>, quantization_config=kbit.KbitConfig(...))``
+quantizes each layer as it is read (host memory peaks near the quantized model plus one layer in full precision,
+not at the full-precision model's size), then ``save_pretrained`` writes ``<dir>`` atomically, together with the
+source's tokenizer and other small files. ``AutoModelForCausalLM.from_pretrained(<dir>)`` (after ``import kbit``)
+and ``AutoTokenizer.from_pretrained(<dir>)`` load the result.
 
-``<model-dir>`` is what ``save_pretrained`` writes (``config.json`` plus ``*.safetensors`` or
-``pytorch_model*.bin`` weights). The model is loaded with ``from_pretrained`` (so peak CPU memory
-is about the size of the checkpoint in ``--dtype``), every eligible ``nn.Linear`` is replaced by a
-``KbitLinear`` (``kbit.quantize_model``, with a progress bar), and the result is written with
-``kbit.save_quantized``; tokenizer and other small files are copied along, so
-``kbit.load_quantized(<dir>)`` plus ``AutoTokenizer.from_pretrained(<dir>)`` is all a user needs.
+Progress: transformers' bars on a terminal; in a log (stderr not a terminal), one line per tenth of the layers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import shutil
 import sys
 import time
@@ -21,13 +22,14 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-from torch import nn
+
+from ._progress import is_terminal
 
 __all__ = ["cli_quantize", "quantize_directory", "ConversionError"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".ggml", ".onnx")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_WRITTEN = ("config.json", "generation_config.json", "kbit_config.json", "model.safetensors")
+_WRITTEN = ("config.json", "generation_config.json")  # save_pretrained writes these (and the weights)
 _MAX_COPY_BYTES = 64 << 20  # tokenizer files and the like; anything bigger is not copied
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -68,11 +70,11 @@ def _read_config(model_dir: Path) -> dict:
         raise ConversionError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConversionError(f"{path} has no 'model_type': not a transformers model config")
-    if (model_dir / "kbit_config.json").is_file():
-        raise ConversionError(f"{model_dir} is already a kbit checkpoint (it has kbit_config.json)")
     qc = raw.get("quantization_config")
     if qc:
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+        if method == "kbit":
+            raise ConversionError(f"{model_dir} is already a kbit checkpoint")
         raise ConversionError(
             f"{model_dir} is already quantized ({method}); kbit converts fp16/bf16/fp32 checkpoints only"
         )
@@ -89,8 +91,6 @@ def _pick_dtype(name: str, raw: dict) -> torch.dtype:
 
 
 def _resolve_class(transformers, config, raw: dict, trust_remote_code: bool):
-    from .hf import resolve_model_class
-
     archs = list(getattr(config, "architectures", None) or [])
     for name in archs:
         cls = getattr(transformers, name, None)
@@ -103,13 +103,15 @@ def _resolve_class(transformers, config, raw: dict, trust_remote_code: bool):
                 f"{', '.join(archs) or raw['model_type']}); pass --trust-remote-code if you trust it"
             )
         return transformers.AutoModelForCausalLM if "AutoModelForCausalLM" in raw["auto_map"] else transformers.AutoModel
-    cls = resolve_model_class(config)
-    if cls is None:
-        raise ConversionError(
-            f"unsupported architecture {', '.join(archs) or raw['model_type']!r}: transformers "
-            f"{transformers.__version__} has no model class for it"
-        )
-    return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto._model_mapping[type(config)]
+        except KeyError:
+            continue
+    raise ConversionError(
+        f"unsupported architecture {', '.join(archs) or raw['model_type']!r}: transformers "
+        f"{transformers.__version__} has no model class for it"
+    )
 
 
 def _copy_side_files(src: Path, dst: Path) -> list:
@@ -151,6 +153,31 @@ def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
+@contextlib.contextmanager
+def _progress_output(enabled: bool):
+    """transformers' bars on a terminal; in a log, kbit's lines (its logger) instead of redrawn bars."""
+    from transformers.utils import logging as hf_logging
+
+    lines = enabled and not is_terminal(sys.stderr)
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    kbit_logger = logging.getLogger("kbit")
+    handler, level = logging.StreamHandler(sys.stderr), kbit_logger.level
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    if not enabled or lines:
+        hf_logging.disable_progress_bar()
+    if lines:
+        kbit_logger.addHandler(handler)
+        kbit_logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        if lines:
+            kbit_logger.removeHandler(handler)
+            kbit_logger.setLevel(level)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
 # ---------------------------------------------------------------------- conversion
 def quantize_directory(
     model_dir,
@@ -165,14 +192,14 @@ def quantize_directory(
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Quantize the transformers model in ``model_dir`` and save it to ``out_dir``.
+    """Quantize the transformers model in ``model_dir`` while loading it and save it to ``out_dir``.
 
     Raises ``ConversionError`` (with the reason) for directories it cannot convert. Returns a
-    summary dict (layer count, sizes, output path).
+    summary dict (layer count, share of the weights quantized, sizes, output path).
     """
+    from ._atomic import atomic_directory
     from ._validate import check_bits
-    from .hf import default_skip, dtype_kwarg, save_quantized
-    from .nn import KbitLinear, quantize_model
+    from .nn import KbitLinear, quantized_fraction
 
     try:
         check_bits(bits)
@@ -201,6 +228,9 @@ def quantize_directory(
         import transformers
     except ImportError:
         raise ConversionError("converting a transformers model needs transformers: pip install transformers") from None
+    from .hf import dtype_kwarg
+    from .hf_quantizer import KbitConfig
+
     try:
         config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except (ValueError, KeyError) as e:
@@ -209,81 +239,68 @@ def quantize_directory(
             f"{raw['model_type']!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
         ) from None
     cls = _resolve_class(transformers, config, raw, trust_remote_code)
+    qconfig = KbitConfig(bits=bits, skip=skip, **({} if min_features is None else {"min_features": min_features}))
 
-    log(f"kbit: loading {getattr(cls, '__name__', cls)} from {model_dir} ({str(torch_dtype).replace('torch.', '')})")
+    log(f"kbit: loading {getattr(cls, '__name__', cls)} from {model_dir} ({str(torch_dtype).replace('torch.', '')}) "
+        f"and quantizing its layers to {bits} bits")
     t0 = time.perf_counter()
-    kwargs = {dtype_kwarg(): torch_dtype}
+    kwargs = {dtype_kwarg(): torch_dtype, "quantization_config": qconfig, "device_map": device}
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
-    try:
-        model = cls.from_pretrained(str(model_dir), **kwargs)
-    except Exception as e:  # corrupt or mismatched weights, missing shards, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConversionError(f"transformers could not load {model_dir}: {msg}") from e
-    model.eval()
-    if device != "cpu":
-        model.to(device)
+    with _progress_output(progress):
+        try:
+            model = cls.from_pretrained(str(model_dir), **kwargs)
+        except Exception as e:  # corrupt or mismatched weights, missing shards, ...
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConversionError(f"transformers could not load {model_dir}: {msg}") from e
+        layers = [m for m in model.modules() if isinstance(m, KbitLinear)]
+        if not layers:
+            raise ConversionError(
+                "no layer was eligible for quantization (all skipped or smaller than min_features); nothing to write"
+            )
+        with atomic_directory(out_dir) as tmp:
+            model.save_pretrained(tmp)
+            copied = _copy_side_files(model_dir, tmp)
 
-    linears = {id(m): m for m in model.modules() if isinstance(m, nn.Linear)}
-    if not linears:
-        kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("Conv1D", "Conv1d")})
-        extra = f" (it uses {', '.join(kinds)})" if kinds else ""
-        raise ConversionError(
-            f"unsupported architecture {type(model).__name__}: it has no nn.Linear layers to quantize{extra}"
-        )
-    skip = list(default_skip(model) if skip is None else skip)
-    qkw = {} if min_features is None else {"min_features": min_features}
-    before = {id(m): m.weight.numel() * m.weight.element_size() for m in linears.values()}
-    log(f"kbit: quantizing nn.Linear layers to {bits} bits (skipping {', '.join(skip) or 'nothing'})")
-    with torch.no_grad():
-        quantize_model(model, k=bits, skip=skip, progress=progress, **qkw)
-    qlayers = {id(m): m for m in model.modules() if isinstance(m, KbitLinear)}
-    if not qlayers:
-        raise ConversionError(
-            "no nn.Linear layer was eligible for quantization (all skipped or smaller than min_features); "
-            "nothing to write"
-        )
-    remaining = {id(m) for m in model.modules() if isinstance(m, nn.Linear)}
-    fp_bytes = sum(b for i, b in before.items() if i not in remaining)
-    q_bytes = sum(m.qweight.nbytes for m in qlayers.values())
-
-    save_quantized(
-        model, out_dir,
-        extra_config={"source": str(model_dir), "skip": skip, "bits_per_weight": round(8 * q_bytes / max(
-            1, sum(m.in_features * m.out_features for m in qlayers.values())), 4)},
-    )
-    copied = _copy_side_files(model_dir, out_dir)
+    fp_bytes = sum(m.in_features * m.out_features for m in layers) * torch.finfo(torch_dtype).bits // 8
+    q_bytes = sum(m.qweight.nbytes for m in layers)
     total = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+    fraction = quantized_fraction(model)
     log(
-        f"kbit: quantized {len(qlayers)} layers ({_gb(fp_bytes)} -> {_gb(q_bytes)}) in "
-        f"{time.perf_counter() - t0:.1f} s; wrote {out_dir} ({_gb(total)}"
+        f"kbit: quantized {len(layers)} layers, {100 * fraction:.1f}% of the model's weights "
+        f"({_gb(fp_bytes)} -> {_gb(q_bytes)}) in {time.perf_counter() - t0:.1f} s; wrote {out_dir} ({_gb(total)}"
         + (f", copied {len(copied)} tokenizer/config files" if copied else "") + ")"
     )
-    return {"out_dir": str(out_dir), "layers": len(qlayers), "bits": bits, "linear_bytes_before": fp_bytes,
-            "linear_bytes_after": q_bytes, "total_bytes": total, "copied": copied}
+    return {"out_dir": str(out_dir), "layers": len(layers), "bits": bits, "quantized_fraction": fraction,
+            "linear_bytes_before": fp_bytes, "linear_bytes_after": q_bytes, "total_bytes": total, "copied": copied}
 
 
 # ---------------------------------------------------------------------- CLI
+def _name_list(text: str) -> list:
+    return [name for name in text.split(",") if name]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kbit quantize",
-        description="Quantize the nn.Linear layers of a local transformers model directory to k bits and save "
-                    "it as a kbit checkpoint (load it with kbit.load_quantized).",
+        description="Quantize the linear layers of a local transformers model directory to k bits while loading it, "
+                    "and save it as a kbit folder (load it with from_pretrained after import kbit).",
     )
     p.add_argument("model_dir", help="directory with config.json and safetensors / pytorch_model.bin weights")
     p.add_argument("--bits", "-k", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
     p.add_argument("--out", "-o", required=True, help="output directory")
-    p.add_argument("--skip", nargs="*", default=None, metavar="NAME",
-                   help="module names, name suffixes or fnmatch patterns to keep in high precision "
-                        "(default: lm_head and the output embedding)")
+    # One value per flag (comma-separated, repeatable): a list taking several values would also take model_dir.
+    p.add_argument("--skip", type=_name_list, action="extend", default=None, metavar="NAME[,NAME...]",
+                   help="module names, name suffixes or fnmatch patterns to keep in high precision, comma-separated; "
+                        "repeatable (default: lm_head, the output embeddings and tied weights)")
     p.add_argument("--min-features", type=int, default=None,
-                   help="leave Linear layers with min(in, out) below this in high precision (default: kbit's)")
+                   help="leave layers with min(in, out) below this in high precision (default: kbit's)")
     p.add_argument("--dtype", default="auto", choices=("auto", *_DTYPES),
                    help="dtype of the layers kept in high precision (default: the checkpoint's if fp16/bf16, else fp16)")
     p.add_argument("--device", default="cpu", help="device to quantize on, e.g. cuda (default cpu)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow models whose code lives in the directory")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress output")
     return p
 
 

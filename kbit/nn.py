@@ -35,7 +35,11 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ._layers import linear_features, linear_weight
+from ._progress import Progress
+from ._transformers_hook import record_in_transformers_config
 from ._validate import check_bits, check_codebook, check_int, check_meta, check_scale, check_storage_tensor
+from .dequantized_weight import DequantizedWeight
 from .formats import DTYPE_CODES, create_normal_float_codebook, meta_tensor, num_blocks, padded_in_features
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_with_report
@@ -174,6 +178,13 @@ class KbitLinear(nn.Module):
         """The [out_features, in_features] reconstructed weight (default: the original dtype)."""
         return self.qweight.dequantize(dtype)
 
+    @property
+    def weight(self) -> DequantizedWeight:
+        """The weight as a read-only tensor: the original shape, dtype and device, free to read; an operation on
+        it (``F.linear(x, layer.weight)``) dequantizes for that operation only. Not a parameter or buffer, so
+        ``state_dict`` holds only the quantized storage."""
+        return DequantizedWeight(self.qweight)
+
     def forward(self, x: Tensor) -> Tensor:
         return matmul(x, self.qweight, self.bias)
 
@@ -261,14 +272,29 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return False
 
 
-def _progress(iterable, total: int, enabled: bool):
-    if not enabled:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except Exception:  # tqdm is optional
-        return iterable
-    return tqdm(iterable, total=total, desc="kbit: quantizing", unit="layer", leave=False)
+def linear_targets(model: nn.Module, skip: Iterable[str], min_features: int):
+    """The layers ``quantize_model`` swaps, as ``([(name, layer)], skipped, small)``.
+
+    A layer is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2 family) whose name does not match ``skip``, that
+    is not inside an ``nn.MultiheadAttention`` (which reads its projection's weight directly) and whose
+    ``min(in_features, out_features)`` is at least ``min_features``; ``skipped`` and ``small`` count the others.
+    """
+    mha_children = set()
+    for m in model.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            mha_children.update(id(c) for c in m.children())
+    targets, skipped, small = [], 0, 0
+    for name, m in model.named_modules(remove_duplicate=False):
+        features = linear_features(m)
+        if features is None:
+            continue
+        if id(m) in mha_children or _matches(name, skip):
+            skipped += 1
+        elif min(features) < min_features:
+            small += 1
+        else:
+            targets.append((name, m))
+    return targets, skipped, small
 
 
 def quantize_model(
@@ -281,9 +307,10 @@ def quantize_model(
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
-    A Linear is eligible unless its qualified name matches ``skip`` (exact name, a name suffix
-    after a dot such as ``"lm_head"`` for ``"model.lm_head"``, or an ``fnmatch`` pattern such as
-    ``"*.mlp.gate"``), or ``min(in_features, out_features) < min_features`` (tiny layers such as
+    transformers' ``Conv1D`` layers (GPT-2 family; weight stored [in, out]) count as Linear layers and become a
+    ``KbitLinear`` of their transposed weight. A Linear is eligible unless its qualified name matches ``skip``
+    (exact name, a name suffix after a dot such as ``"lm_head"`` for ``"model.lm_head"``, or an ``fnmatch``
+    pattern such as ``"*.mlp.gate"``), or ``min(in_features, out_features) < min_features`` (tiny layers such as
     MoE routers are better left in full precision), or it is the output projection of an
     ``nn.MultiheadAttention`` (which reads its weight directly). A Linear shared under several
     names becomes one shared ``KbitLinear``. Returns the model (or the new module if ``model``
@@ -293,7 +320,11 @@ def quantize_model(
     [E, 2I, H] and ``experts.down_proj``) become ``kbit.KbitExperts`` under the same rules (``skip`` by the experts
     module's name, ``min_features`` against H and I); a fused experts module kbit cannot compute (biases, no gate,
     its own gating) stays in full precision with a ``UserWarning`` naming it. The share of the model's weights
-    now quantized (``quantized_fraction``) is logged to the ``"kbit"`` logger.
+    now quantized (``quantized_fraction``) is logged to the ``"kbit"`` logger and, with ``progress``, printed after
+    the progress bar (on a terminal; one line per tenth of the layers in a log).
+
+    On a transformers model the settings are also recorded as ``model.config.quantization_config`` (a
+    ``kbit.KbitConfig``), so ``save_pretrained`` writes a folder that ``from_pretrained`` loads back.
 
     Every layer is quantized before any is swapped: a layer that cannot be quantized (NaN weights, say)
     raises a ``ValueError`` naming it and leaves the model unchanged. A layer some of whose blocks lose
@@ -308,21 +339,7 @@ def quantize_model(
     skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
     min_features = check_int(min_features, "min_features", 0)
 
-    mha_children = set()
-    for m in model.modules():
-        if isinstance(m, nn.MultiheadAttention):
-            mha_children.update(id(c) for c in m.children())
-
-    targets, skipped, small = [], 0, 0
-    for name, m in model.named_modules(remove_duplicate=False):
-        if not isinstance(m, nn.Linear) or isinstance(m, KbitLinear):
-            continue
-        if id(m) in mha_children or _matches(name, skip):
-            skipped += 1
-        elif min(m.in_features, m.out_features) < min_features:
-            small += 1
-        else:
-            targets.append((name, m))
+    targets, skipped, small = linear_targets(model, skip, min_features)
     expert_targets = []
     for name, m in find_experts(model):
         why = unsupported_reason(m)
@@ -346,18 +363,21 @@ def quantize_model(
 
     replaced = {}
     with torch.no_grad():
-        for name, lin in _progress(targets, len(targets), progress):
+        bar = Progress(len(targets) + len(expert_targets), "kbit: quantizing", progress)
+        for name, lin in targets:
+            bar.update()
             if id(lin) in replaced:
                 continue
             label = f"{name or type(lin).__name__}.weight"
             try:
-                qw, loss = quantize_with_report(lin.weight.detach(), k=k, codebook=codebook, name=label)
+                qw, loss = quantize_with_report(linear_weight(lin).detach(), k=k, codebook=codebook, name=label)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: cannot quantize {name or 'the model'}: {e}; the model is unchanged") from e
             if loss.beyond_bound or loss.saturated:
                 warnings.warn(loss.describe(label), PrecisionWarning, stacklevel=2)
             replaced[id(lin)] = (qw, lin.bias)
         for name, m in expert_targets:
+            bar.update()
             if id(m) in replaced:
                 continue
             try:
@@ -375,8 +395,11 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, modules[id(m)])
-    logger.info("quantize_model: %.1f%% of %s's weights quantized to k=%d", 100 * quantized_fraction(model),
-                type(model).__name__, k)
+    summary = (f"quantize_model: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized "
+               f"to k={k} ({len(replaced)} layers)")
+    logger.info(summary)
+    bar.close(summary)
+    record_in_transformers_config(model, bits=k, skip=list(skip), min_features=min_features, codebook=codebook)
     return model
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face transformers integration: quantize_model on Llama, generate, save/load, CLI, CUDA graphs."""
+"""transformers models: quantize_model on Llama, generate, save_quantized / from_pretrained, the CLI, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import kbit  # noqa: E402
 from kbit.convert import cli_quantize  # noqa: E402
-from kbit.hf import from_config, init_empty_weights  # noqa: E402
+from kbit.hf import from_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -101,24 +101,33 @@ def test_generate_on_cpu(quantized):
 
 
 # ----------------------------------------------------------------------------- save / load
+def test_quantize_model_reports_the_share_quantized(caplog):
+    model = tiny_llama(False)
+    with caplog.at_level("INFO", logger="kbit"):
+        kbit.quantize_model(model, k=4, progress=False)
+    share = 100 * kbit.quantized_fraction(model)
+    assert 50 < share < 100
+    assert f"{share:.1f}% of LlamaForCausalLM's weights quantized to k=4 (14 layers)" in caplog.text
+
+
 def test_save_load_roundtrip(quantized, tmp_path):
+    """save_quantized (save_pretrained, atomically) of a quantize_model'ed model; from_pretrained loads it back."""
     model, q = quantized
     tie = model.config.tie_word_embeddings
     kbit.save_quantized(q, tmp_path)
-    assert {"config.json", "kbit_config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
-    kcfg = json.loads((tmp_path / "kbit_config.json").read_text())
-    assert kcfg["quant_method"] == "kbit" and kcfg["bits"] == 4 and kcfg["codebook"] == "normal_float"
-    assert kcfg["skipped_modules"] == ["lm_head"] and len(kcfg["quantized_modules"]) == 7 * TINY["num_hidden_layers"]
-    assert kcfg["model_class"] == "LlamaForCausalLM"
-    assert kcfg["tied_tensors"] == ({"lm_head.weight": "model.embed_tokens.weight"} if tie else {})
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    qcfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "kbit" and qcfg["bits"] == 4 and qcfg["skip"] == ["lm_head"]
+    assert qcfg["codebook"] is None and qcfg["min_features"] == 128 and qcfg["format_version"] == 1
     saved = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
     assert ("lm_head.weight" in saved) == (not tie)
     layer0 = "model.layers.0.self_attn.q_proj."
-    assert {layer0 + s for s in ("packed", "absmax", "codebook", "scale", "meta")} <= set(saved)
-    assert layer0 + "weight" not in saved
+    assert {layer0 + s for s in ("weight", "absmax", "codebook", "scale", "meta")} <= set(saved)
+    assert layer0 + "packed" not in saved  # saved under the layer's weight name: see kbit.hf_format
+    assert torch.equal(saved[layer0 + "weight"], q.model.layers[0].self_attn.q_proj.packed)
 
-    loaded = kbit.load_quantized(tmp_path)
-    assert not loaded.training
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert not loaded.training and isinstance(loaded.model.layers[1].mlp.down_proj, kbit.KbitLinear)
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
     qs, ls = q.state_dict(), loaded.state_dict()
     assert set(qs) == set(ls)
@@ -131,19 +140,19 @@ def test_save_load_roundtrip(quantized, tmp_path):
 
 
 def test_load_does_not_materialize_weights(quantized, tmp_path):
-    """No full-size Linear weight is ever written on a real device while loading."""
+    """No full-size Linear weight is ever written on a real device while loading a kbit folder."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     _, q = quantized
     kbit.save_quantized(q, tmp_path)
-    shapes = {tuple(m.weight.shape) for m in copy.deepcopy(tiny_llama(False)).modules()
+    shapes = {tuple(m.weight.shape) for m in tiny_llama(False).modules()
               if isinstance(m, nn.Linear) and m.out_features != TINY["vocab_size"]}
     written = []
 
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if "empty" not in func.__name__:  # an untouched allocation, as accelerate's init_empty_weights
+            if "empty" not in func.__name__:  # an untouched allocation, as for an empty model
                 for t in out if isinstance(out, (tuple, list)) else [out]:
                     if (isinstance(t, torch.Tensor) and t.device.type != "meta" and t.is_floating_point()
                             and tuple(t.shape) in shapes):
@@ -151,51 +160,34 @@ def test_load_does_not_materialize_weights(quantized, tmp_path):
             return out
 
     with Recorder():
-        loaded = kbit.load_quantized(tmp_path)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert not written, written[:5]
     assert isinstance(loaded.model.layers[0].mlp.down_proj, kbit.KbitLinear)
 
 
-def test_init_empty_weights_keeps_buffers_real():
-    with init_empty_weights():
-        model = tiny_llama(True)
-    assert all(p.device.type == "meta" for p in model.parameters())
-    inv_freq = model.model.rotary_emb.inv_freq
-    assert inv_freq.device.type == "cpu" and bool(torch.isfinite(inv_freq).all())
-    assert nn.Module.register_parameter is torch.nn.modules.module.Module.register_parameter
-    assert nn.Linear(4, 4).weight.device.type == "cpu"  # the patch is gone
-
-
-def test_load_from_config_object_and_dtype(quantized, tmp_path):
-    model, q = quantized
+def test_load_in_another_dtype(quantized, tmp_path):
+    _, q = quantized
     kbit.save_quantized(q, tmp_path)
-    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
-    loaded = kbit.load_quantized(config, weights=tmp_path / "model.safetensors", dtype=torch.bfloat16)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), **{kbit.hf.dtype_kwarg(): torch.bfloat16})
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
     assert loaded.model.norm.weight.dtype == torch.bfloat16
     layer = loaded.model.layers[1].self_attn.o_proj
     assert isinstance(layer, kbit.KbitLinear) and layer.codebook.dtype == torch.float32
+    assert layer.scale.dtype == torch.float32 and layer.weight_dtype == torch.float32  # quantized from fp32
     assert torch.equal(layer.packed, q.model.layers[1].self_attn.o_proj.packed)
-    ids = torch.randint(0, TINY["vocab_size"], (1, 6))
-    out = logits(loaded, ids)
+    out = logits(loaded, torch.randint(0, TINY["vocab_size"], (1, 6)))
     assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
-    # model= loads into a skeleton the caller built.
-    with init_empty_weights():
-        skeleton = tiny_llama(model.config.tie_word_embeddings)
-    again = kbit.load_quantized(tmp_path, model=skeleton)
-    assert again is skeleton and torch.equal(logits(again, ids), logits(q, ids))
 
 
-def test_save_and_load_errors(tmp_path):
-    with pytest.raises(ValueError, match="quantize_model"):
+def test_save_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a kbit-quantized transformers model"):
         kbit.save_quantized(tiny_llama(False), tmp_path / "a")
-    with pytest.raises(FileNotFoundError):
-        kbit.load_quantized(tmp_path / "missing")
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    safetensors_torch.save_file({"x": torch.zeros(2)}, str(plain / "model.safetensors"))
-    with pytest.raises(ValueError, match="not a kbit checkpoint"):
-        kbit.load_quantized(plain)
+    with pytest.raises(ValueError, match="not a kbit-quantized transformers model"):
+        kbit.save_quantized(kbit.quantize_model(nn.Sequential(nn.Linear(256, 256)), progress=False), tmp_path / "b")
+    q = kbit.quantize_model(tiny_llama(False), progress=False)
+    with pytest.raises(ValueError, match="push_to_hub"):
+        kbit.save_quantized(q, tmp_path / "c", push_to_hub=True)
+    assert not any(tmp_path.iterdir())
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -210,18 +202,22 @@ def src_dir(tmp_path_factory):
     return path
 
 
+def _quantization_config(out: Path) -> dict:
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
 def test_cli_quantize_roundtrip(src_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert cli_quantize([str(src_dir), "--bits", "3", "--out", str(out), "--no-progress"]) == 0
     err = capsys.readouterr().err
-    assert "quantized 14 layers" in err
+    assert "quantized 14 layers" in err and "% of the model's weights" in err
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "kbit_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
     assert "pytorch_model.bin.index.json" not in names
-    kcfg = json.loads((out / "kbit_config.json").read_text())
-    assert kcfg["bits"] == 3 and kcfg["skip"] == ["lm_head"]
+    qcfg = _quantization_config(out)
+    assert qcfg["quant_method"] == "kbit" and qcfg["bits"] == 3 and qcfg["skip"] is None  # None: default_skip
 
-    loaded = kbit.load_quantized(out)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     assert isinstance(loaded.model.layers[0].mlp.up_proj, kbit.KbitLinear) and loaded.model.layers[0].mlp.up_proj.k == 3
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     direct = transformers.AutoModelForCausalLM.from_pretrained(str(src_dir), **{kbit.hf.dtype_kwarg(): torch.float16})
@@ -233,7 +229,33 @@ def test_cli_quantize_roundtrip(src_dir, tmp_path, capsys):
     assert cli_quantize([str(src_dir), "--out", str(out), "--no-progress"]) == 1
     assert "not empty" in capsys.readouterr().err
     assert cli_quantize([str(src_dir), "--out", str(out), "--no-progress", "--overwrite", "--bits", "5"]) == 0
-    assert json.loads((out / "kbit_config.json").read_text())["bits"] == 5
+    assert _quantization_config(out)["bits"] == 5 and (out / "tokenizer.json").is_file()
+
+
+def test_cli_skip_lists_leave_the_model_dir_alone(src_dir, tmp_path):
+    """--skip takes comma-separated names and repeats; it never takes the positional model directory."""
+    out = tmp_path / "out"
+    args = ["--skip", "lm_head,down_proj", "--skip", "*.self_attn.o_proj", str(src_dir), "--out", str(out)]
+    assert cli_quantize(args + ["--no-progress"]) == 0
+    assert _quantization_config(out)["skip"] == ["lm_head", "down_proj", "*.self_attn.o_proj"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    layer = loaded.model.layers[1]
+    assert type(layer.mlp.down_proj) is nn.Linear and type(layer.self_attn.o_proj) is nn.Linear
+    assert isinstance(layer.mlp.up_proj, kbit.KbitLinear) and isinstance(layer.self_attn.q_proj, kbit.KbitLinear)
+
+
+def test_cli_progress_is_readable_in_a_log(src_dir, tmp_path):
+    """stderr not a terminal: one line per tenth of the layers, no carriage-return redraws of a bar."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kbit", "quantize", str(src_dir), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "kbit: quantized while loading: 14/14 (100%)" in lines, lines
+    counted = [line for line in lines if line.startswith("kbit: quantized while loading:")]
+    assert 5 <= len(counted) <= 10, counted
+    assert any("% of the model's weights" in line for line in lines), lines
 
 
 def _write_config(path: Path, **fields):
@@ -274,8 +296,8 @@ def test_cli_quantize_errors(case, src_dir, tmp_path, capsys):
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
         src, msg = _write_config(tmp_path / "d", **cfg), "already quantized (gptq)"
     elif case == "kbit_dir":
-        src, msg = _write_config(tmp_path / "d", model_type="llama"), "already a kbit checkpoint"
-        (src / "kbit_config.json").write_text("{}")
+        src, msg = _write_config(tmp_path / "d", model_type="llama", quantization_config={"quant_method": "kbit"}), \
+            "already a kbit checkpoint"
     else:
         src, out, msg = src_dir, src_dir, "must differ"
     assert cli_quantize([str(src), "--out", str(out), "--no-progress"]) == 1
@@ -313,7 +335,7 @@ def test_python_m_kbit_quantize(src_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kbit", "quantize", str(src_dir), "--bits", "2", "--out", str(out),
                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((out / "kbit_config.json").read_text())["bits"] == 2
+    assert _quantization_config(out)["bits"] == 2
     bad = subprocess.run([sys.executable, "-m", "kbit", "quantize", str(tmp_path / "nope"), "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "does not exist" in bad.stderr
@@ -349,7 +371,8 @@ def test_cuda_graph_decode_matches_eager(bits):
 def test_cuda_load_and_generate(quantized, tmp_path):
     _, q = quantized
     kbit.save_quantized(q, tmp_path)
-    model = kbit.load_quantized(tmp_path, device="cuda", dtype=torch.float16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), device_map="cuda",
+                                                              **{kbit.hf.dtype_kwarg(): torch.float16})
     assert model.model.layers[0].self_attn.q_proj.packed.is_cuda
     ids = torch.randint(0, TINY["vocab_size"], (2, 5), device="cuda")
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,

@@ -1,0 +1,77 @@
+"""``DequantizedWeight``: what ``KbitLinear.weight`` returns, a tensor standing for the dequantized weight.
+
+Model code reads ``proj.weight.dtype`` / ``.device`` / ``.shape`` (to cast activations, to place adapters) and
+sometimes computes with it (``F.linear(x, proj.weight)``). A ``DequantizedWeight`` answers the metadata of the
+original weight without computing anything, and dequantizes only inside an operation that reads its values; the
+result of that operation is a plain tensor and nothing is kept, so holding the view holds no full-precision copy.
+
+It is read-only: an in-place operation on it raises (it would change a temporary copy, not the stored weight).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from .weight import QuantizedWeight
+
+__all__ = ["DequantizedWeight"]
+
+_STORAGE = ("packed", "absmax", "codebook", "scale")
+
+
+class DequantizedWeight(Tensor):
+    """A [out_features, in_features] tensor of the original dtype whose values are ``qweight.dequantize()``."""
+
+    @staticmethod
+    def __new__(cls, qweight: QuantizedWeight):
+        if not isinstance(qweight, QuantizedWeight):
+            raise TypeError(f"qweight must be a kbit.QuantizedWeight, got {type(qweight).__name__}")
+        return Tensor._make_wrapper_subclass(cls, qweight.shape, dtype=qweight.dtype, device=qweight.device,
+                                             requires_grad=False)
+
+    def __init__(self, qweight: QuantizedWeight):
+        self.qweight = qweight
+        # The storage tensors as attributes: what __tensor_flatten__ names for torch.compile.
+        self.packed, self.absmax, self.codebook, self.scale = (getattr(qweight, name) for name in _STORAGE)
+        # transformers' weight initialization (of layers a checkpoint lacks) skips tensors marked loaded: a
+        # quantized weight always is, and cannot be written.
+        self._is_hf_initialized = True
+
+    def dequantize(self, dtype=None) -> Tensor:
+        """The weight as a plain tensor (default: its original dtype)."""
+        return self.qweight.dequantize(dtype)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # printing must not dequantize
+        qw = self.qweight
+        return (f"DequantizedWeight(shape={list(qw.shape)}, dtype={str(qw.dtype).replace('torch.', '')}, "
+                f"device={qw.device}, k={qw.k})")
+
+    def __deepcopy__(self, memo):
+        return DequantizedWeight(copy.deepcopy(self.qweight, memo))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable:
+            raise TypeError(f"{func.__name__}: a KbitLinear's weight is stored quantized and is read-only; "
+                            "dequantize() it for a writable copy")
+
+        def materialize(t):
+            return t.dequantize() if isinstance(t, DequantizedWeight) else t
+
+        return func(*tree_map(materialize, args), **tree_map(materialize, kwargs or {}))
+
+    # torch.compile traces a tensor subclass through these two: the storage tensors and what describes them.
+    def __tensor_flatten__(self):
+        qw = self.qweight
+        return list(_STORAGE), (qw.k, qw.shape, qw.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        k, shape, dtype = context
+        return DequantizedWeight(QuantizedWeight(*(inner[name] for name in _STORAGE), k, shape, dtype))
