@@ -107,8 +107,12 @@ def check_route(got, want, idx, w, msg: str) -> None:
     assert_bits_equal(num_passes, r_num, f"num_passes {msg}")
     assert_bits_equal(passes, r_passes, f"passes {msg}")
     routed = int((r_position >= 0).sum())
+    spans = {}  # expert -> its sorted rows [first, end): rows within an expert come in arrival order, so compare sets
     for e, first, rows, _ in r_passes[: int(r_num[0])].tolist():
-        sel = slice(first, first + rows)
+        lo, hi = spans.get(e, (first, first))
+        spans[e] = (min(lo, first), max(hi, first + rows))
+    for e, (lo, hi) in spans.items():
+        sel = slice(lo, hi)
         mine = sorted(zip(x_rows[sel].tolist(), row_weights[sel].tolist()))
         ref = sorted(zip(r_rows[sel].tolist(), r_weights[sel].tolist()))
         assert mine == ref, f"{msg}: expert {e}'s rows {mine} != {ref}"
