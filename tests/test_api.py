@@ -26,7 +26,10 @@ def assert_rows_bound(W, W_hat, qw, what=""):
     N, K = W.shape
     kp = padded_in_features(K)
     pad = lambda t: torch.nn.functional.pad(t.to(torch.float32), (0, kp - K))  # noqa: E731
-    assert_block_bound(pad(W), pad(W_hat), qw.codebook, eps_abs=1e-6 * float(W.abs().max()), what=what)
+    # A block 2**14..2**19 times smaller than the largest (a row's last block may hold one tiny weight) falls into
+    # E4M4's subnormal range: its absolute error stays under about one subnormal step, 2**-19 of the top, and
+    # kbit.PrecisionWarning reports it (tests/test_untrusted.py).
+    assert_block_bound(pad(W), pad(W_hat), qw.codebook, eps_abs=2.0**-18 * float(W.abs().max()), what=what)
 
 
 def reference_matmul(x, qw, bias=None):
