@@ -39,8 +39,10 @@ from ._layers import linear_features, linear_weight
 from ._progress import Progress
 from ._transformers_hook import record_in_transformers_config
 from ._validate import check_bits, check_codebook, check_int, check_meta, check_scale, check_storage_tensor
+from .calibration import check_calibration, quantize_layers
 from .dequantized_weight import DequantizedWeight
 from .formats import DTYPE_CODES, create_normal_float_codebook, meta_tensor, num_blocks, padded_in_features
+from .methods import check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_with_report
 
@@ -304,8 +306,17 @@ def quantize_model(
     skip: Union[str, Iterable[str]] = ("lm_head",),
     min_features: int = 128,
     progress: bool = True,
+    method: str = "rtn",
+    calibration=None,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
+
+    ``method`` chooses how each weight's codebook, block scales and codes are picked (``kbit.methods``): ``"rtn"``
+    (normal-float codebook, absmax block scales, nearest codes), ``"mse"`` (data-free: a codebook fitted per
+    tensor and block scales that minimize each block's error) or ``"gptq"`` (calibrated: error-compensating codes
+    from each layer's input Hessian; needs ``calibration``, token ids [n_seq, seq_len] or a list of dicts of model
+    inputs, run block by block, on the GPU when there is one). All three give the same storage format and speed.
+    Fused MoE experts are quantized with ``"rtn"`` whatever the method.
 
     transformers' ``Conv1D`` layers (GPT-2 family; weight stored [in, out]) count as Linear layers and become a
     ``KbitLinear`` of their transposed weight. A Linear is eligible unless its qualified name matches ``skip``
@@ -338,6 +349,12 @@ def quantize_model(
         codebook = check_codebook(codebook, k)
     skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
     min_features = check_int(min_features, "min_features", 0)
+    method = check_method(method)
+    if (calibration is None) == (method == "gptq"):
+        raise ValueError(f"calibration is required by method='gptq' and used by no other method, got "
+                         f"method={method!r} and calibration={'None' if calibration is None else 'data'}")
+    if calibration is not None:
+        check_calibration(calibration)
 
     targets, skipped, small = linear_targets(model, skip, min_features)
     expert_targets = []
@@ -364,7 +381,18 @@ def quantize_model(
     replaced = {}
     with torch.no_grad():
         bar = Progress(len(targets) + len(expert_targets), "kbit: quantizing", progress)
+        chosen = {}
+        if method != "rtn":  # kbit.calibration runs the method; the swap below is the same for every method
+            unique = list({id(m): (n, m) for n, m in reversed(targets)}.values())[::-1]
+            try:
+                chosen = quantize_layers(model, unique, k, method, codebook, calibration, on_layer=bar.update,
+                                         weight_of=linear_weight)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
         for name, lin in targets:
+            if id(lin) in chosen:
+                replaced[id(lin)] = (chosen[id(lin)], lin.bias)
+                continue
             bar.update()
             if id(lin) in replaced:
                 continue

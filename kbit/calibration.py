@@ -1,0 +1,246 @@
+"""Calibration: the input Hessians of a model's Linear layers, and quantizing the layers with a method.
+
+``quantize_layers`` is what ``kbit.quantize_model(model, k, method=..., calibration=...)`` runs for the methods
+other than ``"rtn"``. For ``"gptq"`` it needs each layer's input Hessian ``H = 2 X^T X / n`` over calibration
+inputs. Quantization errors compound through depth, so a model whose layers sit in a list of blocks (a
+transformer's ``model.layers`` / ``encoder.layer``) is calibrated block by block: block i's Hessians come from
+the inputs that the already-quantized blocks before it produce, which lets GPTQ compensate for them too. While
+that runs, a quantized layer's weight is temporarily replaced by its dequantized value; every original weight
+is back in place when ``quantize_layers`` returns or raises, so the model changes only when
+``quantize_model`` swaps in the finished layers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .methods import check_method, quantize_tensor
+from .weight import QuantizedWeight
+
+__all__ = ["collect_hessians", "quantize_layers", "check_calibration"]
+
+CALIBRATION_BATCH = 8  # sequences per forward pass when calibration is a tensor of token ids
+
+
+# ----------------------------------------------------------------------------- running the model
+def check_calibration(calibration) -> list:
+    """The calibration data as a list of ``(args, kwargs)`` model inputs; raises on anything else.
+
+    Accepted: token ids [n_seq, seq_len] (run ``CALIBRATION_BATCH`` sequences at a time), or a list whose items
+    are dicts of keyword inputs (a tokenizer's output) or tensors (the model's first argument).
+    """
+    if isinstance(calibration, Tensor):
+        if calibration.dim() < 2 or calibration.shape[0] == 0 or calibration.shape[1] == 0:
+            raise ValueError(f"calibration must be token ids [n_seq, seq_len] with n_seq, seq_len >= 1, got shape "
+                             f"{tuple(calibration.shape)}")
+        return [((calibration[s:s + CALIBRATION_BATCH],), {})
+                for s in range(0, calibration.shape[0], CALIBRATION_BATCH)]
+    if isinstance(calibration, (list, tuple)):
+        if not calibration:
+            raise ValueError("calibration must hold at least one batch, got an empty list")
+        batches = []
+        for item in calibration:
+            if isinstance(item, dict):
+                batches.append(((), dict(item)))
+            elif isinstance(item, Tensor):
+                batches.append(((item,), {}))
+            else:
+                raise TypeError(f"calibration items must be dicts of model inputs or tensors, got {type(item).__name__}")
+        return batches
+    raise TypeError("calibration must be token ids [n_seq, seq_len] or a list of dicts of model inputs, got "
+                    f"{type(calibration).__name__}")
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass once the inputs it needs are captured."""
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _run(model: nn.Module, batches: list) -> None:
+    """The model's forward pass over every batch (``use_cache=False`` where it takes it); hooks do the work."""
+    device = _device_of(model)
+    takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+    for args, kwargs in batches:
+        args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
+        kwargs = {key: v.to(device) if isinstance(v, Tensor) else v for key, v in kwargs.items()}
+        if takes_use_cache:
+            kwargs.setdefault("use_cache", False)
+        try:
+            model(*args, **kwargs)
+        except _StopForward:
+            pass
+
+
+class _HessianHooks:
+    """Forward hooks summing ``X^T X`` (float32, on the layer's device) and the row count of each layer's input."""
+
+    def __init__(self, layers: dict):
+        self.sums, self.counts = {}, {}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in layers.items()]
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output):
+            x = inputs[0].detach().to(torch.float32)
+            x = x.reshape(-1, x.shape[-1])
+            if name not in self.sums:
+                self.sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+                self.counts[name] = 0
+            self.sums[name].addmm_(x.T, x)
+            self.counts[name] += x.shape[0]
+        return hook
+
+    def remove(self) -> dict:
+        """Unhook; ``{name: 2 X^T X / n}`` of the layers that saw at least one input."""
+        for h in self.handles:
+            h.remove()
+        return {n: s.mul_(2.0 / self.counts[n]) for n, s in self.sums.items() if self.counts[n]}
+
+
+def collect_hessians(model: nn.Module, layers: dict, calibration) -> dict:
+    """``{name: H}``, ``H = 2 X^T X / n`` [in, in] float32, of each of ``layers`` (name -> module) over
+    ``calibration`` (``check_calibration``'s forms). A layer that no input reached is absent."""
+    return _hessians_over(model, layers, check_calibration(calibration))
+
+
+def _hessians_over(model: nn.Module, layers: dict, batches: list) -> dict:
+    hooks = _HessianHooks(layers)
+    try:
+        with torch.no_grad():
+            _run(model, batches)
+    finally:
+        hessians = hooks.remove()
+    return hessians
+
+
+# ----------------------------------------------------------------------------- sequential calibration
+def _block_list(model: nn.Module, names: list):
+    """``(prefix, ModuleList)`` whose children hold the most of ``names``, in at least two children; or None."""
+    best, best_count = None, 0
+    for prefix, m in model.named_modules():
+        if not prefix or not isinstance(m, nn.ModuleList) or len(m) < 2:
+            continue
+        inside = [n[len(prefix) + 1:].split(".", 1)[0] for n in names if n.startswith(prefix + ".")]
+        if len(set(inside)) >= 2 and len(inside) > best_count:
+            best, best_count = (prefix, m), len(inside)
+    return best
+
+
+def _capture_inputs(model: nn.Module, block: nn.Module, batches: list) -> list:
+    """``[(args, kwargs)]`` that ``block`` receives over the batches; the forward pass stops right there."""
+    captured = []
+
+    def pre_hook(module, args, kwargs):
+        captured.append((args, dict(kwargs)))
+        raise _StopForward
+
+    handle = block.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        _run(model, batches)
+    finally:
+        handle.remove()
+    return captured
+
+
+def _with_hidden(args: tuple, kwargs: dict, output):
+    """The next block's inputs: the same arguments with the hidden states replaced by ``output``'s."""
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    if args:
+        return (hidden,) + tuple(args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+class _WeightSubstitution:
+    """Puts dequantized weights in place of layers' weights and the originals back (``restore``)."""
+
+    def __init__(self, weight_of: Callable[[nn.Module], Tensor]):
+        self.weight_of, self.originals = weight_of, []
+
+    def put(self, layer: nn.Module, qw: QuantizedWeight) -> None:
+        param = layer.weight
+        self.originals.append((param, param.data))
+        param.data = param.data.clone()  # written through the [out, in] view, whatever the layer's own layout
+        view = self.weight_of(layer)
+        view.copy_(qw.dequantize(view.dtype).to(view.device))
+
+    def restore(self) -> None:
+        for w, data in reversed(self.originals):
+            w.data = data
+        self.originals = []
+
+
+def quantize_layers(model: nn.Module, layers: list, k: int, method: str, codebook: Optional[Tensor] = None,
+                    calibration=None, on_layer: Optional[Callable[[], None]] = None,
+                    weight_of: Callable[[nn.Module], Tensor] = lambda layer: layer.weight) -> dict:
+    """``{id(layer): QuantizedWeight}`` for ``layers`` (``[(name, module)]``, one entry per module).
+
+    ``weight_of(layer)`` is the layer's weight in ``nn.Linear``'s [out, in] layout (a transposed view for
+    transformers' ``Conv1D``); the layer's input is its forward's first argument.
+
+    ``"mse"`` quantizes each weight on its own; ``"gptq"`` runs ``calibration`` through the model (block by block
+    where the layers sit in a list of blocks, see the module docstring). GPTQ runs on the GPU when there is one,
+    whatever device the model is on. ``on_layer`` is called after each layer (a progress bar). The model's
+    weights are unchanged when this returns or raises.
+    """
+    method = check_method(method)
+    if method == "rtn":
+        raise ValueError("quantize_layers is for the methods other than 'rtn' (kbit.quantize_model does that one)")
+    result = {}
+
+    def quantize(name: str, layer: nn.Module, hessian: Optional[Tensor]) -> QuantizedWeight:
+        w = weight_of(layer).detach()
+        label = f"{name or type(layer).__name__}.weight"
+        if method == "gptq" and hessian is None:  # calibration never reached it: nothing to weigh the error by
+            qw = quantize_tensor(w, k, "mse", codebook, name=label)
+        elif method == "gptq" and torch.cuda.is_available() and w.device.type != "cuda":
+            qw = quantize_tensor(w.cuda(), k, method, codebook, hessian.cuda(), name=label).to(w.device)
+        else:
+            qw = quantize_tensor(w, k, method, codebook, hessian, name=label)
+        result[id(layer)] = qw
+        if on_layer is not None:
+            on_layer()
+        return qw
+
+    if method == "mse":
+        for name, layer in layers:
+            quantize(name, layer, None)
+        return result
+
+    batches = check_calibration(calibration)
+    substitution = _WeightSubstitution(weight_of)
+    try:
+        with torch.no_grad():
+            blocks = _block_list(model, [n for n, _ in layers])
+            done = set()
+            if blocks is not None:
+                prefix, block_list = blocks
+                inputs = _capture_inputs(model, block_list[0], batches)
+                for i, block in enumerate(block_list):
+                    inside = [(n, m) for n, m in layers if n.startswith(f"{prefix}.{i}.")]
+                    hooks = _HessianHooks(dict(inside))
+                    try:
+                        outputs = [block(*a, **kw) for a, kw in inputs]
+                    finally:
+                        hessians = hooks.remove()
+                    for name, layer in inside:
+                        substitution.put(layer, quantize(name, layer, hessians.get(name)))
+                        done.add(name)
+                    if inside and i + 1 < len(block_list):  # the next block sees this one quantized
+                        outputs = [block(*a, **kw) for a, kw in inputs]
+                    inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
+            rest = [(n, m) for n, m in layers if n not in done]
+            if rest:  # outside the blocks (or no blocks): one pass of the model as quantized so far
+                hessians = _hessians_over(model, dict(rest), batches)
+                for name, layer in rest:
+                    quantize(name, layer, hessians.get(name))
+    finally:
+        substitution.restore()
+    return result

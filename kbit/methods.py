@@ -1,0 +1,361 @@
+"""Quantization methods: how a weight's codebook, block scales and codes are chosen.
+
+The storage format (``kbit.formats``) fixes only what the stored bits mean: a per-tensor sorted codebook of
+``2**k`` float32 levels with largest |value| 1, one E4M4 block scale per 32 weights of a row, a k-bit code per
+weight and a per-tensor power-of-two ``scale``. Any such codebook, block scale and code is valid storage and
+every kernel reproduces it bit for bit, so a better quantizer needs no kernel change. The methods:
+
+* ``"rtn"``: the normal-float codebook, block scale = the block's absmax rounded to E4M4, nearest codes
+  (``kbit.quantize``).
+* ``"mse"`` (data-free): a codebook fitted to the tensor (Lloyd-Max on the block-normalized weights, alternated
+  with the scale search; kept only where it beats the normal-float codebook) and, per block, the E4M4 scale that
+  minimizes the block's squared error, each candidate scale with its own nearest codes. Clipping the block's
+  largest weight a little usually lowers the error of the other 31.
+* ``"gptq"`` (calibrated): the layer's input Hessian ``H = 2 X^T X / n`` (``kbit.calibration``) weighs the
+  error. Columns are quantized one at a time, and each column's rounding error is fed back into the columns
+  not yet quantized so that the layer's *output* error stays small (GPTQ). Blocks of 32 are respected: a
+  block's scale is searched on its error-updated weights when its first column is reached.
+
+Every method returns a ``QuantizedWeight`` whose reference dequantization is exactly the reconstruction the
+method optimized (``reconstruct``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._validate import check_bits, check_codebook, check_dtype, check_finite, check_tensor
+from .formats import (
+    BLOCK_SIZE,
+    E4M4_MAX,
+    choose_tensor_scale,
+    create_normal_float_codebook,
+    decode_absmax_e4m4,
+    encode_absmax_e4m4,
+    pack_bitplanes,
+    padded_in_features,
+)
+from .weight import PrecisionWarning, QuantizedWeight, quantize
+
+__all__ = ["METHODS", "quantize_tensor", "fit_codebook", "search_block_scales"]
+
+METHODS = ("rtn", "mse", "gptq")
+
+# The scale search tries E4M4 codes from SEARCH_DOWN[k] steps below the block's absmax code (each step is a
+# factor of about 1 + 1/16) up to a few above it: the best clipping of a bell-shaped block lies at about 0.5
+# (2 bits) to 0.7 (5 bits) of its absmax, and fewer bits clip harder.
+SEARCH_DOWN = {2: 16, 3: 12, 4: 10, 5: 8}
+MAX_SEARCH_UP = 8  # codes above the absmax code: when the codebook's extreme level on one side is well below 1
+FIT_ITERS = 6  # codebook fit: rounds of scale search + Lloyd update
+FIT_SAMPLE_BLOCKS = 1 << 12  # the codebook is fitted on at most this many blocks (a seeded random sample)
+GPTQ_BATCH = 128  # GPTQ's lazy batch: columns updated together before the rest of the matrix sees their error
+GPTQ_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean, so that H is safely invertible
+_CHUNK_ELEMENTS = 1 << 21  # elements per vectorized chunk of the scale search (bounds temporary memory)
+
+
+# ----------------------------------------------------------------------------- nearest levels
+def nearest_levels(v: Tensor, cb: Tensor) -> Tensor:
+    """Index of the level of sorted ``cb`` nearest to each ``v`` (ties to the lower level, as ``formats``)."""
+    return torch.bucketize(v, (cb[1:] + cb[:-1]) * 0.5)
+
+
+def _codes_for(x: Tensor, d: Tensor, cb: Tensor) -> Tensor:
+    """Nearest codes of blocks ``x`` [..., 32] for decoded block scales ``d`` [...] (0 for d == 0)."""
+    recip = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+    return nearest_levels(x * recip[..., None], cb)
+
+
+# ----------------------------------------------------------------------------- block scale search
+def _search_offsets(cb: Tensor, k: int):
+    """(lowest, highest) E4M4 code offset from a block's absmax code that the scale search tries."""
+    small_side = float(min(-cb[0], cb[-1]))  # the extreme level on the side of 0 that does not reach 1
+    up = 1
+    if 0 < small_side < 1:  # a block whose absmax lies on that side fits only with d = absmax / small_side
+        up = min(MAX_SEARCH_UP, 1 + math.ceil(math.log(1.0 / small_side) / math.log(1.0 + 1.0 / 16.0)))
+    return -SEARCH_DOWN[k], up
+
+
+def _candidate_error(xb: Tensor, wb: Optional[Tensor], code: Tensor, cb: Tensor, peak: float,
+                     limit: Optional[float]) -> Tensor:
+    """Per block: the (weighted) squared error with block scale ``code`` and nearest codes (inf past ``limit``)."""
+    d = decode_absmax_e4m4(code.clamp(0, 255).to(torch.uint8))
+    r = xb - cb[_codes_for(xb, d, cb)] * d[:, None]
+    r = r * r
+    err = (r if wb is None else r * wb).sum(dim=1)
+    if limit is not None:
+        err = torch.where(d * peak > limit, float("inf"), err)
+    return err
+
+
+def search_block_scales(x: Tensor, cb: Tensor, k: int, weight: Optional[Tensor] = None,
+                        limit: Optional[float] = None) -> Tensor:
+    """Per block of ``x`` [nb, 32], an E4M4 code minimizing ``sum(weight * (x - cb[code] * d)**2)``.
+
+    ``x`` is already divided by the tensor scale; each candidate ``d`` gets its own nearest codes. ``weight``:
+    None, [32] or [nb, 32] non-negative error weights. ``limit``: the largest allowed ``d * max|cb|`` (keeps
+    reconstructions finite in the weight's dtype). Coarse to fine: every other code from ``SEARCH_DOWN[k]`` below
+    the block's absmax code to a few above it, then the two neighbours of the best. The absmax code is tried
+    first and kept on ties, so the result is never worse than plain rounding with the same codebook.
+    """
+    cb = cb.to(device=x.device, dtype=torch.float32)
+    low, high = _search_offsets(cb, k)
+    peak = float(cb.abs().max())
+    out = torch.empty(x.shape[0], dtype=torch.uint8, device=x.device)
+    step = max(1, _CHUNK_ELEMENTS // BLOCK_SIZE)
+    for s in range(0, x.shape[0], step):
+        xb = x[s:s + step]
+        wb = weight if weight is None or weight.dim() == 1 else weight[s:s + step]
+        base = encode_absmax_e4m4(xb.abs().amax(dim=1)).to(torch.int32)
+        best, best_err = base, _candidate_error(xb, wb, base, cb, peak, limit)
+
+        def consider(code):
+            nonlocal best, best_err
+            err = _candidate_error(xb, wb, code, cb, peak, limit)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, code, best)
+
+        for off in [o for o in range(low, high + 1, 2) if o != 0]:
+            consider((base + off).clamp(0, 255))
+        centre = best
+        for off in (-1, 1):
+            consider((centre + off).clamp(0, 255))
+        out[s:s + step] = best.to(torch.uint8)
+    return out
+
+
+def _weighted_error(x: Tensor, cb: Tensor, absmax: Tensor, weight: Optional[Tensor]) -> float:
+    d = decode_absmax_e4m4(absmax)
+    r = x - cb[_codes_for(x, d, cb)] * d[:, None]
+    r = r * r
+    return float((r if weight is None else r * weight).sum())
+
+
+# ----------------------------------------------------------------------------- codebook fit
+def _valid_codebook(c: Tensor) -> Tensor:
+    """Sorted, strictly increasing (gaps of at least 1e-4 of the range), largest |value| exactly 1."""
+    c = torch.sort(c.to(torch.float64)).values
+    span = float(c[-1] - c[0]) or 1.0
+    for i in range(1, c.numel()):
+        if c[i] - c[i - 1] < 1e-4 * span:
+            c[i] = c[i - 1] + 1e-4 * span
+    c = c.to(torch.float32)
+    return c / c.abs().max()  # m / m == 1 exactly in float32
+
+
+def fit_codebook(x: Tensor, k: int, weight: Optional[Tensor] = None, iters: int = FIT_ITERS,
+                 sample_blocks: int = FIT_SAMPLE_BLOCKS, seed: int = 0) -> Tensor:
+    """A codebook for blocks ``x`` [nb, 32]: Lloyd-Max on the block-normalized weights, alternated with scales.
+
+    Each round chooses every block's scale for the current codebook (``search_block_scales``), then moves each
+    level to the mean of the normalized values ``x / d`` nearest to it, weighted by ``d**2 * weight`` (their
+    squared error in weight units), and rescales the levels to largest |value| 1. Starts from the normal-float
+    codebook and returns the round's codebook with the smallest error (the start included).
+    """
+    device = x.device
+    if x.shape[0] > sample_blocks:
+        pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:sample_blocks]
+        x = x[pick.to(device)]
+        if weight is not None and weight.dim() == 2:
+            weight = weight[pick.to(device)]
+    w = torch.ones_like(x) if weight is None else weight.expand_as(x)
+    cb = create_normal_float_codebook(k, device=device)
+    best_cb, best_err = cb, math.inf
+    for it in range(iters + 1):
+        absmax = search_block_scales(x, cb, k, weight)
+        err = _weighted_error(x, cb, absmax, weight)
+        if err < best_err:
+            best_cb, best_err = cb, err
+        if it == iters:
+            break
+        d = decode_absmax_e4m4(absmax)
+        keep = d > 0
+        xs, ds, ws = x[keep], d[keep, None], w[keep]
+        idx = _codes_for(xs, ds[:, 0], cb).reshape(-1)
+        wt = (ws * ds * ds).reshape(-1).double()
+        v = (xs / ds).reshape(-1).double()
+        num = torch.zeros(2**k, dtype=torch.float64, device=device).index_add_(0, idx, wt * v)
+        den = torch.zeros(2**k, dtype=torch.float64, device=device).index_add_(0, idx, wt)
+        cb = _valid_codebook(torch.where(den > 0, num / den.clamp(min=1e-300), cb.double()))
+    return best_cb
+
+
+# ----------------------------------------------------------------------------- shared steps
+def _normalized(W: Tensor):
+    """(W in float32 divided by its tensor scale and zero-padded to [N, K_pad], the tensor scale)."""
+    K = W.shape[1]
+    Wf = W.detach().to(torch.float32)
+    scale = choose_tensor_scale(Wf.abs().amax())
+    x = Wf * (1.0 / scale)
+    kp = padded_in_features(K)
+    if kp != K:
+        x = torch.nn.functional.pad(x, (0, kp - K))
+    return x.contiguous(), scale
+
+
+def _limit(dtype: torch.dtype, scale: Tensor) -> float:
+    """Largest block scale times codebook peak whose reconstruction stays finite in ``dtype``."""
+    return min(torch.finfo(dtype).max / float(scale), E4M4_MAX)
+
+
+def _storage(codes: Tensor, absmax: Tensor, cb: Tensor, scale: Tensor, k: int, shape, dtype) -> QuantizedWeight:
+    """A QuantizedWeight from codes [N, K_pad] and block scale codes [N, K_pad / 32]."""
+    packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), k)
+    return QuantizedWeight(packed.contiguous(), absmax.reshape(-1).contiguous(), cb.contiguous(),
+                           scale.reshape(()).to(torch.float32), k, tuple(shape), dtype)
+
+
+def _warn_zeroed(x_blocks: Tensor, absmax: Tensor, name: str) -> None:
+    zeroed = int(((x_blocks.abs().amax(dim=1) > 0) & (decode_absmax_e4m4(absmax) == 0)).sum())
+    if zeroed:
+        warnings.warn(
+            f"{name}: {zeroed} of {absmax.numel()} blocks have a block scale that rounds to zero: the weight spans "
+            f"more than E4M4's dynamic range (2**19 between its largest and smallest block absmax)",
+            PrecisionWarning, stacklevel=4,
+        )
+
+
+def _choose_codebook(blocks: Tensor, k: int, weight: Optional[Tensor], limit: float):
+    """(codebook, block scale codes) for the whole tensor: ``fit_codebook``'s choice, scales searched for it."""
+    cb = fit_codebook(blocks, k, weight)
+    return cb, search_block_scales(blocks, cb, k, weight, limit)
+
+
+# ----------------------------------------------------------------------------- mse
+def quantize_mse(W: Tensor, k: int, codebook: Optional[Tensor] = None, name: str = "W") -> QuantizedWeight:
+    """Data-free: fitted codebook (unless ``codebook`` is given) and error-minimizing block scales."""
+    N, K = W.shape
+    x, scale = _normalized(W)
+    blocks = x.reshape(-1, BLOCK_SIZE)
+    weight = None
+    if K % BLOCK_SIZE:  # padded columns are not weights: their error does not count
+        col = (torch.arange(x.shape[1], device=x.device) < K).to(torch.float32)
+        weight = col.expand(N, -1).reshape(-1, BLOCK_SIZE)
+    limit = _limit(W.dtype, scale)
+    if codebook is None:
+        cb, absmax = _choose_codebook(blocks, k, weight, limit)
+    else:
+        cb = codebook.to(device=W.device, dtype=torch.float32)
+        absmax = search_block_scales(blocks, cb, k, weight, limit)
+    _warn_zeroed(blocks, absmax, name)
+    codes = _codes_for(blocks, decode_absmax_e4m4(absmax), cb)
+    return _storage(codes, absmax, cb, scale, k, (N, K), W.dtype)
+
+
+# ----------------------------------------------------------------------------- gptq
+def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
+    """Upper Cholesky factor U of the damped inverse Hessian (H^-1 = U^T U), float32.
+
+    Inputs that calibration never reached (zero diagonal) get a unit diagonal and no coupling: their columns
+    are rounded to nearest and pass no error on.
+    """
+    H = H.to(torch.float64).clone()
+    dead = torch.diagonal(H) <= 0
+    H[dead, :] = 0.0
+    H[:, dead] = 0.0
+    torch.diagonal(H)[dead] = 1.0
+    torch.diagonal(H).add_(damp * float(torch.diagonal(H).mean()))
+    L = torch.linalg.cholesky(H)
+    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).to(torch.float32)
+
+
+def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = None, name: str = "W",
+                  damp: float = GPTQ_DAMP) -> QuantizedWeight:
+    """Calibrated: GPTQ's column-by-column quantization with error feedback, in kbit's blocks of 32.
+
+    With U the upper Cholesky factor of H^-1, quantizing column j costs ``err**2 / U[j, j]**2`` of output error,
+    and the columns after j absorb it best by subtracting ``err / U[j, j] * U[j, j+1:]``. Corrections inside a
+    batch of ``GPTQ_BATCH`` columns are applied at once, the rest of the matrix sees a batch's error at its end.
+    The codebook is fitted as for ``"mse"`` with each column's error weighted by ``H[j, j]``; a block's scale is
+    the scale search's choice on the block's updated weights, each column weighted by its cost ``1 / U[j, j]**2``.
+    """
+    N, K = W.shape
+    device = W.device
+    x_pad, scale = _normalized(W)
+    kp = x_pad.shape[1]
+    limit = _limit(W.dtype, scale)
+    U = _inverse_hessian_factor(H.to(device), damp)
+    cost = torch.nn.functional.pad(1.0 / torch.diagonal(U) ** 2, (0, kp - K))  # padded columns cost nothing
+    cost = cost / cost[:K].mean()
+    if codebook is None:
+        hd = torch.diagonal(H).to(device=device, dtype=torch.float32).clamp(min=0)
+        col_w = torch.nn.functional.pad(hd / hd.mean().clamp(min=1e-30), (0, kp - K))
+        cb, _ = _choose_codebook(x_pad.reshape(-1, BLOCK_SIZE), k, col_w.expand(N, -1).reshape(-1, BLOCK_SIZE),
+                                 limit)
+    else:
+        cb = codebook.to(device=device, dtype=torch.float32)
+
+    x = x_pad.clone()  # updated in place: column j holds the original weights plus the feedback so far
+    codes = torch.zeros(N, kp, dtype=torch.int64, device=device)
+    absmax = torch.zeros(N, kp // BLOCK_SIZE, dtype=torch.uint8, device=device)
+    for i1 in range(0, K, GPTQ_BATCH):
+        i2 = min(i1 + GPTQ_BATCH, K)
+        xb = x[:, i1:i2]  # a view: corrections inside the batch land in x directly
+        errs = torch.zeros(N, i2 - i1, device=device)
+        Ub = U[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            col = i1 + j
+            if col % BLOCK_SIZE == 0:
+                b = col // BLOCK_SIZE
+                blk = x[:, col:col + BLOCK_SIZE]
+                absmax[:, b] = search_block_scales(blk, cb, k, cost[col:col + BLOCK_SIZE], limit)
+                d = decode_absmax_e4m4(absmax[:, b])
+                recip = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+            c = nearest_levels(xb[:, j] * recip, cb)
+            codes[:, col] = c
+            e = (xb[:, j] - cb[c] * d) / Ub[j, j]
+            xb[:, j + 1:].addr_(e, Ub[j, j + 1:], alpha=-1.0)
+            errs[:, j] = e
+        if i2 < K:
+            x[:, i2:K].addmm_(errs, U[i1:i2, i2:K], alpha=-1.0)
+    if kp != K:  # padded columns hold zeros: whatever their code, they are cut off on dequantization
+        codes[:, K:] = _codes_for(torch.zeros(N, kp - K, device=device), decode_absmax_e4m4(absmax[:, -1]), cb)
+    _warn_zeroed(x_pad.reshape(-1, BLOCK_SIZE), absmax.reshape(-1), name)
+    return _storage(codes, absmax, cb, scale, k, (N, K), W.dtype)
+
+
+# ----------------------------------------------------------------------------- one tensor
+def check_method(method) -> str:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, one of {METHODS}, got {type(method).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+def quantize_tensor(W: Tensor, k: int = 4, method: str = "rtn", codebook: Optional[Tensor] = None,
+                    hessian: Optional[Tensor] = None, *, name: str = "W") -> QuantizedWeight:
+    """Quantize an [N, K] weight (fp16/bf16/fp32) with ``method``, on the weight's device.
+
+    ``codebook``: a fixed codebook (2**k sorted levels, largest |value| 1); None means normal-float for ``"rtn"``
+    and a fitted one for the others. ``hessian``: the [K, K] input Hessian ``2 X^T X / n`` of the layer
+    (``kbit.calibration.collect_hessians``), required by ``"gptq"`` and refused by the others.
+    """
+    method = check_method(method)
+    k = check_bits(k)
+    check_tensor(W, name)
+    check_dtype(W.dtype, name)
+    if W.dim() != 2 or W.shape[0] == 0 or W.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty 2-D [N, K] tensor, got shape {tuple(W.shape)}")
+    check_finite(W, name)
+    if codebook is not None:
+        codebook = check_codebook(codebook, k).to(W.device)
+    if (hessian is not None) != (method == "gptq"):
+        raise ValueError("hessian is required by method='gptq' and used by no other method, "
+                         f"got method={method!r} and hessian={'a tensor' if hessian is not None else None}")
+    with torch.no_grad():
+        if method == "rtn":
+            return quantize(W, k=k, codebook=codebook, name=name)
+        if method == "mse":
+            return quantize_mse(W, k, codebook, name)
+        check_tensor(hessian, "hessian")
+        if tuple(hessian.shape) != (W.shape[1],) * 2 or not hessian.is_floating_point():
+            raise ValueError(f"hessian must be a floating-point [{W.shape[1]}, {W.shape[1]}] tensor for a weight "
+                             f"with {W.shape[1]} input features, got {hessian.dtype} {tuple(hessian.shape)}")
+        check_finite(hessian, "hessian")
+        return quantize_gptq(W, hessian, k, codebook, name)
