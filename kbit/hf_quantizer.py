@@ -31,7 +31,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from . import hf_format
 from ._progress import Progress
 from ._validate import check_bits, check_codebook, check_int
-from .moe import find_experts
+from .moe import KbitExperts, find_experts
 from .nn import KbitLinear, linear_targets, quantize_model, quantized_fraction
 
 __all__ = ["KbitConfig", "KbitHfQuantizer", "register", "record_quantization", "default_skip"]
@@ -149,9 +149,9 @@ class KbitHfQuantizer(HfQuantizer):
         if find_experts(model):  # fused MoE experts arrive as whole 3-D tensors: quantized once all are loaded
             quantize_model(model, k=config.bits, codebook=config.codebook_tensor(), skip=self._skip,
                            min_features=config.min_features, progress=False)
-        layers = sum(isinstance(m, KbitLinear) for m in model.modules())
+        layers = sum(isinstance(m, (KbitLinear, KbitExperts)) for m in model.modules())
         summary = (f"kbit: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized to "
-                   f"k={self.quantization_config.bits} ({layers} layers)")
+                   f"k={config.bits} ({layers} layers)")
         logger.info(summary)
         return model
 

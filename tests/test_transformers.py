@@ -165,7 +165,7 @@ def test_quantization_settings(tmp_path, caplog):
         kbit.KbitConfig(bit=4)  # a misspelled setting is an error, not ignored
 
 
-def test_moe_experts_are_quantized_once_loaded(tmp_path):
+def test_moe_experts_are_quantized_once_loaded(tmp_path, caplog):
     """Fused experts (3-D tensors) become KbitExperts after loading, as quantize_model makes them; a kbit folder
     cannot hold them yet, so saving refuses rather than writing weights nothing reads back."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -174,9 +174,11 @@ def test_moe_experts_are_quantized_once_loaded(tmp_path):
     config = MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
     from_config(MixtralForCausalLM, config, dtype=torch.float32).save_pretrained(str(tmp_path / "src"))
-    q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src"),
-                                                          quantization_config=kbit.KbitConfig(bits=4))
+    with caplog.at_level("INFO", logger="kbit"):
+        q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src"),
+                                                              quantization_config=kbit.KbitConfig(bits=4))
     assert isinstance(q.model.layers[0].mlp.experts, kbit.KbitExperts)
+    assert "quantized to k=4 (5 layers)" in caplog.text  # q, k, v, o and the experts; the router is narrow
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src"))
     kbit.quantize_model(ref, k=4, skip=kbit.hf_quantizer.default_skip(ref), progress=False)
     ids = torch.randint(0, VOCAB, (1, 6))
