@@ -1,6 +1,6 @@
 """Shared benchmark helpers: device facts, copy bandwidth, CUDA-graph timing, roofline, output files.
 
-Timing rules (DESIGN.md section 6): every measurement is a CUDA graph holding many calls,
+Timing rules (docs/PERFORMANCE.md#method): every measurement is a CUDA graph holding many calls,
 replayed several times; the median replay time divided by the number of calls is the per-call
 time. Calls rotate over copies of their weights whose total size exceeds twice the L2 cache, so
 weights stream from HBM as they do in real inference.
@@ -68,7 +68,9 @@ def parse_int_list(text: str, name: str, allowed: Optional[Iterable[int]] = None
 
 
 def kbit_weight_bytes(n_out: int, k_in: int, k: int) -> float:
-    """Bytes of a k-bit weight in kbit's format: k bits + one E4M4 byte per 32 weights (+ codebook, scale)."""
+    """Bytes of a k-bit weight in kbit's format: k bits + one E4M4 byte per 32 weights (+ codebook, scale).
+
+    The floor's byte count (docs/PERFORMANCE.md#performance-model)."""
     k_pad = -(-k_in // 32) * 32
     return n_out * k_pad * (k / 8 + 1 / 32) + 4 * 2**k + 4
 

@@ -1,6 +1,6 @@
 """The storage format, in pure PyTorch: the ground truth every CUDA kernel is tested against.
 
-Storage format (exactly the seeds' format; the README's "Format" section says the same for users):
+Storage format (docs/DESIGN.md#storage-format; the README's "Format" section says the same for users):
 
 * The input is flattened and cut into blocks of 32 consecutive elements (the last block is
   zero-padded).

@@ -1,5 +1,7 @@
 """The GEMM layout: what ``repack_for_gemm`` makes of the storage format, in pure PyTorch.
 
+docs/DESIGN.md#gemm-layout describes it; docs/DESIGN.md#pipeline how the kernels read it.
+
 The fused kernel computes ``C^T = W @ X^T`` with ``mma.m16n8k16``: 16 weight rows (output
 features) are the MMA's A operand, 8 tokens its B operand. To make the inner loop cheap, every
 lane's codes arrive in its registers already in MMA-fragment order, so no bit is moved in the hot
@@ -29,7 +31,7 @@ Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(
     E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``.
 
 Rows past N and columns past K_dim are padding: code 0 and absmax 0 (so they dequantize to 0).
-``unrepack_for_gemm`` drops them and returns the storage format bit for bit.
+``unrepack_reference`` drops them and returns the storage format bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from .formats import BLOCK_SIZE, _to_int32_bits, pack_bitplanes, unpack_bitplanes
 
 TILE_ROWS = 16  # weight rows per warp tile (the MMA's M)
-N_ALIGN = 256  # rows of the largest CTA tile (8 warps x 2 row tiles x 16 rows): N is padded to this
+N_ALIGN = 256  # rows of the largest CTA tile (docs/DESIGN.md#configurations): N is padded to this
 K_GROUP = 256  # columns per pipeline step: 8 quantization blocks
 LANES = 32
 
