@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:
 
 import kbit  # noqa: E402
 from kbit.hf import from_config  # noqa: E402
+from kbit.timing import capture_cuda_graph  # noqa: E402
 
 LLAMA3_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 
@@ -77,9 +78,9 @@ def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=No
         model = from_config(LlamaForCausalLM, config, dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     if bits is not None:
-        kbit.quantize_model(model, k=bits, progress=False)
+        kbit.quantize_model(model, bits=bits, progress=False)
         if lm_head_bits:
-            kbit.quantize_model(model, k=lm_head_bits, skip=(), progress=False)  # only lm_head is left
+            kbit.quantize_model(model, bits=lm_head_bits, skip=(), progress=False)  # only lm_head is left
     return model
 
 
@@ -161,16 +162,8 @@ class GreedyDecoder:
     def prepare(self, prompt, warmup: int = 3):
         """Capture the graph / compile the step (this dirties the cache: ``prefill`` again after)."""
         self.prefill(prompt)
-        if self.mode == "graph":
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm up (and derive kbit's GEMM layouts) off the graph
-                for _ in range(warmup):
-                    self._step()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._step()
+        if self.mode == "graph":  # warm-up calls derive kbit's GEMM layouts before the capture
+            self.graph = capture_cuda_graph([self._step], warmup_calls=warmup)
         elif self.mode == "compile":
             kbit.prepare(self.model)  # GEMM layouts exist (and are static) before anything is captured
             self.compiled = torch.compile(self._next_token, mode="reduce-overhead")

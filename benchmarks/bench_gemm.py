@@ -163,7 +163,7 @@ class KbitFused(Peer):
         import kbit
 
         qw = self.qw
-        return kbit.ops.gemm(x, w[0], w[1], qw.codebook, qw.scale, None, qw.k, qw.shape[0], self.kdim, 0)
+        return kbit.ops.gemm(x, w[0], w[1], qw.codebook, qw.scale, None, qw.bits, qw.shape[0], self.kdim, 0)
 
 
 class DequantCublas(KbitFused):
@@ -181,7 +181,7 @@ class DequantCublas(KbitFused):
         qw = self.qw
         N, K = qw.shape
         kp = self.kdim
-        wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.k, N * kp, self.dtype, qw.scale).view(N, kp)
+        wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.bits, N * kp, self.dtype, qw.scale).view(N, kp)
         if kp != K:
             wh = wh[:, :K]
         return common.torch.nn.functional.linear(x, wh)

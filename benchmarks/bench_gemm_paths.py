@@ -73,7 +73,7 @@ def main():
             res = {"shape": sh, "k": k, "M": M}
 
             def kb_call(w, x=x):
-                return kbit.ops.gemm(x, w[0], w[1], qw.codebook, qw.scale, None, qw.k, n_out, kp, 0)
+                return kbit.ops.gemm(x, w[0], w[1], qw.codebook, qw.scale, None, qw.bits, n_out, kp, 0)
 
             for path in ("classic", "ws"):
                 os.environ["KBIT_GEMM_PATH"] = path
@@ -96,7 +96,7 @@ def main():
             res["cublas"] = timed(lambda w, x=x: torch.nn.functional.linear(x, w), fp)
             if M >= 128 and k_in * n_out >= (32 << 20):
                 def dq_call(w, x=x):
-                    wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.k, n_out * kp, torch.float16, qw.scale)
+                    wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.bits, n_out * kp, torch.float16, qw.scale)
                     return torch.nn.functional.linear(x, wh.view(n_out, kp)[:, :k_in])
                 res["dequant"] = timed(dq_call, st)
             out.append(res)

@@ -98,7 +98,7 @@ def dequantized(experts: kbit.KbitExperts, proj: str) -> torch.Tensor:
     kp = padded_in_features(K)
     packed, absmax = getattr(experts, f"{proj}_packed"), getattr(experts, f"{proj}_absmax")
     one = torch.ones((), device=packed.device)
-    flat = ops.dequantize(packed.view(-1), absmax.view(-1), experts.codebook, experts.k, E * N * kp, torch.bfloat16,
+    flat = ops.dequantize(packed.view(-1), absmax.view(-1), experts.codebook, experts.bits, E * N * kp, torch.bfloat16,
                           one)
     return flat.view(E, N, kp)[:, :, :K] * getattr(experts, f"{proj}_scale").to(torch.bfloat16)[:, None, None]
 
@@ -118,7 +118,7 @@ def bench_layer(name: str, T: int, bits: list, args, bandwidth: float) -> list:
     bf16_us = time_calls(bf16, inputs, args.replays)
     rows = []
     for k in bits:
-        experts, _ = kbit.KbitExperts.from_weights(bf16.gate_up_proj.detach(), bf16.down_proj.detach(), k=k)
+        experts, _ = kbit.KbitExperts.from_weights(bf16.gate_up_proj.detach(), bf16.down_proj.detach(), bits=k)
 
         def deq_bf16(x, idx, w, experts=experts):
             params = {"gate_up_proj": dequantized(experts, "gate_up"), "down_proj": dequantized(experts, "down")}

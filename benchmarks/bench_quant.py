@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     common.require_cuda("bench_quant.py")
     torch = common.torch
-    import kbit
+    import kbit.functional
     from kbit import ops
 
     t_start = time.time()
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     one = torch.ones((), device="cuda")
     for k in args.k_list:
-        cb = kbit.create_normal_float_codebook(k, device="cuda")
+        cb = kbit.functional.create_normal_float_codebook(k, device="cuda")
         for dtype in args.dtype_list:
             A = [torch.randn(n, device="cuda", generator=gen).to(dtype) for _ in range(2)]
             calls = [(lambda a=A[i % 2]: ops.quantize(a, cb, k, one)) for i in range(args.calls)]

@@ -30,6 +30,9 @@ RESULTS_DIR = REPO / "benchmarks" / "results"
 if str(REPO) not in sys.path:  # run as `python benchmarks/bench_x.py` from anywhere
     sys.path.insert(0, str(REPO))
 
+from kbit.formats import storage_spec  # noqa: E402
+from kbit.timing import capture_cuda_graph, replay_seconds  # noqa: E402
+
 
 # ----------------------------------------------------------------------------- pure helpers
 def device_tag(name: str) -> str:
@@ -67,12 +70,15 @@ def parse_int_list(text: str, name: str, allowed: Optional[Iterable[int]] = None
     return vals
 
 
-def kbit_weight_bytes(n_out: int, k_in: int, k: int) -> float:
-    """Bytes of a k-bit weight in kbit's format: k bits + one E4M4 byte per 32 weights (+ codebook, scale).
+def kbit_weight_bytes(n_out: int, k_in: int, bits: int) -> float:
+    """Bytes of a ``bits``-bit [n_out, k_in] weight in kbit's storage format (``kbit.formats.storage_spec``).
 
     The floor's byte count (docs/PERFORMANCE.md#performance-model)."""
-    k_pad = -(-k_in // 32) * 32
-    return n_out * k_pad * (k / 8 + 1 / 32) + 4 * 2**k + 4
+    total = 0
+    for key in ("packed", "absmax", "codebook", "scale"):
+        dtype, shape = storage_spec(key, bits, (n_out, k_in))
+        total += math.prod(shape) * dtype.itemsize
+    return float(total)
 
 
 def gemm_bytes(m: int, k_in: int, n_out: int, weight_bytes: float, act_bytes: int = 2) -> float:
@@ -180,36 +186,10 @@ def sync() -> None:
 
 
 def time_graph(calls: Sequence[Callable[[], object]], replays: int = 5, warmup_calls: int = 2) -> dict:
-    """Per-call time (µs) of ``calls`` captured in order into one CUDA graph.
-
-    Every callable is run ``warmup_calls`` times eagerly on a side stream first (JIT, cuBLAS
-    heuristics, allocations, per-stream workspaces), then the list is captured once on that same
-    stream, as an inference engine warms up before capture. The graph is replayed once to
-    warm up, then ``replays`` times with CUDA events; returns the median and min replay time
-    divided by ``len(calls)``.
-    """
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls[: max(1, min(len(calls), 4))]:
-            for _ in range(warmup_calls):
-                c()
-    torch.cuda.current_stream().wait_stream(s)
-    sync()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        for c in calls:
-            c()
-    graph.replay()
-    sync()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    """Per-call time (µs) of ``calls`` captured in order into one CUDA graph (``kbit.timing``): the median and
+    min of ``replays`` replay times divided by ``len(calls)``."""
+    graph = capture_cuda_graph(calls, warmup_calls=warmup_calls)
+    times = [t * 1e6 / len(calls) for t in replay_seconds(graph, timings=replays)]
     del graph
     return {"us": statistics.median(times), "min_us": min(times), "replays": replays, "calls": len(calls)}
 

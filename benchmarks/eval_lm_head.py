@@ -54,9 +54,9 @@ def main(argv=None) -> int:
         model = copy.deepcopy(base)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", kbit.PrecisionWarning)
-            kbit.quantize_model(model, k=args.body_bits, progress=False)
+            kbit.quantize_model(model, bits=args.body_bits, progress=False)
             if head:
-                kbit.quantize_model(model, k=head, skip=(), progress=False)  # only lm_head is left
+                kbit.quantize_model(model, bits=head, skip=(), progress=False)  # only lm_head is left
         ppl = perplexity(model, ids)
         print(f"body K={args.body_bits}, lm_head {('K=%d' % head) if head else 'full precision'}: "
               f"perplexity {ppl:.3f} ({ppl / ref:.3f}x)")

@@ -211,7 +211,7 @@ def _weight_error(pairs) -> float:
 def quantized_kbit(model, k: int, method: str = "rtn", calibration=None, skip=("lm_head",)):
     """(kbit-quantized deep copy, names of the quantized layers, weight rel. err., bits/weight)."""
     q = copy.deepcopy(model)
-    kbit.quantize_model(q, k=k, method=method, calibration=calibration, skip=skip, progress=False)
+    kbit.quantize_model(q, bits=k, method=method, calibration=calibration, skip=skip, progress=False)
     names = [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
     orig = dict(model.named_modules())
     qmods = dict(q.named_modules())
@@ -355,7 +355,7 @@ def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with
 
 def _layer_names(model):
     q = copy.deepcopy(model)
-    kbit.quantize_model(q, k=4, progress=False)
+    kbit.quantize_model(q, bits=4, progress=False)
     return [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
 
 

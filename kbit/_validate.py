@@ -1,8 +1,9 @@
-"""Argument checks shared by the public API: each raises ``TypeError`` or ``ValueError`` naming the argument.
+"""Argument checks of the public API: each raises ``TypeError`` or ``ValueError`` naming the argument.
 
-The public functions (``kbit.quantize``, ``kbit.matmul``, ``QuantizedWeight``, ``KbitLinear``, the seeds'
-functional API) call these once at their boundary; the custom ops in ``kbit.ops`` trust their arguments,
-and the CUDA binding checks again what reaches a kernel (dtype, shape, device, contiguity).
+The public functions and constructors (``kbit.quantize``, ``kbit.matmul``, ``QuantizedWeight``, ``KbitLinear``,
+``kbit.quantize_model``, ``KbitConfig``, ``kbit.functional``) call these once, at their boundary; what they call
+inside kbit trusts its arguments, the custom ops in ``kbit.ops`` included. The CUDA binding checks again what
+reaches a kernel (dtype, shape, device, contiguity).
 
 Checks that read tensor values (``check_codebook``, ``check_scale``, ``check_finite``) synchronize with
 the device; they run when a weight is quantized or loaded, never per forward.
@@ -16,7 +17,15 @@ import numbers
 import torch
 from torch import Tensor
 
-from .formats import BLOCK_SIZE, CODE_DTYPES, SUPPORTED_BITS, num_blocks, padded_in_features
+from .formats import (
+    BLOCK_SIZE,
+    CODE_DTYPES,
+    EXPERTS_META_FIELDS,
+    META_FIELDS,
+    SUPPORTED_BITS,
+    create_normal_float_codebook,
+    storage_spec,
+)
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what quantize reads and dequantize writes
 GEMM_DTYPES = (torch.float16, torch.bfloat16)  # activations of the fused GEMM
@@ -47,12 +56,12 @@ def check_int(value, name: str, minimum: int = None) -> int:
     return value
 
 
-def check_bits(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"k must be an int in {SUPPORTED_BITS} (bits per weight), got {type(k).__name__}")
-    if int(k) not in SUPPORTED_BITS:
-        raise ValueError(f"k must be one of {SUPPORTED_BITS} (bits per weight), got {k}")
-    return int(k)
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral):
+        raise TypeError(f"bits must be an int in {SUPPORTED_BITS} (bits per weight), got {type(bits).__name__}")
+    if int(bits) not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS} (bits per weight), got {bits}")
+    return int(bits)
 
 
 def check_dtype(dtype, name: str, allowed=INPUT_DTYPES) -> torch.dtype:
@@ -86,13 +95,25 @@ def check_finite(A: Tensor, name: str) -> None:
         raise ValueError(f"{name} contains {bad} NaN/Inf value(s); kbit quantizes finite values only")
 
 
-def check_codebook(codebook, k: int, name: str = "codebook") -> Tensor:
-    """2**k finite levels, strictly ascending, largest |value| 1. Returns them as contiguous float32."""
+def check_weight(W, name: str) -> Tensor:
+    """A weight to quantize: a non-empty 2-D [out_features, in_features] tensor of finite fp16/bf16/fp32 values."""
+    check_tensor(W, name)
+    check_dtype(W.dtype, name)
+    if W.dim() != 2 or W.shape[0] == 0 or W.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty 2-D [out_features, in_features] tensor, got shape "
+                         f"{tuple(W.shape)}")
+    check_finite(W, name)
+    return W
+
+
+def check_codebook(codebook, bits: int, name: str = "codebook") -> Tensor:
+    """2**bits finite levels, strictly ascending, largest |value| 1. Returns them as contiguous float32."""
     check_tensor(codebook, name)
     if not codebook.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {_dtype_name(codebook.dtype)}")
-    if codebook.dim() != 1 or codebook.numel() != 2**k:
-        raise ValueError(f"{name} for k={k} must be 1-D with {2**k} entries, got shape {tuple(codebook.shape)}")
+    if codebook.dim() != 1 or codebook.numel() != 2**bits:
+        raise ValueError(f"{name} for bits={bits} must be 1-D with {2**bits} entries, got shape "
+                         f"{tuple(codebook.shape)}")
     check_not_meta(codebook, name)
     cb = codebook.detach().to(torch.float32)
     if not bool(torch.isfinite(cb).all()):
@@ -106,6 +127,13 @@ def check_codebook(codebook, k: int, name: str = "codebook") -> Tensor:
             f"block absmax), got largest |value| {peak:.6g}; divide it by its largest |value|"
         )
     return cb.contiguous()
+
+
+def codebook_for(codebook, bits: int, device) -> Tensor:
+    """The normal-float codebook, or a checked float32 copy of the caller's (never an alias of it), on ``device``."""
+    if codebook is None:
+        return create_normal_float_codebook(bits, device=device)
+    return check_codebook(codebook, bits).to(device=device, copy=True)
 
 
 def check_scale(scale, device, name: str = "scale") -> Tensor:
@@ -127,53 +155,58 @@ def check_scale(scale, device, name: str = "scale") -> Tensor:
     return t
 
 
-def check_meta(meta, name: str = "meta"):
-    """The ``meta`` tensor of a saved weight: int [k, out_features, in_features, dtype code] -> (k, (N, K), dtype)."""
+def _meta_values(meta, name: str, fields) -> list:
+    """The integers of a ``meta`` tensor with ``fields`` (``kbit.formats``), its bits and dtype code checked;
+    the dtype code replaced by its dtype."""
     check_tensor(meta, name)
     check_not_meta(meta, name)
     if meta.is_floating_point() or meta.is_complex() or meta.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {_dtype_name(meta.dtype)}")
-    if tuple(meta.shape) != (4,):
-        raise ValueError(f"{name} must have shape (4,) [k, out_features, in_features, dtype code], "
-                         f"got {tuple(meta.shape)}")
-    k, N, K, code = (int(v) for v in meta.tolist())
+    if tuple(meta.shape) != (len(fields),):
+        raise ValueError(f"{name} must have shape ({len(fields)},) [{', '.join(fields)}], got {tuple(meta.shape)}")
+    values = [int(v) for v in meta.tolist()]
     try:
-        k = check_bits(k)
+        values[0] = check_bits(values[0])
     except (TypeError, ValueError) as e:
         raise ValueError(f"{name}: {e}") from None
-    if N <= 0 or K <= 0:
-        raise ValueError(f"{name} describes a [{N}, {K}] weight; both sizes must be positive")
-    if code not in CODE_DTYPES:
-        raise ValueError(f"{name} holds unknown dtype code {code} (known: {sorted(CODE_DTYPES)})")
-    return k, (N, K), CODE_DTYPES[code]
+    if values[-1] not in CODE_DTYPES:
+        raise ValueError(f"{name} holds unknown dtype code {values[-1]} (known: {sorted(CODE_DTYPES)})")
+    values[-1] = CODE_DTYPES[values[-1]]
+    return values
 
 
-def storage_spec(key: str, k: int, shape):
-    """(dtype, shape) of one storage tensor of a k-bit [N, K] weight."""
-    N, K = shape
-    nb = num_blocks(N * padded_in_features(K))
-    return {"packed": (torch.int32, (nb * k,)), "absmax": (torch.uint8, (nb,)),
-            "codebook": (torch.float32, (2**k,)), "scale": (torch.float32, ())}[key]
+def check_meta(meta, name: str = "meta"):
+    """The ``meta`` tensor of a saved weight (``formats.META_FIELDS``) -> (bits, (out_features, in_features), dtype)."""
+    bits, out_features, in_features, dtype = _meta_values(meta, name, META_FIELDS)
+    if out_features <= 0 or in_features <= 0:
+        raise ValueError(f"{name} describes a [{out_features}, {in_features}] weight; both sizes must be positive")
+    return bits, (out_features, in_features), dtype
 
 
-def check_storage_tensor(t, key: str, k: int, shape, prefix: str = "") -> None:
+def check_experts_meta(meta, name: str = "meta"):
+    """The ``meta`` tensor of a mixture-of-experts layer (``formats.EXPERTS_META_FIELDS``) ->
+    (bits, num_experts, hidden_dim, intermediate_dim, dtype)."""
+    return tuple(_meta_values(meta, name, EXPERTS_META_FIELDS))
+
+
+def check_storage_tensor(t, key: str, bits: int, shape, prefix: str = "") -> None:
     """Dtype, shape and contiguity of storage tensor ``key`` (no values read)."""
     check_tensor(t, prefix + key)
-    dtype, want = storage_spec(key, k, shape)
+    dtype, want = storage_spec(key, bits, shape)
     if t.dtype != dtype:
         raise TypeError(f"{prefix}{key} must be {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
     if tuple(t.shape) != want:
         raise ValueError(
-            f"{prefix}{key} of a k={k} [{shape[0]}, {shape[1]}] weight (blocks of {BLOCK_SIZE}) must have shape "
+            f"{prefix}{key} of a bits={bits} [{shape[0]}, {shape[1]}] weight (blocks of {BLOCK_SIZE}) must have shape "
             f"{want}, got {tuple(t.shape)}"
         )
     if not t.is_contiguous():
         raise ValueError(f"{prefix}{key} must be contiguous")
 
 
-def check_storage(packed, absmax, codebook, scale, k: int, shape, prefix: str = "") -> None:
-    """Dtypes, shapes and devices of a [N, K] weight's storage (no values read: cheap, safe while tracing)."""
+def check_storage(packed, absmax, codebook, scale, bits: int, shape, prefix: str = "") -> None:
+    """Dtypes, shapes and devices of a weight's storage (no values read: cheap, safe while tracing)."""
     tensors = {"packed": packed, "absmax": absmax, "codebook": codebook, "scale": scale}
     for key, t in tensors.items():
-        check_storage_tensor(t, key, k, shape, prefix)
+        check_storage_tensor(t, key, bits, shape, prefix)
     check_same_device(**{prefix + key: t for key, t in tensors.items()})

@@ -1,6 +1,6 @@
 """Calibration: the input Hessians of a model's Linear layers, and quantizing the layers with a method.
 
-``quantize_layers`` is what ``kbit.quantize_model(model, k, method=..., calibration=...)`` runs for the methods
+``quantize_layers`` is what ``kbit.quantize_model(model, bits, method=..., calibration=...)`` runs for the methods
 other than ``"rtn"``. For ``"gptq"`` it needs each layer's input Hessian ``H = 2 X^T X / n`` over calibration
 inputs. Quantization errors compound through depth, so a model whose layers sit in a list of blocks (a
 transformer's ``model.layers`` / ``encoder.layer``) is calibrated block by block: block i's Hessians come from

@@ -1,8 +1,8 @@
-"""``python -m kbit demo``: quantize a synthetic Llama-shaped stack at K = 2..5 and report.
+"""``python -m kbit demo``: quantize a synthetic Llama-shaped stack at 2..5 bits per weight and report.
 
 The default model is a stack of Llama-style transformer blocks (hidden 1024, intermediate 2816,
 grouped-query attention with 4 KV heads of 16): per block the q/k/v/o projections and the
-gate/up/down MLP, with normal weights of std 0.02 (the usual initializer). For every K it prints
+gate/up/down MLP, with normal weights of std 0.02 (the usual initializer). For every bit width it prints
 bits per weight, memory saved against fp16, the weights' relative error and SQNR, and the time
 of ``kbit.matmul`` against the unquantized matmul (fp16 on CUDA, fp32 on CPU) per block (its
 seven projections), at M = 1 (decode) and M = 16 tokens. On CUDA the default stack has 8 layers,
@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .timing import capture_cuda_graph, replay_seconds
 from .weight import QuantizedWeight, matmul, quantize
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,32 +77,12 @@ def time_cuda_graph(fn, repeats: int, inner: int) -> Tuple[float, bool]:
 
     Falls back to timing ``fn`` eagerly if it cannot be captured. Returns (seconds, captured).
     """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm up caches (GEMM layouts, cuBLAS handles) outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_cuda_graph([fn])
     except Exception:  # e.g. a kernel path that cannot be captured: time it eagerly instead
         torch.cuda.synchronize()
         return time_fn(fn, torch.device("cuda"), repeats, inner), False
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(inner):
-            graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3 / inner)
-    return statistics.median(times), True
+    return statistics.median(replay_seconds(graph, repeats, inner)), True
 
 
 def _fmt_us(seconds: float) -> str:
@@ -120,7 +101,7 @@ def run(
     seed: int = 0,
     out=sys.stdout,
 ) -> List[Dict]:
-    """Run the demo and print its table to ``out``; returns one dict of results per K.
+    """Run the demo and print its table to ``out``; returns one dict of results per bit width.
 
     ``layers`` defaults to 8 on CUDA (so the fp16 weights overflow the L2 cache, as in real
     inference) and 2 on CPU. Times are per transformer block (its 7 projections): on CUDA the
@@ -153,7 +134,7 @@ def run(
       + (torch.cuda.get_device_name(dev) if on_cuda else f"cpu ({torch.get_num_threads()} threads)"))
     if on_cuda:
         p("(the first CUDA call builds kbit's extension if it is not cached yet: that can take a few minutes)")
-        quantize(torch.randn(64, 64, device=dev), k=4)  # load (or build) the extension before timing
+        quantize(torch.randn(64, 64, device=dev), bits=4)  # load (or build) the extension before timing
         _sync(dev)
     else:
         p("(CPU: kbit runs its reference path, dequantize + fp32 matmul; the fused kernel is CUDA-only)")
@@ -189,17 +170,17 @@ def run(
     del base_w
 
     ref_name = "fp16" if on_cuda else "fp32"
-    header = (f"| K | bits/weight | size MiB | saved vs fp16 | rel. error | SQNR dB | quantize s "
+    header = (f"| bits | bits/weight | size MiB | saved vs fp16 | rel. error | SQNR dB | quantize s "
               f"| M=1 kbit µs | M=1 {ref_name} µs | M=1 speedup | M=16 kbit µs | M=16 {ref_name} µs | M=16 speedup |")
     p(header)
     p("|" + "|".join("---:" for _ in range(header.count("|") - 1)) + "|")
 
     results = []
     worst_check = 0.0
-    for k in bits:
+    for b in bits:
         _sync(dev)
         t0 = time.perf_counter()
-        qws: List[Dict[str, QuantizedWeight]] = [{n: quantize(w, k=k) for n, w in blk.items()} for blk in weights]
+        qws: List[Dict[str, QuantizedWeight]] = [{n: quantize(w, bits=b) for n, w in blk.items()} for blk in weights]
         _sync(dev)
         t_quant = time.perf_counter() - t0
         nbytes = sum(qw.nbytes for blk in qws for qw in blk.values())
@@ -234,11 +215,11 @@ def run(
         outputs.clear()
 
         bpw = 8 * nbytes / n_weights
-        row = dict(k=k, bits_per_weight=bpw, bytes=nbytes, saved_bytes=fp16_bytes - nbytes, rel_error=rel,
+        row = dict(bits=b, bits_per_weight=bpw, bytes=nbytes, saved_bytes=fp16_bytes - nbytes, rel_error=rel,
                    sqnr_db=sqnr, quantize_s=t_quant, kbit_us_m1=kbit_t[1] * 1e6, ref_us_m1=base_t[1] * 1e6,
                    kbit_us_m16=kbit_t[16] * 1e6, ref_us_m16=base_t[16] * 1e6)
         results.append(row)
-        p(f"| {k} | {bpw:.3f} | {nbytes / 2**20:.1f} | {(fp16_bytes - nbytes) / 2**20:.1f} MiB "
+        p(f"| {b} | {bpw:.3f} | {nbytes / 2**20:.1f} | {(fp16_bytes - nbytes) / 2**20:.1f} MiB "
           f"({100 * (fp16_bytes - nbytes) / fp16_bytes:.0f}%) | {rel:.4f} | {sqnr:.2f} | {t_quant:.3f} "
           f"| {_fmt_us(kbit_t[1])} | {_fmt_us(base_t[1])} | {base_t[1] / kbit_t[1]:.2f}x "
           f"| {_fmt_us(kbit_t[16])} | {_fmt_us(base_t[16])} | {base_t[16] / kbit_t[16]:.2f}x |")

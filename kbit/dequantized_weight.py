@@ -48,7 +48,7 @@ class DequantizedWeight(Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:  # printing must not dequantize
         qw = self.qweight
         return (f"DequantizedWeight(shape={list(qw.shape)}, dtype={str(qw.dtype).replace('torch.', '')}, "
-                f"device={qw.device}, k={qw.k})")
+                f"device={qw.device}, bits={qw.bits})")
 
     def __deepcopy__(self, memo):
         return DequantizedWeight(copy.deepcopy(self.qweight, memo))
@@ -69,9 +69,9 @@ class DequantizedWeight(Tensor):
     # torch.compile traces a tensor subclass through these two: the storage tensors and what describes them.
     def __tensor_flatten__(self):
         qw = self.qweight
-        return list(_STORAGE), (qw.k, qw.shape, qw.dtype)
+        return list(_STORAGE), (qw.bits, qw.shape, qw.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
-        k, shape, dtype = context
-        return DequantizedWeight(QuantizedWeight(*(inner[name] for name in _STORAGE), k, shape, dtype))
+        bits, shape, dtype = context
+        return DequantizedWeight(QuantizedWeight.from_checked(*(inner[name] for name in _STORAGE), bits, shape, dtype))

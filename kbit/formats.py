@@ -4,16 +4,21 @@ Storage format (docs/DESIGN.md#storage-format; the README's "Format" section say
 
 * The input is flattened and cut into blocks of 32 consecutive elements (the last block is
   zero-padded).
-* ``packed``: int32 tensor of shape ``[num_blocks * k]``. Word ``i * k + b`` is bit-plane ``b``
+* ``packed``: int32 tensor of shape ``[blocks * bits]``. Word ``i * bits + b`` is bit-plane ``b``
   of block ``i``: bit ``j`` of that word is bit ``b`` of the code of element ``32 * i + j``.
-* ``absmax``: uint8 tensor of shape ``[num_blocks]``, the block's absolute maximum encoded as
+* ``absmax``: uint8 tensor of shape ``[blocks]``, the block's absolute maximum encoded as
   E4M4 (4 exponent bits, bias 11, 4 mantissa bits, subnormals when the exponent field is 0).
-* ``codebook``: float32 tensor of ``2**k`` values, sorted ascending, reconstruction levels in
+* ``codebook``: float32 tensor of ``2**bits`` values, sorted ascending, reconstruction levels in
   units of the block absmax.
 * ``scale``: a per-tensor power-of-two factor (float32, default 1.0). It is our remedy for
   absmax values outside E4M4's range [2**-14, 31]: elements are divided by ``scale`` before
   their block absmax is encoded, and dequantization multiplies it back. Power-of-two scales
   make both steps exact.
+* ``meta``: int64 ``[bits, out_features, in_features, dtype code]`` of a saved [out_features,
+  in_features] weight (``META_FIELDS``, ``DTYPE_CODES``).
+
+A weight [out_features, in_features] is stored as the matrix zero-padded to ``padded_in_features``
+columns and flattened, so that no block crosses a row (``storage_spec``).
 
 Element ``x`` of block ``i`` is reconstructed as
 ``codebook[code] * (decode_absmax_e4m4(absmax[i]) * scale)``, computed in float32, then
@@ -37,26 +42,53 @@ SUPPORTED_BITS = (2, 3, 4, 5)
 E4M4_BIAS = 11
 E4M4_MAX = 31.0  # exponent field 15, mantissa 15: 2**4 * 31/16
 E4M4_MIN_SUBNORMAL = 2.0**-14  # exponent field 0, mantissa 1: 2**(1 - 11) / 16
-E4M4_MIN_NORMAL = 2.0**-10  # exponent field 1, mantissa 0: below it a block's scale keeps fewer than 4 bits
 
-# What a saved weight holds besides the block data: the keys of QuantizedWeight.state_dict() / KbitLinear's
-# buffers, and ``meta`` = int64 [k, out_features, in_features, dtype code] with these dtype codes.
+# What a saved weight holds: the keys of QuantizedWeight.state_dict() / KbitLinear's persistent buffers.
 STATE_KEYS = ("packed", "absmax", "codebook", "scale", "meta")
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+# ``meta`` of one weight, and of a mixture-of-experts layer (kbit.moe: every expert has the same shapes).
+META_FIELDS = ("bits", "out_features", "in_features", "dtype code")
+EXPERTS_META_FIELDS = ("bits", "num_experts", "hidden_dim", "intermediate_dim", "dtype code")
 
 
-def meta_tensor(k: int, shape, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """The ``meta`` entry of a saved [N, K] weight quantized from ``dtype``."""
-    return torch.tensor([k, shape[0], shape[1], DTYPE_CODES[dtype]], dtype=torch.int64, device=device)
+def block_count(n: int) -> int:
+    """Blocks of ``BLOCK_SIZE`` that hold ``n`` elements (the last one zero-padded)."""
+    return (n + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+def padded_in_features(in_features: int) -> int:
+    """Columns of a stored weight: in_features rounded up to a multiple of 32 (rows are zero-padded)."""
+    return block_count(in_features) * BLOCK_SIZE
+
+
+def storage_spec(key: str, bits: int, shape) -> tuple:
+    """(dtype, shape) of storage tensor ``key`` of a ``bits``-bit [out_features, in_features] weight."""
+    out_features, in_features = shape
+    blocks = block_count(out_features * padded_in_features(in_features))
+    return {"packed": (torch.int32, (blocks * bits,)), "absmax": (torch.uint8, (blocks,)),
+            "codebook": (torch.float32, (2**bits,)), "scale": (torch.float32, ()),
+            "meta": (torch.int64, (len(META_FIELDS),))}[key]
+
+
+def meta_tensor(bits: int, shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """The ``meta`` entry of a saved [out_features, in_features] weight quantized from ``dtype``."""
+    return torch.tensor([bits, shape[0], shape[1], DTYPE_CODES[dtype]], dtype=torch.int64, device=device)
+
+
+def experts_meta_tensor(bits: int, num_experts: int, hidden_dim: int, intermediate_dim: int, dtype: torch.dtype,
+                        device=None) -> torch.Tensor:
+    """The ``meta`` entry of a mixture-of-experts layer (``EXPERTS_META_FIELDS``)."""
+    values = [bits, num_experts, hidden_dim, intermediate_dim, DTYPE_CODES[dtype]]
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 # ----------------------------------------------------------------------------- codebook
 @functools.lru_cache(maxsize=None)
-def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
-    # Expected value of N(0, 1) inside each of 2**k equiprobable bins:
-    # E[X | a < X < b] = (phi(a) - phi(b)) / (Phi(b) - Phi(a)) = (phi(a) - phi(b)) * 2**k.
-    n = 2**k
+def _normal_float_codebook_cpu(bits: int) -> torch.Tensor:
+    # Expected value of N(0, 1) inside each of 2**bits equiprobable bins:
+    # E[X | a < X < b] = (phi(a) - phi(b)) / (Phi(b) - Phi(a)) = (phi(a) - phi(b)) * 2**bits.
+    n = 2**bits
     # On the CPU explicitly: the first call may come inside a torch.device("meta") context (transformers builds
     # empty models in one), and a meta codebook would then be cached for good.
     p = torch.arange(n + 1, dtype=torch.float64, device="cpu") / n
@@ -68,28 +100,19 @@ def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
     return cb
 
 
-def create_normal_float_codebook(k: int = 4, device=None) -> torch.Tensor:
-    """The normal-float codebook: 2**k sorted levels, max |value| == 1 (cached per k)."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int in {SUPPORTED_BITS} (bits per weight), got {type(k).__name__}")
-    if k not in SUPPORTED_BITS:
-        raise ValueError(f"k must be one of {SUPPORTED_BITS} (bits per weight), got {k}")
-    cb = _normal_float_codebook_cpu(k)
+def create_normal_float_codebook(bits: int = 4, device=None) -> torch.Tensor:
+    """The normal-float codebook: 2**bits sorted levels, max |value| == 1 (cached per bit width)."""
+    cb = _normal_float_codebook_cpu(bits)
     return cb.to(device=device, copy=True) if device is not None else cb.clone()  # never the cached tensor
 
 
 # ----------------------------------------------------------------------------- E4M4
 def encode_absmax_e4m4(x: torch.Tensor) -> torch.Tensor:
-    """Encode non-negative float32 values as E4M4 uint8, round-to-nearest-even, saturating at 31.
+    """Encode non-negative, finite values as E4M4 uint8, round-to-nearest-even, saturating at 31.
 
     Integer arithmetic on the float32 bit pattern, so the CUDA encoder can match it exactly.
     """
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"encode_absmax_e4m4 expects a floating-point torch.Tensor, got {type(x).__name__}"
-                        + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
     x = x.to(torch.float32)
-    if bool((x < 0).any()) or not bool(torch.isfinite(x).all()):
-        raise ValueError("encode_absmax_e4m4 expects finite, non-negative values")
     bits = x.view(torch.int32).to(torch.int64)
     exp = (bits >> 23) & 0xFF
     man = bits & 0x7FFFFF
@@ -110,9 +133,6 @@ def encode_absmax_e4m4(x: torch.Tensor) -> torch.Tensor:
 
 def decode_absmax_e4m4(code: torch.Tensor) -> torch.Tensor:
     """Decode E4M4 uint8 codes to float32 (exact)."""
-    if not isinstance(code, torch.Tensor) or code.dtype != torch.uint8:
-        got = code.dtype if isinstance(code, torch.Tensor) else type(code).__name__
-        raise TypeError(f"decode_absmax_e4m4 expects a uint8 torch.Tensor of E4M4 codes, got {got}")
     c = code.to(torch.int32)
     e = c >> 4
     m = (c & 0xF).to(torch.float32)
@@ -136,35 +156,26 @@ def choose_tensor_scale(block_absmax_max: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- bit planes
-def num_blocks(n: int) -> int:
-    return (n + BLOCK_SIZE - 1) // BLOCK_SIZE
-
-
-def padded_in_features(K: int) -> int:
-    """Columns of a stored [N, K] weight: K rounded up to a multiple of 32 (rows are zero-padded)."""
-    return num_blocks(K) * BLOCK_SIZE
-
-
-def _to_int32_bits(x: torch.Tensor) -> torch.Tensor:
+def to_int32_bits(x: torch.Tensor) -> torch.Tensor:
     """int64 values in [0, 2**32) -> int32 with the same bit pattern."""
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
 
 
-def pack_bitplanes(codes: torch.Tensor, k: int) -> torch.Tensor:
-    """codes: integer [num_blocks, 32] in [0, 2**k) -> int32 [num_blocks * k] bit-plane words."""
+def pack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: integer [blocks, 32] in [0, 2**bits) -> int32 [blocks * bits] bit-plane words."""
     shifts = torch.arange(BLOCK_SIZE, device=codes.device, dtype=torch.int64)
     c = codes.to(torch.int64)
-    planes = [(((c >> b) & 1) << shifts).sum(dim=1) for b in range(k)]
-    return _to_int32_bits(torch.stack(planes, dim=1)).reshape(-1)
+    planes = [(((c >> b) & 1) << shifts).sum(dim=1) for b in range(bits)]
+    return to_int32_bits(torch.stack(planes, dim=1)).reshape(-1)
 
 
-def unpack_bitplanes(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """int32 [num_blocks * k] -> int64 codes [num_blocks, 32]."""
-    words = packed.reshape(-1, k).to(torch.int64) & 0xFFFFFFFF
+def unpack_bitplanes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [blocks * bits] -> int64 codes [blocks, 32]."""
+    words = packed.reshape(-1, bits).to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(BLOCK_SIZE, device=packed.device, dtype=torch.int64)
-    bits = (words[:, :, None] >> shifts) & 1  # [nb, k, 32]
-    weights = (1 << torch.arange(k, device=packed.device, dtype=torch.int64))[None, :, None]
-    return (bits * weights).sum(dim=1)
+    planes = (words[:, :, None] >> shifts) & 1  # [blocks, bits, 32]
+    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int64))[None, :, None]
+    return (planes * weights).sum(dim=1)
 
 
 # ----------------------------------------------------------------------------- reference quantize / dequantize
@@ -184,21 +195,21 @@ def blocks_of(A: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """A flattened, divided by ``scale`` in float32, zero-padded and cut into blocks: [nb, 32]."""
     x = A.reshape(-1).to(torch.float32) * (1.0 / scale.to(device=A.device, dtype=torch.float32))
     n = x.numel()
-    return torch.nn.functional.pad(x, (0, num_blocks(n) * BLOCK_SIZE - n)).reshape(-1, BLOCK_SIZE)
+    return torch.nn.functional.pad(x, (0, block_count(n) * BLOCK_SIZE - n)).reshape(-1, BLOCK_SIZE)
 
 
-def quantize_reference(A: torch.Tensor, codebook: torch.Tensor, k: int, scale: torch.Tensor):
+def quantize_reference(A: torch.Tensor, codebook: torch.Tensor, bits: int, scale: torch.Tensor):
     """Reference implementation of the quantize op (no validation). Returns (packed, absmax)."""
     x = blocks_of(A, scale)
     if x.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int32, device=A.device), torch.zeros(0, dtype=torch.uint8, device=A.device)
     absmax = encode_absmax_e4m4(x.abs().amax(dim=1))
-    return pack_bitplanes(nearest_codes(x, decode_absmax_e4m4(absmax), codebook), k), absmax
+    return pack_bitplanes(nearest_codes(x, decode_absmax_e4m4(absmax), codebook), bits), absmax
 
 
-def dequantize_reference(packed, absmax, codebook, k: int, n: int, dtype, scale: torch.Tensor):
+def dequantize_reference(packed, absmax, codebook, bits: int, n: int, dtype, scale: torch.Tensor):
     """Reference implementation of the dequantize op (no validation). Returns a flat tensor of n."""
-    codes = unpack_bitplanes(packed, k)
+    codes = unpack_bitplanes(packed, bits)
     block_scale = decode_absmax_e4m4(absmax) * scale.to(device=absmax.device, dtype=torch.float32).reshape(())
     cb = codebook.to(device=packed.device, dtype=torch.float32)
     vals = cb[codes] * block_scale[:, None]

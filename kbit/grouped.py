@@ -91,24 +91,27 @@ def route_reference(expert_ids: Tensor, weights: Tensor, num_experts: int, rows_
     return x_rows, row_weights, position.view(T, top_k), passes, num_passes
 
 
-def expert_weight_reference(b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, k: int, N: int,
-                            K_dim: int) -> Tensor:
-    """The float32 [N, K_dim] weight of one expert from its GEMM layout (``kbit.layout``)."""
-    packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, k, N, K_dim)
-    w = formats.dequantize_reference(packed, absmax, codebook, k, N * K_dim, torch.float32, scale)
-    return w.reshape(N, K_dim)
+def expert_weight_reference(b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, bits: int,
+                            out_features: int, in_features_padded: int) -> Tensor:
+    """The float32 [out_features, in_features_padded] weight of one expert from its GEMM layout (``kbit.layout``)."""
+    N, K = out_features, in_features_padded
+    packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, N, K)
+    w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, scale)
+    return w.reshape(N, K)
 
 
 def moe_gemm_reference(x: Tensor, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor,
                        x_rows: Optional[Tensor], row_weights: Optional[Tensor], passes: Tensor, num_passes: Tensor,
-                       k: int, N: int, K_dim: int, silu_gate: bool) -> Tensor:
+                       bits: int, out_features: int, in_features_padded: int, silu_gate: bool) -> Tensor:
     """Reference of ``moe_gemm``; rows no pass covers are 0."""
     S = x_rows.numel() if x_rows is not None else x.shape[0]
+    N = out_features
     y = torch.zeros(S, N // 2 if silu_gate else N, dtype=torch.float32, device=x.device)
     weights = {}
     for e, first, rows, _ in passes[: int(num_passes[0])].tolist():
         if e not in weights:
-            weights[e] = expert_weight_reference(b_gemm[e], absmax_gemm[e], codebook, scale[e], k, N, K_dim)
+            weights[e] = expert_weight_reference(b_gemm[e], absmax_gemm[e], codebook, scale[e], bits, N,
+                                                 in_features_padded)
         sel = torch.arange(first, first + rows, device=x.device)
         src = x_rows[sel].long() if x_rows is not None else sel
         out = x[src].to(torch.float32) @ weights[e][:, : x.shape[1]].T

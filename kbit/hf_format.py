@@ -6,7 +6,7 @@ For each ``KbitLinear`` ``X`` the weights hold ``X.weight`` (the ``packed`` bit 
 wrong shape and refuses the folder ("size mismatch") instead of loading random weights in the layer's place.
 ``config.json`` carries ``quantization_config`` (``kbit.KbitConfig``).
 
-Loading reads which layers are quantized -- and their k, shape and dtype -- from the checkpoint itself (the
+Loading reads which layers are quantized -- and their bits, shape and dtype -- from the checkpoint itself (the
 layers with ``.absmax`` and ``.meta`` entries), puts ``KbitLinear`` modules of those shapes into the empty model,
 has transformers load ``X.weight`` into ``X.packed``, and then checks every layer's tensors as untrusted input
 (``KbitLinear.load_state_dict``).
@@ -20,11 +20,13 @@ from torch import nn
 
 from ._layers import linear_features
 from ._validate import check_meta
+from .formats import STATE_KEYS
 from .moe import KbitExperts
 from .nn import KbitLinear
 
 FORMAT_VERSION = 1
-_SAVED = ("weight", "absmax", "codebook", "scale", "meta")  # a layer's entries, "weight" holding ``packed``
+# A layer's saved entries: its state keys with ``packed`` saved under the layer's weight name.
+_SAVED = tuple("weight" if key == "packed" else key for key in STATE_KEYS)
 
 
 def saved_state_dict(model: nn.Module) -> dict:
@@ -45,7 +47,7 @@ def saved_state_dict(model: nn.Module) -> dict:
 
 
 def checkpoint_layers(checkpoint_files) -> dict:
-    """``{name: (k, (out_features, in_features), dtype, has_bias)}`` of the kbit layers in a checkpoint."""
+    """``{name: (bits, (out_features, in_features), dtype, has_bias)}`` of the kbit layers in a checkpoint."""
     from safetensors import safe_open
 
     files = [str(f) for f in checkpoint_files or ()]
@@ -87,7 +89,7 @@ def swap_in_kbit_layers(model: nn.Module, layers: dict) -> None:
     """Replace each layer the checkpoint holds quantized by an empty (meta) ``KbitLinear`` of its shape."""
     modules = dict(model.named_modules())
     prefix = getattr(model, "base_model_prefix", "") or ""
-    for saved, (k, (out_features, in_features), dtype, has_bias) in layers.items():
+    for saved, (bits, (out_features, in_features), dtype, has_bias) in layers.items():
         name = _module_name(saved, modules, prefix)
         old = modules[name]
         if linear_features(old) != (in_features, out_features) or (old.bias is not None) != has_bias:
@@ -95,7 +97,7 @@ def swap_in_kbit_layers(model: nn.Module, layers: dict) -> None:
                 f"the checkpoint holds {name} as a [{out_features}, {in_features}] kbit layer "
                 f"{'with' if has_bias else 'without'} bias, but this model's {name} is {old}"
             )
-        new = KbitLinear(in_features, out_features, bias=False, k=k, dtype=dtype, device="meta")
+        new = KbitLinear(in_features, out_features, bias=False, bits=bits, dtype=dtype, device="meta")
         if has_bias:
             new.bias = old.bias  # the model's (meta) bias, in the dtype from_pretrained was asked for
         model.set_submodule(name, new)

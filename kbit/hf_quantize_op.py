@@ -8,14 +8,13 @@ at no point does the process hold more than one layer's weight in full precision
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from transformers.core_model_loading import ConversionOps
 
 from ._layers import is_conv1d
+from ._validate import check_weight
 from .nn import KbitLinear
-from .weight import PrecisionWarning, quantize_with_report
+from .weight import quantize_checked, warn_precision
 
 
 class QuantizeWhileLoading(ConversionOps):
@@ -32,9 +31,9 @@ class QuantizeWhileLoading(ConversionOps):
             name = key.rpartition(".")[0]
             layer = model.get_submodule(name)
             weight = value.t() if is_conv1d(layer) else value  # Conv1D stores [in, out]
-            qw, loss = quantize_with_report(weight, k=config.bits, codebook=config.codebook_tensor(), name=key)
-            if loss.beyond_bound or loss.saturated:
-                warnings.warn(loss.describe(key), PrecisionWarning, stacklevel=2)
+            # KbitConfig checked bits and codebook; the checkpoint's weight is checked here
+            qw, loss = quantize_checked(check_weight(weight, key), config.bits, config.codebook_tensor())
+            warn_precision(loss, key)
             new = KbitLinear.from_quantized(qw)
             if layer.bias is not None:
                 new.bias = layer.bias  # the same parameter, whether transformers has loaded it yet or not

@@ -147,11 +147,11 @@ class KbitHfQuantizer(HfQuantizer):
             return model
         config = self.quantization_config
         if find_experts(model):  # fused MoE experts arrive as whole 3-D tensors: quantized once all are loaded
-            quantize_model(model, k=config.bits, codebook=config.codebook_tensor(), skip=self._skip,
+            quantize_model(model, bits=config.bits, codebook=config.codebook_tensor(), skip=self._skip,
                            min_features=config.min_features, progress=False)
         layers = sum(isinstance(m, (KbitLinear, KbitExperts)) for m in model.modules())
         summary = (f"kbit: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized to "
-                   f"k={config.bits} ({layers} layers)")
+                   f"{config.bits} bits ({layers} layers)")
         logger.info(summary)
         return model
 

@@ -13,10 +13,11 @@ columns ``8p + 2q, 8p + 2q + 1`` of rows ``g`` and ``g + 8``, i.e. k slots ``2q,
 ``2q+8, 2q+9`` (p = 1) of k-step 0 and the same of k-step 1 (p = 2, 3). So the same registers
 feed ``mma.sync`` and ``wgmma``. A lane's pairs of a block are ordered ``(p, r)``: pair ``p`` of
 row ``g``, then pair ``p`` of row ``g + 8``, as the MMA's A registers take them (row ``g`` k-lo,
-row ``g + 8`` k-lo, row ``g`` k-hi, row ``g + 8`` k-hi), so one 64-bit lookup of two pairs (k = 2)
+row ``g + 8`` k-lo, row ``g`` k-hi, row ``g + 8`` k-hi), so one 64-bit lookup of two pairs (2 bits)
 fills two A registers side by side.
 
-Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(K_dim / 256)``):
+Exact memory shapes (``k`` = bits, ``N`` = out_features, ``K_pad`` = in_features padded to 32,
+``N_pad = ceil(N / 256) * 256``, ``KG = ceil(K_pad / 256)``):
 
 ``B_gemm``: int32 ``[N_pad / 16, KG, k, 32, 4]`` — indexed ``[tile, kgroup, vec, lane, word]``.
     For weight rows ``16*tile .. 16*tile + 15`` and columns ``256*kgroup .. 256*kgroup + 255``,
@@ -30,76 +31,69 @@ Exact memory shapes (``k`` = bits, ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(
 ``absmax_gemm``: uint8 ``[N_pad / 16, KG, 2, 8, 8]`` — indexed ``[tile, kgroup, r, g, t]``: the
     E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``.
 
-Rows past N and columns past K_dim are padding: code 0 and absmax 0 (so they dequantize to 0).
+Rows past N and columns past K_pad are padding: code 0 and absmax 0 (so they dequantize to 0).
 ``unrepack_reference`` drops them and returns the storage format bit for bit.
+
+The GEMM reads activations in 16-byte pieces: the CUDA binding pads x's columns to a multiple of
+``X_ALIGN`` (its zero columns meet the weights' padding columns).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .formats import BLOCK_SIZE, _to_int32_bits, pack_bitplanes, unpack_bitplanes
+from .formats import BLOCK_SIZE, pack_bitplanes, to_int32_bits, unpack_bitplanes
 
 TILE_ROWS = 16  # weight rows per warp tile (the MMA's M)
 N_ALIGN = 256  # rows of the largest CTA tile (docs/DESIGN.md#configurations): N is padded to this
 K_GROUP = 256  # columns per pipeline step: 8 quantization blocks
 LANES = 32
+X_ALIGN = 8  # activation columns per 16-byte read of the GEMM
 
 
-def gemm_shapes(k: int, N: int, K_dim: int):
-    """Shapes of (B_gemm, absmax_gemm) for an [N, K_dim] weight."""
-    n_pad = -(-N // N_ALIGN) * N_ALIGN
-    kg = -(-K_dim // K_GROUP)
-    return (n_pad // TILE_ROWS, kg, k, LANES, 4), (n_pad // TILE_ROWS, kg, 2, 8, 8)
+def gemm_shapes(bits: int, out_features: int, in_features_padded: int):
+    """Shapes of (B_gemm, absmax_gemm) for an [out_features, in_features_padded] weight."""
+    tiles = -(-out_features // N_ALIGN) * N_ALIGN // TILE_ROWS
+    k_groups = -(-in_features_padded // K_GROUP)
+    return (tiles, k_groups, bits, LANES, 4), (tiles, k_groups, 2, 8, 8)
 
 
-def _check_dims(k: int, N: int, K_dim: int, packed: torch.Tensor, absmax: torch.Tensor):
-    if N <= 0 or K_dim <= 0 or K_dim % BLOCK_SIZE:
-        raise ValueError(f"GEMM layout needs N > 0 and K_dim a positive multiple of 32, got N={N}, K_dim={K_dim}")
-    nb = N * K_dim // BLOCK_SIZE
-    if packed.numel() != nb * k or absmax.numel() != nb:
-        raise ValueError(
-            f"storage of an [{N}, {K_dim}] k={k} weight needs {nb * k} packed words and {nb} absmax bytes, "
-            f"got {packed.numel()} and {absmax.numel()}"
-        )
-
-
-def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, k: int, N: int, K_dim: int):
+def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_features: int,
+                     in_features_padded: int):
     """Storage format -> (B_gemm, absmax_gemm). Pure permutation plus zero padding."""
-    _check_dims(k, N, K_dim, packed, absmax)
-    b_shape, a_shape = gemm_shapes(k, N, K_dim)
+    N, K = out_features, in_features_padded
+    b_shape, a_shape = gemm_shapes(bits, N, K)
     nt, kg = b_shape[0], b_shape[1]
-    codes = unpack_bitplanes(packed, k).reshape(N, K_dim)
-    codes = torch.nn.functional.pad(codes, (0, kg * K_GROUP - K_dim, 0, nt * TILE_ROWS - N))
+    codes = unpack_bitplanes(packed, bits).reshape(N, K)
+    codes = torch.nn.functional.pad(codes, (0, kg * K_GROUP - K, 0, nt * TILE_ROWS - N))
     # rows = 16*T + 8*r + g ; cols = 256*j + 32*t + 8*p + 2*q + e ; bit string order (t, p, r, e)
     c = codes.reshape(nt, 2, 8, kg, 8, 4, 4, 2).permute(0, 3, 2, 6, 4, 5, 1, 7)  # T j g q t p r e
     c = c.reshape(nt, kg, LANES, 128)
-    shifts = torch.arange(k, device=c.device, dtype=torch.int64)
-    bits = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, k, 4, 32)  # bit string, 128k bits
-    words = (bits << torch.arange(32, device=c.device, dtype=torch.int64)).sum(-1)
-    b_gemm = _to_int32_bits(words).permute(0, 1, 3, 2, 4).contiguous()  # T j v lane w
+    shifts = torch.arange(bits, device=c.device, dtype=torch.int64)
+    string = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, bits, 4, 32)  # 128 * bits bits per lane
+    words = (string << torch.arange(32, device=c.device, dtype=torch.int64)).sum(-1)
+    b_gemm = to_int32_bits(words).permute(0, 1, 3, 2, 4).contiguous()  # T j v lane w
 
-    a = absmax.reshape(N, K_dim // BLOCK_SIZE)
-    a = torch.nn.functional.pad(a, (0, kg * 8 - K_dim // BLOCK_SIZE, 0, nt * TILE_ROWS - N))
+    a = absmax.reshape(N, K // BLOCK_SIZE)
+    a = torch.nn.functional.pad(a, (0, kg * 8 - K // BLOCK_SIZE, 0, nt * TILE_ROWS - N))
     a_gemm = a.reshape(nt, 2, 8, kg, 8).permute(0, 3, 1, 2, 4).contiguous()  # T j r g t
     assert tuple(b_gemm.shape) == b_shape and tuple(a_gemm.shape) == a_shape
     return b_gemm, a_gemm
 
 
-def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, k: int, N: int, K_dim: int):
+def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, bits: int, out_features: int,
+                       in_features_padded: int):
     """(B_gemm, absmax_gemm) -> storage format (packed, absmax), bit for bit."""
-    b_shape, a_shape = gemm_shapes(k, N, K_dim)
-    if tuple(b_gemm.shape) != b_shape or tuple(a_gemm.shape) != a_shape:
-        raise ValueError(f"GEMM layout for k={k}, N={N}, K_dim={K_dim} must have shapes {b_shape} and {a_shape}")
-    nt, kg = b_shape[0], b_shape[1]
+    N, K = out_features, in_features_padded
+    nt, kg = gemm_shapes(bits, N, K)[0][:2]
     words = b_gemm.permute(0, 1, 3, 2, 4).to(torch.int64) & 0xFFFFFFFF  # T j lane v w
-    bits = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int64)) & 1
-    bits = bits.reshape(nt, kg, LANES, 128, k)
-    codes = (bits << torch.arange(k, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t p r e)
+    string = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int64)) & 1
+    string = string.reshape(nt, kg, LANES, 128, bits)
+    codes = (string << torch.arange(bits, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t p r e)
     codes = codes.reshape(nt, kg, 8, 4, 8, 4, 2, 2).permute(0, 6, 2, 1, 4, 5, 3, 7)  # T r g j t p q e
-    codes = codes.reshape(nt * TILE_ROWS, kg * K_GROUP)[:N, :K_dim]
-    packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), k)
+    codes = codes.reshape(nt * TILE_ROWS, kg * K_GROUP)[:N, :K]
+    packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), bits)
 
     a = a_gemm.permute(0, 2, 3, 1, 4).reshape(nt * TILE_ROWS, kg * 8)  # (T r g) (j t)
-    absmax = a[:N, : K_dim // BLOCK_SIZE].reshape(-1).clone()  # never a view of the input (custom-op rule)
+    absmax = a[:N, : K // BLOCK_SIZE].reshape(-1).clone()  # never a view of the input (custom-op rule)
     return packed, absmax

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._validate import check_bits, check_codebook, check_dtype, check_finite, check_tensor
+from ._validate import check_bits, check_codebook, check_finite, check_tensor, check_weight
 from .formats import (
     BLOCK_SIZE,
     E4M4_MAX,
@@ -328,34 +328,30 @@ def check_method(method) -> str:
     return method
 
 
-def quantize_tensor(W: Tensor, k: int = 4, method: str = "rtn", codebook: Optional[Tensor] = None,
+def quantize_tensor(W: Tensor, bits: int = 4, method: str = "rtn", codebook: Optional[Tensor] = None,
                     hessian: Optional[Tensor] = None, *, name: str = "W") -> QuantizedWeight:
     """Quantize an [N, K] weight (fp16/bf16/fp32) with ``method``, on the weight's device.
 
-    ``codebook``: a fixed codebook (2**k sorted levels, largest |value| 1); None means normal-float for ``"rtn"``
+    ``codebook``: a fixed codebook (2**bits sorted levels, largest |value| 1); None means normal-float for ``"rtn"``
     and a fitted one for the others. ``hessian``: the [K, K] input Hessian ``2 X^T X / n`` of the layer
     (``kbit.calibration.collect_hessians``), required by ``"gptq"`` and refused by the others.
     """
     method = check_method(method)
-    k = check_bits(k)
-    check_tensor(W, name)
-    check_dtype(W.dtype, name)
-    if W.dim() != 2 or W.shape[0] == 0 or W.shape[1] == 0:
-        raise ValueError(f"{name} must be a non-empty 2-D [N, K] tensor, got shape {tuple(W.shape)}")
-    check_finite(W, name)
+    bits = check_bits(bits)
+    check_weight(W, name)
     if codebook is not None:
-        codebook = check_codebook(codebook, k).to(W.device)
+        codebook = check_codebook(codebook, bits).to(W.device)
     if (hessian is not None) != (method == "gptq"):
         raise ValueError("hessian is required by method='gptq' and used by no other method, "
                          f"got method={method!r} and hessian={'a tensor' if hessian is not None else None}")
     with torch.no_grad():
         if method == "rtn":
-            return quantize(W, k=k, codebook=codebook, name=name)
+            return quantize(W, bits=bits, codebook=codebook, name=name)
         if method == "mse":
-            return quantize_mse(W, k, codebook, name)
+            return quantize_mse(W, bits, codebook, name)
         check_tensor(hessian, "hessian")
         if tuple(hessian.shape) != (W.shape[1],) * 2 or not hessian.is_floating_point():
             raise ValueError(f"hessian must be a floating-point [{W.shape[1]}, {W.shape[1]}] tensor for a weight "
                              f"with {W.shape[1]} input features, got {hessian.dtype} {tuple(hessian.shape)}")
         check_finite(hessian, "hessian")
-        return quantize_gptq(W, hessian, k, codebook, name)
+        return quantize_gptq(W, hessian, bits, codebook, name)

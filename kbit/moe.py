@@ -12,14 +12,14 @@ any other Linear.
 
 Storage (persistent buffers, what ``state_dict`` holds; H_pad = H rounded up to 32, I_pad likewise):
 
-    gate_up_packed  int32   [E, 2I * H_pad / 32 * k]   row e: the ``packed`` of expert e's [2I, H] weight
+    gate_up_packed  int32   [E, 2I * H_pad / 32 * bits] row e: the ``packed`` of expert e's [2I, H] weight
     gate_up_absmax  uint8   [E, 2I * H_pad / 32]       row e: its ``absmax``
     gate_up_scale   float32 [E]                        its per-tensor power-of-two ``scale``
-    down_packed     int32   [E, H * I_pad / 32 * k]    the same for expert e's [H, I] down weight
+    down_packed     int32   [E, H * I_pad / 32 * bits]  the same for expert e's [H, I] down weight
     down_absmax     uint8   [E, H * I_pad / 32]
     down_scale      float32 [E]
-    codebook        float32 [2**k]                     shared by every expert of the layer
-    meta            int64   [5]                        [k, E, H, I, dtype code (kbit.formats.DTYPE_CODES)]
+    codebook        float32 [2**bits]                  shared by every expert of the layer
+    meta            int64   [5]                        kbit.formats.EXPERTS_META_FIELDS: [bits, E, H, I, dtype code]
 
 Row e of each projection is exactly what ``kbit.quantize`` makes of that expert's weight alone
 (``QuantizedWeight.state_dict``), so ``expert_weight(proj, e)`` is a ``QuantizedWeight`` view of it.
@@ -47,11 +47,21 @@ from torch import Tensor, nn
 
 from . import ops
 from ._build import cuda_ext
-from ._validate import GEMM_DTYPES, check_bits, check_codebook, check_int, check_meta, check_not_meta, check_tensor
-from .formats import CODE_DTYPES, DTYPE_CODES, create_normal_float_codebook, num_blocks, padded_in_features
+from ._validate import (
+    GEMM_DTYPES,
+    check_bits,
+    check_codebook,
+    check_dtype,
+    check_experts_meta,
+    check_int,
+    check_not_meta,
+    check_tensor,
+    check_weight,
+)
+from .formats import block_count, create_normal_float_codebook, experts_meta_tensor, padded_in_features
 from .grouped import gate_up_row_order
-from .layout import gemm_shapes
-from .weight import PrecisionLoss, QuantizedWeight, quantize_with_report
+from .layout import X_ALIGN, gemm_shapes
+from .weight import PrecisionLoss, QuantizedWeight, quantize_checked
 
 __all__ = ["KbitExperts", "find_experts", "rows_per_pass", "MAX_GROUPED_EXPERTS"]
 
@@ -66,7 +76,7 @@ def rows_per_pass(slots: int, num_experts: int, supported=(8, 16, 32, 128)) -> i
 
     The dense GEMM's configurations (``kbit/csrc/gemm.cu``): 8, 16 or 32 tokens per pass with mma.sync, 128 with
     wgmma (Hopper) from 65 rows per expert on; the smallest of ``supported`` (what the device runs at the layer's
-    K, ``kbit_cuda.moe_rows_per_pass_supported``) that holds them, else its largest. An expert holding more rows
+    bits, ``kbit_cuda.moe_rows_per_pass_supported``) that holds them, else its largest. An expert holding more rows
     (skewed routing) takes several passes.
     """
     per_expert = -(-slots // max(1, min(num_experts, slots)))
@@ -86,41 +96,39 @@ class KbitExperts(nn.Module):
 
     Args:
         num_experts, hidden_dim, intermediate_dim: E, H and I.
-        k: bits per weight, 2..5.
+        bits: bits per weight, 2..5.
         dtype: dtype of the original weights (``meta``; what ``dequantize`` returns by default).
         device: where the buffers live.
-        codebook: optional custom codebook (2**k sorted values in [-1, 1]); default normal-float.
+        codebook: optional custom codebook (2**bits sorted values in [-1, 1]); default normal-float.
         act_fn: the gate activation (transformers' ``ACT2FN[config.hidden_act]``); default SiLU.
 
     A module built this way holds all-zero experts: fill it with ``load_state_dict`` or build it with
     ``from_experts``.
     """
 
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, k: int = 4,
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, bits: int = 4,
                  dtype: torch.dtype = torch.float16, device=None, codebook: Optional[Tensor] = None,
                  act_fn: Optional[nn.Module] = None):
         super().__init__()
-        self.k = check_bits(k)
+        self.bits = bits = check_bits(bits)
         self.num_experts = check_int(num_experts, "num_experts", 1)
         self.hidden_dim = check_int(hidden_dim, "hidden_dim", 1)
         self.intermediate_dim = check_int(intermediate_dim, "intermediate_dim", 1)
-        if dtype not in DTYPE_CODES:
-            raise TypeError(f"dtype must be one of {tuple(DTYPE_CODES)}, got {dtype}")
-        self.weight_dtype = dtype
+        self.weight_dtype = check_dtype(dtype, "dtype")
         self.act_fn = act_fn if act_fn is not None else nn.SiLU()
         E = self.num_experts
         for proj, (N, K) in self.shapes().items():
-            nb = num_blocks(N * padded_in_features(K))
-            self.register_buffer(f"{proj}_packed", torch.zeros(E, nb * k, dtype=torch.int32, device=device))
+            nb = block_count(N * padded_in_features(K))
+            self.register_buffer(f"{proj}_packed", torch.zeros(E, nb * bits, dtype=torch.int32, device=device))
             self.register_buffer(f"{proj}_absmax", torch.zeros(E, nb, dtype=torch.uint8, device=device))
             self.register_buffer(f"{proj}_scale", torch.ones(E, dtype=torch.float32, device=device))
-        cb = create_normal_float_codebook(k) if codebook is None else check_codebook(codebook, k)
+        cb = create_normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)
         self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))
         self.register_buffer("meta", self._meta_tensor(device))
         for proj in PROJECTIONS:  # the GEMM layouts, on CUDA only
             self.register_buffer(f"{proj}_gemm_codes", None, persistent=False)
             self.register_buffer(f"{proj}_gemm_absmax", None, persistent=False)
-        self._rows_supported = ()  # rows per pass the device's grouped GEMM runs at this K (prepare)
+        self._rows_supported = ()  # rows per pass the device's grouped GEMM runs at these bits (prepare)
 
     # ------------------------------------------------------------------ shapes and views
     def shapes(self) -> dict:
@@ -129,8 +137,8 @@ class KbitExperts(nn.Module):
         return {"gate_up": (2 * I, H), "down": (H, I)}
 
     def _meta_tensor(self, device=None) -> Tensor:
-        values = [self.k, self.num_experts, self.hidden_dim, self.intermediate_dim, DTYPE_CODES[self.weight_dtype]]
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return experts_meta_tensor(self.bits, self.num_experts, self.hidden_dim, self.intermediate_dim,
+                                   self.weight_dtype, device)
 
     def _check_projection(self, proj: str) -> str:
         if proj not in PROJECTIONS:
@@ -143,8 +151,9 @@ class KbitExperts(nn.Module):
         e = check_int(expert, "expert", 0)
         if e >= self.num_experts:
             raise ValueError(f"expert must be < {self.num_experts}, got {e}")
-        return QuantizedWeight(getattr(self, f"{proj}_packed")[e], getattr(self, f"{proj}_absmax")[e], self.codebook,
-                               getattr(self, f"{proj}_scale")[e], self.k, self.shapes()[proj], self.weight_dtype)
+        return QuantizedWeight.from_checked(
+            getattr(self, f"{proj}_packed")[e], getattr(self, f"{proj}_absmax")[e], self.codebook,
+            getattr(self, f"{proj}_scale")[e], self.bits, self.shapes()[proj], self.weight_dtype)
 
     def dequantize(self, proj: str, dtype=None) -> Tensor:
         """Every expert's reconstructed weight, [E, 2I, H] (``"gate_up"``) or [E, H, I] (``"down"``)."""
@@ -153,7 +162,7 @@ class KbitExperts(nn.Module):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_weights(cls, gate_up: Tensor, down: Tensor, k: int = 4, codebook: Optional[Tensor] = None,
+    def from_weights(cls, gate_up: Tensor, down: Tensor, bits: int = 4, codebook: Optional[Tensor] = None,
                      act_fn: Optional[nn.Module] = None, name: str = "experts"):
         """Quantize gate_up [E, 2I, H] and down [E, H, I] expert by expert: (KbitExperts, [(label, PrecisionLoss)])."""
         check_tensor(gate_up, f"{name}.gate_up_proj")
@@ -166,20 +175,22 @@ class KbitExperts(nn.Module):
                              f"{tuple(gate_up.shape)}, got {tuple(down.shape)}")
         for w, proj in ((gate_up, "gate_up_proj"), (down, "down_proj")):
             check_not_meta(w, f"{name}.{proj}")
-        mod = cls(E, H, I2 // 2, k=k, dtype=gate_up.dtype, device=gate_up.device, codebook=codebook, act_fn=act_fn)
+        mod = cls(E, H, I2 // 2, bits=bits, dtype=gate_up.dtype, device=gate_up.device, codebook=codebook,
+                  act_fn=act_fn)
         losses = []
         with torch.no_grad():
             for proj, w in (("gate_up", gate_up), ("down", down)):
                 packed, absmax, scale = (getattr(mod, f"{proj}_{s}") for s in _FORMAT_SUFFIXES)
                 for e in range(E):
                     label = f"{name}.{proj}_proj[{e}]"
-                    qw, loss = quantize_with_report(w[e].detach(), k=k, codebook=mod.codebook, name=label)
+                    qw, loss = quantize_checked(check_weight(w[e].detach(), label), mod.bits, mod.codebook)
                     packed[e], absmax[e], scale[e] = qw.packed, qw.absmax, qw.scale
                     losses.append((label, loss))
         return mod.prepare(), losses
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, k: int = 4, codebook: Optional[Tensor] = None, name: str = "experts"):
+    def from_experts(cls, experts: nn.Module, bits: int = 4, codebook: Optional[Tensor] = None,
+                     name: str = "experts"):
         """Quantize a transformers fused experts module (``find_experts`` says which are supported)."""
         why = unsupported_reason(experts)
         if why:
@@ -187,12 +198,13 @@ class KbitExperts(nn.Module):
         gate_up, down = experts.gate_up_proj, experts.down_proj
         if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] and [E, I, H]
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        return cls.from_weights(gate_up, down, k=k, codebook=codebook, act_fn=experts.act_fn, name=name)
+        return cls.from_weights(gate_up, down, bits=bits, codebook=codebook, act_fn=experts.act_fn, name=name)
 
     # ------------------------------------------------------------------ GEMM layouts
     def grouped_supported(self) -> bool:
         """Whether the grouped CUDA GEMM takes this layer's shapes (else the forward is the per-expert reference)."""
-        return self.hidden_dim % 8 == 0 and self.intermediate_dim % 8 == 0 and self.num_experts <= MAX_GROUPED_EXPERTS
+        return (self.hidden_dim % X_ALIGN == 0 and self.intermediate_dim % X_ALIGN == 0
+                and self.num_experts <= MAX_GROUPED_EXPERTS)
 
     def derive_gemm_layouts(self) -> None:
         """Set the ``*_gemm_codes`` / ``*_gemm_absmax`` buffers from the storage, on its device (``prepare`` does
@@ -200,7 +212,7 @@ class KbitExperts(nn.Module):
         device = self.gate_up_packed.device
         for proj, (N, K) in self.shapes().items():
             kp = padded_in_features(K)
-            b_shape, a_shape = gemm_shapes(self.k, N, kp)
+            b_shape, a_shape = gemm_shapes(self.bits, N, kp)
             codes = torch.empty(self.num_experts, *b_shape, dtype=torch.int32, device=device)
             absmax = torch.empty(self.num_experts, *a_shape, dtype=torch.uint8, device=device)
             packed_all, absmax_all = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_absmax")
@@ -210,7 +222,7 @@ class KbitExperts(nn.Module):
                 if order is not None:  # a storage row is whole blocks: reordering rows reorders their blocks
                     p = p.view(N, -1)[order].reshape(-1)
                     a = a.view(N, -1)[order].reshape(-1)
-                codes[e], absmax[e] = ops.repack(p, a, self.k, N, kp)
+                codes[e], absmax[e] = ops.repack(p, a, self.bits, N, kp)
             setattr(self, f"{proj}_gemm_codes", codes)
             setattr(self, f"{proj}_gemm_absmax", absmax)
 
@@ -223,7 +235,7 @@ class KbitExperts(nn.Module):
         device = self.gate_up_packed.device
         if device.type == "cuda" and self.grouped_supported():
             with torch.cuda.device(device):
-                self._rows_supported = tuple(cuda_ext().moe_rows_per_pass_supported(self.k))
+                self._rows_supported = tuple(cuda_ext().moe_rows_per_pass_supported(self.bits))
         if device.type != "cuda" or not self.grouped_supported() or not self._rows_supported:
             for proj in PROJECTIONS:
                 setattr(self, f"{proj}_gemm_codes", None)
@@ -290,18 +302,18 @@ class KbitExperts(nn.Module):
         x_rows, row_weights, position, passes, num_passes = ops.moe_route(idx.contiguous(), w.contiguous(), E, rows)
         fused = _is_silu(self.act_fn)
         h = ops.moe_gemm(x.contiguous(), self.gate_up_gemm_codes, self.gate_up_gemm_absmax, self.codebook,
-                         self.gate_up_scale, x_rows, None, passes, num_passes, self.k, 2 * I, padded_in_features(H),
+                         self.gate_up_scale, x_rows, None, passes, num_passes, self.bits, 2 * I, padded_in_features(H),
                          rows, fused, 0)
         if not fused:  # the product's columns come interleaved by 8 (gate_up_row_order): gate, up, gate, ...
             pairs = h.view(h.shape[0], I // 8, 2, 8)
             h = (self.act_fn(pairs[:, :, 0]) * pairs[:, :, 1]).reshape(h.shape[0], I)
         y = ops.moe_gemm(h, self.down_gemm_codes, self.down_gemm_absmax, self.codebook, self.down_scale, None,
-                         row_weights, passes, num_passes, self.k, H, padded_in_features(I), rows, False, 0)
+                         row_weights, passes, num_passes, self.bits, H, padded_in_features(I), rows, False, 0)
         return ops.moe_combine(y, position)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, k={self.k}, "
+                f"intermediate_dim={self.intermediate_dim}, bits={self.bits}, "
                 f"dtype={str(self.weight_dtype).replace('torch.', '')}")
 
     # ------------------------------------------------------------------ device / dtype moves
@@ -339,19 +351,13 @@ class KbitExperts(nn.Module):
             self.prepare()
 
     def _check_meta(self, meta, name: str) -> torch.dtype:
-        check_tensor(meta, name)
-        if meta.is_floating_point() or meta.is_complex() or meta.dtype == torch.bool or tuple(meta.shape) != (5,):
-            raise ValueError(f"{name} must be an integer tensor of shape (5,) [k, E, H, I, dtype code], got "
-                             f"{meta.dtype} {tuple(meta.shape)}")
-        k, E, H, I, code = (int(v) for v in meta.tolist())
-        if code not in CODE_DTYPES:
-            raise ValueError(f"{name} holds unknown dtype code {code} (known: {sorted(CODE_DTYPES)})")
-        if (k, E, H, I) != (self.k, self.num_experts, self.hidden_dim, self.intermediate_dim):
+        bits, E, H, I, dtype = check_experts_meta(meta, name)
+        if (bits, E, H, I) != (self.bits, self.num_experts, self.hidden_dim, self.intermediate_dim):
             raise ValueError(
-                f"{name} describes k={k} experts E={E}, H={H}, I={I}, but this KbitExperts is k={self.k}, "
+                f"{name} describes bits={bits} experts E={E}, H={H}, I={I}, but this KbitExperts is bits={self.bits}, "
                 f"E={self.num_experts}, H={self.hidden_dim}, I={self.intermediate_dim}; build it with the checkpoint's"
             )
-        return CODE_DTYPES[code]
+        return dtype
 
     def _check_incoming(self, state_dict, prefix: str) -> None:
         """Dtype, shape, contiguity and values of each storage tensor a state dict brings (missing ones are kept)."""
@@ -371,7 +377,7 @@ class KbitExperts(nn.Module):
             if t.device.type == "meta":
                 continue
             if name == "codebook":
-                check_codebook(t, self.k, prefix + name)
+                check_codebook(t, self.bits, prefix + name)
             elif name.endswith("_scale"):
                 mantissa, _ = torch.frexp(t)
                 if not bool((torch.isfinite(t) & (t > 0) & (mantissa == 0.5)).all()):

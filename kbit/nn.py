@@ -1,14 +1,14 @@
 """``KbitLinear`` (a drop-in ``nn.Linear`` replacement) and ``quantize_model``.
 
-    layer = kbit.KbitLinear.from_linear(linear, k=4)
-    model = kbit.quantize_model(model, k=4)          # swaps eligible nn.Linear layers in place
+    layer = kbit.KbitLinear.from_linear(linear, bits=4)
+    model = kbit.quantize_model(model, bits=4)          # swaps eligible nn.Linear layers in place
 
 A ``KbitLinear`` holds the storage format of its weight as buffers named like the keys of
 ``QuantizedWeight.state_dict()`` (``packed``, ``absmax``, ``codebook``, ``scale``, ``meta``) plus
 an optional ``bias`` parameter, so it saves and loads through ``state_dict`` (``torch.save`` or
 safetensors) and loads into a module built from its shape alone::
 
-    fresh = kbit.KbitLinear(in_features, out_features, bias=True, k=4)
+    fresh = kbit.KbitLinear(in_features, out_features, bias=True, bits=4)
     fresh.load_state_dict(state)
 
 Dtype casts (``.half()``, ``.to(torch.bfloat16)``) move the bias but never touch the quantized
@@ -38,32 +38,38 @@ from torch import Tensor, nn
 from ._layers import linear_features, linear_weight
 from ._progress import Progress
 from ._transformers_hook import record_in_transformers_config
-from ._validate import check_bits, check_codebook, check_int, check_meta, check_scale, check_storage_tensor
+from ._validate import (
+    check_bits,
+    check_codebook,
+    check_dtype,
+    check_int,
+    check_meta,
+    check_scale,
+    check_storage_tensor,
+    check_weight,
+)
 from .calibration import check_calibration, quantize_layers
 from .dequantized_weight import DequantizedWeight
-from .formats import DTYPE_CODES, create_normal_float_codebook, meta_tensor, num_blocks, padded_in_features
+from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
 from .methods import check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
-from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_with_report
+from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_checked, warn_precision
 
 __all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
 
 logger = logging.getLogger("kbit")
 
-# Buffers whose dtype is part of the format: module-wide dtype casts must leave them alone.
-_FORMAT_BUFFERS = ("packed", "absmax", "codebook", "scale", "meta")
-
 
 class KbitLinear(nn.Module):
-    """``y = x @ W_hat.T + bias`` with ``W_hat`` stored k-bit quantized (``kbit.matmul``).
+    """``y = x @ W_hat.T + bias`` with ``W_hat`` stored quantized to ``bits`` bits per weight (``kbit.matmul``).
 
     Args:
         in_features, out_features: the shape of the original ``nn.Linear``.
         bias: whether the layer has a bias (a ``Parameter`` of ``dtype``).
-        k: bits per weight, 2..5.
+        bits: bits per weight, 2..5.
         dtype: dtype of the original weight (what ``dequantize`` returns by default) and of the bias.
         device: where the buffers live.
-        codebook: optional custom codebook (2**k sorted values in [-1, 1]); default normal-float.
+        codebook: optional custom codebook (2**bits sorted values in [-1, 1]); default normal-float.
 
     A module built this way holds an all-zero weight: fill it with ``load_state_dict`` or build
     it with ``from_linear`` / ``from_quantized``.
@@ -74,23 +80,28 @@ class KbitLinear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        k: int = 4,
+        bits: int = 4,
         dtype: torch.dtype = torch.float16,
         device=None,
         codebook: Optional[Tensor] = None,
     ):
         super().__init__()
-        k = check_bits(k)
+        bits = check_bits(bits)
         in_features, out_features = check_int(in_features, "in_features", 1), check_int(out_features, "out_features", 1)
-        if dtype not in DTYPE_CODES:
-            raise TypeError(f"dtype must be one of {tuple(DTYPE_CODES)}, got {dtype}")
-        self.in_features, self.out_features, self.k = in_features, out_features, k
+        check_dtype(dtype, "dtype")
+        cb = create_normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)
+        self._build(in_features, out_features, bias, bits, dtype, device, cb)
+
+    def _build(self, in_features: int, out_features: int, bias: bool, bits: int, dtype: torch.dtype, device,
+               codebook: Tensor) -> None:
+        """The module's state: all-zero storage of a checked shape, bits, dtype and codebook."""
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.weight_dtype = dtype
-        nb = num_blocks(out_features * padded_in_features(in_features))
-        cb = create_normal_float_codebook(k) if codebook is None else check_codebook(codebook, k)
-        self.register_buffer("packed", torch.zeros(nb * k, dtype=torch.int32, device=device))
-        self.register_buffer("absmax", torch.zeros(nb, dtype=torch.uint8, device=device))
-        self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))
+        shape = (out_features, in_features)
+        for key in ("packed", "absmax"):
+            dtype_of, shape_of = storage_spec(key, bits, shape)
+            self.register_buffer(key, torch.zeros(shape_of, dtype=dtype_of, device=device))
+        self.register_buffer("codebook", codebook.to(device=device, dtype=torch.float32))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("meta", self._meta_tensor(device))
         self.register_buffer("gemm_codes", None, persistent=False)  # the GEMM layout, on CUDA only
@@ -103,20 +114,28 @@ class KbitLinear(nn.Module):
 
     # ------------------------------------------------------------------ construction
     def _meta_tensor(self, device=None) -> Tensor:
-        return meta_tensor(self.k, (self.out_features, self.in_features), self.weight_dtype, device)
+        return meta_tensor(self.bits, (self.out_features, self.in_features), self.weight_dtype, device)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[Tensor] = None) -> "KbitLinear":
         """Wrap an existing ``QuantizedWeight`` (its tensors are shared, not copied)."""
         if not isinstance(qw, QuantizedWeight):
             raise TypeError(f"qw must be a kbit.QuantizedWeight, got {type(qw).__name__}")
-        N, K = qw.shape
+        out_features, in_features = qw.shape
         if bias is not None:
             if not isinstance(bias, Tensor):
                 raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-            if tuple(bias.shape) != (N,):
-                raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
-        mod = cls(K, N, bias=bias is not None, k=qw.k, dtype=qw.dtype, device="meta")
+            if tuple(bias.shape) != (out_features,):
+                raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+        return cls._wrap(qw, bias)
+
+    @classmethod
+    def _wrap(cls, qw: QuantizedWeight, bias: Optional[Tensor]) -> "KbitLinear":
+        """``from_quantized`` for a bias already checked against ``qw``."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        out_features, in_features = qw.shape
+        mod._build(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook)
         mod.packed, mod.absmax, mod.codebook, mod.scale = qw.packed, qw.absmax, qw.codebook, qw.scale
         mod.meta = mod._meta_tensor(qw.device)
         if bias is not None:
@@ -125,7 +144,7 @@ class KbitLinear(nn.Module):
         return mod.prepare()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, k: int = 4, codebook: Optional[Tensor] = None) -> "KbitLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: Optional[Tensor] = None) -> "KbitLinear":
         """Quantize an ``nn.Linear`` (on its own device) into a new ``KbitLinear``."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
@@ -134,7 +153,7 @@ class KbitLinear(nn.Module):
             raise ValueError("cannot quantize a Linear whose weight is on the meta device (it holds no values); "
                              "load its weights first")
         with torch.no_grad():
-            qw = quantize(w.detach(), k=k, codebook=codebook, name="linear.weight")
+            qw = quantize(w.detach(), bits=bits, codebook=codebook, name="linear.weight")
         return cls.from_quantized(qw, linear.bias)
 
     # ------------------------------------------------------------------ the QuantizedWeight view
@@ -149,9 +168,9 @@ class KbitLinear(nn.Module):
             or qw.codebook is not self.codebook
             or qw.scale is not self.scale
         ):
-            qw = QuantizedWeight(
+            qw = QuantizedWeight.from_checked(  # buffers are checked when they are set (__init__, load_state_dict)
                 self.packed, self.absmax, self.codebook, self.scale,
-                self.k, (self.out_features, self.in_features), self.weight_dtype,
+                self.bits, (self.out_features, self.in_features), self.weight_dtype,
             )
             if self.gemm_codes is not None and self.gemm_codes.device == qw.device:
                 qw.attach_gemm_layout(self.gemm_codes, self.gemm_absmax)
@@ -193,7 +212,7 @@ class KbitLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"k={self.k}, dtype={str(self.weight_dtype).replace('torch.', '')}"
+            f"bits={self.bits}, dtype={str(self.weight_dtype).replace('torch.', '')}"
         )
 
     # ------------------------------------------------------------------ device / dtype moves
@@ -201,7 +220,7 @@ class KbitLinear(nn.Module):
         # Module-wide dtype casts (.half(), .to(dtype), .float()) must not change the format's
         # buffers: codebook and scale are float32 by definition. Apply fn to find the target
         # device, then move the original tensor there without changing its dtype.
-        before = {name: self._buffers.get(name) for name in _FORMAT_BUFFERS}
+        before = {name: self._buffers.get(name) for name in STATE_KEYS}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
@@ -220,14 +239,15 @@ class KbitLinear(nn.Module):
         dtype = self.weight_dtype
         if isinstance(meta, Tensor) and meta.device.type != "meta":
             try:
-                k, shape, dtype = check_meta(meta, prefix + "meta")
+                bits, shape, dtype = check_meta(meta, prefix + "meta")
             except (TypeError, ValueError) as e:
                 error_msgs.append(str(e))
                 return
-            if (k, shape) != (self.k, (self.out_features, self.in_features)):
+            if (bits, shape) != (self.bits, (self.out_features, self.in_features)):
                 error_msgs.append(
-                    f"{prefix}meta describes a k={k} {list(shape)} weight, but this KbitLinear is k={self.k} "
-                    f"[{self.out_features}, {self.in_features}]; build it with the checkpoint's shape and k"
+                    f"{prefix}meta describes a bits={bits} {list(shape)} weight, but this KbitLinear is "
+                    f"bits={self.bits} [{self.out_features}, {self.in_features}]; build it with the checkpoint's "
+                    f"shape and bits"
                 )
                 return
         for name in ("codebook", "scale"):  # float32 by definition; a checkpoint cast to 16 bits still loads
@@ -253,11 +273,11 @@ class KbitLinear(nn.Module):
             t = state_dict.get(prefix + key)
             if t is None:
                 continue
-            check_storage_tensor(t, key, self.k, shape, prefix)
+            check_storage_tensor(t, key, self.bits, shape, prefix)
             if t.device.type == "meta":
                 continue
             if key == "codebook":
-                check_codebook(t, self.k, prefix + key)
+                check_codebook(t, self.bits, prefix + key)
             elif key == "scale":
                 check_scale(t, t.device, prefix + key)
 
@@ -301,7 +321,7 @@ def linear_targets(model: nn.Module, skip: Iterable[str], min_features: int):
 
 def quantize_model(
     model: nn.Module,
-    k: int = 4,
+    bits: int = 4,
     codebook: Optional[Tensor] = None,
     skip: Union[str, Iterable[str]] = ("lm_head",),
     min_features: int = 128,
@@ -342,11 +362,11 @@ def quantize_model(
     more than the format's error bound gets a ``kbit.PrecisionWarning`` naming it and the count; a model
     with nothing eligible gets a ``UserWarning`` saying why.
     """
-    k = check_bits(k)
+    bits = check_bits(bits)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if codebook is not None:
-        codebook = check_codebook(codebook, k)
+        codebook = check_codebook(codebook, bits)
     skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
     min_features = check_int(min_features, "min_features", 0)
     method = check_method(method)
@@ -385,7 +405,7 @@ def quantize_model(
         if method != "rtn":  # kbit.calibration runs the method; the swap below is the same for every method
             unique = list({id(m): (n, m) for n, m in reversed(targets)}.values())[::-1]
             try:
-                chosen = quantize_layers(model, unique, k, method, codebook, calibration, on_layer=bar.update,
+                chosen = quantize_layers(model, unique, bits, method, codebook, calibration, on_layer=bar.update,
                                          weight_of=linear_weight)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
@@ -398,25 +418,23 @@ def quantize_model(
                 continue
             label = f"{name or type(lin).__name__}.weight"
             try:
-                qw, loss = quantize_with_report(linear_weight(lin).detach(), k=k, codebook=codebook, name=label)
+                qw, loss = quantize_checked(check_weight(linear_weight(lin).detach(), label), bits, codebook)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: cannot quantize {name or 'the model'}: {e}; the model is unchanged") from e
-            if loss.beyond_bound or loss.saturated:
-                warnings.warn(loss.describe(label), PrecisionWarning, stacklevel=2)
+            warn_precision(loss, label)
             replaced[id(lin)] = (qw, lin.bias)
         for name, m in expert_targets:
             bar.update()
             if id(m) in replaced:
                 continue
             try:
-                experts, losses = KbitExperts.from_experts(m, k=k, codebook=codebook, name=name)
+                experts, losses = KbitExperts.from_experts(m, bits=bits, codebook=codebook, name=name)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: cannot quantize {name}: {e}; the model is unchanged") from e
             for label, loss in precision_losses(losses):
                 warnings.warn(loss.describe(label), PrecisionWarning, stacklevel=2)
             replaced[id(m)] = experts
-    modules = {key: KbitLinear.from_quantized(*new) if isinstance(new, tuple) else new
-               for key, new in replaced.items()}
+    modules = {key: KbitLinear._wrap(*new) if isinstance(new, tuple) else new for key, new in replaced.items()}
     for name, m in targets + expert_targets:
         if name == "":
             return modules[id(m)]
@@ -424,10 +442,10 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, modules[id(m)])
     summary = (f"quantize_model: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized "
-               f"to k={k} ({len(replaced)} layers)")
+               f"to {bits} bits ({len(replaced)} layers)")
     logger.info(summary)
     bar.close(summary)
-    record_in_transformers_config(model, bits=k, skip=list(skip), min_features=min_features, codebook=codebook)
+    record_in_transformers_config(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook)
     return model
 
 

@@ -3,7 +3,7 @@
 Each op has one default implementation (the pure-PyTorch reference, which runs on any device),
 a CUDA kernel that calls the JIT-built extension (``kbit._build``), and a fake implementation
 for ``torch.compile``. The ops do no validation and never synchronize with the host: the public
-functions in ``kbit.functional`` and ``kbit.weight`` check arguments before calling them.
+functions (``kbit._validate``) check arguments before calling them.
 """
 
 from __future__ import annotations
@@ -19,69 +19,71 @@ from ._build import cuda_ext
 
 # ----------------------------------------------------------------------------- quantize
 @torch.library.custom_op("kbit::quantize", mutates_args=())
-def quantize(A: Tensor, codebook: Tensor, k: int, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """Flatten A, quantize it in blocks of 32: (packed int32 [nb * k], absmax uint8 [nb])."""
-    return formats.quantize_reference(A, codebook, k, scale)
+def quantize(A: Tensor, codebook: Tensor, bits: int, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Flatten A, quantize it in blocks of 32: (packed int32 [blocks * bits], absmax uint8 [blocks])."""
+    return formats.quantize_reference(A, codebook, bits, scale)
 
 
 @quantize.register_fake
-def _(A, codebook, k, scale):
-    nb = formats.num_blocks(A.numel())
-    return A.new_empty(nb * k, dtype=torch.int32), A.new_empty(nb, dtype=torch.uint8)
+def _(A, codebook, bits, scale):
+    blocks = formats.block_count(A.numel())
+    return A.new_empty(blocks * bits, dtype=torch.int32), A.new_empty(blocks, dtype=torch.uint8)
 
 
 @quantize.register_kernel("cuda")
-def _(A, codebook, k, scale):
-    return cuda_ext().quantize(A.contiguous(), codebook, k, scale)
+def _(A, codebook, bits, scale):
+    return cuda_ext().quantize(A.contiguous(), codebook, bits, scale)
 
 
 # ----------------------------------------------------------------------------- dequantize
 @torch.library.custom_op("kbit::dequantize", mutates_args=())
 def dequantize(
-    packed: Tensor, absmax: Tensor, codebook: Tensor, k: int, n: int, dtype: torch.dtype, scale: Tensor
+    packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, n: int, dtype: torch.dtype, scale: Tensor
 ) -> Tensor:
     """Storage format -> flat tensor of n elements in dtype."""
-    return formats.dequantize_reference(packed, absmax, codebook, k, n, dtype, scale)
+    return formats.dequantize_reference(packed, absmax, codebook, bits, n, dtype, scale)
 
 
 @dequantize.register_fake
-def _(packed, absmax, codebook, k, n, dtype, scale):
+def _(packed, absmax, codebook, bits, n, dtype, scale):
     return packed.new_empty(n, dtype=dtype)
 
 
 @dequantize.register_kernel("cuda")
-def _(packed, absmax, codebook, k, n, dtype, scale):
-    return cuda_ext().dequantize(packed, absmax, codebook, k, n, dtype, scale)
+def _(packed, absmax, codebook, bits, n, dtype, scale):
+    return cuda_ext().dequantize(packed, absmax, codebook, bits, n, dtype, scale)
 
 
 # ----------------------------------------------------------------------------- repack
 @torch.library.custom_op("kbit::repack", mutates_args=())
-def repack(packed: Tensor, absmax: Tensor, k: int, N: int, K_dim: int) -> tuple[Tensor, Tensor]:
-    """Storage format of an [N, K_dim] weight -> GEMM layout (see kbit.layout)."""
-    return layout.repack_reference(packed, absmax, k, N, K_dim)
+def repack(packed: Tensor, absmax: Tensor, bits: int, out_features: int,
+           in_features_padded: int) -> tuple[Tensor, Tensor]:
+    """Storage format of an [out_features, in_features_padded] weight -> GEMM layout (see kbit.layout)."""
+    return layout.repack_reference(packed, absmax, bits, out_features, in_features_padded)
 
 
 @repack.register_fake
-def _(packed, absmax, k, N, K_dim):
-    b_shape, a_shape = layout.gemm_shapes(k, N, K_dim)
+def _(packed, absmax, bits, out_features, in_features_padded):
+    b_shape, a_shape = layout.gemm_shapes(bits, out_features, in_features_padded)
     return packed.new_empty(b_shape, dtype=torch.int32), absmax.new_empty(a_shape, dtype=torch.uint8)
 
 
 @repack.register_kernel("cuda")
-def _(packed, absmax, k, N, K_dim):
-    return cuda_ext().repack(packed, absmax, k, N, K_dim)
+def _(packed, absmax, bits, out_features, in_features_padded):
+    return cuda_ext().repack(packed, absmax, bits, out_features, in_features_padded)
 
 
 @torch.library.custom_op("kbit::unrepack", mutates_args=())
-def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, k: int, N: int, K_dim: int) -> tuple[Tensor, Tensor]:
+def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, bits: int, out_features: int,
+             in_features_padded: int) -> tuple[Tensor, Tensor]:
     """GEMM layout -> storage format (the inverse of repack), on any device."""
-    return layout.unrepack_reference(b_gemm, absmax_gemm, k, N, K_dim)
+    return layout.unrepack_reference(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
 
 
 @unrepack.register_fake
-def _(b_gemm, absmax_gemm, k, N, K_dim):
-    nb = N * K_dim // formats.BLOCK_SIZE
-    return b_gemm.new_empty(nb * k, dtype=torch.int32), absmax_gemm.new_empty(nb, dtype=torch.uint8)
+def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
+    blocks = out_features * in_features_padded // formats.BLOCK_SIZE
+    return b_gemm.new_empty(blocks * bits, dtype=torch.int32), absmax_gemm.new_empty(blocks, dtype=torch.uint8)
 
 
 # ----------------------------------------------------------------------------- fused GEMM
@@ -93,50 +95,53 @@ def gemm(
     codebook: Tensor,
     scale: Tensor,
     bias: Optional[Tensor],
-    k: int,
-    N: int,
-    K_dim: int,
-    num_blocks: int,
+    bits: int,
+    out_features: int,
+    in_features_padded: int,
+    grid_override: int,
 ) -> Tensor:
-    """y[M, N] = x[M, K_dim] @ W_hat[N, K_dim]^T (+ bias), fp32 accumulation, y in x's dtype.
+    """y[M, N] = x[M, K_pad] @ W_hat[N, K_pad]^T (+ bias), fp32 accumulation, y in x's dtype; x may have fewer
+    columns (the rest read as zeros).
 
-    ``num_blocks`` > 0 forces the CUDA kernel's grid size (to force split-K in tests), at most one CTA per SM
+    ``grid_override`` > 0 forces the CUDA kernel's grid size (to force split-K in tests), at most one CTA per SM
     (CTAs of a split tile wait for each other, so all must be resident); 0 = auto.
     """
-    packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, k, N, K_dim)
-    w = formats.dequantize_reference(packed, absmax, codebook, k, N * K_dim, torch.float32, scale)
-    y = x.to(torch.float32) @ w.reshape(N, K_dim)[:, : x.shape[1]].T  # x may have fewer columns (zeros)
+    N, K = out_features, in_features_padded
+    packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, N, K)
+    w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, scale)
+    y = x.to(torch.float32) @ w.reshape(N, K)[:, : x.shape[1]].T
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
 
 
 @gemm.register_fake
-def _(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks):
-    return x.new_empty(x.shape[0], N)
+def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
+    return x.new_empty(x.shape[0], out_features)
 
 
 @gemm.register_kernel("cuda")
-def _(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks):
-    return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks)
+def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
+    return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded,
+                           grid_override)
 
 
 # Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside
 # a graph that autograd records (torch.compile outside no_grad, adapters trained on top of it).
 def _gemm_setup_context(ctx, inputs, output):
-    x, b_gemm, absmax_gemm, codebook, scale, bias, k, N, K_dim, num_blocks = inputs
+    x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, _ = inputs
     ctx.save_for_backward(b_gemm, absmax_gemm, codebook, scale)
-    ctx.dims = (k, N, K_dim, x.shape[1], x.dtype, None if bias is None else bias.dtype)
+    ctx.dims = (bits, out_features, in_features_padded, x.shape[1], x.dtype, None if bias is None else bias.dtype)
 
 
 def _gemm_backward(ctx, grad):
     b_gemm, absmax_gemm, codebook, scale = ctx.saved_tensors
-    k, N, K_dim, K_x, x_dtype, bias_dtype = ctx.dims
+    bits, N, K, x_columns, x_dtype, bias_dtype = ctx.dims
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        packed, absmax = unrepack(b_gemm, absmax_gemm, k, N, K_dim)
-        w = dequantize(packed, absmax, codebook, k, N * K_dim, torch.float32, scale).reshape(N, K_dim)
-        grad_x = (grad.to(torch.float32) @ w[:, :K_x]).to(x_dtype)
+        packed, absmax = unrepack(b_gemm, absmax_gemm, bits, N, K)
+        w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+        grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
     if bias_dtype is not None and ctx.needs_input_grad[5]:
         grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
     return grad_x, None, None, None, None, grad_bias, None, None, None, None
@@ -182,32 +187,32 @@ def moe_gemm(
     row_weights: Optional[Tensor],
     passes: Tensor,
     num_passes: Tensor,
-    k: int,
-    N: int,
-    K_dim: int,
+    bits: int,
+    out_features: int,
+    in_features_padded: int,
     rows_per_pass: int,
     silu_gate: bool,
-    num_blocks: int,
+    grid_override: int,
 ) -> Tensor:
     """Every token pass of a MoE layer against its expert's weight (the experts' GEMM layouts stacked), in one
     launch on CUDA: y[i] = x[x_rows[i]] @ W_hat[e].T * row_weights[i]; with ``silu_gate``, silu(gate) * up of
-    interleaved gate/up rows (``kbit.grouped``). ``num_blocks`` > 0 forces the CUDA grid (tests force split-K)."""
+    interleaved gate/up rows (``kbit.grouped``). ``grid_override`` > 0 forces the CUDA grid (tests force split-K)."""
     return grouped.moe_gemm_reference(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes,
-                                      num_passes, k, N, K_dim, silu_gate)
+                                      num_passes, bits, out_features, in_features_padded, silu_gate)
 
 
 @moe_gemm.register_fake
-def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, k, N, K_dim, rows_per_pass,
-      silu_gate, num_blocks):
+def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits, out_features,
+      in_features_padded, rows_per_pass, silu_gate, grid_override):
     rows = x_rows.shape[0] if x_rows is not None else x.shape[0]
-    return x.new_empty(rows, N // 2 if silu_gate else N)
+    return x.new_empty(rows, out_features // 2 if silu_gate else out_features)
 
 
 @moe_gemm.register_kernel("cuda")
-def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, k, N, K_dim, rows_per_pass,
-      silu_gate, num_blocks):
-    return cuda_ext().moe_gemm(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, k, N,
-                               K_dim, rows_per_pass, silu_gate, num_blocks)
+def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits, out_features,
+      in_features_padded, rows_per_pass, silu_gate, grid_override):
+    return cuda_ext().moe_gemm(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits,
+                               out_features, in_features_padded, rows_per_pass, silu_gate, grid_override)
 
 
 @torch.library.custom_op("kbit::moe_combine", mutates_args=())

@@ -12,30 +12,31 @@ from torch import Tensor
 from . import ops
 from ._validate import (
     GEMM_DTYPES,
+    INPUT_DTYPES,
     check_bits,
     check_codebook,
     check_dtype,
-    check_finite,
     check_int,
     check_meta,
     check_not_meta,
     check_scale,
     check_storage,
     check_tensor,
+    check_weight,
+    codebook_for,
 )
-from .layout import gemm_shapes
 from .formats import (
     BLOCK_SIZE,
     STATE_KEYS,
     blocks_of,
     choose_tensor_scale,
-    create_normal_float_codebook,
     decode_absmax_e4m4,
     meta_tensor,
     nearest_codes,
     pack_bitplanes,
     padded_in_features,
 )
+from .layout import gemm_shapes
 
 # From this many tokens on, dequantize + cuBLAS beat the fused kernel's mma.sync path, per bit width. Measured on
 # an H100 (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md and _m160_224.md at faa39cf,
@@ -64,13 +65,13 @@ def _has_wgmma_path(device_index: int) -> bool:
 def use_dequant_cublas(qw: "QuantizedWeight", M: int, device: torch.device) -> bool:
     """Whether dequantize + cuBLAS beats the fused kernel for M tokens on this CUDA device."""
     if not _has_wgmma_path(device.index if device.index is not None else torch.cuda.current_device()):
-        return M >= DEQUANT_CUBLAS_MIN_M[qw.k]
+        return M >= DEQUANT_CUBLAS_MIN_M[qw.bits]
     weights = qw.shape[0] * qw.shape[1]
     if M <= 128:  # one pass: 65..128 tokens cost what 128 do
         return M > 64 and weights < WGMMA_FUSED_MIN_WEIGHTS
     if weights < WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS:
         return M > WS_FUSED_MAX_M_MID or weights < WGMMA_FUSED_MIN_WEIGHTS
-    return M > WS_FUSED_MAX_M or (M > 512 and qw.k == 5)
+    return M > WS_FUSED_MAX_M or (M > 512 and qw.bits == 5)
 
 
 class PrecisionWarning(UserWarning):
@@ -103,27 +104,37 @@ class PrecisionLoss(NamedTuple):
 
 
 class QuantizedWeight:
-    """A k-bit quantized [N, K] weight in the storage format, plus a cached GEMM layout.
+    """A ``bits``-bit quantized [out_features, in_features] weight in the storage format, plus a cached GEMM layout.
 
-    Storage: the [N, K_pad] matrix (K_pad = K rounded up to a multiple of 32, extra columns
-    zero) flattened row-major and quantized in blocks of 32 (``kbit.formats``), so each block
-    lies within one row. ``scale`` is the per-tensor power of two (a 0-dim float32 tensor).
-    The GEMM layout (``kbit.layout``) is derived on a CUDA device by ``prepare()`` (or on first eager use)
-    and cached; it is never saved.
+    Storage: the matrix zero-padded to ``padded_in_features`` columns (a multiple of 32), flattened row-major and
+    quantized in blocks of 32 (``kbit.formats``), so each block lies within one row. ``scale`` is the per-tensor
+    power of two (a 0-dim float32 tensor). The GEMM layout (``kbit.layout``) is derived on a CUDA device by
+    ``prepare()`` (or on first eager use) and cached; it is never saved.
 
     The constructor checks dtypes, shapes, devices and contiguity (no values: it is cheap and safe while
     tracing); ``from_state_dict`` also checks the values an untrusted checkpoint could get wrong.
     """
 
-    def __init__(self, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, k: int, shape, dtype):
-        k = check_bits(k)
+    def __init__(self, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bits: int, shape, dtype):
+        bits = check_bits(bits)
         if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
             raise ValueError(f"shape must be (out_features, in_features), got {shape!r}")
-        N, K = check_int(shape[0], "shape[0]", 1), check_int(shape[1], "shape[1]", 1)
+        shape = (check_int(shape[0], "shape[0]", 1), check_int(shape[1], "shape[1]", 1))
         check_dtype(dtype, "dtype")
-        check_storage(packed, absmax, codebook, scale, k, (N, K))
+        check_storage(packed, absmax, codebook, scale, bits, shape)
+        self._set(packed, absmax, codebook, scale, bits, shape, dtype)
+
+    @classmethod
+    def from_checked(cls, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bits: int, shape,
+                     dtype) -> "QuantizedWeight":
+        """The constructor without its checks, for storage that kbit made or has checked already."""
+        qw = cls.__new__(cls)
+        qw._set(packed, absmax, codebook, scale, bits, tuple(shape), dtype)
+        return qw
+
+    def _set(self, packed, absmax, codebook, scale, bits, shape, dtype) -> None:
         self.packed, self.absmax, self.codebook, self.scale = packed, absmax, codebook, scale
-        self.k, self.shape, self.dtype = k, (N, K), dtype
+        self.bits, self.shape, self.dtype = bits, shape, dtype
         self._gemm = None  # (device, b_gemm, absmax_gemm)
 
     # ------------------------------------------------------------------ properties
@@ -140,6 +151,11 @@ class QuantizedWeight:
         return self.shape[0]
 
     @property
+    def in_features_padded(self) -> int:
+        """Columns of the stored matrix: in_features rounded up to a multiple of 32."""
+        return padded_in_features(self.shape[1])
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the stored format (packed + absmax + codebook + scale)."""
         return sum(t.numel() * t.element_size() for t in (self.packed, self.absmax, self.codebook, self.scale))
@@ -150,16 +166,16 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return (
-            f"QuantizedWeight(shape={self.shape}, k={self.k}, dtype={str(self.dtype).replace('torch.', '')}, "
+            f"QuantizedWeight(shape={self.shape}, bits={self.bits}, dtype={str(self.dtype).replace('torch.', '')}, "
             f"device={self.device}, bits_per_weight={self.bits_per_weight:.3f})"
         )
 
     # ------------------------------------------------------------------ conversions
     def to(self, device) -> "QuantizedWeight":
         device = torch.device(device)
-        moved = QuantizedWeight(
+        moved = QuantizedWeight.from_checked(
             self.packed.to(device), self.absmax.to(device), self.codebook.to(device), self.scale.to(device),
-            self.k, self.shape, self.dtype,
+            self.bits, self.shape, self.dtype,
         )
         if self._gemm is not None:  # the layout is plain data: moving it is valid
             moved._gemm = (device, self._gemm[1].to(device), self._gemm[2].to(device))
@@ -181,13 +197,13 @@ class QuantizedWeight:
                     "kbit: this weight's GEMM layout was not prepared before torch.compile; call kbit.prepare(model) "
                     "(or QuantizedWeight.prepare()) after moving the model to the GPU"
                 )
-            b, a = ops.repack(self.packed, self.absmax, self.k, self.shape[0], padded_in_features(self.shape[1]))
+            b, a = ops.repack(self.packed, self.absmax, self.bits, self.out_features, self.in_features_padded)
             self._gemm = (self.device, b, a)
         return self._gemm[1], self._gemm[2]
 
     def attach_gemm_layout(self, b_gemm: Tensor, absmax_gemm: Tensor) -> None:
         """Use an already derived GEMM layout of this weight (KbitLinear keeps it as module buffers)."""
-        want = gemm_shapes(self.k, self.shape[0], padded_in_features(self.shape[1]))
+        want = gemm_shapes(self.bits, self.out_features, self.in_features_padded)
         if (tuple(b_gemm.shape), tuple(absmax_gemm.shape)) != want or b_gemm.device != self.device:
             raise ValueError(f"a GEMM layout of shapes {want} on {self.device} was expected, got "
                              f"{tuple(b_gemm.shape)} and {tuple(absmax_gemm.shape)} on {b_gemm.device}")
@@ -201,24 +217,27 @@ class QuantizedWeight:
         return self
 
     def dequantize(self, dtype=None) -> Tensor:
-        dtype = self.dtype if dtype is None else dtype
-        check_dtype(dtype, "dtype")
-        N, K = self.shape
-        kp = padded_in_features(K)
-        flat = ops.dequantize(self.packed, self.absmax, self.codebook, self.k, N * kp, dtype, self.scale)
-        w = flat.reshape(N, kp)
-        return w if kp == K else w[:, :K].contiguous()
+        """The [out_features, in_features] reconstruction in ``dtype`` (default: the dtype it was quantized from)."""
+        dtype = self.dtype if dtype is None else check_dtype(dtype, "dtype")
+        return self._dequantize(dtype)
+
+    def _dequantize(self, dtype: torch.dtype) -> Tensor:
+        out_features, in_features = self.shape
+        padded = self.in_features_padded
+        flat = ops.dequantize(self.packed, self.absmax, self.codebook, self.bits, out_features * padded, dtype,
+                              self.scale)
+        w = flat.reshape(out_features, padded)
+        return w if padded == in_features else w[:, :in_features].contiguous()
 
     # ------------------------------------------------------------------ serialization
     def meta_tensor(self) -> Tensor:
-        return meta_tensor(self.k, self.shape, self.dtype)
+        return meta_tensor(self.bits, self.shape, self.dtype)
 
     def state_dict(self, prefix: str = "") -> dict:
-        """Tensors only, so the dict saves with torch.save and safetensors alike."""
-        return {
-            prefix + "packed": self.packed, prefix + "absmax": self.absmax, prefix + "codebook": self.codebook,
-            prefix + "scale": self.scale, prefix + "meta": self.meta_tensor(),
-        }
+        """Tensors only (``formats.STATE_KEYS``), so the dict saves with torch.save and safetensors alike."""
+        tensors = {"packed": self.packed, "absmax": self.absmax, "codebook": self.codebook, "scale": self.scale,
+                   "meta": self.meta_tensor()}
+        return {prefix + key: tensors[key] for key in STATE_KEYS}
 
     @classmethod
     def from_state_dict(cls, state: dict, prefix: str = "") -> "QuantizedWeight":
@@ -228,33 +247,27 @@ class QuantizedWeight:
         missing = [prefix + key for key in STATE_KEYS if prefix + key not in state]
         if missing:
             raise ValueError(f"state dict lacks {', '.join(missing)}")
-        k, shape, dtype = check_meta(state[prefix + "meta"], prefix + "meta")
-        tensors = {key: check_tensor(state[prefix + key], prefix + key) for key in ("packed", "absmax", "codebook", "scale")}
+        bits, shape, dtype = check_meta(state[prefix + "meta"], prefix + "meta")
+        tensors = {key: check_tensor(state[prefix + key], prefix + key) for key in STATE_KEYS if key != "meta"}
         for key in ("codebook", "scale"):  # float32 by definition; a checkpoint cast to 16 bits still loads
             if tensors[key].is_floating_point():
                 tensors[key] = tensors[key].to(torch.float32)
-        check_storage(*tensors.values(), k, shape, prefix=prefix)
-        check_codebook(tensors["codebook"], k, prefix + "codebook")
+        check_storage(*tensors.values(), bits, shape, prefix=prefix)
+        check_codebook(tensors["codebook"], bits, prefix + "codebook")
         check_scale(tensors["scale"], tensors["scale"].device, prefix + "scale")
-        return cls(*tensors.values(), k, shape, dtype)
+        return cls.from_checked(*tensors.values(), bits, shape, dtype)
 
 
 # ---------------------------------------------------------------------- high-level API
-def resolve_codebook(codebook, k: int, device) -> Tensor:
-    """The normal-float codebook, or a checked float32 copy of the caller's (never an alias of it)."""
-    if codebook is None:
-        return create_normal_float_codebook(k, device=device)
-    return check_codebook(codebook, k).to(device=device, copy=True)
-
-
-def _block_errors(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, scale: Tensor):
+def _block_errors(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor):
     """Per block of the padded weight: (largest |error| in float32, true absmax, largest |reconstruction|)."""
-    w_hat = ops.dequantize(packed, absmax, cb, k, Wp.numel(), torch.float32, scale).reshape(-1, BLOCK_SIZE)
+    w_hat = ops.dequantize(packed, absmax, cb, bits, Wp.numel(), torch.float32, scale).reshape(-1, BLOCK_SIZE)
     w = Wp.reshape(-1, BLOCK_SIZE).to(torch.float32)
     return (w - w_hat).abs().amax(dim=1), w.abs().amax(dim=1), w_hat.abs().amax(dim=1)
 
 
-def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, scale: Tensor, blocks: Tensor) -> None:
+def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor,
+              blocks: Tensor) -> None:
     """Lower the block scale of ``blocks`` until their largest level fits Wp's dtype, re-choosing their codes.
 
     The true absmax of such a block is finite in the dtype, so one or two E4M4 steps down suffice; the top
@@ -269,16 +282,17 @@ def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, sc
     new_absmax = codes.to(torch.uint8)
     x = blocks_of(Wp, scale)[blocks]
     absmax[blocks] = new_absmax
-    packed.view(-1, k)[blocks] = pack_bitplanes(nearest_codes(x, decode_absmax_e4m4(new_absmax), cb), k).view(-1, k)
+    codes = pack_bitplanes(nearest_codes(x, decode_absmax_e4m4(new_absmax), cb), bits)
+    packed.view(-1, bits)[blocks] = codes.view(-1, bits)
 
 
-def _audit(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, scale: Tensor) -> PrecisionLoss:
+def _audit(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor) -> PrecisionLoss:
     """Fix blocks that would dequantize past the dtype's range, then count blocks beyond the format's bound."""
-    _, true_absmax, peak = _block_errors(Wp, packed, absmax, cb, k, scale)
+    _, true_absmax, peak = _block_errors(Wp, packed, absmax, cb, bits, scale)
     overflow = (peak > torch.finfo(Wp.dtype).max).nonzero().flatten()
     if overflow.numel():
-        _saturate(Wp, packed, absmax, cb, k, scale, overflow)
-    err, true_absmax, _ = _block_errors(Wp, packed, absmax, cb, k, scale)
+        _saturate(Wp, packed, absmax, cb, bits, scale, overflow)
+    err, true_absmax, _ = _block_errors(Wp, packed, absmax, cb, bits, scale)
     gaps = cb[1:] - cb[:-1]
     slack = 1e-6 * true_absmax + torch.finfo(torch.float32).tiny  # float32 rounding of the comparison itself
     bound = (float(gaps.max()) / 2 + 1 / 16) * true_absmax + slack
@@ -289,83 +303,91 @@ def _audit(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, k: int, scale
     )
 
 
-def quantize_with_report(W: Tensor, k: int = 4, codebook: Optional[Tensor] = None, name: str = "W"):
-    """``quantize`` without the warning: ``(QuantizedWeight, PrecisionLoss)``. ``name`` appears in errors."""
-    check_tensor(W, name)
-    k = check_bits(k)
-    check_dtype(W.dtype, name)
-    if W.dim() != 2 or W.shape[0] == 0 or W.shape[1] == 0:
-        raise ValueError(f"{name} must be a non-empty 2-D [N, K] tensor, got shape {tuple(W.shape)}")
-    check_finite(W, name)
-    cb = resolve_codebook(codebook, k, W.device)
-    N, K = W.shape
-    kp = padded_in_features(K)
-    Wp = W.detach() if kp == K else torch.nn.functional.pad(W.detach(), (0, kp - K))
+def quantize_checked(W: Tensor, bits: int, codebook: Optional[Tensor] = None):
+    """``quantize_with_report`` for arguments already checked at a public boundary (``kbit._validate``):
+    ``W`` by ``check_weight``, ``bits`` by ``check_bits``, ``codebook`` by ``check_codebook`` (or None: normal-float).
+    """
+    cb = codebook_for(None, bits, W.device) if codebook is None else codebook.to(device=W.device, copy=True)
+    in_features = W.shape[1]
+    padded = padded_in_features(in_features)
+    Wp = W.detach() if padded == in_features else torch.nn.functional.pad(W.detach(), (0, padded - in_features))
     Wp = Wp.contiguous()
     scale = choose_tensor_scale(Wp.abs().amax())
-    packed, absmax = ops.quantize(Wp, cb, k, scale)
-    loss = _audit(Wp, packed, absmax, cb, k, scale)
-    return QuantizedWeight(packed, absmax, cb, scale, k, (N, K), W.dtype), loss
+    packed, absmax = ops.quantize(Wp, cb, bits, scale)
+    loss = _audit(Wp, packed, absmax, cb, bits, scale)
+    return QuantizedWeight.from_checked(packed, absmax, cb, scale, bits, tuple(W.shape), W.dtype), loss
 
 
-def quantize(W: Tensor, k: int = 4, codebook: Optional[Tensor] = None, name: str = "W") -> QuantizedWeight:
-    """Quantize an [N, K] weight (nn.Linear layout, fp16/bf16/fp32, any N and K).
+def quantize_with_report(W: Tensor, bits: int = 4, codebook: Optional[Tensor] = None, name: str = "W"):
+    """``quantize`` without the warning: ``(QuantizedWeight, PrecisionLoss)``. ``name`` appears in errors."""
+    bits = check_bits(bits)
+    check_weight(W, name)
+    cb = None if codebook is None else check_codebook(codebook, bits)
+    return quantize_checked(W, bits, cb)
+
+
+def quantize(W: Tensor, bits: int = 4, codebook: Optional[Tensor] = None, name: str = "W") -> QuantizedWeight:
+    """Quantize an [out_features, in_features] weight (nn.Linear layout, fp16/bf16/fp32, any shape).
 
     Warns (``kbit.PrecisionWarning``, naming ``name`` and the count) when some blocks lose more than the
     format's error bound; ``warnings.simplefilter("error", kbit.PrecisionWarning)`` makes that an error.
     """
-    qw, loss = quantize_with_report(W, k, codebook, name)
-    if loss.beyond_bound or loss.saturated:
-        warnings.warn(loss.describe(name), PrecisionWarning, stacklevel=2)
+    qw, loss = quantize_with_report(W, bits, codebook, name)
+    warn_precision(loss, name)
     return qw
 
 
+def warn_precision(loss: PrecisionLoss, name: str, stacklevel: int = 2) -> None:
+    """A ``PrecisionWarning`` naming ``name`` if ``loss`` counts blocks beyond the bound or saturated; ``stacklevel``
+    as ``warnings.warn`` would take it in the caller."""
+    if loss.beyond_bound or loss.saturated:
+        warnings.warn(loss.describe(name), PrecisionWarning, stacklevel=stacklevel + 1)
+
+
 def dequantize(qw: QuantizedWeight, dtype=None) -> Tensor:
-    """The [N, K] reconstruction of ``qw`` in ``dtype`` (default: the dtype it was quantized from)."""
+    """The [out_features, in_features] reconstruction of ``qw`` in ``dtype`` (default: the dtype it was quantized
+    from)."""
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"qw must be a kbit.QuantizedWeight, got {type(qw).__name__}")
     return qw.dequantize(dtype)
 
 
-def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, num_blocks: int = 0) -> Tensor:
-    """``x @ dequantize(qw).T (+ bias)`` for x of shape [..., K]; fused kernel on CUDA.
+def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_override: int = 0) -> Tensor:
+    """``x @ dequantize(qw).T (+ bias)`` for x of shape [..., in_features]; fused kernel on CUDA.
 
     On CPU, the weight is dequantized in float32 and multiplied in float32. Never synchronizes.
-    ``num_blocks`` > 0 forces the CUDA kernel's grid size (tests use it to force split-K).
+    ``grid_override`` > 0 forces the CUDA kernel's grid size (tests use it to force split-K).
     """
     check_tensor(x, "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"qw must be a kbit.QuantizedWeight, got {type(qw).__name__}")
-    N, K = qw.shape
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"x must have shape [..., {K}] to multiply a [{N}, {K}] weight, got {tuple(x.shape)}")
+    out_features, in_features = qw.shape
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(f"x must have shape [..., {in_features}] to multiply a [{out_features}, {in_features}] "
+                         f"weight, got {tuple(x.shape)}")
     if x.device != qw.device:
         raise ValueError(f"x is on {x.device} but the weight is on {qw.device}")
     if bias is not None:
         check_tensor(bias, "bias")
-        if bias.shape != (N,):
-            raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
+        if bias.shape != (out_features,):
+            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
-    num_blocks = check_int(num_blocks, "num_blocks", 0)
+    grid_override = check_int(grid_override, "grid_override", 0)
+    check_dtype(x.dtype, "x", GEMM_DTYPES if x.device.type == "cuda" else INPUT_DTYPES)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, in_features)
     if x.device.type == "cuda":
-        check_dtype(x.dtype, "x", GEMM_DTYPES)
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        if num_blocks == 0 and use_dequant_cublas(qw, x2.shape[0], x.device):
-            y = torch.nn.functional.linear(x2, qw.dequantize(x.dtype), bias_c)
+        if grid_override == 0 and use_dequant_cublas(qw, x2.shape[0], x.device):
+            y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()
-            kp = padded_in_features(K)
-            if K % 8:  # the kernel reads x in 16-byte rows
-                x2 = torch.nn.functional.pad(x2, (0, kp - K))
-            y = ops.gemm(x2.contiguous(), b, a, qw.codebook, qw.scale, bias_c, qw.k, N, kp, num_blocks)
+            y = ops.gemm(x2, b, a, qw.codebook, qw.scale, bias_c, qw.bits, out_features, qw.in_features_padded,
+                         grid_override)
     else:
-        check_dtype(x.dtype, "x")
-        w = qw.dequantize(torch.float32)
-        y = x2.to(torch.float32) @ w.T
+        y = x2.to(torch.float32) @ qw._dequantize(torch.float32).T
         if bias is not None:
             y = y + bias.to(torch.float32)
         y = y.to(x.dtype)
-    return y.reshape(*lead, N)
+    return y.reshape(*lead, out_features)

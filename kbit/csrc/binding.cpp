@@ -51,7 +51,10 @@ void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, co
   TORCH_CHECK(t.is_contiguous(), "kbit: ", name, " must be contiguous");
 }
 
-void check_bits(int64_t k) { TORCH_CHECK(k >= 2 && k <= 5, "kbit: k must be 2..5, got ", num(k)); }
+void check_bits(int64_t k) {
+  TORCH_CHECK(k >= kbit::kMinBits && k <= kbit::kMaxBits, "kbit: k must be ", num(kbit::kMinBits), "..",
+              num(kbit::kMaxBits), ", got ", num(k));
+}
 
 // The kernels index rows and columns with int: sizes past it are refused, not wrapped.
 void check_dim(int64_t v, const char* name, int64_t minimum) {
@@ -79,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tenso
   to_dtype(A.scalar_type());
   check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
   const c10::cuda::CUDAGuard guard(on);
-  const int64_t n = A.numel(), nb = (n + 31) / 32;
+  const int64_t n = A.numel(), nb = (n + kbit::kBlock - 1) / kbit::kBlock;
   auto packed = at::empty({nb * k}, A.options().dtype(at::kInt));
   auto absmax = at::empty({nb}, A.options().dtype(at::kByte));
   check_launch(kbit::quantize(A.data_ptr(), to_dtype(A.scalar_type()), n, codebook.data_ptr<float>(),
@@ -96,7 +99,7 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& absmax, const 
   to_dtype(dtype);
   TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
   const at::Device on = packed.device();
-  const int64_t nb = (n + 31) / 32;
+  const int64_t nb = (n + kbit::kBlock - 1) / kbit::kBlock;
   check_input(packed, "packed", at::kInt, {nb * k}, on);
   check_input(absmax, "absmax", at::kByte, {nb}, on);
   check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
@@ -109,23 +112,23 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& absmax, const 
   return out;
 }
 
-// Shapes of the GEMM layout of an [N, K_dim] weight (kbit/layout.py's gemm_shapes).
+// Shapes of the GEMM layout of an [N, K_dim] weight (kbit.h, kbit/layout.py's gemm_shapes).
 std::vector<int64_t> layout_codes_shape(int64_t k, int64_t N, int64_t K_dim) {
-  return {(N + 255) / 256 * 16, (K_dim + 255) / 256, k, 32, 4};
+  return {kbit::layout_tiles16(N), kbit::layout_k_groups(K_dim), k, 32, 4};
 }
 std::vector<int64_t> layout_absmax_shape(int64_t N, int64_t K_dim) {
-  return {(N + 255) / 256 * 16, (K_dim + 255) / 256, 2, 8, 8};
+  return {kbit::layout_tiles16(N), kbit::layout_k_groups(K_dim), 2, 8, 8};
 }
 
 std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Tensor& absmax, int64_t k, int64_t N,
                                           int64_t K_dim) {
   check_bits(k);
   check_dim(N, "N", 1);
-  check_dim(K_dim, "K_dim", 32);
-  TORCH_CHECK(K_dim % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", num(K_dim));
+  check_dim(K_dim, "K_dim", kbit::kBlock);
+  TORCH_CHECK(K_dim % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_dim));
   TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
   const at::Device on = packed.device();
-  const int64_t nb = N * (K_dim / 32);
+  const int64_t nb = N * (K_dim / kbit::kBlock);
   check_input(packed, "packed", at::kInt, {nb * k}, on);
   check_input(absmax, "absmax", at::kByte, {nb}, on);
   const c10::cuda::CUDAGuard guard(on);
@@ -196,8 +199,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
                 int64_t num_blocks) {
   check_bits(k);
   check_dim(N, "N", 1);
-  check_dim(K_w, "K_dim", 32);
-  TORCH_CHECK(K_w % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", num(K_w));
+  check_dim(K_w, "K_dim", kbit::kBlock);
+  TORCH_CHECK(K_w % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_w));
   TORCH_CHECK(num_blocks >= 0 && num_blocks <= std::numeric_limits<int>::max(), "kbit: num_blocks must be >= 0");
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
@@ -210,9 +213,10 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   const float* scale_ptr = scalar_ptr(scale, on);
   if (bias) check_input(*bias, "bias", x_in.scalar_type(), {N}, on);
   const c10::cuda::CUDAGuard guard(on);
-  // The kernel reads x in 16-byte pieces: pad the columns to a multiple of 8 and realign if needed.
+  // The kernel reads x in 16-byte pieces: pad the columns to a multiple of kXColumnAlign and realign if needed.
   at::Tensor x = x_in.contiguous();
-  if (x.size(1) % 8) x = at::constant_pad_nd(x, {0, 8 - x.size(1) % 8});
+  const int64_t short_by = (kbit::kXColumnAlign - x.size(1) % kbit::kXColumnAlign) % kbit::kXColumnAlign;
+  if (short_by) x = at::constant_pad_nd(x, {0, short_by});
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone();
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
@@ -326,15 +330,16 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
                     bool silu_gate, int64_t num_blocks) {
   check_bits(k);
   check_dim(N, "N", 1);
-  check_dim(K_w, "K_dim", 32);
-  TORCH_CHECK(K_w % 32 == 0, "kbit: K_dim must be a multiple of 32, got ", num(K_w));
+  check_dim(K_w, "K_dim", kbit::kBlock);
+  TORCH_CHECK(K_w % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_w));
   check_rows_per_pass(rows_per_pass);
   TORCH_CHECK(num_blocks >= 0 && num_blocks <= std::numeric_limits<int>::max(), "kbit: num_blocks must be >= 0");
   TORCH_CHECK(x.is_cuda() && x.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
   const at::Device on = x.device();
   check_input(x, "x", x.scalar_type(), x.sizes().vec(), on);
-  TORCH_CHECK(x.size(1) % 8 == 0 && x.size(1) <= K_w, "kbit: x must have a multiple of 8 columns, at most K_dim = ",
+  TORCH_CHECK(x.size(1) % kbit::kXColumnAlign == 0 && x.size(1) <= K_w, "kbit: x must have a multiple of ",
+              num(kbit::kXColumnAlign), " columns, at most K_dim = ",
               num(K_w), ", got ", num(x.size(1)));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "kbit: x must be 16-byte aligned");
   check_dim(x.size(0), "rows of x", 0);

@@ -5,13 +5,31 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "kbit.h"
 
 namespace kbit {
 
-constexpr int kBlock = 32;  // elements per quantization block = lanes per warp
+// ---------------------------------------------------------------------------- host: per-device launch setup
+// A kernel's dynamic shared memory limit is an attribute set per device, and the bytes a launch needs depend on
+// the device's reserved shared memory: Setup(bytes) runs once per device ordinal (the current device at the
+// call), and later launches on that device reuse its result.
+constexpr int kMaxDevices = 64;
+template <cudaError_t (*Setup)(int&)>
+cudaError_t setup_once_per_device(int& bytes) {
+  static std::once_flag once[kMaxDevices];
+  static int device_bytes[kMaxDevices];
+  static cudaError_t device_result[kMaxDevices];
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(once[device], [device] { device_result[device] = Setup(device_bytes[device]); });
+  bytes = device_bytes[device];
+  return device_result[device];
+}
 
 // E4M4 decode: exponent bias 11, subnormals when the exponent field is 0 (value m * 2^-14).
 __device__ __forceinline__ float decode_e4m4(uint32_t c) {

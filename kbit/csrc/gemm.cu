@@ -65,7 +65,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid, G
   }
   const int ws_tokens = major == 9 ? ws_tokens_for(M, N, K_w, path) : 0;
   if (ws_tokens > 0) {
-    const int k_groups = (K_w + kKGroup - 1) / kKGroup;
+    const int k_groups = static_cast<int>(layout_k_groups(K_w));
     plan.ws_tokens = ws_tokens;
     plan.mb = ws_tokens / 8;
     plan.m_passes = (M + ws_tokens - 1) / ws_tokens;
@@ -86,7 +86,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid, G
   // from 33 on problems with >= 16 steps per CTA in 256-row tiles: below that mma.sync's 32-token passes are
   // faster (docs/PERFORMANCE.md, v23). wgmma takes 256-row tiles exactly on those problems: there the
   // activations' traffic from L2 bounds it and half of it goes; elsewhere the extra split-K costs more.
-  const int k_groups = (K_w + kKGroup - 1) / kKGroup;
+  const int k_groups = static_cast<int>(layout_k_groups(K_w));
   auto steps_in_256_row_tiles = [&](int mb) {
     return static_cast<int64_t>((M + mb * 8 - 1) / (mb * 8)) * ((N + 255) / 256) * k_groups;
   };
@@ -120,7 +120,7 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.N = N;
   const int rows = plan.ws_tokens ? kWsTileRows : gemm_tile_rows(p.k, plan.mb, plan.wgmma_tiles);
   p.n_tiles = (N + rows - 1) / rows;
-  p.k_groups = (K_w + kKGroup - 1) / kKGroup;
+  p.k_groups = static_cast<int>(layout_k_groups(K_w));
   p.mb = plan.mb;
   p.wgmma_tiles = plan.wgmma_tiles;
   p.ws_tokens = plan.ws_tokens;
@@ -131,7 +131,9 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
 
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {
   if (p.M == 0) return cudaSuccess;
-  if (p.K_x % 8 || p.lda % 8 || reinterpret_cast<uintptr_t>(p.x) % 16) return cudaErrorMisalignedAddress;
+  if (p.K_x % kXColumnAlign || p.lda % kXColumnAlign || reinterpret_cast<uintptr_t>(p.x) % 16) {
+    return cudaErrorMisalignedAddress;
+  }
   if (p.ws_tokens) {
     switch (p.k) {
       case 2: return gemm_ws_for_bits<2>(p, stream);

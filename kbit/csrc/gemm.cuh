@@ -45,7 +45,6 @@
 
 namespace kbit {
 
-constexpr int kKGroup = 256;              // k columns per pipeline step
 // Shared address space of a CTA on sm_90: kReservedSmem bytes reserved by the system, then static, then
 // dynamic shared memory, up to kSharedTop (227 KB opt-in per CTA). Static shared memory (barriers, flags) is
 // assumed to stay under kStaticSmemMax; the kernel checks its layout at run time.
@@ -118,14 +117,13 @@ struct GemmConfig {
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
-  static constexpr int kPairTable = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
-  static constexpr int kTables = kPairTable;
+  static constexpr int kTables = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
 
   // Shared memory (see "Shared memory layout" below). The pair table starts at a shared address aligned to
   // kTableAlign, its size rounded up to a power of two; the stages' pieces fill the space below it
   // ("low", after the reserved and static shared memory) and above it ("high"). A stage is two pieces: the
   // warps' codes (kBStage) and the "small" piece, scales then activations (kAbsStage + kXStage).
-  static constexpr int kTableAlign = kPairTable <= 8192 ? 8192 : kPairTable <= 32768 ? 32768 : 65536;
+  static constexpr int kTableAlign = kTables <= 8192 ? 8192 : kTables <= 32768 ? 32768 : 65536;
   static constexpr int kSmall = kAbsStage + kXStage;
   static constexpr int kLowBudget = kTableAlign > kReservedSmem + kStaticSmemMax ? kTableAlign - kReservedSmem - kStaticSmemMax : 0;
   static constexpr int kHighBudget = kSharedTop - kTableAlign - kTables;
@@ -918,8 +916,8 @@ cudaError_t gemm_dynamic_smem(int& bytes) {
 
 template <class Cfg, typename T>
 cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
-  static int smem_bytes = 0;
-  static const cudaError_t attr = gemm_dynamic_smem<Cfg, T>(smem_bytes);
+  int smem_bytes = 0;
+  const cudaError_t attr = setup_once_per_device<gemm_dynamic_smem<Cfg, T>>(smem_bytes);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.grid);

@@ -413,8 +413,8 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   alignas(64) CUtensorMap map;
   cudaError_t err = ws_activation_map(p, Cfg::kTokens, map);
   if (err != cudaSuccess) return err;
-  static int smem_bytes = 0;
-  static const cudaError_t attr = gemm_ws_dynamic_smem<Cfg, T>(smem_bytes);
+  int smem_bytes = 0;
+  const cudaError_t attr = setup_once_per_device<gemm_ws_dynamic_smem<Cfg, T>>(smem_bytes);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.grid);

@@ -7,6 +7,26 @@
 
 namespace kbit {
 
+// ---------------------------------------------------------------------------- format constants
+// The numbers of the storage format (owner: kbit/formats.py) and of the GEMM layout (owner: kbit/layout.py) that
+// the C++ side needs. tests/test_constants.py reads this block and checks each value against Python's.
+// KBIT_CONSTANTS_BEGIN
+constexpr int kBlock = 32;           // weights per quantization block (formats.BLOCK_SIZE)
+constexpr int kMinBits = 2;          // bits per weight (formats.SUPPORTED_BITS)
+constexpr int kMaxBits = 5;
+constexpr int kLayoutTileRows = 16;  // weight rows per tile of the GEMM layout (layout.TILE_ROWS)
+constexpr int kLayoutNAlign = 256;   // the layout pads N to this (layout.N_ALIGN)
+constexpr int kKGroup = 256;         // columns per k-group of the layout and per pipeline step (layout.K_GROUP)
+constexpr int kXColumnAlign = 8;     // the GEMM reads x in 16-byte pieces: columns a multiple of this (layout.X_ALIGN)
+// KBIT_CONSTANTS_END
+
+// Dimensions of the GEMM layout of an [N, K_w] weight: B_gemm [tiles16, k_groups, k, 32, 4], absmax_gemm
+// [tiles16, k_groups, 2, 8, 8] (layout.gemm_shapes).
+constexpr int64_t layout_tiles16(int64_t N) {
+  return (N + kLayoutNAlign - 1) / kLayoutNAlign * (kLayoutNAlign / kLayoutTileRows);
+}
+constexpr int64_t layout_k_groups(int64_t K_w) { return (K_w + kKGroup - 1) / kKGroup; }
+
 enum class DType : int { F16 = 0, BF16 = 1, F32 = 2 };
 
 // ---------------------------------------------------------------------------- storage format

@@ -29,12 +29,14 @@ GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int forced_gri
 void grouped_gemm_fill_params(GroupedGemmParams& p, const GemmPlan& plan, int N, int K_w) {
   gemm_fill_params(p, plan, N, K_w);
   p.steps_per_cta = p.extra_steps = 0;  // cut on the device (stream_k_cut)
-  p.expert_tiles16 = (N + 255) / 256 * 16;
+  p.expert_tiles16 = static_cast<int>(layout_tiles16(N));
 }
 
 cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   if (p.M == 0 || p.max_passes == 0) return cudaSuccess;
-  if (p.K_x % 8 || p.lda % 8 || reinterpret_cast<uintptr_t>(p.x) % 16) return cudaErrorMisalignedAddress;
+  if (p.K_x % kXColumnAlign || p.lda % kXColumnAlign || reinterpret_cast<uintptr_t>(p.x) % 16) {
+    return cudaErrorMisalignedAddress;
+  }
   switch (p.k) {
     case 2: return grouped_gemm_for_bits<2>(p, stream);
     case 3: return grouped_gemm_for_bits<3>(p, stream);

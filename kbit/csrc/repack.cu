@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
 template <int K>
 cudaError_t launch(const uint32_t* packed, const uint8_t* absmax, int N, int K_dim, uint32_t* b_gemm,
                    uint8_t* absmax_gemm, cudaStream_t stream) {
-  const int n_tiles16 = (N + 255) / 256 * 16, k_groups = (K_dim + 255) / 256;
+  const int n_tiles16 = static_cast<int>(layout_tiles16(N)), k_groups = static_cast<int>(layout_k_groups(K_dim));
   const int64_t total = static_cast<int64_t>(n_tiles16) * k_groups * 32;
   const int64_t grid = (total + kThreads - 1) / kThreads;
   repack_kernel<K><<<grid, kThreads, 0, stream>>>(packed, absmax, N, K_dim, k_groups, total,

@@ -1,0 +1,41 @@
+"""The C++ side's format constants (the marked block of kbit/csrc/kbit.h) equal their Python owners'."""
+
+import re
+from pathlib import Path
+
+from kbit import formats, layout
+
+KBIT_H = Path(__file__).resolve().parent.parent / "kbit" / "csrc" / "kbit.h"
+
+PYTHON_VALUES = {
+    "kBlock": formats.BLOCK_SIZE,
+    "kMinBits": min(formats.SUPPORTED_BITS),
+    "kMaxBits": max(formats.SUPPORTED_BITS),
+    "kLayoutTileRows": layout.TILE_ROWS,
+    "kLayoutNAlign": layout.N_ALIGN,
+    "kKGroup": layout.K_GROUP,
+    "kXColumnAlign": layout.X_ALIGN,
+}
+
+
+def cpp_constants() -> dict:
+    text = KBIT_H.read_text()
+    block = re.search(r"// KBIT_CONSTANTS_BEGIN\n(.*?)// KBIT_CONSTANTS_END", text, re.S)
+    assert block, "kbit.h lost its KBIT_CONSTANTS_BEGIN / KBIT_CONSTANTS_END block"
+    constants = {}
+    for line in block.group(1).splitlines():
+        code = line.split("//")[0].strip()
+        if not code:
+            continue
+        match = re.fullmatch(r"constexpr int (\w+) = (\d+);", code)
+        assert match, f"kbit.h constants block: cannot read {line.strip()!r} (one 'constexpr int kName = 123;' a line)"
+        constants[match.group(1)] = int(match.group(2))
+    return constants
+
+
+def test_cpp_constants_equal_python():
+    assert cpp_constants() == PYTHON_VALUES
+
+
+def test_supported_bits_are_a_range():  # C++ checks bits as kMinBits..kMaxBits
+    assert formats.SUPPORTED_BITS == tuple(range(min(formats.SUPPORTED_BITS), max(formats.SUPPORTED_BITS) + 1))
