@@ -73,11 +73,11 @@ def _cmd_quantize(argv: List[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__, demo
 
-    parser = argparse.ArgumentParser(prog="python -m kbit", description="kbit: k-bit (K=2..5) weight quantization.")
+    parser = argparse.ArgumentParser(prog="python -m kbit", description="kbit: 2- to 5-bit weight quantization.")
     parser.add_argument("--version", action="version", version=f"kbit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,info,build,quantize}")
 
-    p = sub.add_parser("demo", help="quantize a synthetic Llama-shaped stack at K=2..5 and print a table",
+    p = sub.add_parser("demo", help="quantize a synthetic Llama-shaped stack at 2..5 bits and print a table",
                        description=(demo.__doc__ or "").split("\n\n")[0])
     demo.add_arguments(p)
     p.set_defaults(func=_cmd_demo)

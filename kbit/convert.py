@@ -283,11 +283,11 @@ def _name_list(text: str) -> list:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kbit quantize",
-        description="Quantize the linear layers of a local transformers model directory to k bits while loading it, "
-                    "and save it as a kbit folder (load it with from_pretrained after import kbit).",
+        description="Quantize the linear layers of a local transformers model directory to 2..5 bits per weight while "
+                    "loading it, and save it as a kbit folder (load it with from_pretrained after import kbit).",
     )
     p.add_argument("model_dir", help="directory with config.json and safetensors / pytorch_model.bin weights")
-    p.add_argument("--bits", "-k", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
+    p.add_argument("--bits", "-b", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
     p.add_argument("--out", "-o", required=True, help="output directory")
     # One value per flag (comma-separated, repeatable): a list taking several values would also take model_dir.
     p.add_argument("--skip", type=_name_list, action="extend", default=None, metavar="NAME[,NAME...]",

@@ -168,7 +168,8 @@ class KbitLinear(nn.Module):
             or qw.codebook is not self.codebook
             or qw.scale is not self.scale
         ):
-            qw = QuantizedWeight.from_checked(  # buffers are checked when they are set (__init__, load_state_dict)
+            # Checked: a buffer may have been assigned by hand, or left on meta by a partial assign-load.
+            qw = QuantizedWeight(
                 self.packed, self.absmax, self.codebook, self.scale,
                 self.bits, (self.out_features, self.in_features), self.weight_dtype,
             )

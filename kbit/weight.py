@@ -23,13 +23,13 @@ from ._validate import (
     check_storage,
     check_tensor,
     check_weight,
-    codebook_for,
 )
 from .formats import (
     BLOCK_SIZE,
     STATE_KEYS,
     blocks_of,
     choose_tensor_scale,
+    create_normal_float_codebook,
     decode_absmax_e4m4,
     meta_tensor,
     nearest_codes,
@@ -307,7 +307,7 @@ def quantize_checked(W: Tensor, bits: int, codebook: Optional[Tensor] = None):
     """``quantize_with_report`` for arguments already checked at a public boundary (``kbit._validate``):
     ``W`` by ``check_weight``, ``bits`` by ``check_bits``, ``codebook`` by ``check_codebook`` (or None: normal-float).
     """
-    cb = codebook_for(None, bits, W.device) if codebook is None else codebook.to(device=W.device, copy=True)
+    cb = create_normal_float_codebook(bits, W.device) if codebook is None else codebook.to(W.device, copy=True)
     in_features = W.shape[1]
     padded = padded_in_features(in_features)
     Wp = W.detach() if padded == in_features else torch.nn.functional.pad(W.detach(), (0, padded - in_features))

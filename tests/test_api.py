@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kbit
+import kbit.functional
 from kbit.weight import padded_in_features
 
 from test_formats import DTYPES, KS, SQNR_DB, _name, assert_block_bound, sqnr_db
@@ -54,10 +55,10 @@ def test_quantize_any_shape(k, dtype):
     for _ in range(3):
         N, K = random_shape()
         W = torch.randn(N, K).to(dtype)
-        qw = kbit.quantize(W, k=k)
-        what = f"k={k} dtype={_name(dtype)} shape=({N}, {K})"
+        qw = kbit.quantize(W, bits=k)
+        what = f"bits={k} dtype={_name(dtype)} shape=({N}, {K})"
         assert isinstance(qw, kbit.QuantizedWeight)
-        assert qw.shape == (N, K) and qw.k == k and qw.dtype == dtype, what
+        assert qw.shape == (N, K) and qw.bits == k and qw.dtype == dtype, what
         assert qw.in_features == K and qw.out_features == N
         assert qw.packed.dtype == torch.int32 and qw.absmax.dtype == torch.uint8
         assert qw.codebook.dtype == torch.float32 and qw.scale.dtype == torch.float32 and qw.scale.dim() == 0
@@ -72,45 +73,45 @@ def test_quantize_any_shape(k, dtype):
 @pytest.mark.parametrize("k", KS)
 def test_quantize_sqnr_on_weight_matrix(k):
     W = torch.randn(1024, 1024) * 0.02
-    qw = kbit.quantize(W, k=k)
+    qw = kbit.quantize(W, bits=k)
     s = sqnr_db(W, kbit.dequantize(qw))
-    assert s > SQNR_DB[k], f"k={k}: {s:.2f} dB"
+    assert s > SQNR_DB[k], f"bits={k}: {s:.2f} dB"
 
 
 def test_quantize_matches_low_level_format():
     # kbit.quantize stores the [N, K_pad] matrix (zero columns appended) in the seeds' format.
     N, K = 37, 70
     W = torch.randn(N, K)
-    qw = kbit.quantize(W, k=3)
+    qw = kbit.quantize(W, bits=3)
     Wp = torch.nn.functional.pad(W, (0, padded_in_features(K) - K))
-    packed, absmax, cb = kbit.quantize_kbit(Wp, 3, scale=qw.scale)
+    packed, absmax, cb = kbit.functional.quantize_kbit(Wp, 3, scale=qw.scale)
     assert torch.equal(packed, qw.packed) and torch.equal(absmax, qw.absmax) and torch.equal(cb, qw.codebook)
 
 
 def test_quantize_custom_codebook_and_special_inputs():
     cb = torch.linspace(-1, 1, 8)
     W = torch.randn(64, 96)
-    qw = kbit.quantize(W, k=3, codebook=cb)
+    qw = kbit.quantize(W, bits=3, codebook=cb)
     assert torch.equal(qw.codebook, cb)
     assert qw.codebook.data_ptr() != cb.data_ptr(), "the weight must own its codebook"
-    assert kbit.quantize(W, k=3).codebook.data_ptr() != kbit.quantize(W, k=3).codebook.data_ptr()
+    assert kbit.quantize(W, bits=3).codebook.data_ptr() != kbit.quantize(W, bits=3).codebook.data_ptr()
     assert_rows_bound(W, kbit.dequantize(qw), qw, "uniform codebook")
     # Zeros, a requires_grad weight and a non-contiguous weight.
     assert bool((kbit.dequantize(kbit.quantize(torch.zeros(8, 40))) == 0).all())
     Wg = torch.randn(16, 64, requires_grad=True)
     assert not kbit.dequantize(kbit.quantize(Wg)).requires_grad
     Wt = torch.randn(96, 64).T
-    assert torch.equal(kbit.dequantize(kbit.quantize(Wt, k=4)), kbit.dequantize(kbit.quantize(Wt.contiguous(), k=4)))
+    assert torch.equal(kbit.dequantize(kbit.quantize(Wt, bits=4)), kbit.dequantize(kbit.quantize(Wt.contiguous(), bits=4)))
 
 
 def test_quantized_weight_properties():
-    qw = kbit.quantize(torch.randn(128, 256, dtype=torch.float16), k=4)
+    qw = kbit.quantize(torch.randn(128, 256, dtype=torch.float16), bits=4)
     assert qw.device == torch.device("cpu")
     # 4 bits + one E4M4 byte per 32 weights (+ codebook and scale, amortized).
     assert 4.25 <= qw.bits_per_weight < 4.27
     assert qw.nbytes == 128 * 256 // 32 * 4 * 4 + 128 * 256 // 32 + 16 * 4 + 4
     r = repr(qw)
-    assert "QuantizedWeight" in r and "k=4" in r and "(128, 256)" in r and "float16" in r
+    assert "QuantizedWeight" in r and "bits=4" in r and "(128, 256)" in r and "float16" in r
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -118,17 +119,17 @@ def test_quantized_weight_properties():
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_matmul_matches_dequantize_reference(k, dtype):
     N, K = random_shape()
-    qw = kbit.quantize(torch.randn(N, K), k=k)
+    qw = kbit.quantize(torch.randn(N, K), bits=k)
     bias = torch.randn(N).to(dtype)
     for lead in [(1,), (int(torch.randint(2, 20, ())),), (2, 3), ()]:
         x = torch.randn(*lead, K).to(dtype)
-        what = f"k={k} dtype={_name(dtype)} N={N} K={K} x={tuple(x.shape)}"
+        what = f"bits={k} dtype={_name(dtype)} N={N} K={K} x={tuple(x.shape)}"
         assert_close_out(kbit.matmul(x, qw), reference_matmul(x, qw), dtype, what)
         assert_close_out(kbit.matmul(x, qw, bias=bias), reference_matmul(x, qw, bias), dtype, what + " +bias")
 
 
 def test_matmul_empty_batches():
-    qw = kbit.quantize(torch.randn(48, 64), k=4)
+    qw = kbit.quantize(torch.randn(48, 64), bits=4)
     for shape in [(0, 64), (2, 0, 64), (0, 3, 64)]:
         for dtype in DTYPES:
             y = kbit.matmul(torch.randn(shape).to(dtype), qw, bias=torch.randn(48))
@@ -136,7 +137,7 @@ def test_matmul_empty_batches():
 
 
 def test_matmul_noncontiguous_input():
-    qw = kbit.quantize(torch.randn(40, 64), k=5)
+    qw = kbit.quantize(torch.randn(40, 64), bits=5)
     x = torch.randn(64, 10).T
     torch.testing.assert_close(kbit.matmul(x, qw), kbit.matmul(x.contiguous(), qw))
 
@@ -146,21 +147,21 @@ def test_matmul_close_to_unquantized(k):
     # End to end: the output's relative error is about the weight's (SQNR thresholds as amplitudes).
     W = torch.randn(256, 512) * 0.02
     x = torch.randn(8, 512)
-    y = kbit.matmul(x, kbit.quantize(W, k=k))
+    y = kbit.matmul(x, kbit.quantize(W, bits=k))
     ref = x @ W.T
     rel = float((y - ref).norm() / ref.norm())
-    assert rel < 10 ** (-SQNR_DB[k] / 20), f"k={k}: relative output error {rel:.4f}"
+    assert rel < 10 ** (-SQNR_DB[k] / 20), f"bits={k}: relative output error {rel:.4f}"
 
 
 def test_kbit_gemm_and_gemm_layout_on_cpu():
     N, K = 200, 96
-    qw = kbit.quantize(torch.randn(N, K), k=4)
+    qw = kbit.quantize(torch.randn(N, K), bits=4)
     b, a = qw.gemm_layout()
     assert qw.gemm_layout()[0] is b, "the GEMM layout must be cached"
     x = torch.randn(5, K, dtype=torch.float16)
-    y = kbit.kbit_gemm(x, b, a, qw.codebook, 4, N, K, scale=qw.scale)
+    y = kbit.functional.kbit_gemm(x, b, a, qw.codebook, 4, N, K, scale=qw.scale)
     assert_close_out(y, reference_matmul(x, qw), torch.float16, "kbit_gemm")
-    b2, a2 = kbit.repack_for_gemm(qw.packed, qw.absmax, 4, N, K)
+    b2, a2 = kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, N, K)
     assert torch.equal(b, b2) and torch.equal(a, a2)
     moved = qw.to("cpu")
     assert moved.gemm_layout()[0].shape == b.shape
@@ -168,7 +169,7 @@ def test_kbit_gemm_and_gemm_layout_on_cpu():
 
 # ----------------------------------------------------------------------------- save / load / devices
 def _assert_same_qw(a: kbit.QuantizedWeight, b: kbit.QuantizedWeight):
-    assert a.shape == b.shape and a.k == b.k and a.dtype == b.dtype
+    assert a.shape == b.shape and a.bits == b.bits and a.dtype == b.dtype
     for name in ("packed", "absmax", "codebook", "scale"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.equal(kbit.dequantize(a), kbit.dequantize(b))
@@ -178,7 +179,7 @@ def _assert_same_qw(a: kbit.QuantizedWeight, b: kbit.QuantizedWeight):
 def test_quantized_weight_torch_save_round_trip(dtype):
     N, K = random_shape()
     k = int(torch.randint(2, 6, ()))
-    qw = kbit.quantize(torch.randn(N, K).to(dtype), k=k)
+    qw = kbit.quantize(torch.randn(N, K).to(dtype), bits=k)
     state = qw.state_dict(prefix="layer.")
     assert set(state) == {f"layer.{n}" for n in kbit.weight.STATE_KEYS}
     buf = io.BytesIO()
@@ -190,7 +191,7 @@ def test_quantized_weight_torch_save_round_trip(dtype):
 
 def test_quantized_weight_safetensors_round_trip(tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    qws = {f"l{i}.": kbit.quantize(torch.randn(*random_shape()).to(d), k=k) for i, (d, k) in
+    qws = {f"l{i}.": kbit.quantize(torch.randn(*random_shape()).to(d), bits=k) for i, (d, k) in
            enumerate([(torch.float16, 2), (torch.bfloat16, 3), (torch.float32, 4), (torch.float16, 5)])}
     state = {}
     for prefix, qw in qws.items():
@@ -208,14 +209,14 @@ def test_from_state_dict_errors():
     with pytest.raises(ValueError, match="lacks packed"):
         kbit.QuantizedWeight.from_state_dict({k: v for k, v in state.items() if k != "packed"})
     bad = dict(state, packed=state["packed"][:-1])
-    with pytest.raises(ValueError, match=r"packed of a k=4 \[32, 64\] weight .* must have shape"):
+    with pytest.raises(ValueError, match=r"packed of a bits=4 \[32, 64\] weight .* must have shape"):
         kbit.QuantizedWeight.from_state_dict(bad)
 
 
 def test_quantized_weight_to_device():
-    qw = kbit.quantize(torch.randn(64, 96), k=3)
+    qw = kbit.quantize(torch.randn(64, 96), bits=3)
     m = qw.to("meta")
-    assert m.device.type == "meta" and m.shape == qw.shape and m.k == 3
+    assert m.device.type == "meta" and m.shape == qw.shape and m.bits == 3
     assert all(t.device.type == "meta" for t in (m.packed, m.absmax, m.codebook, m.scale))
     back = qw.to(torch.device("cpu"))
     _assert_same_qw(qw, back)
@@ -234,23 +235,23 @@ BAD_QUANTIZE = [
     ("float64 weight", lambda: kbit.quantize(_w().double()), TypeError, r"W must have dtype"),
     ("int weight", lambda: kbit.quantize(_w().to(torch.int32)), TypeError, r"W must have dtype"),
     ("not a tensor", lambda: kbit.quantize([[1.0, 2.0]]), TypeError, r"W must be a torch.Tensor"),
-    ("k=1", lambda: kbit.quantize(_w(), k=1), ValueError, r"k must be one of"),
-    ("k=6", lambda: kbit.quantize(_w(), k=6), ValueError, r"k must be one of"),
-    ("k float", lambda: kbit.quantize(_w(), k=4.0), TypeError, r"k must be an int"),
-    ("k bool", lambda: kbit.quantize(_w(), k=True), TypeError, r"k must be an int"),
-    ("codebook length", lambda: kbit.quantize(_w(), k=4, codebook=torch.linspace(-1, 1, 8)), ValueError,
-     r"codebook for k=4 must be 1-D with 16 entries"),
-    ("codebook 2-D", lambda: kbit.quantize(_w(), k=2, codebook=torch.linspace(-1, 1, 4).reshape(2, 2)), ValueError,
-     r"codebook for k=2"),
-    ("codebook unsorted", lambda: kbit.quantize(_w(), k=3, codebook=torch.linspace(1, -1, 8)), ValueError,
+    ("bits=1", lambda: kbit.quantize(_w(), bits=1), ValueError, r"bits must be one of"),
+    ("bits=6", lambda: kbit.quantize(_w(), bits=6), ValueError, r"bits must be one of"),
+    ("k float", lambda: kbit.quantize(_w(), bits=4.0), TypeError, r"bits must be an int"),
+    ("k bool", lambda: kbit.quantize(_w(), bits=True), TypeError, r"bits must be an int"),
+    ("codebook length", lambda: kbit.quantize(_w(), bits=4, codebook=torch.linspace(-1, 1, 8)), ValueError,
+     r"codebook for bits=4 must be 1-D with 16 entries"),
+    ("codebook 2-D", lambda: kbit.quantize(_w(), bits=2, codebook=torch.linspace(-1, 1, 4).reshape(2, 2)), ValueError,
+     r"codebook for bits=2"),
+    ("codebook unsorted", lambda: kbit.quantize(_w(), bits=3, codebook=torch.linspace(1, -1, 8)), ValueError,
      r"sorted strictly ascending"),
-    ("codebook duplicate", lambda: kbit.quantize(_w(), k=2, codebook=torch.tensor([-1.0, 0.0, 0.0, 1.0])),
+    ("codebook duplicate", lambda: kbit.quantize(_w(), bits=2, codebook=torch.tensor([-1.0, 0.0, 0.0, 1.0])),
      ValueError, r"sorted strictly ascending"),
-    ("codebook out of [-1, 1]", lambda: kbit.quantize(_w(), k=2, codebook=torch.tensor([-2.0, 0.0, 0.5, 1.0])),
+    ("codebook out of [-1, 1]", lambda: kbit.quantize(_w(), bits=2, codebook=torch.tensor([-2.0, 0.0, 0.5, 1.0])),
      ValueError, r"\[-1, 1\]"),
-    ("codebook NaN", lambda: kbit.quantize(_w(), k=2, codebook=torch.tensor([-1.0, float("nan"), 0.5, 1.0])),
+    ("codebook NaN", lambda: kbit.quantize(_w(), bits=2, codebook=torch.tensor([-1.0, float("nan"), 0.5, 1.0])),
      ValueError, r"NaN or Inf"),
-    ("codebook int", lambda: kbit.quantize(_w(), k=2, codebook=torch.tensor([-2, 0, 1, 2])), TypeError,
+    ("codebook int", lambda: kbit.quantize(_w(), bits=2, codebook=torch.tensor([-2, 0, 1, 2])), TypeError,
      r"floating-point"),
     ("weight NaN", lambda: kbit.quantize(_w().index_fill(0, torch.tensor([3]), float("nan"))), ValueError,
      r"W contains 96 NaN/Inf"),
@@ -258,14 +259,14 @@ BAD_QUANTIZE = [
      r"W contains 64 NaN/Inf"),
     ("fp16 weight Inf", lambda: kbit.quantize(_w().half().index_fill(0, torch.tensor([0]), float("inf"))),
      ValueError, r"NaN/Inf"),
-    ("weight 1-D", lambda: kbit.quantize(torch.randn(96)), ValueError, r"2-D \[N, K\]"),
-    ("weight 3-D", lambda: kbit.quantize(torch.randn(2, 3, 96)), ValueError, r"2-D \[N, K\]"),
+    ("weight 1-D", lambda: kbit.quantize(torch.randn(96)), ValueError, r"2-D \[out_features, in_features\]"),
+    ("weight 3-D", lambda: kbit.quantize(torch.randn(2, 3, 96)), ValueError, r"2-D \[out_features, in_features\]"),
     ("weight empty", lambda: kbit.quantize(torch.randn(0, 96)), ValueError, r"non-empty"),
     ("weight on meta", lambda: kbit.quantize(torch.randn(64, 96, device="meta")), ValueError, r"meta device"),
-    ("low-level NaN", lambda: kbit.quantize_kbit(torch.tensor([1.0, float("nan")])), ValueError, r"A contains 1"),
-    ("low-level float64", lambda: kbit.quantize_kbit(torch.randn(10, dtype=torch.float64)), TypeError,
+    ("low-level NaN", lambda: kbit.functional.quantize_kbit(torch.tensor([1.0, float("nan")])), ValueError, r"A contains 1"),
+    ("low-level float64", lambda: kbit.functional.quantize_kbit(torch.randn(10, dtype=torch.float64)), TypeError,
      r"A must have dtype"),
-    ("low-level k", lambda: kbit.quantize_kbit(torch.randn(10), k=7), ValueError, r"k must be one of"),
+    ("low-level k", lambda: kbit.functional.quantize_kbit(torch.randn(10), bits=7), ValueError, r"bits must be one of"),
 ]
 
 
@@ -277,7 +278,7 @@ def test_bad_quantize_inputs(case):
 
 
 def _qw():
-    return kbit.quantize(torch.randn(64, 96), k=4)
+    return kbit.quantize(torch.randn(64, 96), bits=4)
 
 
 BAD_MATMUL = [
@@ -301,27 +302,27 @@ BAD_MATMUL = [
     ("dequantize dtype", lambda qw: kbit.dequantize(qw, torch.int8), TypeError, r"dtype must have dtype"),
     ("dequantize float64", lambda qw: kbit.dequantize(qw, torch.float64), TypeError, r"dtype must have dtype"),
     ("dequantize not qw", lambda qw: kbit.dequantize(torch.randn(3)), TypeError, r"kbit.QuantizedWeight"),
-    ("dequantize_kbit n", lambda qw: kbit.dequantize_kbit(qw.packed, qw.absmax, qw.codebook, 4, 5000), ValueError,
-     r"5000 elements at k=4 need"),
-    ("dequantize_kbit k", lambda qw: kbit.dequantize_kbit(qw.packed, qw.absmax, qw.codebook, 3, 64 * 96),
-     ValueError, r"codebook for k=3|k=3 need"),
-    ("dequantize_kbit packed dtype", lambda qw: kbit.dequantize_kbit(qw.packed.long(), qw.absmax, qw.codebook, 4,
+    ("dequantize_kbit n", lambda qw: kbit.functional.dequantize_kbit(qw.packed, qw.absmax, qw.codebook, 4, 5000), ValueError,
+     r"5000 elements at bits=4 need"),
+    ("dequantize_kbit k", lambda qw: kbit.functional.dequantize_kbit(qw.packed, qw.absmax, qw.codebook, 3, 64 * 96),
+     ValueError, r"codebook for bits=3|bits=3 need"),
+    ("dequantize_kbit packed dtype", lambda qw: kbit.functional.dequantize_kbit(qw.packed.long(), qw.absmax, qw.codebook, 4,
                                                                      64 * 96), TypeError, r"packed must be int32"),
-    ("dequantize_kbit absmax dtype", lambda qw: kbit.dequantize_kbit(qw.packed, qw.absmax.float(), qw.codebook, 4,
+    ("dequantize_kbit absmax dtype", lambda qw: kbit.functional.dequantize_kbit(qw.packed, qw.absmax.float(), qw.codebook, 4,
                                                                      64 * 96), TypeError, r"absmax must be uint8"),
-    ("dequantize_kbit device", lambda qw: kbit.dequantize_kbit(qw.packed.to("meta"), qw.absmax, qw.codebook, 4,
+    ("dequantize_kbit device", lambda qw: kbit.functional.dequantize_kbit(qw.packed.to("meta"), qw.absmax, qw.codebook, 4,
                                                                64 * 96), ValueError, r"one device"),
-    ("dequantize_kbit codebook", lambda qw: kbit.dequantize_kbit(qw.packed, qw.absmax, qw.codebook.flip(0), 4,
+    ("dequantize_kbit codebook", lambda qw: kbit.functional.dequantize_kbit(qw.packed, qw.absmax, qw.codebook.flip(0), 4,
                                                                  64 * 96), ValueError, r"sorted"),
-    ("kbit_gemm layout shape", lambda qw: kbit.kbit_gemm(torch.randn(2, 96).half(), qw.packed, qw.absmax,
+    ("kbit_gemm layout shape", lambda qw: kbit.functional.kbit_gemm(torch.randn(2, 96).half(), qw.packed, qw.absmax,
                                                          qw.codebook, 4, 64, 96), ValueError, r"GEMM layout"),
-    ("kbit_gemm x dtype", lambda qw: kbit.kbit_gemm(torch.randn(2, 96, dtype=torch.float64), *qw.gemm_layout(),
+    ("kbit_gemm x dtype", lambda qw: kbit.functional.kbit_gemm(torch.randn(2, 96, dtype=torch.float64), *qw.gemm_layout(),
                                                     qw.codebook, 4, 64, 96), TypeError, r"A must have dtype"),
-    ("kbit_gemm K", lambda qw: kbit.kbit_gemm(torch.randn(2, 128).half(), *qw.gemm_layout(), qw.codebook, 4, 64,
-                                              96), ValueError, r"K <= K_dim"),
-    ("repack K_dim", lambda qw: kbit.repack_for_gemm(qw.packed, qw.absmax, 4, 96, 64 + 1), ValueError,
+    ("kbit_gemm K", lambda qw: kbit.functional.kbit_gemm(torch.randn(2, 128).half(), *qw.gemm_layout(), qw.codebook, 4, 64,
+                                              96), ValueError, r"K <= in_features_padded"),
+    ("repack K_dim", lambda qw: kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, 96, 64 + 1), ValueError,
      r"multiple of 32"),
-    ("repack storage size", lambda qw: kbit.repack_for_gemm(qw.packed, qw.absmax, 4, 32, 96), ValueError,
+    ("repack storage size", lambda qw: kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, 32, 96), ValueError,
      r"need"),
 ]
 
@@ -335,7 +336,7 @@ def test_bad_matmul_inputs(case):
 
 def test_bad_input_never_a_wrong_result_for_mismatched_k_dim():
     # A weight quantized at K=96 must not accept x with K=128 even though 96 and 128 pad differently.
-    qw = kbit.quantize(torch.randn(10, 70), k=4)
+    qw = kbit.quantize(torch.randn(10, 70), bits=4)
     with pytest.raises(ValueError):
         kbit.matmul(torch.randn(2, 96), qw)  # 70 pads to 96 internally; the caller's K must still be 70
 
@@ -348,7 +349,7 @@ def test_cli_demo_small(capsys):
                "--repeats", "1", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "| K | bits/weight |" in out and "M=1 fp32 µs" in out and "M=16 speedup" in out
+    assert "| bits | bits/weight |" in out and "M=1 fp32 µs" in out and "M=16 speedup" in out
     rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 5 |")]
     assert len(rows) == 2, out
     assert "worst relative error 0.00e+00" in out, out  # CPU: matmul == x @ dequantize(W).T exactly
@@ -362,7 +363,7 @@ def test_demo_results():
     res = demo.run(bits=(2, 3, 4, 5), layers=1, hidden=64, intermediate=160, device="cpu", repeats=1,
                    out=_io.StringIO())
     for row in res:
-        k = row["k"]
+        k = row["bits"]
         assert k + 0.25 <= row["bits_per_weight"] < k + 0.5, row  # + codebooks of a tiny model
         assert row["sqnr_db"] > SQNR_DB[k], row
         assert row["saved_bytes"] > 0 and row["kbit_us_m1"] > 0 and row["ref_us_m16"] > 0

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -39,7 +37,7 @@ def _llama(bits):
         model = from_config(LlamaForCausalLM, LlamaConfig(**TINY), dtype=torch.float16, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     if bits is not None:
-        kbit.quantize_model(model, k=bits, progress=False)
+        kbit.quantize_model(model, bits=bits, progress=False)
         kbit.prepare(model)
     return model
 

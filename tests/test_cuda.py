@@ -13,7 +13,7 @@ What is checked, against the pure-PyTorch reference in ``kbit.formats`` / ``kbit
   ``rel_fro(out) <= 2 * rel_fro(ref_lp) + 1e-5``. Every K, fp16 and bf16, M in {1, 2, 3, 5, 16,
   17, 31, 33, 64, 100, 256}, odd shapes and the seeds' model shapes, custom codebooks, bias,
   leading batch dims, M = 0, K % 32 != 0.
-* Forced split-K (``num_blocks=g``) is deterministic: 200 repeats give bitwise identical results.
+* Forced split-K (``grid_override=g``) is deterministic: 200 repeats give bitwise identical results.
 * CUDA-graph capture and ``torch.compile(fullgraph=True)`` of the ops and of ``KbitLinear``.
 * ``test_sanitize_*``: small, fast tests for ``compute-sanitizer`` (memcheck, racecheck); select
   them with ``-k sanitize``. They avoid cuBLAS and compare against CPU references.
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import kbit
+import kbit.functional
 from kbit import formats, layout, ops
 from kbit._validate import check_codebook
 
@@ -162,7 +163,7 @@ def blocky_tensor(n: int, dtype, seed: int) -> torch.Tensor:
     with some all-zero blocks, so every E4M4 path (subnormal, normal, rounding carry) is hit.
     """
     g = gen(seed)
-    nb = formats.num_blocks(n)
+    nb = formats.block_count(n)
     x = torch.randn(nb, 32, generator=g)
     x = x / x.abs().amax(dim=1, keepdim=True)
     target = torch.exp2(torch.empty(nb).uniform_(-15.5, 4.9, generator=g))
@@ -174,7 +175,7 @@ def blocky_tensor(n: int, dtype, seed: int) -> torch.Tensor:
 def make_codebook(k: int, kind: str, seed: int) -> torch.Tensor:
     """'nf': the default normal-float codebook; 'custom': a random asymmetric one."""
     if kind == "nf":
-        return kbit.create_normal_float_codebook(k)
+        return kbit.functional.create_normal_float_codebook(k)
     g = gen(seed + 7)
     while True:
         v = torch.sort(torch.rand(2**k, generator=g) * 1.6 - 1.0).values  # in [-1, 0.6)
@@ -186,7 +187,7 @@ def make_codebook(k: int, kind: str, seed: int) -> torch.Tensor:
 def random_storage(n: int, k: int, seed: int):
     """Random storage-format tensors (every bit pattern, every E4M4 code) for n elements, on CPU."""
     g = gen(seed)
-    nb = formats.num_blocks(n)
+    nb = formats.block_count(n)
     packed = torch.randint(-(2**31), 2**31, (nb * k,), generator=g, dtype=torch.int64).to(torch.int32)
     absmax = torch.randint(0, 256, (nb,), generator=g, dtype=torch.int64).to(torch.uint8)
     return packed, absmax
@@ -211,13 +212,13 @@ def test_poison_reaches_next_allocation():
 @pytest.mark.parametrize("k", BITS)
 def test_quantize_bit_exact(k, dtype, n, cb_kind):
     seed = seed_for("quantize", k, dtype, n, cb_kind)
-    msg = tag(seed, op="quantize", k=k, dtype=dtype, n=n, codebook=cb_kind)
+    msg = tag(seed, op="quantize", bits=k, dtype=dtype, n=n, codebook=cb_kind)
     A = blocky_tensor(n, dtype, seed)
     cb = make_codebook(k, cb_kind, seed)
     scale = torch.ones((), dtype=torch.float32)
     want_p, want_a = formats.quantize_reference(A, cb, k, scale)
     A_c, cb_c, s_c = A.cuda(), cb.cuda(), scale.cuda()
-    nb = formats.num_blocks(n)
+    nb = formats.block_count(n)
     for byte in (0xFF, 0x00):
         ptrs = poison((nb * k, torch.int32), (nb, torch.uint8), byte=byte)
         got_p, got_a = ops.quantize(A_c, cb_c, k, s_c)
@@ -232,7 +233,7 @@ def test_quantize_midpoint_ties(k, cb_kind):
     """Values exactly on codebook entries and midpoints (power-of-two block absmax makes the
     scaled value exact): ties must go to the lower entry, as in the reference."""
     seed = seed_for("ties", k, cb_kind)
-    msg = tag(seed, op="quantize-ties", k=k, codebook=cb_kind)
+    msg = tag(seed, op="quantize-ties", bits=k, codebook=cb_kind)
     g = gen(seed)
     cb = make_codebook(k, cb_kind, seed)
     mids = (cb[1:] + cb[:-1]) * 0.5
@@ -261,7 +262,7 @@ def test_quantize_midpoint_ties(k, cb_kind):
 def test_quantize_tensor_scale_matches_cpu(k, dtype, factor):
     """kbit.quantize picks a per-tensor power-of-two scale; CUDA and CPU agree bit for bit."""
     seed = seed_for("scale", k, dtype, factor)
-    msg = tag(seed, op="kbit.quantize", k=k, dtype=dtype, factor=factor)
+    msg = tag(seed, op="kbit.quantize", bits=k, dtype=dtype, factor=factor)
     W = (torch.randn(96, 200, generator=gen(seed)) * factor).to(dtype)  # K = 200: padded to 224
     q_cpu = kbit.quantize(W, k)
     q_gpu = kbit.quantize(W.cuda(), k)
@@ -278,14 +279,14 @@ def test_quantize_tensor_scale_matches_cpu(k, dtype, factor):
 @pytest.mark.parametrize("k", BITS)
 def test_quantize_op_with_scale(k, log2_scale, dtype):
     seed = seed_for("opscale", k, log2_scale, dtype)
-    msg = tag(seed, op="quantize", k=k, dtype=dtype, scale=f"2**{log2_scale}")
+    msg = tag(seed, op="quantize", bits=k, dtype=dtype, scale=f"2**{log2_scale}")
     n = 8192 + 45
     A = (blocky_tensor(n, torch.float32, seed) * 2.0**log2_scale).to(dtype)
     cb = make_codebook(k, "nf", seed)
     scale = torch.tensor(2.0**log2_scale)
     want_p, want_a = formats.quantize_reference(A, cb, k, scale)
     A_c, cb_c, s_c = A.cuda(), cb.cuda(), scale.cuda()
-    nb = formats.num_blocks(n)
+    nb = formats.block_count(n)
     poison((nb * k, torch.int32), (nb, torch.uint8))
     got_p, got_a = ops.quantize(A_c, cb_c, k, s_c)
     assert_bits_equal(got_a, want_a, f"absmax {msg}")
@@ -303,7 +304,7 @@ def test_dequantize_bit_exact(k, dtype, n, cb_kind):
     cb = make_codebook(k, cb_kind, seed)
     p_c, a_c, cb_c = packed.cuda(), absmax.cuda(), cb.cuda()
     for log2_scale in (0, -7, 3 if dtype == torch.float16 else 20):
-        msg = tag(seed, op="dequantize", k=k, dtype=dtype, n=n, codebook=cb_kind, scale=f"2**{log2_scale}")
+        msg = tag(seed, op="dequantize", bits=k, dtype=dtype, n=n, codebook=cb_kind, scale=f"2**{log2_scale}")
         scale = torch.tensor(2.0**log2_scale)
         want = formats.dequantize_reference(packed, absmax, cb, k, n, dtype, scale)
         s_c = scale.cuda()
@@ -317,7 +318,7 @@ def test_dequantize_bit_exact(k, dtype, n, cb_kind):
 def test_empty_inputs():
     """Zero-element inputs must not launch an empty grid (invalid configuration)."""
     for k in BITS:
-        cb = kbit.create_normal_float_codebook(k, device="cuda")
+        cb = kbit.functional.create_normal_float_codebook(k, device="cuda")
         one = torch.ones((), device="cuda")
         p, a = ops.quantize(torch.empty(0, dtype=torch.float16, device="cuda"), cb, k, one)
         assert p.shape == (0,) and a.shape == (0,) and p.is_cuda
@@ -336,7 +337,7 @@ REPACK_SHAPES = ((128, 32), (128, 96), (256, 256), (1000, 96), (1000, 4096), (12
 @pytest.mark.parametrize("k", BITS)
 def test_repack_bit_exact(k, N, K_dim):
     seed = seed_for("repack", k, N, K_dim)
-    msg = tag(seed, op="repack", k=k, N=N, K_dim=K_dim)
+    msg = tag(seed, op="repack", bits=k, N=N, K_dim=K_dim)
     packed, absmax = random_storage(N * K_dim, k, seed)
     p_c, a_c = packed.cuda(), absmax.cuda()
     if N * K_dim <= (1 << 20):
@@ -416,10 +417,10 @@ class GemmChecker:
                 f"nan={st['nan']} inf={st['inf']}")
 
 
-def run_matmul(x, qw, bias=None, num_blocks=0, do_poison=True):
+def run_matmul(x, qw, bias=None, grid_override=0, do_poison=True):
     N, K = qw.shape
     if not do_poison:
-        return kbit.matmul(x, qw, bias, num_blocks=num_blocks)
+        return kbit.matmul(x, qw, bias, grid_override=grid_override)
     M = x.numel() // K
     specs = []  # kbit.matmul's own allocations before the op's output: a padded or contiguous x
     if K % 8:
@@ -427,12 +428,12 @@ def run_matmul(x, qw, bias=None, num_blocks=0, do_poison=True):
     elif not x.is_contiguous():
         specs.append((M * K, x.dtype))
     ptrs = poison(*specs, (M * N, x.dtype))
-    out = kbit.matmul(x, qw, bias, num_blocks=num_blocks)
+    out = kbit.matmul(x, qw, bias, grid_override=grid_override)
     poisoned(ptrs, out)
     return out
 
 
-def _gemm_sweep(qw: kbit.QuantizedWeight, seed: int, ms, dtypes=GEMM_DTYPES, num_blocks=0, **params) -> None:
+def _gemm_sweep(qw: kbit.QuantizedWeight, seed: int, ms, dtypes=GEMM_DTYPES, grid_override=0, **params) -> None:
     """kbit.matmul for every M and dtype (bias on every other M); collect failures, report all."""
     N, K = qw.shape
     chk = GemmChecker(qw)
@@ -443,14 +444,14 @@ def _gemm_sweep(qw: kbit.QuantizedWeight, seed: int, ms, dtypes=GEMM_DTYPES, num
             use_bias = i % 2 == 1
             x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.float32).to(dtype)
             bias = torch.randn(N, generator=g, device="cuda", dtype=torch.float32).to(dtype) if use_bias else None
-            out = run_matmul(x, qw, bias, num_blocks=num_blocks)
+            out = run_matmul(x, qw, bias, grid_override=grid_override)
             if out.shape != (M, N) or out.dtype != dtype or not out.is_cuda:
                 failures.append(f"dtype={_name(dtype)} M={M}: output {tuple(out.shape)} {out.dtype} {out.device}")
                 continue
             st = chk.stats(x, bias, out)
             if not st["ok"]:
                 failures.append(f"dtype={_name(dtype)} M={M} bias={use_bias}: {chk.describe(st)}")
-    assert not failures, tag(seed, op="matmul", N=N, K=K, k=qw.k, **params) + "\n  " + "\n  ".join(failures)
+    assert not failures, tag(seed, op="matmul", N=N, K=K, bits=qw.bits, **params) + "\n  " + "\n  ".join(failures)
 
 
 @pytest.mark.parametrize("N,K", SMALL_SHAPES + MODEL_SHAPES, ids=lambda v: str(v))
@@ -473,7 +474,7 @@ def test_gemm_big_shape(k):
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (sm_90a)
 # gemm_ws.cuh, forced with KBIT_GEMM_PATH=ws at every M (32, 64 or 128 tokens per tile, several passes past 128),
-# through the fused op (num_blocks = 1000: the natural grid of one CTA per SM, never dequantize + cuBLAS).
+# through the fused op (grid_override = 1000: the natural grid of one CTA per SM, never dequantize + cuBLAS).
 WS_MS = (1, 5, 17, 32, 33, 64, 65, 100, 128, 129, 256, 300)
 WS_SHAPES = ((4096, 4096), (1000, 4128), (256, 40), (130, 4104), (1536, 2048), (72, 100), (14336, 4096))
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -487,7 +488,7 @@ def test_gemm_warp_specialized(k, N, K, monkeypatch):
     monkeypatch.setenv("KBIT_GEMM_PATH", "ws")
     seed = seed_for("gemm-ws", k, N, K)
     qw = quantized_weight(N, K, k, seed)
-    _gemm_sweep(qw, seed, WS_MS, num_blocks=1000, path="ws")
+    _gemm_sweep(qw, seed, WS_MS, grid_override=1000, path="ws")
 
 
 @needs_hopper
@@ -505,19 +506,19 @@ def test_split_k_deterministic_warp_specialized(k, dtype, monkeypatch):
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if M == 100 else None
             for grid in SPLITK_GRIDS:
-                first = run_matmul(x, qw, bias, num_blocks=grid)
+                first = run_matmul(x, qw, bias, grid_override=grid)
                 st = chk.stats(x, bias, first)
-                where = f"N={N} K={K} M={M} num_blocks={grid}"
+                where = f"N={N} K={K} M={M} grid_override={grid}"
                 if not st["ok"]:
                     failures.append(f"{where}: {chk.describe(st)}")
                     continue
                 ref_bits = _bits(first)
                 mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
                 for _ in range(max(1, SPLITK_REPS // 10)):
-                    mismatches += (_bits(run_matmul(x, qw, bias, num_blocks=grid)) != ref_bits).any().to(torch.int64)
+                    mismatches += (_bits(run_matmul(x, qw, bias, grid_override=grid)) != ref_bits).any().to(torch.int64)
                 if int(mismatches):
                     failures.append(f"{where}: {int(mismatches)} repeats differ bitwise from the first run")
-    assert not failures, tag(seed, op="split-k-ws", k=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
+    assert not failures, tag(seed, op="split-k-ws", bits=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
 
 
 @pytest.mark.parametrize("N,K", ((384, 96), (1000, 4128), (4096, 4096), (1536, 2048)), ids=lambda v: str(v))
@@ -570,7 +571,7 @@ def test_matmul_shapes(k, dtype):
         if not st["ok"]:
             failures.append(f"N={N} K={K} non-contiguous x: {chk.describe(st)}")
     torch.cuda.synchronize()
-    assert not failures, tag(seed, op="matmul-shapes", k=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
+    assert not failures, tag(seed, op="matmul-shapes", bits=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
 
 
 # ----------------------------------------------------------------------------- forced split-K
@@ -593,9 +594,9 @@ def test_split_k_deterministic(k, dtype):
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if M == 16 else None
             outs = {}
             for grid in (0,) + SPLITK_GRIDS:
-                first = run_matmul(x, qw, bias, num_blocks=grid)
+                first = run_matmul(x, qw, bias, grid_override=grid)
                 st = chk.stats(x, bias, first)
-                where = f"N={N} K={K} M={M} num_blocks={grid}"
+                where = f"N={N} K={K} M={M} grid_override={grid}"
                 if not st["ok"]:
                     failures.append(f"{where}: {chk.describe(st)}")
                     continue
@@ -604,7 +605,7 @@ def test_split_k_deterministic(k, dtype):
                 reps = SPLITK_REPS if grid else 20
                 mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
                 for _ in range(reps):
-                    out = run_matmul(x, qw, bias, num_blocks=grid)
+                    out = run_matmul(x, qw, bias, grid_override=grid)
                     mismatches += (_bits(out) != ref_bits).any().to(torch.int64)
                     del out
                 n_bad = int(mismatches)
@@ -616,8 +617,8 @@ def test_split_k_deterministic(k, dtype):
                 for grid, out in outs.items():
                     d = float((out.float() - outs[0].float()).abs().max())
                     if d > lim:
-                        failures.append(f"N={N} K={K} M={M}: num_blocks={grid} vs auto differ by {d:.4g} > {lim:.4g}")
-    assert not failures, tag(seed, op="split-k", k=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
+                        failures.append(f"N={N} K={K} M={M}: grid_override={grid} vs auto differ by {d:.4g} > {lim:.4g}")
+    assert not failures, tag(seed, op="split-k", bits=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
 
 
 def test_split_k_concurrent_streams():
@@ -627,7 +628,7 @@ def test_split_k_concurrent_streams():
     N, K, grid = 4096, 14336, 32  # 16 x 56 steps over 32 CTAs per GEMM: both GEMMs fit on the GPU at once
     weights = [quantized_weight(N, K, 4, seed + i) for i in range(2)]
     xs = [torch.randn(1, K, generator=g, device="cuda").half() for _ in range(2)]
-    refs = [run_matmul(x, qw, num_blocks=grid) for x, qw in zip(xs, weights)]
+    refs = [run_matmul(x, qw, grid_override=grid) for x, qw in zip(xs, weights)]
     for x, qw, ref in zip(xs, weights, refs):
         st = GemmChecker(qw).stats(x, None, ref)
         assert st["ok"], tag(seed, op="splitk-streams") + ": " + GemmChecker.describe(st)
@@ -638,7 +639,7 @@ def test_split_k_concurrent_streams():
     for _ in range(20):
         for i, st in enumerate(streams):
             with torch.cuda.stream(st):
-                outs[i].append(kbit.matmul(xs[i], weights[i], num_blocks=grid))
+                outs[i].append(kbit.matmul(xs[i], weights[i], grid_override=grid))
     for st in streams:
         torch.cuda.current_stream().wait_stream(st)
     for i in range(2):
@@ -662,24 +663,24 @@ def _capture(fn, warmup: int = 3, on_warmup_stream: bool = False):
     return graph, out
 
 
-@pytest.mark.parametrize("num_blocks,on_warmup_stream", [(0, False), (7, False), (7, True)])
+@pytest.mark.parametrize("grid_override,on_warmup_stream", [(0, False), (7, False), (7, True)])
 @pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=_name)
 @pytest.mark.parametrize("k", BITS)
-def test_cuda_graph_matmul(k, dtype, num_blocks, on_warmup_stream):
-    seed = seed_for("graph-matmul", k, dtype, num_blocks, on_warmup_stream)
+def test_cuda_graph_matmul(k, dtype, grid_override, on_warmup_stream):
+    seed = seed_for("graph-matmul", k, dtype, grid_override, on_warmup_stream)
     g = gen(seed + 1, "cuda")
     N, K = 1536, 2048
     qw = quantized_weight(N, K, k, seed)
     bias = torch.randn(N, generator=g, device="cuda").to(dtype)
     for M in (1, 16):
-        msg = tag(seed, op="graph-matmul", k=k, dtype=dtype, M=M, num_blocks=num_blocks)
+        msg = tag(seed, op="graph-matmul", bits=k, dtype=dtype, M=M, grid_override=grid_override)
         static_x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
-        graph, static_y = _capture(lambda: kbit.matmul(static_x, qw, bias, num_blocks=num_blocks),
+        graph, static_y = _capture(lambda: kbit.matmul(static_x, qw, bias, grid_override=grid_override),
                                    on_warmup_stream=on_warmup_stream)
         for trial in range(3):
             static_x.copy_(torch.randn(M, K, generator=g, device="cuda").to(dtype))
             graph.replay()
-            eager = kbit.matmul(static_x, qw, bias, num_blocks=num_blocks)
+            eager = kbit.matmul(static_x, qw, bias, grid_override=grid_override)
             assert_bits_equal(static_y, eager, f"graph replay {trial} vs eager {msg}")
         st = GemmChecker(qw).stats(static_x, bias, static_y)
         assert st["ok"], f"{msg}: {GemmChecker.describe(st)}"
@@ -690,8 +691,8 @@ def test_cuda_graph_matmul(k, dtype, num_blocks, on_warmup_stream):
 def test_cuda_graph_quantize_dequantize(k):
     seed = seed_for("graph-qdq", k)
     n = 8192 * 3 + 17
-    nb = formats.num_blocks(n)
-    cb = kbit.create_normal_float_codebook(k, device="cuda")
+    nb = formats.block_count(n)
+    cb = kbit.functional.create_normal_float_codebook(k, device="cuda")
     one = torch.ones((), device="cuda")
     static_A = torch.empty(n, dtype=torch.float16, device="cuda")
     static_p = torch.empty(nb * k, dtype=torch.int32, device="cuda")
@@ -701,7 +702,7 @@ def test_cuda_graph_quantize_dequantize(k):
     gd, deq = _capture(lambda: ops.dequantize(static_p, static_a, cb, k, n, torch.bfloat16, one))
     for trial in range(3):
         s = seed + 100 + trial
-        msg = tag(s, op="graph-quantize/dequantize", k=k, n=n, trial=trial)
+        msg = tag(s, op="graph-quantize/dequantize", bits=k, n=n, trial=trial)
         A = blocky_tensor(n, torch.float16, s)
         static_A.copy_(A)
         gq.replay()
@@ -745,8 +746,8 @@ def test_torch_compile_kbit_linear():
         torch.nn.Linear(256, 512, bias=True), torch.nn.SiLU(), torch.nn.Linear(512, 136, bias=False)
     ).to(device="cuda", dtype=torch.float16)
     with torch.no_grad():
-        model = torch.nn.Sequential(KbitLinear.from_linear(dense[0], k=4), torch.nn.SiLU(),
-                                    KbitLinear.from_linear(dense[2], k=3)).cuda()
+        model = torch.nn.Sequential(KbitLinear.from_linear(dense[0], bits=4), torch.nn.SiLU(),
+                                    KbitLinear.from_linear(dense[2], bits=3)).cuda()
         x = torch.randn(3, 5, 256, device="cuda", dtype=torch.float16)
         eager = model(x)
         compiled = torch.compile(model, fullgraph=True)(x)
@@ -779,17 +780,17 @@ def test_sanitize_quantize_dequantize(k):
     seed = seed_for("sanitize-qdq", k)
     for n in (33, 8192 + 17):
         A = blocky_tensor(n, torch.float16, seed)
-        cb = kbit.create_normal_float_codebook(k)
+        cb = kbit.functional.create_normal_float_codebook(k)
         one = torch.ones(())
         want_p, want_a = formats.quantize_reference(A, cb, k, one)
         got_p, got_a = ops.quantize(A.cuda(), cb.cuda(), k, one.cuda())
-        msg = tag(seed, op="sanitize-quantize", k=k, n=n)
+        msg = tag(seed, op="sanitize-quantize", bits=k, n=n)
         assert_bits_equal(got_p, want_p, msg)
         assert_bits_equal(got_a, want_a, msg)
         for dtype in (torch.float16, torch.float32):
             got = ops.dequantize(got_p, got_a, cb.cuda(), k, n, dtype, one.cuda())
             want = formats.dequantize_reference(want_p, want_a, cb, k, n, dtype, one)
-            assert_bits_equal(got, want, tag(seed, op="sanitize-dequantize", k=k, n=n, dtype=dtype))
+            assert_bits_equal(got, want, tag(seed, op="sanitize-dequantize", bits=k, n=n, dtype=dtype))
 
 
 @pytest.mark.parametrize("k", BITS)
@@ -799,7 +800,7 @@ def test_sanitize_repack(k):
         packed, absmax = random_storage(N * K_dim, k, seed)
         want_b, want_a = layout.repack_reference(packed, absmax, k, N, K_dim)
         got_b, got_a = ops.repack(packed.cuda(), absmax.cuda(), k, N, K_dim)
-        msg = tag(seed, op="sanitize-repack", k=k, N=N, K_dim=K_dim)
+        msg = tag(seed, op="sanitize-repack", bits=k, N=N, K_dim=K_dim)
         assert_bits_equal(got_b, want_b, msg)
         assert_bits_equal(got_a, want_a, msg)
 
@@ -815,9 +816,9 @@ def test_sanitize_gemm(k):
             for M, grid in ((1, 0), (17, 0), (1, 7), (33, 1000), (0, 0)):
                 x = torch.randn(M, K, generator=g).to(dtype).cuda()
                 bias = torch.randn(N, generator=g).to(dtype).cuda() if M == 17 else None
-                out = kbit.matmul(x, qw, bias, num_blocks=grid)
-                _cpu_gemm_check(out, x, qw, bias, tag(seed, op="sanitize-gemm", k=k, N=N, K=K, M=M, dtype=dtype,
-                                                        num_blocks=grid))
+                out = kbit.matmul(x, qw, bias, grid_override=grid)
+                _cpu_gemm_check(out, x, qw, bias, tag(seed, op="sanitize-gemm", bits=k, N=N, K=K, M=M, dtype=dtype,
+                                                        grid_override=grid))
     torch.cuda.synchronize()
 
 
@@ -840,7 +841,7 @@ def _malformed_cases():
         ("dequantize n too large", lambda: ext.dequantize(qw.packed, qw.absmax, cb, k, n + 4096, torch.float16, s)),
         ("dequantize short codebook", lambda: ext.dequantize(qw.packed, qw.absmax, cb[:8], k, n, torch.float16, s)),
         ("dequantize scale int", lambda: ext.dequantize(qw.packed, qw.absmax, cb, k, n, torch.float16, s.int())),
-        ("dequantize k=6", lambda: ext.dequantize(qw.packed, qw.absmax, cb, 6, n, torch.float16, s)),
+        ("dequantize bits=6", lambda: ext.dequantize(qw.packed, qw.absmax, cb, 6, n, torch.float16, s)),
         ("dequantize int8 out", lambda: ext.dequantize(qw.packed, qw.absmax, cb, k, n, torch.int8, s)),
         ("dequantize codebook on cpu", lambda: ext.dequantize(qw.packed, qw.absmax, cb.cpu(), k, n, torch.float16, s)),
         ("dequantize strided packed", lambda: ext.dequantize(torch.stack([qw.packed, qw.packed], 1)[:, 0], qw.absmax,
@@ -879,7 +880,7 @@ def test_sanitize_malformed_tensors_are_refused_by_the_binding():
 
 def test_sanitize_malformed_checkpoint_on_cuda():
     """The report's exploit end to end on the GPU: packed stored as another dtype, loaded into a CUDA layer."""
-    layer = kbit.KbitLinear.from_linear(torch.nn.Linear(256, 128).half().cuda(), k=4)
+    layer = kbit.KbitLinear.from_linear(torch.nn.Linear(256, 128).half().cuda(), bits=4)
     state = layer.state_dict()
     for dtype in (torch.uint8, torch.int16, torch.float32):
         bad = dict(state, packed=state["packed"].to(dtype))

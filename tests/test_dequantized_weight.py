@@ -17,7 +17,7 @@ from kbit.weight import QuantizedWeight
 @pytest.fixture
 def layer():
     lin = nn.Linear(72, 48).to(torch.bfloat16)
-    return kbit.KbitLinear.from_linear(lin, k=3)
+    return kbit.KbitLinear.from_linear(lin, bits=3)
 
 
 def test_metadata_is_the_original_weights(layer):
@@ -68,7 +68,7 @@ def test_follows_the_layer(layer):
     assert layer.weight.qweight is layer.qweight
     layer.packed = layer.packed.clone()  # a new buffer: a new view
     assert layer.weight.qweight is layer.qweight and layer.weight.packed is layer.packed
-    meta = kbit.KbitLinear(72, 48, k=2, dtype=torch.float16, device="meta")
+    meta = kbit.KbitLinear(72, 48, bits=2, dtype=torch.float16, device="meta")
     assert meta.weight.device.type == "meta" and meta.weight.dtype == torch.float16
     clone = copy.deepcopy(layer.weight)
     assert type(clone) is kbit.DequantizedWeight and torch.equal(clone.dequantize(), layer.dequantize())

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 pytest.importorskip("safetensors")
 transformers = pytest.importorskip("transformers")
@@ -35,7 +34,7 @@ def build(seed, k):
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)
     model = LlamaForCausalLM(config).eval()
-    return kbit.quantize_model(model, k=k, min_features=0, progress=False)
+    return kbit.quantize_model(model, bits=k, min_features=0, progress=False)
 """
 
 

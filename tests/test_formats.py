@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kbit
+import kbit.functional
 from kbit import formats
 
 KS = (2, 3, 4, 5)
@@ -21,9 +22,9 @@ def _name(d):
 
 
 def block_view(x: torch.Tensor) -> torch.Tensor:
-    """Flatten and zero-pad to [num_blocks, 32] in float32."""
+    """Flatten and zero-pad to [grid_override, 32] in float32."""
     x = x.reshape(-1).to(torch.float32)
-    nb = formats.num_blocks(x.numel())
+    nb = formats.block_count(x.numel())
     return torch.nn.functional.pad(x, (0, nb * 32 - x.numel())).reshape(nb, 32)
 
 
@@ -57,7 +58,7 @@ def sqnr_db(A, A_hat) -> float:
 def nearest_entry_violations(A, packed, absmax, codebook, k, scale=1.0):
     """Count elements whose code is not (one of) the nearest codebook entries to x / block absmax."""
     a = block_view(A) / scale
-    dec = kbit.decode_absmax_e4m4(absmax)
+    dec = kbit.functional.decode_absmax_e4m4(absmax)
     v = torch.where(dec[:, None] > 0, a / torch.where(dec > 0, dec, torch.ones_like(dec))[:, None], torch.zeros_like(a))
     codes = formats.unpack_bitplanes(packed, k)
     cb = codebook.to(torch.float32)
@@ -69,7 +70,7 @@ def nearest_entry_violations(A, packed, absmax, codebook, k, scale=1.0):
 # ----------------------------------------------------------------------------- codebook
 @pytest.mark.parametrize("k", KS)
 def test_codebook_properties(k):
-    cb = kbit.create_normal_float_codebook(k)
+    cb = kbit.functional.create_normal_float_codebook(k)
     assert cb.dtype == torch.float32 and cb.shape == (2**k,)
     assert bool((cb[1:] > cb[:-1]).all()), "codebook must be strictly ascending"
     assert float(cb.abs().max()) == 1.0
@@ -90,7 +91,7 @@ def test_codebook_matches_numerical_integration(k):
     first = torch.zeros(n, dtype=torch.float64).index_add_(0, bins, pdf * x)
     means = first / mass
     expected = (means / means.abs().max()).to(torch.float32)
-    torch.testing.assert_close(kbit.create_normal_float_codebook(k), expected, rtol=0, atol=2e-4)
+    torch.testing.assert_close(kbit.functional.create_normal_float_codebook(k), expected, rtol=0, atol=2e-4)
 
 
 def test_codebook_known_values_k2():
@@ -99,21 +100,21 @@ def test_codebook_known_values_k2():
     phi = lambda t: math.exp(-0.5 * t * t) / math.sqrt(2 * math.pi)  # noqa: E731
     inner = (phi(0) - phi(z)) / phi(z)
     expected = torch.tensor([-1.0, -inner, inner, 1.0])
-    torch.testing.assert_close(kbit.create_normal_float_codebook(2), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(kbit.functional.create_normal_float_codebook(2), expected, rtol=0, atol=1e-6)
 
 
 def test_codebook_cached_and_safe_to_mutate():
     formats._normal_float_codebook_cpu.cache_clear()
-    a = kbit.create_normal_float_codebook(4)
+    a = kbit.functional.create_normal_float_codebook(4)
     a.fill_(7.0)  # a caller mutating its copy must not corrupt the cache
-    b = kbit.create_normal_float_codebook(4)
+    b = kbit.functional.create_normal_float_codebook(4)
     assert float(b.abs().max()) == 1.0
     info = formats._normal_float_codebook_cpu.cache_info()
     assert info.misses == 1 and info.hits >= 1
-    assert kbit.create_normal_float_codebook(4, device="meta").device.type == "meta"
-    c = kbit.create_normal_float_codebook(4, device="cpu")  # same device: still a copy
+    assert kbit.functional.create_normal_float_codebook(4, device="meta").device.type == "meta"
+    c = kbit.functional.create_normal_float_codebook(4, device="cpu")  # same device: still a copy
     c.fill_(7.0)
-    assert float(kbit.create_normal_float_codebook(4).abs().max()) == 1.0
+    assert float(kbit.functional.create_normal_float_codebook(4).abs().max()) == 1.0
 
 
 def test_codebook_cache_outlives_a_meta_device_context():
@@ -121,17 +122,17 @@ def test_codebook_cache_outlives_a_meta_device_context():
     codebook that every later quantization would then get."""
     formats._normal_float_codebook_cpu.cache_clear()
     with torch.device("meta"):
-        inside = kbit.create_normal_float_codebook(3)
+        inside = kbit.functional.create_normal_float_codebook(3)
     assert inside.device.type == "cpu"
-    torch.testing.assert_close(kbit.create_normal_float_codebook(3), inside, rtol=0, atol=0)
+    torch.testing.assert_close(kbit.functional.create_normal_float_codebook(3), inside, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("k", [0, 1, 6, 8, -4])
 def test_codebook_bad_k(k):
-    with pytest.raises(ValueError, match="k must be one of"):
-        kbit.create_normal_float_codebook(k)
-    with pytest.raises(TypeError, match="k must be an int"):
-        kbit.create_normal_float_codebook(4.0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kbit.functional.create_normal_float_codebook(k)
+    with pytest.raises(TypeError, match="bits must be an int"):
+        kbit.functional.create_normal_float_codebook(4.0)
 
 
 # ----------------------------------------------------------------------------- E4M4
@@ -140,7 +141,7 @@ def all_codes():
 
 
 def test_e4m4_decode_known_values():
-    dec = kbit.decode_absmax_e4m4(all_codes())
+    dec = kbit.functional.decode_absmax_e4m4(all_codes())
     assert dec.dtype == torch.float32
     assert float(dec[0]) == 0.0
     assert float(dec[1]) == 2.0**-14  # smallest subnormal
@@ -158,34 +159,34 @@ def test_e4m4_decode_known_values():
 
 def test_e4m4_round_trip_all_codes():
     codes = all_codes()
-    assert torch.equal(kbit.encode_absmax_e4m4(kbit.decode_absmax_e4m4(codes)), codes)
+    assert torch.equal(kbit.functional.encode_absmax_e4m4(kbit.functional.decode_absmax_e4m4(codes)), codes)
 
 
 def test_e4m4_monotone_and_unique():
-    dec = kbit.decode_absmax_e4m4(all_codes())
+    dec = kbit.functional.decode_absmax_e4m4(all_codes())
     assert bool((dec[1:] > dec[:-1]).all()), "decoded values must be strictly increasing in the code"
     assert torch.unique(dec).numel() == 256
     x = torch.sort(torch.exp2(torch.empty(200_000).uniform_(-18, 5.2)))[0]
-    enc = kbit.encode_absmax_e4m4(x).to(torch.int32)
+    enc = kbit.functional.encode_absmax_e4m4(x).to(torch.int32)
     assert bool((enc[1:] >= enc[:-1]).all()), "encoding must be monotone"
 
 
 def test_e4m4_subnormals():
     m = torch.arange(16, dtype=torch.float32)
-    assert torch.equal(kbit.decode_absmax_e4m4(torch.arange(16, dtype=torch.uint8)), m * 2.0**-14)
+    assert torch.equal(kbit.functional.decode_absmax_e4m4(torch.arange(16, dtype=torch.uint8)), m * 2.0**-14)
     # Random values in the subnormal range round to the nearest multiple of 2**-14.
     x = torch.rand(10_000) * 2.0**-10
-    code = kbit.encode_absmax_e4m4(x)
-    err = (kbit.decode_absmax_e4m4(code) - x).abs()
+    code = kbit.functional.encode_absmax_e4m4(x)
+    err = (kbit.functional.decode_absmax_e4m4(code) - x).abs()
     assert float(err.max()) <= 2.0**-15 * (1 + 1e-6)
     # Below half the smallest subnormal, a value rounds to zero.
-    assert int(kbit.encode_absmax_e4m4(torch.tensor([2.0**-16]))[0]) == 0
+    assert int(kbit.functional.encode_absmax_e4m4(torch.tensor([2.0**-16]))[0]) == 0
 
 
 def test_e4m4_rounds_to_nearest():
-    table = kbit.decode_absmax_e4m4(all_codes()).to(torch.float64)
+    table = kbit.functional.decode_absmax_e4m4(all_codes()).to(torch.float64)
     x = torch.cat([torch.exp2(torch.empty(50_000).uniform_(-16, 4.95)), torch.rand(20_000) * 31, torch.tensor([31.0])])
-    dec = kbit.decode_absmax_e4m4(kbit.encode_absmax_e4m4(x)).to(torch.float64)
+    dec = kbit.functional.decode_absmax_e4m4(kbit.functional.encode_absmax_e4m4(x)).to(torch.float64)
     best = (x.to(torch.float64)[:, None] - table).abs().amin(dim=1)
     err = (dec - x.to(torch.float64)).abs()
     bad = err > best
@@ -197,23 +198,23 @@ def test_e4m4_rounds_to_nearest():
 
 
 def test_e4m4_ties_to_even():
-    table = kbit.decode_absmax_e4m4(all_codes())
+    table = kbit.functional.decode_absmax_e4m4(all_codes())
     for c in range(0x10, 0xFF):
         if (c & 0xF) == 0xF:
             continue  # the next code has the next exponent: the midpoint is not a tie in mantissa bits
         mid = (table[c] + table[c + 1]) / 2
-        got = int(kbit.encode_absmax_e4m4(mid.reshape(1))[0])
+        got = int(kbit.functional.encode_absmax_e4m4(mid.reshape(1))[0])
         want = c if (c & 1) == 0 else c + 1
         assert got == want, f"midpoint between codes {c:#04x} and {c + 1:#04x} encoded as {got:#04x}"
 
 
 def test_e4m4_saturates_and_rejects_bad_values():
-    assert int(kbit.encode_absmax_e4m4(torch.tensor([1e6]))[0]) == 0xFF
+    assert int(kbit.functional.encode_absmax_e4m4(torch.tensor([1e6]))[0]) == 0xFF
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="finite, non-negative"):
-            kbit.encode_absmax_e4m4(torch.tensor([1.0, bad]))
+            kbit.functional.encode_absmax_e4m4(torch.tensor([1.0, bad]))
     with pytest.raises(TypeError, match="uint8"):
-        kbit.decode_absmax_e4m4(torch.tensor([1, 2], dtype=torch.int32))
+        kbit.functional.decode_absmax_e4m4(torch.tensor([1, 2], dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------- bit planes
@@ -246,12 +247,12 @@ def test_pack_layout_bit_by_bit(k):
 def test_quantize_kbit_exact_codes_and_layout(k):
     # Inputs that are exactly codebook entries (with the block absmax 1.0 present) must get exactly
     # those codes, packed in the seeds' bit-plane layout.
-    cb = kbit.create_normal_float_codebook(k)
+    cb = kbit.functional.create_normal_float_codebook(k)
     nb = 7
     codes = torch.randint(0, 2**k, (nb, 32))
     codes[:, 0] = 2**k - 1  # absmax 1.0 in every block
     A = cb[codes].reshape(-1)
-    packed, absmax, cb_out = kbit.quantize_kbit(A, k)
+    packed, absmax, cb_out = kbit.functional.quantize_kbit(A, k)
     assert torch.equal(cb_out, cb)
     assert torch.equal(absmax, torch.full((nb,), 11 << 4, dtype=torch.uint8))  # E4M4 of 1.0
     words = packed.tolist()
@@ -259,7 +260,7 @@ def test_quantize_kbit_exact_codes_and_layout(k):
         for b in range(k):
             want = sum(((int(codes[i, j]) >> b) & 1) << j for j in range(32))
             assert words[i * k + b] & 0xFFFFFFFF == want
-    assert torch.equal(kbit.dequantize_kbit(packed, absmax, cb, k, A.numel(), torch.float32), A)
+    assert torch.equal(kbit.functional.dequantize_kbit(packed, absmax, cb, k, A.numel(), torch.float32), A)
 
 
 # ----------------------------------------------------------------------------- quantize / dequantize
@@ -268,22 +269,22 @@ def test_quantize_kbit_exact_codes_and_layout(k):
 def test_error_bound_and_sqnr_1m(k, dtype):
     n = (1 << 20) + int(torch.randint(1, 32, ()))  # 1M+ elements, last block padded
     A = torch.randn(n).to(dtype)
-    packed, absmax, cb = kbit.quantize_kbit(A, k)
-    nb = formats.num_blocks(n)
+    packed, absmax, cb = kbit.functional.quantize_kbit(A, k)
+    nb = formats.block_count(n)
     assert packed.shape == (nb * k,) and packed.dtype == torch.int32
     assert absmax.shape == (nb,) and absmax.dtype == torch.uint8
-    A_hat = kbit.dequantize_kbit(packed, absmax, cb, k, n, torch.float32)
+    A_hat = kbit.functional.dequantize_kbit(packed, absmax, cb, k, n, torch.float32)
     assert A_hat.shape == (n,) and A_hat.dtype == torch.float32
-    assert_block_bound(A, A_hat, cb, what=f"k={k} dtype={_name(dtype)} n={n}")
+    assert_block_bound(A, A_hat, cb, what=f"bits={k} dtype={_name(dtype)} n={n}")
     s = sqnr_db(A.float(), A_hat)
-    assert s > SQNR_DB[k], f"k={k} dtype={_name(dtype)}: SQNR {s:.2f} dB <= {SQNR_DB[k]} dB"
+    assert s > SQNR_DB[k], f"bits={k} dtype={_name(dtype)}: SQNR {s:.2f} dB <= {SQNR_DB[k]} dB"
     assert nearest_entry_violations(A, packed, absmax, cb, k) == 0
 
 
 @pytest.mark.parametrize("k", KS)
 def test_sqnr_increases_with_k(k):
     A = torch.randn(1 << 16)
-    s = {kk: sqnr_db(A, kbit.dequantize_kbit(*kbit.quantize_kbit(A, kk), kk, A.numel(), torch.float32)) for kk in KS}
+    s = {kk: sqnr_db(A, kbit.functional.dequantize_kbit(*kbit.functional.quantize_kbit(A, kk), kk, A.numel(), torch.float32)) for kk in KS}
     assert all(s[a] < s[b] for a, b in zip(KS, KS[1:])), s
 
 
@@ -293,44 +294,44 @@ def test_output_dtypes(in_dtype, out_dtype):
     k = int(torch.randint(2, 6, ()))
     n = int(torch.randint(1, 5000, ()))
     A = torch.randn(n).to(in_dtype)
-    packed, absmax, cb = kbit.quantize_kbit(A, k)
-    ref = kbit.dequantize_kbit(packed, absmax, cb, k, n, torch.float32)
-    out = kbit.dequantize_kbit(packed, absmax, cb, k, n, out_dtype)
+    packed, absmax, cb = kbit.functional.quantize_kbit(A, k)
+    ref = kbit.functional.dequantize_kbit(packed, absmax, cb, k, n, torch.float32)
+    out = kbit.functional.dequantize_kbit(packed, absmax, cb, k, n, out_dtype)
     assert out.dtype == out_dtype and out.shape == (n,)
-    assert torch.equal(out, ref.to(out_dtype)), f"k={k} n={n}: dequantize in {out_dtype} != fp32 result rounded"
+    assert torch.equal(out, ref.to(out_dtype)), f"bits={k} n={n}: dequantize in {out_dtype} != fp32 result rounded"
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 63, 64, 65, 1000, 4097])
 def test_any_number_of_elements(n):
     k = int(torch.randint(2, 6, ()))
     A = torch.randn(n)
-    packed, absmax, cb = kbit.quantize_kbit(A, k)
-    nb = formats.num_blocks(n)
+    packed, absmax, cb = kbit.functional.quantize_kbit(A, k)
+    nb = formats.block_count(n)
     assert packed.numel() == nb * k and absmax.numel() == nb
-    A_hat = kbit.dequantize_kbit(packed, absmax, cb, k, n, torch.float32)
+    A_hat = kbit.functional.dequantize_kbit(packed, absmax, cb, k, n, torch.float32)
     assert A_hat.shape == (n,)
-    assert_block_bound(A, A_hat, cb, what=f"k={k} n={n}")
+    assert_block_bound(A, A_hat, cb, what=f"bits={k} n={n}")
 
 
 def test_multidimensional_input_is_flattened():
     A = torch.randn(3, 5, 7)
-    packed, absmax, cb = kbit.quantize_kbit(A, 4)
-    p2, a2, _ = kbit.quantize_kbit(A.reshape(-1), 4)
+    packed, absmax, cb = kbit.functional.quantize_kbit(A, 4)
+    p2, a2, _ = kbit.functional.quantize_kbit(A.reshape(-1), 4)
     assert torch.equal(packed, p2) and torch.equal(absmax, a2)
     # Non-contiguous input quantizes its logical (row-major) order.
     B = torch.randn(64, 48)
-    p3, a3, _ = kbit.quantize_kbit(B.T, 3)
-    p4, a4, _ = kbit.quantize_kbit(B.T.contiguous(), 3)
+    p3, a3, _ = kbit.functional.quantize_kbit(B.T, 3)
+    p4, a4, _ = kbit.functional.quantize_kbit(B.T.contiguous(), 3)
     assert torch.equal(p3, p4) and torch.equal(a3, a4)
 
 
 def test_zeros_and_empty():
-    packed, absmax, cb = kbit.quantize_kbit(torch.zeros(100), 4)
+    packed, absmax, cb = kbit.functional.quantize_kbit(torch.zeros(100), 4)
     assert bool((absmax == 0).all())
-    assert bool((kbit.dequantize_kbit(packed, absmax, cb, 4, 100, torch.float32) == 0).all())
-    packed, absmax, cb = kbit.quantize_kbit(torch.zeros(0), 3)
+    assert bool((kbit.functional.dequantize_kbit(packed, absmax, cb, 4, 100, torch.float32) == 0).all())
+    packed, absmax, cb = kbit.functional.quantize_kbit(torch.zeros(0), 3)
     assert packed.numel() == 0 and absmax.numel() == 0
-    assert kbit.dequantize_kbit(packed, absmax, cb, 3, 0, torch.float16).shape == (0,)
+    assert kbit.functional.dequantize_kbit(packed, absmax, cb, 3, 0, torch.float16).shape == (0,)
 
 
 # ----------------------------------------------------------------------------- custom codebooks
@@ -357,17 +358,17 @@ def test_custom_codebook(k, name):
         A = A.abs()
     elif name == "all_negative":
         A = -A.abs()
-    packed, absmax, cb_out = kbit.quantize_kbit(A, k, codebook=cb)
+    packed, absmax, cb_out = kbit.functional.quantize_kbit(A, k, codebook=cb)
     torch.testing.assert_close(cb_out, cb, rtol=0, atol=0)
-    A_hat = kbit.dequantize_kbit(packed, absmax, cb_out, k, n, torch.float32)
-    assert nearest_entry_violations(A, packed, absmax, cb, k) == 0, f"{name} k={k} n={n}"
+    A_hat = kbit.functional.dequantize_kbit(packed, absmax, cb_out, k, n, torch.float32)
+    assert nearest_entry_violations(A, packed, absmax, cb, k) == 0, f"{name} bits={k} n={n}"
     # Every reconstructed value is a codebook entry times its block scale.
-    scales = kbit.decode_absmax_e4m4(absmax)
+    scales = kbit.functional.decode_absmax_e4m4(absmax)
     codes = formats.unpack_bitplanes(packed, k)
     expected = (cb[codes] * scales[:, None]).reshape(-1)[:n]
     torch.testing.assert_close(A_hat, expected, rtol=0, atol=0)
     support = {"all_positive": (0.0, 1.0), "all_negative": (-1.0, 0.0)}.get(name, (-1.0, 1.0))
-    assert_block_bound(A, A_hat, cb, what=f"{name} k={k} n={n}", support=support)
+    assert_block_bound(A, A_hat, cb, what=f"{name} bits={k} n={n}", support=support)
 
 
 @pytest.mark.parametrize("k", KS)
@@ -376,7 +377,7 @@ def test_asymmetric_codebook_with_mismatched_data(k):
     # (the nearest one), never to anything else.
     cb = _custom_codebooks(k)["all_positive"]
     A = torch.randn(20_000)
-    packed, absmax, _ = kbit.quantize_kbit(A, k, codebook=cb)
+    packed, absmax, _ = kbit.functional.quantize_kbit(A, k, codebook=cb)
     codes = formats.unpack_bitplanes(packed, k).reshape(-1)[: A.numel()]
     assert bool((codes[A < 0] == 0).all())
     assert nearest_entry_violations(A, packed, absmax, cb, k) == 0
@@ -384,7 +385,7 @@ def test_asymmetric_codebook_with_mismatched_data(k):
 
 def test_codebook_dtype_and_device_normalized():
     cb = torch.linspace(-1, 1, 16, dtype=torch.float16)
-    _, _, out = kbit.quantize_kbit(torch.randn(100), 4, codebook=cb)
+    _, _, out = kbit.functional.quantize_kbit(torch.randn(100), 4, codebook=cb)
     assert out.dtype == torch.float32
 
 
@@ -394,24 +395,24 @@ def test_codebook_dtype_and_device_normalized():
 def test_out_of_range_absmax_needs_scale(factor, k):
     W = torch.randn(1024, 1024) * factor
     with pytest.raises(ValueError, match=r"E4M4.*scale"):
-        kbit.quantize_kbit(W, k)
-    qw = kbit.quantize(W, k=k)  # picks a per-tensor power-of-two scale
+        kbit.functional.quantize_kbit(W, k)
+    qw = kbit.quantize(W, bits=k)  # picks a per-tensor power-of-two scale
     s = float(qw.scale)
     assert s > 0 and math.frexp(s)[0] == 0.5, f"scale {s} is not a power of two"
     W_hat = kbit.dequantize(qw)
-    assert_block_bound(W, W_hat, qw.codebook, eps_abs=EPS * float(W.abs().max()), what=f"factor={factor} k={k}")
+    assert_block_bound(W, W_hat, qw.codebook, eps_abs=EPS * float(W.abs().max()), what=f"factor={factor} bits={k}")
     assert sqnr_db(W, W_hat) > SQNR_DB[k]
     # The low-level API with the same explicit scale reproduces the stored format bit for bit.
-    packed, absmax, _ = kbit.quantize_kbit(W, k, scale=qw.scale)
+    packed, absmax, _ = kbit.functional.quantize_kbit(W, k, scale=qw.scale)
     assert torch.equal(packed, qw.packed) and torch.equal(absmax, qw.absmax)
-    flat = kbit.dequantize_kbit(packed, absmax, qw.codebook, k, W.numel(), torch.float32, scale=qw.scale)
+    flat = kbit.functional.dequantize_kbit(packed, absmax, qw.codebook, k, W.numel(), torch.float32, scale=qw.scale)
     assert torch.equal(flat.reshape(W.shape), W_hat)
 
 
 @pytest.mark.parametrize("factor", [1e30, 1e-30, 1e-38, 3e4])
 def test_extreme_magnitudes_fp32(factor):
     W = torch.randn(64, 96) * factor
-    qw = kbit.quantize(W, k=4)
+    qw = kbit.quantize(W, bits=4)
     W_hat = kbit.dequantize(qw)
     assert bool(torch.isfinite(W_hat).all())
     assert_block_bound(W, W_hat, qw.codebook, eps_abs=1e-3 * float(W.abs().max()) if factor < 1e-37 else 0.0,
@@ -420,17 +421,17 @@ def test_extreme_magnitudes_fp32(factor):
 
 def test_fp16_extremes():
     W = (torch.randn(64, 64) * 5000).to(torch.float16)  # absmax ~2e4, far above E4M4's 31
-    qw = kbit.quantize(W, k=5)
+    qw = kbit.quantize(W, bits=5)
     assert_block_bound(W, kbit.dequantize(qw, torch.float32), qw.codebook, what="fp16 large")
     W = (torch.randn(64, 64) * 1e-6).to(torch.float16)  # fp16 subnormals
-    qw = kbit.quantize(W, k=5)
+    qw = kbit.quantize(W, bits=5)
     assert_block_bound(W, kbit.dequantize(qw, torch.float32), qw.codebook, eps_abs=2.0**-24, what="fp16 tiny")
 
 
 def test_scale_must_be_power_of_two():
     for bad in (3.0, -2.0, 0.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="power of two"):
-            kbit.quantize_kbit(torch.randn(64), 4, scale=bad)
+            kbit.functional.quantize_kbit(torch.randn(64), 4, scale=bad)
 
 
 def test_choose_tensor_scale():

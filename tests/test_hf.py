@@ -51,7 +51,7 @@ def quantized(request):
     """(original fp32 model, a K=4 quantized copy) per tie_word_embeddings setting."""
     torch.manual_seed(1234)
     model = tiny_llama(request.param)
-    q = kbit.quantize_model(copy.deepcopy(model), k=4, progress=False)
+    q = kbit.quantize_model(copy.deepcopy(model), bits=4, progress=False)
     return model, q
 
 
@@ -104,10 +104,10 @@ def test_generate_on_cpu(quantized):
 def test_quantize_model_reports_the_share_quantized(caplog):
     model = tiny_llama(False)
     with caplog.at_level("INFO", logger="kbit"):
-        kbit.quantize_model(model, k=4, progress=False)
+        kbit.quantize_model(model, bits=4, progress=False)
     share = 100 * kbit.quantized_fraction(model)
     assert 50 < share < 100
-    assert f"{share:.1f}% of LlamaForCausalLM's weights quantized to k=4 (14 layers)" in caplog.text
+    assert f"{share:.1f}% of LlamaForCausalLM's weights quantized to 4 bits (14 layers)" in caplog.text
 
 
 def test_save_load_roundtrip(quantized, tmp_path):
@@ -218,10 +218,10 @@ def test_cli_quantize_roundtrip(src_dir, tmp_path, capsys):
     assert qcfg["quant_method"] == "kbit" and qcfg["bits"] == 3 and qcfg["skip"] is None  # None: default_skip
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-    assert isinstance(loaded.model.layers[0].mlp.up_proj, kbit.KbitLinear) and loaded.model.layers[0].mlp.up_proj.k == 3
+    assert isinstance(loaded.model.layers[0].mlp.up_proj, kbit.KbitLinear) and loaded.model.layers[0].mlp.up_proj.bits == 3
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     direct = transformers.AutoModelForCausalLM.from_pretrained(str(src_dir), **{kbit.hf.dtype_kwarg(): torch.float16})
-    kbit.quantize_model(direct, k=3, progress=False)
+    kbit.quantize_model(direct, bits=3, progress=False)
     ids = torch.randint(0, TINY["vocab_size"], (1, 6))
     assert torch.equal(logits(loaded, ids), logits(direct, ids))
 

@@ -105,7 +105,7 @@ def test_lora_on_a_gpt2_conv1d_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=128, n_positions=32)
-    q = kbit.quantize_model(from_config(GPT2LMHeadModel, config).eval(), k=4, progress=False)
+    q = kbit.quantize_model(from_config(GPT2LMHeadModel, config).eval(), bits=4, progress=False)
     pm = peft.get_peft_model(q, kbit.lora.register(peft.LoraConfig(r=4, target_modules=["c_attn"],
                                                                      fan_in_fan_out=True)))
     layer = pm.base_model.model.transformer.h[0].attn.c_attn

@@ -38,7 +38,7 @@ def one_thread():
 
 
 def _stored_codes(qw):
-    return unpack_bitplanes(qw.packed, qw.k).reshape(qw.shape[0], -1)
+    return unpack_bitplanes(qw.packed, qw.bits).reshape(qw.shape[0], -1)
 
 
 def _block_scales(qw):
@@ -278,7 +278,7 @@ def test_quantize_model_llama(method):
     ids = torch.randint(0, 256, (4, 32))
     with torch.no_grad():
         ref = model(ids).logits
-    q = kbit.quantize_model(copy.deepcopy(model), k=3, method=method, progress=False,
+    q = kbit.quantize_model(copy.deepcopy(model), bits=3, method=method, progress=False,
                             calibration=ids if method == "gptq" else None)
     kl = [m for m in q.modules() if isinstance(m, kbit.KbitLinear)]
     assert len(kl) == 10 and isinstance(q.lm_head, nn.Linear)  # k/v_proj (64 outputs) are too small
@@ -298,7 +298,7 @@ def test_gptq_on_conv1d_layers():
         ref = model(ids).logits
     errs = {}
     for method in ("rtn", "gptq"):
-        q = kbit.quantize_model(copy.deepcopy(model), k=3, method=method, progress=False,
+        q = kbit.quantize_model(copy.deepcopy(model), bits=3, method=method, progress=False,
                                 calibration=ids if method == "gptq" else None)
         assert sum(isinstance(m, kbit.KbitLinear) for m in q.modules()) == 8
         with torch.no_grad():
@@ -319,7 +319,7 @@ def test_quantize_model_methods_rank_on_bert():
         ref = model(ids[4:]).last_hidden_state
     errs = {}
     for method in ("rtn", "mse", "gptq"):
-        q = kbit.quantize_model(copy.deepcopy(model), k=2, method=method, progress=False,
+        q = kbit.quantize_model(copy.deepcopy(model), bits=2, method=method, progress=False,
                                 calibration=calib if method == "gptq" else None)
         with torch.no_grad():
             errs[method] = float((q(ids[4:]).last_hidden_state - ref).norm() / ref.norm())
@@ -329,13 +329,13 @@ def test_quantize_model_methods_rank_on_bert():
 def test_quantize_model_method_argument_errors():
     model = nn.Sequential(nn.Linear(128, 128))
     with pytest.raises(ValueError, match="calibration"):
-        kbit.quantize_model(copy.deepcopy(model), k=3, method="gptq", progress=False)
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", progress=False)
     with pytest.raises(ValueError, match="calibration"):
-        kbit.quantize_model(copy.deepcopy(model), k=3, method="mse", calibration=torch.zeros(1, 4), progress=False)
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="mse", calibration=torch.zeros(1, 4), progress=False)
     with pytest.raises(ValueError, match="method"):
-        kbit.quantize_model(copy.deepcopy(model), k=3, method="best", progress=False)
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="best", progress=False)
     with pytest.raises(TypeError, match="calibration"):
-        kbit.quantize_model(copy.deepcopy(model), k=3, method="gptq", calibration="some text", progress=False)
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration="some text", progress=False)
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -82,7 +82,7 @@ E_TEST, H_TEST, I_TEST = 10, 72, 40  # H and I not multiples of 32 (padded stora
 def cached_experts(k: int, dtype) -> KbitExperts:
     """A layer of random experts per (k, dtype), with its GEMM layouts (on CPU, for the reference ops)."""
     torch.manual_seed(k * 31 + DTYPES.index(dtype))
-    mod, _ = KbitExperts.from_weights(*random_experts(E_TEST, H_TEST, I_TEST, dtype), k=k)
+    mod, _ = KbitExperts.from_weights(*random_experts(E_TEST, H_TEST, I_TEST, dtype), bits=k)
     mod.derive_gemm_layouts()
     return mod
 
@@ -109,7 +109,7 @@ def test_experts_match_per_expert_reference(k, dtype):
                 out = mod(x, idx, w)
             assert out.shape == (T, H_TEST) and out.dtype == dtype
             check_close(out, reference_of(mod, x, idx, w), dtype,
-                        f"k={k} {_name(dtype)} top_k={top_k} routing={routing_kind}")
+                        f"bits={k} {_name(dtype)} top_k={top_k} routing={routing_kind}")
 
 
 @pytest.mark.parametrize("k", KS)
@@ -117,10 +117,10 @@ def test_expert_storage_is_per_expert_quantize(k):
     """Row e of every buffer is exactly kbit.quantize of expert e's weight alone."""
     gate_up, down = random_experts(4, 64, 48, torch.bfloat16)
     gate_up[2] *= 1000.0  # a different per-tensor scale for one expert
-    mod, _ = KbitExperts.from_weights(gate_up, down, k=k)
+    mod, _ = KbitExperts.from_weights(gate_up, down, bits=k)
     for proj, weights in (("gate_up", gate_up), ("down", down)):
         for e in range(4):
-            want = kbit.quantize(weights[e], k=k)
+            want = kbit.quantize(weights[e], bits=k)
             got = mod.expert_weight(proj, e)
             for name in ("packed", "absmax", "scale", "codebook"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), f"{proj}[{e}].{name}"
@@ -130,7 +130,7 @@ def test_expert_storage_is_per_expert_quantize(k):
 
 def test_experts_empty_input_and_duplicate_choices():
     gate_up, down = random_experts(6, 64, 32)
-    mod, _ = KbitExperts.from_weights(gate_up, down, k=4)
+    mod, _ = KbitExperts.from_weights(gate_up, down, bits=4)
     with torch.no_grad():
         out = mod(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
         assert out.shape == (0, 64)
@@ -140,7 +140,7 @@ def test_experts_empty_input_and_duplicate_choices():
 
 
 def test_experts_forward_argument_errors():
-    mod, _ = KbitExperts.from_weights(*random_experts(4, 64, 32), k=3)
+    mod, _ = KbitExperts.from_weights(*random_experts(4, 64, 32), bits=3)
     x, idx, w = torch.randn(5, 64), torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2)
     with pytest.raises(ValueError, match="hidden_states"):
         mod(torch.randn(5, 63), idx, w)
@@ -157,7 +157,7 @@ def test_experts_forward_argument_errors():
 
 
 def test_experts_dtype_casts_keep_the_format():
-    mod, _ = KbitExperts.from_weights(*random_experts(3, 64, 32), k=4)
+    mod, _ = KbitExperts.from_weights(*random_experts(3, 64, 32), bits=4)
     before = {n: b.clone() for n, b in mod.state_dict().items()}
     mod.half()
     mod.to(torch.bfloat16)
@@ -180,7 +180,7 @@ def test_route_reference_tables():
 
 
 def _with_layouts(E, H, I, k, dtype=torch.float32):
-    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, dtype), k=k)
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, dtype), bits=k)
     mod.derive_gemm_layouts()
     return mod
 
@@ -234,7 +234,7 @@ def test_grouped_forward_through_reference_ops(k, dtype):
         with torch.no_grad():
             out = mod._forward_grouped(x, idx, w)
         assert out.shape == (T, H_TEST) and out.dtype == dtype
-        check_close(out, reference_of(mod, x, idx, w), dtype, f"k={k} {_name(dtype)} top_k={top_k} {routing_kind}")
+        check_close(out, reference_of(mod, x, idx, w), dtype, f"bits={k} {_name(dtype)} top_k={top_k} {routing_kind}")
 
 
 def test_grouped_forward_with_another_activation():
@@ -301,11 +301,11 @@ def _state_round_trip(mod: KbitExperts, via: str) -> dict:
 @pytest.mark.parametrize("k", KS)
 def test_experts_save_load_round_trip(k, via):
     E, H, I = 5, 96, 64
-    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, torch.float16), k=k)
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, torch.float16), bits=k)
     loaded = _state_round_trip(mod, via)
     assert set(loaded) == {f"{p}_{s}" for p in ("gate_up", "down") for s in ("packed", "absmax", "scale")} | {
         "codebook", "meta"}
-    for fresh in (KbitExperts(E, H, I, k=k), KbitExperts(E, H, I, k=k, device="meta")):
+    for fresh in (KbitExperts(E, H, I, bits=k), KbitExperts(E, H, I, bits=k, device="meta")):
         fresh.load_state_dict(loaded, assign=fresh.gate_up_packed.is_meta)
         assert fresh.weight_dtype == torch.float16
         x, idx, w = torch.randn(7, H).half(), routing("random", 7, 2, E), torch.rand(7, 2)
@@ -318,7 +318,7 @@ def _corrupt(state: dict, case: str) -> tuple:
     if case == "meta_k":
         state["meta"] = state["meta"].clone()
         state["meta"][0] += 1
-        return state, "describes k="
+        return state, "describes bits="
     if case == "meta_shape":
         state["meta"] = state["meta"][:4].clone()
         return state, "shape \\(5,\\)"
@@ -347,9 +347,9 @@ def _corrupt(state: dict, case: str) -> tuple:
                                   "codebook_unsorted", "packed_dtype", "absmax_shape", "not_contiguous"])
 def test_experts_refuse_bad_checkpoints(case):
     E, H, I = 4, 64, 32
-    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I), k=4)
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I), bits=4)
     state, message = _corrupt(mod.state_dict(), case)
-    fresh = KbitExperts(E, H, I, k=4)
+    fresh = KbitExperts(E, H, I, bits=4)
     before = {n: b.clone() for n, b in fresh.state_dict().items()}
     with pytest.raises(RuntimeError, match=message):
         fresh.load_state_dict(state)
@@ -358,10 +358,10 @@ def test_experts_refuse_bad_checkpoints(case):
 
 
 def test_experts_load_16_bit_codebook_and_scales():
-    mod, _ = KbitExperts.from_weights(*random_experts(3, 64, 32), k=4)
+    mod, _ = KbitExperts.from_weights(*random_experts(3, 64, 32), bits=4)
     state = {n: t.half() if n in ("codebook", "gate_up_scale", "down_scale") else t
              for n, t in mod.state_dict().items()}
-    fresh = KbitExperts(3, 64, 32, k=4)
+    fresh = KbitExperts(3, 64, 32, bits=4)
     fresh.load_state_dict(state)
     assert fresh.codebook.dtype == torch.float32 and torch.equal(fresh.down_scale, mod.down_scale)
 
@@ -409,7 +409,7 @@ def moe_pair(request):
     """(original fp32 model, K=4 quantized copy) per family."""
     torch.manual_seed(4321)
     model = tiny_moe(request.param)
-    return model, kbit.quantize_model(copy.deepcopy(model), k=4, progress=False)
+    return model, kbit.quantize_model(copy.deepcopy(model), bits=4, progress=False)
 
 
 def test_quantize_model_quantizes_every_expert(moe_pair):
@@ -464,7 +464,7 @@ def test_quantized_moe_state_dict_round_trip(moe_pair):
     torch.save(q.state_dict(), buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
-    other = kbit.quantize_model(copy.deepcopy(model).apply(_perturb), k=4, progress=False)
+    other = kbit.quantize_model(copy.deepcopy(model).apply(_perturb), bits=4, progress=False)
     ids = torch.randint(0, COMMON["vocab_size"], (1, 6))
     assert not torch.equal(logits(other, ids), logits(q, ids))
     other.load_state_dict(state)
@@ -481,9 +481,9 @@ def _perturb(m: nn.Module) -> None:
 @pytest.mark.parametrize("k", KS)
 def test_quantize_model_16_bit_moe(k, dtype):
     model = tiny_moe("qwen3_moe", dtype)
-    q = kbit.quantize_model(copy.deepcopy(model), k=k, progress=False)
+    q = kbit.quantize_model(copy.deepcopy(model), bits=k, progress=False)
     experts = [m for m in q.modules() if isinstance(m, KbitExperts)]
-    assert len(experts) == 2 and all(m.k == k and m.weight_dtype == dtype for m in experts)
+    assert len(experts) == 2 and all(m.bits == k and m.weight_dtype == dtype for m in experts)
     ids = torch.randint(0, COMMON["vocab_size"], (1, 4))
     out = logits(q, ids)
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
@@ -491,11 +491,11 @@ def test_quantize_model_16_bit_moe(k, dtype):
 
 def test_quantize_model_skip_and_min_features_apply_to_experts():
     model = tiny_moe("mixtral")
-    q = kbit.quantize_model(copy.deepcopy(model), k=4, skip=("lm_head", "*.experts"), progress=False)
+    q = kbit.quantize_model(copy.deepcopy(model), bits=4, skip=("lm_head", "*.experts"), progress=False)
     assert not any(isinstance(m, KbitExperts) for m in q.modules())
     assert any(isinstance(m, kbit.KbitLinear) for m in q.modules())
     with pytest.warns(UserWarning, match="nothing to quantize.*10 narrower than min_features=129"):
-        q = kbit.quantize_model(copy.deepcopy(model), k=4, min_features=129, progress=False)
+        q = kbit.quantize_model(copy.deepcopy(model), bits=4, min_features=129, progress=False)
     assert not any(isinstance(m, KbitExperts) for m in q.modules())  # H = 128 < 129
 
 
@@ -505,7 +505,7 @@ def test_quantize_model_is_all_or_nothing_with_experts():
         model.model.layers[1].mlp.experts.down_proj[3, 0, 0] = float("nan")
     before = copy.deepcopy(model)
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts.*down_proj\[3\].*NaN"):
-        kbit.quantize_model(model, k=4, progress=False)
+        kbit.quantize_model(model, bits=4, progress=False)
     assert not any(isinstance(m, (KbitExperts, kbit.KbitLinear)) for m in model.modules())
     for (n, a), (_, b) in zip(model.named_parameters(), before.named_parameters()):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), n
@@ -528,7 +528,7 @@ class FusedExperts(nn.Module):
 def test_transposed_fused_experts():
     mod = nn.ModuleDict({"experts": FusedExperts(6, 128, 128, transposed=True)})
     original = mod.experts
-    kbit.quantize_model(mod, k=5, progress=False)
+    kbit.quantize_model(mod, bits=5, progress=False)
     assert isinstance(mod.experts, KbitExperts)
     x, idx, w = torch.randn(9, 128), routing("random", 9, 2, 6), torch.rand(9, 2)
     with torch.no_grad():
@@ -546,7 +546,7 @@ def test_unsupported_fused_experts_are_reported(flag):
     mod = nn.ModuleDict({"experts": FusedExperts(4, 128, 128, **flag),
                          "proj": nn.Linear(128, 128)})
     with pytest.warns(UserWarning, match=f"experts: FusedExperts has {next(iter(flag))}"):
-        kbit.quantize_model(mod, k=4, progress=False)
+        kbit.quantize_model(mod, bits=4, progress=False)
     assert type(mod.experts) is FusedExperts and isinstance(mod.proj, kbit.KbitLinear)
     assert kbit.quantized_fraction(mod) < 0.1
 
@@ -566,7 +566,7 @@ def test_per_expert_linear_layout_is_quantized():
                            "experts": nn.ModuleList(OldExpert(128, 256) for _ in range(8))})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kbit.quantize_model(block, k=4, progress=False)
+        kbit.quantize_model(block, bits=4, progress=False)
     assert all(isinstance(getattr(e, n), kbit.KbitLinear) for e in block.experts for n in ("w1", "w2", "w3"))
     assert type(block.gate) is nn.Linear
     assert kbit.quantized_fraction(block) > 0.99

@@ -59,7 +59,7 @@ def cuda_experts(k: int, dtype, shape=SHAPE) -> KbitExperts:
         g = gen(seed_for("experts", *key), "cuda")
         gate_up = (torch.randn(E, 2 * I, H, generator=g, device="cuda") * 0.05).to(dtype)
         down = (torch.randn(E, H, I, generator=g, device="cuda") * 0.05).to(dtype)
-        _EXPERTS[key] = KbitExperts.from_weights(gate_up, down, k=k)[0]
+        _EXPERTS[key] = KbitExperts.from_weights(gate_up, down, bits=k)[0]
     return _EXPERTS[key]
 
 
@@ -155,7 +155,7 @@ def test_route_empty_and_all_unrouted():
 
 
 # ----------------------------------------------------------------------------- moe_gemm
-def gemm_case(mod: KbitExperts, proj: str, x: torch.Tensor, tables, rows: int, num_blocks: int = 0):
+def gemm_case(mod: KbitExperts, proj: str, x: torch.Tensor, tables, rows: int, grid_override: int = 0):
     """(y, ref32, ref_lp) of one grouped GEMM of ``mod``'s projection over the routed rows of ``tables``."""
     x_rows, row_weights, position, passes, num_passes = tables
     E, H, I = mod.num_experts, mod.hidden_dim, mod.intermediate_dim
@@ -163,7 +163,7 @@ def gemm_case(mod: KbitExperts, proj: str, x: torch.Tensor, tables, rows: int, n
     N, K_dim = (2 * I, padded_in_features(H)) if silu else (H, padded_in_features(I))
     codes, absmax = getattr(mod, f"{proj}_gemm_codes"), getattr(mod, f"{proj}_gemm_absmax")
     y = ops.moe_gemm(x, codes, absmax, mod.codebook, getattr(mod, f"{proj}_scale"), x_rows if silu else None,
-                     None if silu else row_weights, passes, num_passes, mod.k, N, K_dim, rows, silu, num_blocks)
+                     None if silu else row_weights, passes, num_passes, mod.bits, N, K_dim, rows, silu, grid_override)
     w32 = mod.dequantize(proj, torch.float32)
     routed = int((position >= 0).sum())
     src = x[x_rows[:routed].long()] if silu else x[:routed]
@@ -193,7 +193,7 @@ def test_moe_gemm_matches_reference(k, dtype, proj):
     for rows in mod._rows_supported:
         for T, top_k, kind in ((1, 8, "random"), (23, 2, "unrouted"), (300, 1, "one_expert"), (200, 4, "some_empty")):
             seed = seed_for("moe_gemm", k, dtype, proj, rows, T, top_k, kind)
-            msg = tag(seed, op="moe_gemm", k=k, dtype=dtype, proj=proj, rows=rows, T=T, top_k=top_k, routing=kind)
+            msg = tag(seed, op="moe_gemm", bits=k, dtype=dtype, proj=proj, rows=rows, T=T, top_k=top_k, routing=kind)
             idx, w = route_inputs(kind, T, top_k, E, seed)
             tables = ops.moe_route(idx, w, E, rows)
             width = H if proj == "gate_up" else I
@@ -214,7 +214,7 @@ def test_moe_gemm_split_k_deterministic(k, dtype):
     tables = ops.moe_route(idx, w, E, 8)
     x = torch.randn(9, H, generator=gen(seed, "cuda"), device="cuda").to(dtype)
     for grid in (1, 3, 7):
-        msg = tag(seed, op="moe_gemm split-K", k=k, dtype=dtype, num_blocks=grid)
+        msg = tag(seed, op="moe_gemm split-K", bits=k, dtype=dtype, grid_override=grid)
         first, ref32, ref_lp = gemm_case(mod, "gate_up", x, tables, 8, grid)
         check_against(first, ref32, ref_lp, msg)
         for rep in range(20):
@@ -234,7 +234,7 @@ def test_experts_match_per_expert_reference(k, dtype, top_k, routing_kind):
     for T in TOKENS:
         seed = seed_for("experts", k, dtype, top_k, routing_kind, T)
         rows = rows_per_pass(T * top_k, E, mod._rows_supported)
-        msg = tag(seed, op="KbitExperts", k=k, dtype=dtype, top_k=top_k, routing=routing_kind, T=T, rows=rows)
+        msg = tag(seed, op="KbitExperts", bits=k, dtype=dtype, top_k=top_k, routing=routing_kind, T=T, rows=rows)
         idx, w = route_inputs(routing_kind, T, top_k, E, seed)
         x = torch.randn(T, H, generator=gen(seed, "cuda"), device="cuda").to(dtype)
         with torch.no_grad():
@@ -314,7 +314,7 @@ def test_tiny_moe_model_on_cuda(family):
 
     torch.manual_seed(seed_for("tiny", family))
     model = tiny_moe(family, torch.bfloat16)
-    q = kbit.quantize_model(copy.deepcopy(model), k=4, progress=False)
+    q = kbit.quantize_model(copy.deepcopy(model), bits=4, progress=False)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
     cpu = logits(q, ids).float()
     q.cuda()
@@ -334,9 +334,9 @@ def test_sanitize_moe_forward(k):
     seed = seed_for("sanitize-moe", k)
     g = gen(seed)
     mod, _ = KbitExperts.from_weights(torch.randn(E, 2 * I, H, generator=g) * 0.05,
-                                      torch.randn(E, H, I, generator=g) * 0.05, k=k)
+                                      torch.randn(E, H, I, generator=g) * 0.05, bits=k)
     cpu = mod
-    gpu = KbitExperts(E, H, I, k=k, dtype=torch.float32, device="cuda")
+    gpu = KbitExperts(E, H, I, bits=k, dtype=torch.float32, device="cuda")
     gpu.load_state_dict(mod.state_dict())
     cpu.derive_gemm_layouts()
     for T, top_k, kind in ((1, 2, "random"), (17, 4, "unrouted"), (40, 1, "one_expert"), (0, 2, "random")):
@@ -346,7 +346,7 @@ def test_sanitize_moe_forward(k):
         with torch.no_grad():
             out = gpu(x.cuda(), idx.cuda(), w.cuda()).cpu()
             ref = cpu._forward_grouped(x, idx, w)
-        msg = tag(seed, op="sanitize-moe", k=k, T=T, top_k=top_k, routing=kind)
+        msg = tag(seed, op="sanitize-moe", bits=k, T=T, top_k=top_k, routing=kind)
         assert out.shape == ref.shape and bool(torch.isfinite(out).all()), msg
         if T:
             err = float((out.float() - ref.float()).abs().max())
@@ -389,11 +389,11 @@ def _malformed_moe_cases():
     b, a, cb, s = mod.gate_up_gemm_codes, mod.gate_up_gemm_absmax, mod.codebook, mod.gate_up_scale
 
     def gemm(**over):
-        args = dict(x=x, b=b, a=a, cb=cb, s=s, rows=rows, rw=None, passes=passes, num=num, k=4, N=64, K=64, R=8,
+        args = dict(x=x, b=b, a=a, cb=cb, s=s, rows=rows, rw=None, passes=passes, num=num, bits=4, N=64, K=64, R=8,
                     silu=True)
         args.update(over)
         return lambda: ext.moe_gemm(args["x"], args["b"], args["a"], args["cb"], args["s"], args["rows"], args["rw"],
-                                    args["passes"], args["num"], args["k"], args["N"], args["K"], args["R"],
+                                    args["passes"], args["num"], args["bits"], args["N"], args["K"], args["R"],
                                     args["silu"], 0)
 
     idx = torch.zeros(3, 2, dtype=torch.long, device="cuda")
@@ -414,7 +414,7 @@ def _malformed_moe_cases():
                                         x=x[:, :32].contiguous(), rows=None, rw=torch.zeros(4, device="cuda"))),
         ("gemm passes shape", gemm(passes=torch.zeros(4, 3, **i32))),
         ("gemm num passes shape", gemm(num=torch.zeros(2, **i32))),
-        ("gemm k mismatch", gemm(k=3)),
+        ("gemm k mismatch", gemm(bits=3)),
         ("gemm rows per pass", gemm(R=64)),
         ("gemm silu odd N", gemm(N=72)),
         ("combine y fp32", lambda: ext.moe_combine(torch.zeros(4, 64, device="cuda"), torch.zeros(2, 2, **i32))),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import kbit
+import kbit.functional
 from kbit.weight import STATE_KEYS
 
 from test_formats import DTYPES, KS, _name
@@ -46,9 +47,9 @@ def assert_same_output(a, b, x, what=""):
 def test_from_linear_forward(k, dtype, bias):
     in_f, out_f = int(torch.randint(1, 200, ())), int(torch.randint(1, 200, ()))
     lin = make_linear(in_f, out_f, bias, dtype)
-    layer = kbit.KbitLinear.from_linear(lin, k=k)
-    what = f"k={k} {_name(dtype)} bias={bias} in={in_f} out={out_f}"
-    assert layer.in_features == in_f and layer.out_features == out_f and layer.k == k, what
+    layer = kbit.KbitLinear.from_linear(lin, bits=k)
+    what = f"bits={k} {_name(dtype)} bias={bias} in={in_f} out={out_f}"
+    assert layer.in_features == in_f and layer.out_features == out_f and layer.bits == k, what
     assert layer.weight_dtype == dtype
     assert (layer.bias is None) == (not bias)
     if bias:
@@ -59,35 +60,35 @@ def test_from_linear_forward(k, dtype, bias):
         y = layer(x)
     assert y.shape == (3, 4, out_f) and y.dtype == dtype
     torch.testing.assert_close(y, reference(layer, x), msg=lambda m: f"{what}: {m}")
-    assert torch.equal(layer.dequantize(), kbit.dequantize(kbit.quantize(lin.weight, k=k))), what
+    assert torch.equal(layer.dequantize(), kbit.dequantize(kbit.quantize(lin.weight, bits=k))), what
     assert layer(torch.randn(0, in_f).to(dtype)).shape == (0, out_f)
 
 
 def test_extra_repr_and_properties():
-    layer = kbit.KbitLinear.from_linear(make_linear(200, 300, dtype=torch.bfloat16), k=3)
+    layer = kbit.KbitLinear.from_linear(make_linear(200, 300, dtype=torch.bfloat16), bits=3)
     r = repr(layer)
-    assert r == "KbitLinear(in_features=200, out_features=300, bias=True, k=3, dtype=bfloat16)", r
+    assert r == "KbitLinear(in_features=200, out_features=300, bias=True, bits=3, dtype=bfloat16)", r
     qw = layer.qweight
-    assert isinstance(qw, kbit.QuantizedWeight) and qw.shape == (300, 200) and qw.k == 3
+    assert isinstance(qw, kbit.QuantizedWeight) and qw.shape == (300, 200) and qw.bits == 3
     assert qw.packed is layer.packed and qw.codebook is layer.codebook and qw.scale is layer.scale
 
 
 def test_from_linear_custom_codebook():
     cb = torch.linspace(-1, 1, 8)
-    layer = kbit.KbitLinear.from_linear(make_linear(64, 32), k=3, codebook=cb)
+    layer = kbit.KbitLinear.from_linear(make_linear(64, 32), bits=3, codebook=cb)
     assert torch.equal(layer.codebook, cb)
 
 
 def test_construct_from_shape():
-    layer = kbit.KbitLinear(70, 50, bias=True, k=5, dtype=torch.bfloat16)
+    layer = kbit.KbitLinear(70, 50, bias=True, bits=5, dtype=torch.bfloat16)
     assert layer.packed.shape == (50 * 96 // 32 * 5,) and layer.packed.dtype == torch.int32
     assert layer.absmax.shape == (50 * 96 // 32,) and layer.absmax.dtype == torch.uint8
-    assert torch.equal(layer.codebook, kbit.create_normal_float_codebook(5))
+    assert torch.equal(layer.codebook, kbit.functional.create_normal_float_codebook(5))
     assert layer.scale.shape == () and float(layer.scale) == 1.0
     assert layer.meta.tolist() == [5, 50, 70, 1]
     assert layer.bias.dtype == torch.bfloat16
     assert bool((layer(torch.randn(2, 70, dtype=torch.bfloat16)) == 0).all())  # an all-zero weight and bias
-    meta = kbit.KbitLinear(70, 50, k=2, device="meta")
+    meta = kbit.KbitLinear(70, 50, bits=2, device="meta")
     assert meta.packed.device.type == "meta" and meta.bias.device.type == "meta"
     assert kbit.KbitLinear(10, 20, bias=False).bias is None
 
@@ -95,13 +96,13 @@ def test_construct_from_shape():
 @pytest.mark.parametrize(
     "kwargs, exc, pattern",
     [
-        (dict(k=6), ValueError, "k must be one of"),
-        (dict(k=1), ValueError, "k must be one of"),
+        (dict(bits=6), ValueError, "bits must be one of"),
+        (dict(bits=1), ValueError, "bits must be one of"),
         (dict(dtype=torch.int32), TypeError, "dtype"),
         (dict(dtype=torch.float64), TypeError, "dtype"),
         (dict(in_features=0), ValueError, "in_features"),
         (dict(out_features=-3), ValueError, "out_features"),
-        (dict(codebook=torch.linspace(-1, 1, 8)), ValueError, "codebook for k=4"),
+        (dict(codebook=torch.linspace(-1, 1, 8)), ValueError, "codebook for bits=4"),
     ],
 )
 def test_construct_bad_arguments(kwargs, exc, pattern):
@@ -121,8 +122,8 @@ def test_from_linear_bad_inputs():
         lin.weight[3, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN/Inf"):
         kbit.KbitLinear.from_linear(lin)
-    with pytest.raises(ValueError, match="k must be one of"):
-        kbit.KbitLinear.from_linear(make_linear(64, 64), k=8)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kbit.KbitLinear.from_linear(make_linear(64, 64), bits=8)
     with pytest.raises(TypeError, match="QuantizedWeight"):
         kbit.KbitLinear.from_quantized(torch.randn(3, 3))
     with pytest.raises(ValueError, match="bias must have shape"):
@@ -157,7 +158,7 @@ def test_qweight_cached_across_forwards():
 
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "to_dtype", "double", "float", "type"])
 def test_dtype_casts_leave_the_format_alone(cast):
-    layer = kbit.KbitLinear.from_linear(make_linear(96, 160), k=3)
+    layer = kbit.KbitLinear.from_linear(make_linear(96, 160), bits=3)
     before = {n: getattr(layer, n).clone() for n in STATE_KEYS}
     W_hat = layer.dequantize(torch.float32)
     qw = layer.qweight
@@ -227,23 +228,23 @@ def test_state_dict_keys():
 def test_load_into_fresh_module(dtype):
     k = int(torch.randint(2, 6, ()))
     in_f, out_f = int(torch.randint(1, 150, ())), int(torch.randint(1, 150, ()))
-    src = kbit.KbitLinear.from_linear(make_linear(in_f, out_f, dtype=dtype), k=k)
+    src = kbit.KbitLinear.from_linear(make_linear(in_f, out_f, dtype=dtype), bits=k)
     buf = io.BytesIO()
     torch.save(src.state_dict(), buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
-    fresh = kbit.KbitLinear(in_f, out_f, bias=True, k=k, dtype=dtype)
+    fresh = kbit.KbitLinear(in_f, out_f, bias=True, bits=k, dtype=dtype)
     fresh.load_state_dict(state)
     assert fresh.weight_dtype == dtype
     # The weight's original dtype comes from the checkpoint's meta; the bias keeps the module's dtype.
     other = torch.float16 if dtype != torch.float16 else torch.bfloat16
-    fresh2 = kbit.KbitLinear(in_f, out_f, bias=True, k=k, dtype=other)
+    fresh2 = kbit.KbitLinear(in_f, out_f, bias=True, bits=k, dtype=other)
     fresh2.load_state_dict(state)
     assert fresh2.weight_dtype == dtype and fresh2.bias.dtype == other
     assert torch.equal(fresh2.dequantize(), src.dequantize())
     assert torch.equal(fresh.dequantize(), src.dequantize())
     x = torch.randn(5, in_f).to(dtype)
-    assert_same_output(fresh, src, x, f"k={k} {_name(dtype)} in={in_f} out={out_f}")
+    assert_same_output(fresh, src, x, f"bits={k} {_name(dtype)} in={in_f} out={out_f}")
 
 
 def test_load_state_dict_invalidates_cached_view():
@@ -262,24 +263,24 @@ def test_load_state_dict_invalidates_cached_view():
 
 def test_load_state_dict_assign():
     a = kbit.KbitLinear.from_linear(make_linear(64, 96))
-    b = kbit.KbitLinear(64, 96, k=4, device="meta")
+    b = kbit.KbitLinear(64, 96, bits=4, device="meta")
     b.load_state_dict(a.state_dict(), assign=True)
     assert_same_output(b, a, torch.randn(2, 64), "assign=True")
 
 
 def test_load_state_dict_mismatch_errors():
-    src = kbit.KbitLinear.from_linear(make_linear(64, 96), k=4)
-    with pytest.raises(RuntimeError, match="k=4 \\[96, 64\\].*k=3"):
-        kbit.KbitLinear(64, 96, k=3).load_state_dict(src.state_dict())
-    with pytest.raises(RuntimeError, match="k=4 \\[96, 64\\]"):
-        kbit.KbitLinear(96, 64, k=4).load_state_dict(src.state_dict())
+    src = kbit.KbitLinear.from_linear(make_linear(64, 96), bits=4)
+    with pytest.raises(RuntimeError, match="bits=4 \\[96, 64\\].*bits=3"):
+        kbit.KbitLinear(64, 96, bits=3).load_state_dict(src.state_dict())
+    with pytest.raises(RuntimeError, match="bits=4 \\[96, 64\\]"):
+        kbit.KbitLinear(96, 64, bits=4).load_state_dict(src.state_dict())
     with pytest.raises(RuntimeError, match="Missing key"):
         state = src.state_dict()
         del state["scale"]
-        kbit.KbitLinear(64, 96, k=4).load_state_dict(state)
+        kbit.KbitLinear(64, 96, bits=4).load_state_dict(state)
     # A checkpoint whose float32 buffers were cast to fp16 by someone is cast back, not rejected.
     state = {k: (v.half() if k in ("codebook", "scale") else v) for k, v in src.state_dict().items()}
-    fresh = kbit.KbitLinear(64, 96, k=4)
+    fresh = kbit.KbitLinear(64, 96, bits=4)
     fresh.load_state_dict(state)
     assert fresh.codebook.dtype == torch.float32
 
@@ -288,11 +289,11 @@ def test_safetensors_round_trip(tmp_path):
     st = pytest.importorskip("safetensors.torch")
     model = nn.Sequential(make_linear(160, 320, dtype=torch.float16), nn.GELU(), make_linear(320, 160, bias=False,
                                                                                           dtype=torch.float16))
-    kbit.quantize_model(model, k=3, min_features=16, progress=False)
+    kbit.quantize_model(model, bits=3, min_features=16, progress=False)
     path = tmp_path / "model.safetensors"
     st.save_file(model.state_dict(), str(path))
-    fresh = nn.Sequential(kbit.KbitLinear(160, 320, bias=True, k=3), nn.GELU(),
-                          kbit.KbitLinear(320, 160, bias=False, k=3))
+    fresh = nn.Sequential(kbit.KbitLinear(160, 320, bias=True, bits=3), nn.GELU(),
+                          kbit.KbitLinear(320, 160, bias=False, bits=3))
     fresh.load_state_dict(st.load_file(str(path)))
     assert_same_output(fresh, model, torch.randn(4, 160, dtype=torch.float16), "safetensors")
 
@@ -343,7 +344,7 @@ def test_quantize_model_swaps_eligible_layers():
     x = torch.randn(2, 3, 128)
     with torch.no_grad():
         ref = model(x)
-    out = kbit.quantize_model(model, k=5, min_features=64, progress=False)
+    out = kbit.quantize_model(model, bits=5, min_features=64, progress=False)
     assert out is model
     kinds = _kinds(model)
     assert kinds["lm_head"] == "Linear", "lm_head is skipped by default"
@@ -356,9 +357,9 @@ def test_quantize_model_swaps_eligible_layers():
     rel = float((y - ref).norm() / ref.norm())
     # Measured over 150 random models: mean 0.049, std 0.016, max 0.116 (heavy tail); a wrong code,
     # scale or permutation gives errors near 1.
-    assert rel < 0.2, f"k=5 model output relative error {rel:.4f}"
+    assert rel < 0.2, f"bits=5 model output relative error {rel:.4f}"
     # Running it again changes nothing (KbitLinear layers are not re-quantized).
-    kbit.quantize_model(model, k=5, min_features=64, progress=False)
+    kbit.quantize_model(model, bits=5, min_features=64, progress=False)
     assert _kinds(model) == kinds
 
 
@@ -374,7 +375,7 @@ def test_quantize_model_swaps_eligible_layers():
 )
 def test_quantize_model_skip(skip, kept):
     model = Model()
-    kbit.quantize_model(model, k=2, skip=skip, min_features=0, progress=False)
+    kbit.quantize_model(model, bits=2, skip=skip, min_features=0, progress=False)
     kinds = _kinds(model)
     assert {n for n, t in kinds.items() if t == "Linear"} == kept
 
@@ -405,30 +406,30 @@ def test_quantize_model_shared_and_special_modules():
 
 def test_quantize_model_progress_bar_optional(monkeypatch, capsys):
     model = Model(layers=1)
-    kbit.quantize_model(model, k=4, min_features=64, progress=True)  # with tqdm if installed
+    kbit.quantize_model(model, bits=4, min_features=64, progress=True)  # with tqdm if installed
     model = Model(layers=1)
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
-    kbit.quantize_model(model, k=4, min_features=64, progress=True)
+    kbit.quantize_model(model, bits=4, min_features=64, progress=True)
     assert _kinds(model)["layers.0.mlp.0"] == "KbitLinear"
 
 
 def test_quantize_model_bad_arguments():
-    with pytest.raises(ValueError, match="k must be one of"):
-        kbit.quantize_model(Model(), k=9)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kbit.quantize_model(Model(), bits=9)
     with pytest.raises(TypeError, match="nn.Module"):
-        kbit.quantize_model(torch.randn(3), k=4)
-    with pytest.raises(ValueError, match="codebook for k=4"):
-        kbit.quantize_model(Model(), k=4, codebook=torch.linspace(-1, 1, 8))
+        kbit.quantize_model(torch.randn(3), bits=4)
+    with pytest.raises(ValueError, match="codebook for bits=4"):
+        kbit.quantize_model(Model(), bits=4, codebook=torch.linspace(-1, 1, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_name)
 def test_quantized_model_half_and_save_load(dtype):
     model = Model().to(dtype)
-    kbit.quantize_model(model, k=4, min_features=64, progress=False)
+    kbit.quantize_model(model, bits=4, min_features=64, progress=False)
     model.to(torch.float32).to(dtype)  # module-wide casts keep the quantized buffers intact
     state = model.state_dict()
     fresh = Model().to(dtype)
-    kbit.quantize_model(fresh, k=4, min_features=64, progress=False)  # different random weights
+    kbit.quantize_model(fresh, bits=4, min_features=64, progress=False)  # different random weights
     fresh.load_state_dict(state)
     assert_same_output(fresh, model, torch.randn(2, 3, 128).to(dtype), _name(dtype))

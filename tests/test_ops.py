@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import kbit
+import kbit.functional
 from kbit import formats, layout, ops
 
 from test_formats import KS, _name
@@ -17,7 +18,7 @@ LAYOUT_SHAPES = [(1, 32), (17, 96), (100, 288), (130, 64), (200, 544), (256, 256
 # ----------------------------------------------------------------------------- opcheck
 def _storage(k, N, K_dim, dtype=torch.float16):
     A = torch.randn(N, K_dim).to(dtype)
-    cb = kbit.create_normal_float_codebook(k)
+    cb = kbit.functional.create_normal_float_codebook(k)
     scale = torch.tensor(0.5)
     packed, absmax = ops.quantize(A, cb, k, scale)
     return A, cb, scale, packed, absmax
@@ -55,7 +56,7 @@ def test_ops_are_registered_custom_ops():
     cb = torch.empty(16, device="meta")
     s = torch.empty((), device="meta")
     packed, absmax = torch.ops.kbit.quantize(A, cb, 4, s)
-    nb = formats.num_blocks(70 * 33)
+    nb = formats.block_count(70 * 33)
     assert packed.shape == (nb * 4,) and packed.dtype == torch.int32 and absmax.shape == (nb,)
     assert torch.ops.kbit.dequantize(packed, absmax, cb, 4, 70 * 33, torch.bfloat16, s).dtype == torch.bfloat16
     p2 = torch.empty(200 * 96 // 32 * 3, device="meta", dtype=torch.int32)
@@ -79,10 +80,10 @@ def test_repack_round_trip_bit_exact(k, shape):
     assert tuple(b.shape) == layout.gemm_shapes(k, N, K_dim)[0] and b.dtype == torch.int32
     assert tuple(a.shape) == layout.gemm_shapes(k, N, K_dim)[1] and a.dtype == torch.uint8
     p2, a2 = layout.unrepack_reference(b, a, k, N, K_dim)
-    assert torch.equal(p2, packed), f"k={k} N={N} K_dim={K_dim}"
-    assert torch.equal(a2, absmax), f"k={k} N={N} K_dim={K_dim}"
+    assert torch.equal(p2, packed), f"bits={k} N={N} K_dim={K_dim}"
+    assert torch.equal(a2, absmax), f"bits={k} N={N} K_dim={K_dim}"
     # The op wrappers agree with the references.
-    b3, a3 = kbit.repack_for_gemm(packed, absmax, k, N, K_dim)
+    b3, a3 = kbit.functional.repack_for_gemm(packed, absmax, k, N, K_dim)
     assert torch.equal(b3, b) and torch.equal(a3, a)
     p4, a4 = ops.unrepack(b, a, k, N, K_dim)
     assert torch.equal(p4, packed) and torch.equal(a4, absmax)
@@ -120,7 +121,7 @@ def test_layout_documented_bit_offsets(k, shape):
     cols = torch.randint(0, K_dim, (200,)).tolist() + [0, K_dim - 1]
     for row, col in zip(rows, cols):
         code, (tile, kgroup, r, g, t) = _documented_code(b, k, row, col)
-        assert code == int(codes[row, col]), f"k={k} N={N} K_dim={K_dim}: code of ({row}, {col})"
+        assert code == int(codes[row, col]), f"bits={k} N={N} K_dim={K_dim}: code of ({row}, {col})"
         want_absmax = int(absmax[row * (K_dim // 32) + col // 32])
         assert int(a[tile, kgroup, r, g, t]) == want_absmax, f"absmax of ({row}, {col})"
     # Padding rows (past N) and columns (past K_dim) hold code 0 and absmax 0.
@@ -149,18 +150,19 @@ def test_layout_k4_pairs_are_bytes():
     assert byte == int(codes[row, col]) | (int(codes[row, col + 1]) << 4)
 
 
-def test_layout_bad_shapes():
+def test_layout_bad_shapes():  # the references trust their arguments: the functional API checks them
     with pytest.raises(ValueError, match="multiple of 32"):
-        layout.repack_reference(torch.zeros(12, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8), 4, 2, 48)
-    b, a = layout.repack_reference(torch.zeros(4 * 4, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8), 4, 4, 32)
-    with pytest.raises(ValueError, match="must have shapes"):
-        layout.unrepack_reference(b, a, 4, 4, 288)
+        kbit.functional.repack_for_gemm(torch.zeros(12, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8), 4, 2,
+                                        48)
+    with pytest.raises(ValueError, match="need packed of shape"):
+        kbit.functional.repack_for_gemm(torch.zeros(12, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8), 4, 4,
+                                        32)
 
 
 # ----------------------------------------------------------------------------- torch.compile on CPU
 def test_compile_matmul_fullgraph():
     torch._dynamo.reset()
-    qw = kbit.quantize(torch.randn(200, 96), k=3)
+    qw = kbit.quantize(torch.randn(200, 96), bits=3)
     bias = torch.randn(200)
 
     def f(x):
@@ -176,12 +178,12 @@ def test_compile_matmul_fullgraph():
 def test_compile_ops_fullgraph_aot_eager():
     # The GEMM layout path (what CUDA runs) traced with a cold cache, through the fake impls.
     torch._dynamo.reset()
-    qw = kbit.quantize(torch.randn(130, 64), k=5)
+    qw = kbit.quantize(torch.randn(130, 64), bits=5)
 
     def g(x):
         b, a = qw.gemm_layout()
-        y = ops.gemm(x, b, a, qw.codebook, qw.scale, None, qw.k, 130, 64, 0)
-        w = ops.dequantize(qw.packed, qw.absmax, qw.codebook, qw.k, 130 * 64, torch.float32, qw.scale)
+        y = ops.gemm(x, b, a, qw.codebook, qw.scale, None, qw.bits, 130, 64, 0)
+        w = ops.dequantize(qw.packed, qw.absmax, qw.codebook, qw.bits, 130 * 64, torch.float32, qw.scale)
         return y, w
 
     x = torch.randn(3, 64, dtype=torch.float16)
@@ -208,7 +210,7 @@ class TinyLM(nn.Module):
 def test_compile_model_with_kbit_linear_fullgraph():
     torch._dynamo.reset()
     model = TinyLM().eval()
-    kbit.quantize_model(model, k=4, min_features=64, progress=False)
+    kbit.quantize_model(model, bits=4, min_features=64, progress=False)
     assert isinstance(model.up, kbit.KbitLinear) and isinstance(model.down, kbit.KbitLinear)
     ids = torch.randint(0, 300, (2, 7))
     with torch.no_grad():
@@ -226,7 +228,7 @@ def test_gemm_backward_matches_reference(K_x):
     # The CUDA path of kbit.matmul is ops.gemm; its gradients (x and bias; the weight is constant)
     # must match autograd through x @ W_hat.T + bias. On CPU ops.gemm runs its reference.
     N, K_dim = 130, 96
-    qw = kbit.quantize(torch.randn(N, K_dim), k=3)
+    qw = kbit.quantize(torch.randn(N, K_dim), bits=3)
     b, a = qw.gemm_layout()
     w = kbit.dequantize(qw, torch.float32)
     x = torch.randn(5, K_x, requires_grad=True)
@@ -247,7 +249,7 @@ def test_compile_gemm_op_with_grad_enabled():
     # torch.compile outside no_grad (inputs that require grad) must trace through ops.gemm:
     # this is what KbitLinear runs on CUDA.
     torch._dynamo.reset()
-    qw = kbit.quantize(torch.randn(130, 64), k=4)
+    qw = kbit.quantize(torch.randn(130, 64), bits=4)
     b, a = qw.gemm_layout()
     bias = torch.randn(130, dtype=torch.float16, requires_grad=True)
 
@@ -264,7 +266,7 @@ def test_compile_gemm_op_with_grad_enabled():
 def test_compile_kbit_model_with_grad_enabled():
     torch._dynamo.reset()
     model = TinyLM()
-    kbit.quantize_model(model, k=4, min_features=64, progress=False)
+    kbit.quantize_model(model, bits=4, min_features=64, progress=False)
     ids = torch.randint(0, 300, (2, 5))
     out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
     torch.testing.assert_close(out, model(ids))

@@ -72,7 +72,7 @@ def loaded(request, tmp_path_factory):
     src = tmp_path_factory.mktemp(family)
     model.save_pretrained(str(src))
     q = transformers.AutoModelForCausalLM.from_pretrained(str(src), quantization_config=kbit.KbitConfig(bits=4))
-    ref = kbit.quantize_model(copy.deepcopy(model), k=4, progress=False)
+    ref = kbit.quantize_model(copy.deepcopy(model), bits=4, progress=False)
     return family, model, src, q, ref
 
 
@@ -100,7 +100,7 @@ def test_quantized_layers_compute_the_original_function(loaded):
         layer, original = q.get_submodule(name), originals[name]
         weight = original.weight.t() if family == "gpt2" else original.weight
         assert (layer.out_features, layer.in_features) == tuple(weight.shape), name
-        assert torch.equal(layer.dequantize(), kbit.quantize(weight.detach(), k=4).dequantize()), name
+        assert torch.equal(layer.dequantize(), kbit.quantize(weight.detach(), bits=4).dequantize()), name
         if original.bias is not None:
             assert torch.equal(layer.bias, original.bias), name
         x = torch.randn(3, layer.in_features)
@@ -131,13 +131,13 @@ def test_quantize_while_loading_holds_one_layer_at_a_time(tmp_path, monkeypatch)
     gc.collect()
     before = weights_alive()  # other tests' models
     alive_at_each_call = []
-    real = hf_quantize_op.quantize_with_report
+    real = hf_quantize_op.quantize_checked
 
-    def counting(weight, **kwargs):
+    def counting(weight, *args):
         alive_at_each_call.append(len(weights_alive(before)))
-        return real(weight, **kwargs)
+        return real(weight, *args)
 
-    monkeypatch.setattr(hf_quantize_op, "quantize_with_report", counting)
+    monkeypatch.setattr(hf_quantize_op, "quantize_checked", counting)
     q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=kbit.KbitConfig(bits=4))
     assert len(alive_at_each_call) == len(kbit_names(q)) == 14
     # the weight being quantized only; reading every weight first would show up to 14
@@ -154,12 +154,12 @@ def test_quantization_settings(tmp_path, caplog):
         q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=config)
     layer = q.model.layers[1]
     assert type(layer.mlp.down_proj) is nn.Linear and type(layer.self_attn.o_proj) is nn.Linear
-    assert isinstance(layer.mlp.up_proj, kbit.KbitLinear) and layer.mlp.up_proj.k == 3
+    assert isinstance(layer.mlp.up_proj, kbit.KbitLinear) and layer.mlp.up_proj.bits == 3
     assert torch.equal(layer.mlp.up_proj.codebook, codebook)
     assert isinstance(q.lm_head, kbit.KbitLinear)  # a given skip replaces the default one (which names lm_head)
     share = 100 * kbit.quantized_fraction(q)
-    assert f"{share:.1f}% of LlamaForCausalLM's weights quantized to k=3 (11 layers)" in caplog.text
-    with pytest.raises(ValueError, match="k must be one of"):
+    assert f"{share:.1f}% of LlamaForCausalLM's weights quantized to 3 bits (11 layers)" in caplog.text
+    with pytest.raises(ValueError, match="bits must be one of"):
         kbit.KbitConfig(bits=6)
     with pytest.raises(TypeError):
         kbit.KbitConfig(bit=4)  # a misspelled setting is an error, not ignored
@@ -178,9 +178,9 @@ def test_moe_experts_are_quantized_once_loaded(tmp_path, caplog):
         q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src"),
                                                               quantization_config=kbit.KbitConfig(bits=4))
     assert isinstance(q.model.layers[0].mlp.experts, kbit.KbitExperts)
-    assert "quantized to k=4 (5 layers)" in caplog.text  # q, k, v, o and the experts; the router is narrow
+    assert "quantized to 4 bits (5 layers)" in caplog.text  # q, k, v, o and the experts; the router is narrow
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src"))
-    kbit.quantize_model(ref, k=4, skip=kbit.hf_quantizer.default_skip(ref), progress=False)
+    kbit.quantize_model(ref, bits=4, skip=kbit.hf_quantizer.default_skip(ref), progress=False)
     ids = torch.randint(0, VOCAB, (1, 6))
     assert torch.equal(logits(q, ids), logits(ref, ids))
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
@@ -215,11 +215,11 @@ def test_save_pretrained_roundtrip_sharded(loaded, tmp_path):
 def test_quantize_model_then_save_pretrained(tmp_path):
     """A model quantized by kbit.quantize_model records its quantization, so plain save_pretrained round-trips."""
     torch.manual_seed(11)
-    q = kbit.quantize_model(build("gpt2"), k=5, progress=False)
+    q = kbit.quantize_model(build("gpt2"), bits=5, progress=False)
     assert q.config.quantization_config.bits == 5 and q.hf_quantizer.is_serializable()
     q.save_pretrained(str(tmp_path))
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
-    assert kbit_names(again) == kbit_names(q) and again.transformer.h[0].attn.c_attn.k == 5
+    assert kbit_names(again) == kbit_names(q) and again.transformer.h[0].attn.c_attn.bits == 5
     ids = torch.randint(0, VOCAB, (1, 6))
     assert torch.equal(logits(again, ids), logits(q, ids))
 
@@ -240,7 +240,7 @@ def test_kbit_folders_without_kbit_fail_loudly(tmp_path, request):
     """Without kbit, transformers skips an unknown quant_method: the weight names make it refuse the folder,
     through from_pretrained and through sentence-transformers alike."""
     torch.manual_seed(13)
-    kbit.quantize_model(build("llama"), k=4, progress=False).save_pretrained(str(tmp_path))
+    kbit.quantize_model(build("llama"), bits=4, progress=False).save_pretrained(str(tmp_path))
     try:
         minilm = str(request.getfixturevalue("minilm_folder")[1])
     except pytest.skip.Exception:
@@ -284,7 +284,7 @@ def _rewrite(folder: Path, change) -> None:
 ])
 def test_untrusted_kbit_folder_is_refused(damage, message, tmp_path):
     torch.manual_seed(17)
-    kbit.quantize_model(build("llama"), k=4, progress=False).save_pretrained(str(tmp_path))
+    kbit.quantize_model(build("llama"), bits=4, progress=False).save_pretrained(str(tmp_path))
     name = "model.layers.0.mlp.up_proj"
     if damage == "codebook":
         _rewrite(tmp_path, lambda t: t.__setitem__(f"{name}.codebook", t[f"{name}.codebook"].flip(0)))
@@ -320,7 +320,7 @@ def test_minilm_through_sentence_transformers(minilm_folder):
     original = AutoModel.from_pretrained(str(src)).float().eval()
     query = original.encoder.layer[0].attention.self.query
     packed = quantized["encoder.layer.0.attention.self.query"].packed
-    assert torch.equal(packed, kbit.quantize(query.weight, k=4).packed)
+    assert torch.equal(packed, kbit.quantize(query.weight, bits=4).packed)
     tokens = AutoTokenizer.from_pretrained(str(src))(sentences, padding=True, return_tensors="pt")
 
     def embed(bert):  # all-MiniLM-L6-v2's pooling: mean over tokens, L2-normalized

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kbit  # noqa: E402
+import kbit.functional  # noqa: E402
 from kbit.formats import STATE_KEYS, dequantize_reference  # noqa: E402
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
@@ -27,9 +28,9 @@ DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.
 CLEAR = (TypeError, ValueError)
 
 
-def _valid_state(k=3, N=24, K=70, dtype=torch.float16):
+def _valid_state(bits=3, N=24, K=70, dtype=torch.float16):
     W = (torch.randn(N, K) * 0.02).to(dtype)
-    return kbit.quantize(W, k=k).state_dict(), W
+    return kbit.quantize(W, bits=bits).state_dict(), W
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +113,7 @@ def _assert_valid_weight(qw: kbit.QuantizedWeight):
     w = qw.dequantize(torch.float32)
     assert w.shape == qw.shape and bool(torch.isfinite(w).all())
     N, K = qw.shape
-    ref = dequantize_reference(qw.packed, qw.absmax, qw.codebook, qw.k, qw.packed.numel() // qw.k * 32,
+    ref = dequantize_reference(qw.packed, qw.absmax, qw.codebook, qw.bits, qw.packed.numel() // qw.bits * 32,
                                torch.float32, qw.scale).reshape(N, -1)[:, :K]
     assert torch.equal(w, ref)
 
@@ -133,7 +134,7 @@ def test_fuzz_quantized_weight_from_state_dict(case):
 def test_fuzz_kbit_linear_load_state_dict(case):
     state, W, plan, k = case
     N, K = W.shape
-    layer = kbit.KbitLinear(K, N, bias=False, k=k, dtype=torch.float16)
+    layer = kbit.KbitLinear(K, N, bias=False, bits=k, dtype=torch.float16)
     try:
         layer.load_state_dict(state, strict=bool(plan[0][1] != "drop"))
     except CLEAR:
@@ -176,7 +177,7 @@ def test_fuzz_quantize(dtype, N, K, k, kind):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            qw, loss = kbit.weight.quantize_with_report(W, k=k)
+            qw, loss = kbit.weight.quantize_with_report(W, bits=k)
         except CLEAR:
             assert not bool(torch.isfinite(W).all()), "finite weights must quantize"
             return
@@ -184,7 +185,7 @@ def test_fuzz_quantize(dtype, N, K, k, kind):
     assert bool(torch.isfinite(W_hat).all()), "finite weights must dequantize to finite values"
     assert not [w for w in caught if issubclass(w.category, kbit.PrecisionWarning)]  # the report, not a warning
     # The report is exact: recount the blocks beyond the bound from the result.
-    Wp = torch.nn.functional.pad(W.float(), (0, qw.packed.numel() // qw.k * 32 // N - K)).reshape(-1, 32)
+    Wp = torch.nn.functional.pad(W.float(), (0, qw.packed.numel() // qw.bits * 32 // N - K)).reshape(-1, 32)
     Wh = torch.nn.functional.pad(qw.dequantize(torch.float32), (0, Wp.numel() // N - K)).reshape(-1, 32)
     cb = qw.codebook
     amax = Wp.abs().amax(1)
@@ -196,7 +197,7 @@ def test_fuzz_quantize(dtype, N, K, k, kind):
 
 # ----------------------------------------------------------------------------- the format's values
 def _state_with(**changes):
-    state, _ = _valid_state(k=2)
+    state, _ = _valid_state(bits=2)
     state.update(changes)
     return state
 
@@ -216,12 +217,12 @@ def _state_with(**changes):
     ("meta negative shape", dict(meta=torch.tensor([2, -24, 70, 0])), ValueError, "positive"),
     ("meta zero shape", dict(meta=torch.tensor([2, 0, 70, 0])), ValueError, "positive"),
     ("meta dtype code", dict(meta=torch.tensor([2, 24, 70, 7])), ValueError, "dtype code"),
-    ("meta bits", dict(meta=torch.tensor([6, 24, 70, 0])), ValueError, "k must be one of"),
+    ("meta bits", dict(meta=torch.tensor([6, 24, 70, 0])), ValueError, "bits must be one of"),
 ])
 def test_bad_format_values(name, changes, error, match):
     with pytest.raises(error, match=match):
         kbit.QuantizedWeight.from_state_dict(_state_with(**changes))
-    layer = kbit.KbitLinear(70, 24, bias=False, k=2)
+    layer = kbit.KbitLinear(70, 24, bias=False, bits=2)
     with pytest.raises((RuntimeError, error), match=match):
         layer.load_state_dict(_state_with(**changes))
 
@@ -229,15 +230,15 @@ def test_bad_format_values(name, changes, error, match):
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.float32, torch.int64])
 def test_packed_of_another_dtype_with_the_same_element_count(dtype, tmp_path):
     """The report's exploit: packed re-stored as another dtype with the same element count must not load."""
-    state, _ = _valid_state(k=4)
+    state, _ = _valid_state(bits=4)
     bad = dict(state, packed=state["packed"].to(dtype))
     with pytest.raises(TypeError, match="packed must be int32"):
         kbit.QuantizedWeight.from_state_dict(bad)
-    layer = kbit.KbitLinear(70, 24, bias=False, k=4)
+    layer = kbit.KbitLinear(70, 24, bias=False, bits=4)
     with pytest.raises(RuntimeError, match="packed must be int32"):
         layer.load_state_dict(bad)
     model = nn.Sequential(nn.Linear(70, 24, bias=False))
-    model = kbit.quantize_model(model, k=4, min_features=1, progress=False)
+    model = kbit.quantize_model(model, bits=4, min_features=1, progress=False)
     sd = model.state_dict()
     sd["0.packed"] = sd["0.packed"].to(dtype)
     with pytest.raises(RuntimeError, match="packed must be int32"):
@@ -248,13 +249,13 @@ def test_mixed_devices_rejected():
     state, _ = _valid_state()
     qw = kbit.QuantizedWeight.from_state_dict(state)
     with pytest.raises(ValueError, match="one device"):
-        kbit.QuantizedWeight(qw.packed, qw.absmax, qw.codebook, qw.scale.to("meta"), qw.k, qw.shape, qw.dtype)
+        kbit.QuantizedWeight(qw.packed, qw.absmax, qw.codebook, qw.scale.to("meta"), qw.bits, qw.shape, qw.dtype)
 
 
 def test_missing_scale_after_assign_load_is_an_error_not_garbage():
     """strict=False, assign=True on a module built on meta, without its scale: a clear error, every call."""
-    state, W = _valid_state(k=4)
-    layer = kbit.KbitLinear(70, 24, bias=False, k=4, device="meta")
+    state, W = _valid_state(bits=4)
+    layer = kbit.KbitLinear(70, 24, bias=False, bits=4, device="meta")
     del state["scale"]
     result = layer.load_state_dict(state, strict=False, assign=True)
     assert result.missing_keys == ["scale"]
@@ -277,19 +278,19 @@ def test_outlier_blocks_are_reported_with_counts():
     W = torch.randn(512, 512) * 0.02
     W[3, 7] = 1e4
     with pytest.warns(kbit.PrecisionWarning, match=r"W: (\d+) of 8192 blocks") as record:
-        qw = kbit.quantize(W, k=4)
-    loss = kbit.weight.quantize_with_report(W, k=4)[1]
+        qw = kbit.quantize(W, bits=4)
+    loss = kbit.weight.quantize_with_report(W, bits=4)[1]
     assert loss.beyond_bound > 0 and loss.zeroed > 0 and str(loss.beyond_bound) in str(record[0].message)
     assert bool(torch.isfinite(qw.dequantize()).all())
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
     with torch.no_grad():
         model[2].weight.copy_(W)
     with pytest.warns(kbit.PrecisionWarning, match=r"^2\.weight: "):
-        kbit.quantize_model(model, k=4, progress=False)
+        kbit.quantize_model(model, bits=4, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", kbit.PrecisionWarning)
         with pytest.raises(kbit.PrecisionWarning):
-            kbit.quantize(W, k=4)
+            kbit.quantize(W, bits=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -298,7 +299,7 @@ def test_weights_at_the_dtype_maximum_stay_finite(dtype):
     W = torch.randn(8, 64).to(dtype)
     W[0, :3] = torch.tensor([big, -big, big * 0.999]).to(dtype)
     with pytest.warns(kbit.PrecisionWarning, match="saturated"):
-        qw = kbit.quantize(W, k=4)
+        qw = kbit.quantize(W, bits=4)
     W_hat = qw.dequantize()
     assert bool(torch.isfinite(W_hat).all())
     # Saturated blocks clip by less than one E4M4 step; the other blocks are what the quantize op made.
@@ -315,37 +316,37 @@ def test_quantize_model_nan_layer_is_named_and_model_unchanged():
         model[2].weight[5, 5] = float("nan")
     before = [type(m) for m in model]
     with pytest.raises(ValueError, match=r"cannot quantize 2: .*NaN.*the model is unchanged"):
-        kbit.quantize_model(model, k=4, min_features=1, progress=False)
+        kbit.quantize_model(model, bits=4, min_features=1, progress=False)
     assert [type(m) for m in model] == before
 
 
 def test_quantize_model_with_nothing_to_quantize_says_so():
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
     with pytest.warns(UserWarning, match=r"nothing to quantize .* 2 narrower than min_features=128"):
-        kbit.quantize_model(model, k=4, progress=False)
+        kbit.quantize_model(model, bits=4, progress=False)
     with pytest.warns(UserWarning, match=r"2 skipped by name"):
-        kbit.quantize_model(model, k=4, skip=("0", "1"), min_features=1, progress=False)
+        kbit.quantize_model(model, bits=4, skip=("0", "1"), min_features=1, progress=False)
 
 
 def test_functional_api_messages():
-    qw = kbit.quantize(torch.randn(64, 96), k=4)
+    qw = kbit.quantize(torch.randn(64, 96), bits=4)
     b, a = qw.gemm_layout()
     x = torch.randn(2, 96).half()
-    with pytest.raises(ValueError, match="K_dim must be a multiple of 32"):
-        kbit.kbit_gemm(x, b, a, qw.codebook, 4, 64, 50, scale=qw.scale)
-    with pytest.raises(TypeError, match="K_dim must be an int"):
-        kbit.kbit_gemm(x, b, a, qw.codebook, 4, 64, 96.0, scale=qw.scale)
+    with pytest.raises(ValueError, match="in_features_padded must be a multiple of 32"):
+        kbit.functional.kbit_gemm(x, b, a, qw.codebook, 4, 64, 50, scale=qw.scale)
+    with pytest.raises(TypeError, match="in_features_padded must be an int"):
+        kbit.functional.kbit_gemm(x, b, a, qw.codebook, 4, 64, 96.0, scale=qw.scale)
     with pytest.raises(TypeError, match="GEMM layout must be"):
-        kbit.kbit_gemm(x, b.to(torch.int64), a, qw.codebook, 4, 64, 96, scale=qw.scale)
-    with pytest.raises(TypeError, match="N must be an int"):
-        kbit.repack_for_gemm(qw.packed, qw.absmax, 4, 40.0, 96)
-    with pytest.raises(ValueError, match="N must be >= 1"):
-        kbit.repack_for_gemm(qw.packed, qw.absmax, 4, -64, 96)
+        kbit.functional.kbit_gemm(x, b.to(torch.int64), a, qw.codebook, 4, 64, 96, scale=qw.scale)
+    with pytest.raises(TypeError, match="out_features must be an int"):
+        kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, 40.0, 96)
+    with pytest.raises(ValueError, match="out_features must be >= 1"):
+        kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, -64, 96)
     with pytest.raises(TypeError, match="n must be an int"):
-        kbit.dequantize_kbit(qw.packed, qw.absmax, qw.codebook, 4, 64.5)
+        kbit.functional.dequantize_kbit(qw.packed, qw.absmax, qw.codebook, 4, 64.5)
     with pytest.raises(TypeError, match="encode_absmax_e4m4 expects a floating-point torch.Tensor"):
-        kbit.encode_absmax_e4m4([0.5, 1.0])
+        kbit.functional.encode_absmax_e4m4([0.5, 1.0])
     with pytest.raises(TypeError, match="decode_absmax_e4m4 expects a uint8 torch.Tensor"):
-        kbit.decode_absmax_e4m4([3, 4])
-    with pytest.raises(TypeError, match="num_blocks must be an int"):
-        kbit.matmul(x, qw, num_blocks=1.5)
+        kbit.functional.decode_absmax_e4m4([3, 4])
+    with pytest.raises(TypeError, match="grid_override must be an int"):
+        kbit.matmul(x, qw, grid_override=1.5)
