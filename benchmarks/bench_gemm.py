@@ -1,4 +1,4 @@
-"""Benchmark kbit's fused dequantize + GEMM against cuBLAS fp16 and the other peers (DESIGN.md section 6).
+"""Benchmark kbit's fused dequantize + GEMM against cuBLAS fp16 and the other peers (docs/PERFORMANCE.md#method).
 
     python benchmarks/bench_gemm.py                 # default sweep (~8 min of GPU time)
     python benchmarks/bench_gemm.py --quick         # small subset (~1-2 min)
@@ -36,7 +36,7 @@ from common import (  # noqa: E402
     text_table, time_graph, write_outputs,
 )
 
-# The DESIGN table's shapes first, then the rest of the seeds' table (K_in -> N_out).
+# The seed shapes (K_in -> N_out): the four of the quick subset first.
 DEFAULT_SHAPES = ["8192->28672", "14336->4096", "4096->4096", "2048->1536", "4096->14336", "28672->8192",
                   "11008->4096", "4096->11008", "2048->10240"]
 QUICK_SHAPES = ["8192->28672", "14336->4096", "4096->4096", "2048->1536"]
@@ -61,6 +61,7 @@ def parse_args(argv=None):
                         "dequant+cuBLAS peer at K=4 only")
     p.add_argument("--full", action="store_true", help="the default sweep (accepted for symmetry with --quick)")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results or $KBIT_BENCH_OUT)")
+    p.add_argument("--tag", default="", help="suffix of the output files' names: gemm_<device>_<tag>.* (e.g. decode, prefill)")
     p.add_argument("--calls", type=int, default=20, help="minimum calls per CUDA graph (default 20)")
     p.add_argument("--replays", type=int, default=7, help="graph replays; the median is reported (default 7)")
     p.add_argument("--peers", default=",".join(PEERS),
@@ -300,7 +301,7 @@ class Runner:
         """Per-call time of copying nbytes / 2 (so nbytes move), rotated over buffers > 2x L2 like the GEMMs.
 
         The faster of two timings, each on its own buffers: mid-size copies (10-30 MB) timed 10-15% apart
-        from one allocation to the next (H100)."""
+        from one allocation to the next."""
         torch = common.torch
         half = max(256, int(nbytes / 2) // 256 * 256)
         key = half >> 16  # one timing per 64 KB of size
@@ -597,7 +598,7 @@ def main(argv=None) -> int:
                  "replays": args.replays, "peers": args.peer_list},
         "rows": rows, "errors": errors, "peer_notes": notes, "elapsed_s": round(time.time() - t_start, 1),
     }
-    stem = f"gemm_{common.device_tag(env['device'])}" + ("_quick" if args.quick else "")
+    stem = f"gemm_{common.device_tag(env['device'])}" + (f"_{args.tag}" if args.tag else "_quick" if args.quick else "")
     md_path, js_path = write_outputs(out_dir, stem, render_markdown(data), data)
     written = [md_path, js_path]
     if not args.no_plot:

@@ -18,7 +18,7 @@ in L2:
             per-expert scale), then the bf16 module on those weights
 
 floor: the kbit bytes of the experts a forward reads (mean distinct experts of its routings) at the device's
-copy bandwidth. Targets (issue 21): decode (<= 16 tokens) >= 3x bf16, prefill >= 1x. Writes
+copy bandwidth. Targets: decode (<= 16 tokens) >= 3x bf16, prefill >= 1x. Writes
 ``moe_<device>.md`` / ``.json`` under ``--out``.
 """
 

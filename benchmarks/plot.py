@@ -1,6 +1,6 @@
 """Chart of a bench_gemm.py result: speedup over cuBLAS vs M, one panel per shape, one line per K.
 
-    python benchmarks/plot.py benchmarks/results/gemm_NVIDIA_H200.json [-o out.png]
+    python benchmarks/plot.py benchmarks/results/gemm_NVIDIA_H200_decode.json [-o out.png]
 
 Needs matplotlib (``plot_gemm`` returns None without it, so the benchmark can run anywhere).
 """

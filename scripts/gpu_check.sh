@@ -9,7 +9,7 @@
 #   scripts/gpu_check.sh --only-bench    # build, then the benchmarks only
 #
 # Logs go to $OUT (when set, e.g. on the device runner) or ./gpu_check_logs; benchmark results to
-# $OUT/results or benchmarks/results. Env: KBIT_CACHE_DIR (default $REPO/.kbit_cache), PYTHON
+# $OUT/results or gpu_check_logs/results (commit a result set to benchmarks/results deliberately). Env: KBIT_CACHE_DIR (default $REPO/.kbit_cache), PYTHON
 # (default python), PYTEST_ARGS (extra pytest arguments), KBIT_SANITIZE_KERNELS (a
 # compute-sanitizer --kernel-name filter, e.g. "regex:kbit"), KBIT_TEST_SEED (replay a test run).
 
@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1
 export KBIT_CACHE_DIR="${KBIT_CACHE_DIR:-$REPO/.kbit_cache}"
 PY="${PYTHON:-python}"
 if [[ -n "${OUT:-}" ]]; then LOG_DIR="$OUT"; RESULTS_DIR="$OUT/results"; else
-  LOG_DIR="$REPO/gpu_check_logs"; RESULTS_DIR="$REPO/benchmarks/results"; fi
+  LOG_DIR="$REPO/gpu_check_logs"; RESULTS_DIR="$LOG_DIR/results"; fi
 mkdir -p "$LOG_DIR" "$RESULTS_DIR"
 export KBIT_BENCH_OUT="$RESULTS_DIR"
 
