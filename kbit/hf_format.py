@@ -4,12 +4,18 @@ For each ``KbitLinear`` ``X`` the weights hold ``X.weight`` (the ``packed`` bit 
 ``X.codebook``, ``X.scale``, ``X.meta`` and ``X.bias`` if the layer has one: the layer's ``state_dict`` with
 ``packed`` saved under the layer's weight name. A transformers without kbit therefore finds ``X.weight`` with the
 wrong shape and refuses the folder ("size mismatch") instead of loading random weights in the layer's place.
-``config.json`` carries ``quantization_config`` (``kbit.KbitConfig``).
+For each ``KbitExperts`` ``X`` (a mixture-of-experts layer's routed experts) they hold its ``state_dict``:
+``X.gate_up_packed``, ``X.gate_up_absmax``, ``X.gate_up_scale``, the same three for ``down``, ``X.codebook`` and
+``X.meta`` (layout in ``kbit.moe``). ``config.json`` carries ``quantization_config`` (``kbit.KbitConfig``).
 
-Loading reads which layers are quantized -- and their bits, shape and dtype -- from the checkpoint itself (the
-layers with ``.absmax`` and ``.meta`` entries), puts ``KbitLinear`` modules of those shapes into the empty model,
-has transformers load ``X.weight`` into ``X.packed``, and then checks every layer's tensors as untrusted input
-(``KbitLinear.load_state_dict``).
+Names are the model's own, after ``save_pretrained`` applied the model's renamings back to the original
+checkpoint's names (Mixtral's ``mlp`` is saved as ``block_sparse_moe``); loading applies them forward again.
+
+Loading reads which layers are quantized -- and their bits, shapes and dtype -- from the checkpoint itself (the
+``.absmax`` and ``.meta`` entries of each ``KbitLinear``, the ``.gate_up_absmax`` and ``.meta`` entries of each
+``KbitExperts``), puts empty kbit modules of those shapes into the model, has transformers load ``X.weight`` into
+``X.packed`` and the rest by name, and then checks every kbit module's tensors as untrusted input
+(``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import re
 from torch import nn
 
 from ._layers import linear_features
-from ._validate import check_meta
+from ._validate import check_experts_meta, check_meta
 from .formats import STATE_KEYS
-from .moe import KbitExperts
+from .moe import STORAGE as EXPERTS_STORAGE
+from .moe import KbitExperts, experts_shape, unsupported_reason
 from .nn import KbitLinear
 
 FORMAT_VERSION = 1
@@ -30,14 +37,7 @@ _SAVED = tuple("weight" if key == "packed" else key for key in STATE_KEYS)
 
 
 def saved_state_dict(model: nn.Module) -> dict:
-    """``model.state_dict()`` with each kbit layer's ``packed`` under the layer's weight name."""
-    if any(isinstance(m, KbitExperts) for m in model.modules()):
-        # transformers would write them under names neither it nor kbit reads back: refuse rather than lose them
-        raise NotImplementedError(
-            "a kbit folder cannot hold quantized mixture-of-experts layers (kbit.KbitExperts) yet; keep the "
-            "full-precision checkpoint and quantize while loading it: "
-            "from_pretrained(..., quantization_config=KbitConfig())"
-        )
+    """``model.state_dict()`` with each ``KbitLinear``'s ``packed`` under the layer's weight name."""
     state = model.state_dict()
     for name, module in model.named_modules():
         if isinstance(module, KbitLinear):
@@ -46,32 +46,47 @@ def saved_state_dict(model: nn.Module) -> dict:
     return state
 
 
-def checkpoint_layers(checkpoint_files) -> dict:
-    """``{name: (bits, (out_features, in_features), dtype, has_bias)}`` of the kbit layers in a checkpoint."""
+def model_renamings(model: nn.Module) -> list:
+    """The renamings transformers applies to this model's checkpoint keys while loading (and backwards on saving)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+
+def checkpoint_modules(checkpoint_files, renamings=()) -> tuple:
+    """The kbit modules in a checkpoint, named as ``renamings`` (``model_renamings``) rename its keys:
+    ``({name: (bits, (out_features, in_features), dtype, has_bias)}`` of each ``KbitLinear``,
+    ``{name: (bits, E, H, I, dtype)}`` of each ``KbitExperts``)."""
     from safetensors import safe_open
+    from transformers.core_model_loading import apply_renamings
 
     files = [str(f) for f in checkpoint_files or ()]
     not_safetensors = [f for f in files if not f.endswith(".safetensors")]
     if not files or not_safetensors:
         raise ValueError(f"a kbit checkpoint is safetensors files, got {not_safetensors or 'none'}")
-    file_of = {}
+    file_of = {}  # renamed key -> (file, key in the file)
     for path in files:
         with safe_open(path, framework="pt") as f:
-            file_of.update(dict.fromkeys(f.keys(), path))
-    names = sorted(key[: -len(".absmax")] for key in file_of if key.endswith(".absmax"))
-    if not names:
+            file_of.update((apply_renamings(key, list(renamings)), (path, key)) for key in f.keys())
+    layers = sorted(key[: -len(".absmax")] for key in file_of if key.endswith(".absmax"))
+    experts = sorted(key[: -len(".gate_up_absmax")] for key in file_of if key.endswith(".gate_up_absmax"))
+    if not layers and not experts:
         raise ValueError("the checkpoint has quant_method 'kbit' in its config but no kbit layers in its weights")
-    for name in names:
-        missing = [f"{name}.{entry}" for entry in _SAVED if f"{name}.{entry}" not in file_of]
-        if missing:
-            raise ValueError(f"kbit checkpoint: layer {name} lacks {', '.join(missing)}")
+    for names, entries in ((layers, _SAVED), (experts, EXPERTS_STORAGE)):
+        for name in names:
+            missing = [f"{name}.{entry}" for entry in entries if f"{name}.{entry}" not in file_of]
+            if missing:
+                raise ValueError(f"kbit checkpoint: layer {name} lacks {', '.join(missing)}")
     metas = {}
     for path in files:  # each file opened once: a large model has hundreds of layers in a few shards
-        keys = [f"{name}.meta" for name in names if file_of[f"{name}.meta"] == path]
+        keys = [f"{name}.meta" for name in layers + experts if file_of[f"{name}.meta"][0] == path]
         if keys:
             with safe_open(path, framework="pt") as f:
-                metas.update((key, check_meta(f.get_tensor(key), key)) for key in keys)
-    return {name: (*metas[f"{name}.meta"], f"{name}.bias" in file_of) for name in names}
+                metas.update((key, f.get_tensor(file_of[key][1])) for key in keys)
+    return ({name: (*check_meta(metas[f"{name}.meta"], f"{name}.meta"), f"{name}.bias" in file_of)
+             for name in layers},
+            {name: check_experts_meta(metas[f"{name}.meta"], f"{name}.meta") for name in experts})
 
 
 def _module_name(saved: str, modules: dict, prefix: str) -> str:
@@ -103,8 +118,23 @@ def swap_in_kbit_layers(model: nn.Module, layers: dict) -> None:
         model.set_submodule(name, new)
 
 
+def swap_in_kbit_experts(model: nn.Module, experts: dict) -> None:
+    """Replace each fused experts module the checkpoint holds quantized by an empty (meta) ``KbitExperts``."""
+    modules = dict(model.named_modules())
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    for saved, (bits, E, H, I, dtype) in experts.items():
+        name = _module_name(saved, modules, prefix)
+        old = modules[name]
+        why = unsupported_reason(old)
+        if why or experts_shape(old) != (E, H, I):
+            raise ValueError(f"the checkpoint holds {name} as kbit experts E={E}, H={H}, I={I}, but this model's "
+                             f"{name} is {why or f'E, H, I = {experts_shape(old)}'}")
+        model.set_submodule(name, KbitExperts.like(old, bits=bits, dtype=dtype, device="meta"))
+
+
 def packed_renaming(saved_names):
-    """The renaming that loads each saved ``X.weight`` of a kbit layer into ``X.packed``."""
+    """The renaming that loads each saved ``X.weight`` of a ``KbitLinear`` into ``X.packed`` (``saved_names``: the
+    layers' names once the model's renamings have applied, which run before this one)."""
     from transformers.core_model_loading import WeightRenaming
 
     alternatives = "|".join(re.escape(name) for name in saved_names)
@@ -112,10 +142,10 @@ def packed_renaming(saved_names):
 
 
 def check_loaded_layers(model: nn.Module) -> None:
-    """Check every kbit layer's loaded tensors (dtype, shape, values) and derive its view and GEMM layout."""
+    """Check every kbit module's loaded tensors (dtype, shape, values) and derive its view and GEMM layout."""
     for name, module in model.named_modules():
-        if isinstance(module, KbitLinear):
-            try:  # through KbitLinear's checked loading; assign keeps the tensors, no copy
+        if isinstance(module, (KbitLinear, KbitExperts)):
+            try:  # through the module's checked loading; assign keeps the tensors, no copy
                 module.load_state_dict(module.state_dict(), assign=True)
             except RuntimeError as e:
                 raise ValueError(f"kbit checkpoint, layer {name}: {e}") from None

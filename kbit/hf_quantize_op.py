@@ -1,9 +1,14 @@
 """Quantizing a layer while transformers loads it (``from_pretrained(..., quantization_config=KbitConfig(...))``).
 
 transformers reads the checkpoint one tensor at a time and hands each weight that ``KbitHfQuantizer`` marked
-(``param_needs_quantization``) to this operation instead of the model. The operation quantizes it and puts a
-``KbitLinear`` in the layer's place right away, so the full-precision weight is garbage as soon as it returns:
-at no point does the process hold more than one layer's weight in full precision.
+(``param_needs_quantization``) to this operation instead of the model. The operation quantizes it and puts a kbit
+module in the layer's place right away, so the full-precision weight is garbage as soon as it returns: at no point
+does the process hold more than one layer's weight in full precision.
+
+A fused experts module's two weights (``gate_up_proj``, ``down_proj``; transformers assembles each from the
+checkpoint's per-expert tensors) arrive one at a time: the first is quantized into an all-zero ``KbitExperts`` held
+aside, the second into its other projection, and then the ``KbitExperts`` (its GEMM layout derived) replaces the
+module: a model never holds half-quantized experts.
 """
 
 from __future__ import annotations
@@ -13,32 +18,54 @@ from transformers.core_model_loading import ConversionOps
 
 from ._layers import is_conv1d
 from ._validate import check_weight
+from .moe import FUSED_PARAMETERS, KbitExperts, canonical_weight
 from .nn import KbitLinear
 from .weight import quantize_checked, warn_precision
 
 
 class QuantizeWhileLoading(ConversionOps):
-    """``{"<layer>.weight": tensor}``: quantize it, replace the layer by a ``KbitLinear``; nothing left to set."""
+    """``{"<layer>.weight": tensor}`` or ``{"<experts>.gate_up_proj" / "<experts>.down_proj": tensor}``: quantize it
+    into the kbit module that replaces the layer; nothing is left for transformers to set."""
 
     def __init__(self, hf_quantizer):
         self.hf_quantizer = hf_quantizer
 
     @torch.no_grad()
     def convert(self, input_dict, model=None, missing_keys=None, **kwargs):
-        config = self.hf_quantizer.quantization_config
         for key, value in input_dict.items():
             value = value[0] if isinstance(value, list) else value
-            name = key.rpartition(".")[0]
-            layer = model.get_submodule(name)
-            weight = value.t() if is_conv1d(layer) else value  # Conv1D stores [in, out]
-            # KbitConfig checked bits and codebook; the checkpoint's weight is checked here
-            qw, loss = quantize_checked(check_weight(weight, key), config.bits, config.codebook_tensor())
-            warn_precision(loss, key)
-            new = KbitLinear.from_quantized(qw)
-            if layer.bias is not None:
-                new.bias = layer.bias  # the same parameter, whether transformers has loaded it yet or not
-            model.set_submodule(name, new)
+            name, _, tensor_name = key.rpartition(".")
+            if name in self.hf_quantizer.experts:
+                self._quantize_experts(model, name, tensor_name, value)
+            else:
+                self._quantize_linear(model, name, key, value)
             if missing_keys is not None:
                 missing_keys.discard(key)
             self.hf_quantizer.progress.update()
         return {}
+
+    def _quantize_linear(self, model, name: str, key: str, value: torch.Tensor) -> None:
+        config = self.hf_quantizer.quantization_config
+        layer = model.get_submodule(name)
+        weight = value.t() if is_conv1d(layer) else value  # Conv1D stores [in, out]
+        # KbitConfig checked bits and codebook; the checkpoint's weight is checked here
+        qw, loss = quantize_checked(check_weight(weight, key), config.bits, config.codebook_tensor())
+        warn_precision(loss, key, stacklevel=3)
+        new = KbitLinear.from_quantized(qw)
+        if layer.bias is not None:
+            new.bias = layer.bias  # the same parameter, whether transformers has loaded it yet or not
+        model.set_submodule(name, new)
+
+    def _quantize_experts(self, model, name: str, tensor_name: str, value: torch.Tensor) -> None:
+        config = self.hf_quantizer.quantization_config
+        original = self.hf_quantizer.experts[name]
+        experts, loaded = self.hf_quantizer.experts_pending.setdefault(name, (
+            KbitExperts.like(original, bits=config.bits, dtype=value.dtype, device=value.device,
+                             codebook=config.codebook_tensor()), set()))
+        losses = experts.quantize_projection(tensor_name.removesuffix("_proj"), canonical_weight(original, value), name)
+        for label, loss in losses:
+            warn_precision(loss, label, stacklevel=3)
+        loaded.add(tensor_name)
+        if loaded == set(FUSED_PARAMETERS):
+            model.set_submodule(name, experts.prepare())
+            del self.hf_quantizer.experts_pending[name]

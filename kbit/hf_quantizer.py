@@ -6,9 +6,12 @@
 
 Quantizing while loading: every eligible ``nn.Linear`` or ``Conv1D`` weight (``kbit.nn.linear_targets``) is
 quantized the moment transformers reads it from the checkpoint, and its layer replaced by a ``KbitLinear`` right
-then (``kbit.hf_quantize_op``), so host memory peaks near the quantized model plus one layer in full precision.
-Loading a kbit folder builds ``KbitLinear`` modules for the layers the checkpoint holds quantized
-(``kbit.hf_format``) and checks every loaded tensor as untrusted input.
+then (``kbit.hf_quantize_op``); so is each projection of a fused mixture-of-experts module
+(``kbit.nn.experts_targets``: ``gate_up_proj`` and ``down_proj``, each assembled by transformers from the
+checkpoint's per-expert weights), the module replaced by a ``KbitExperts`` once both are in. Host memory
+peaks near the quantized model plus one layer in full precision. Loading a kbit folder builds ``KbitLinear`` and
+``KbitExperts`` modules for the layers the checkpoint holds quantized (``kbit.hf_format``) and checks every loaded
+tensor as untrusted input.
 
 Registration with transformers happens when its quantizers are imported (``kbit._transformers_hook``).
 """
@@ -16,6 +19,7 @@ Registration with transformers happens when its quantizers are imported (``kbit.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Optional
 
 import torch
@@ -31,8 +35,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from . import hf_format
 from ._progress import Progress
 from ._validate import check_bits, check_codebook, check_int
-from .moe import KbitExperts, find_experts
-from .nn import KbitLinear, linear_targets, quantize_model, quantized_fraction
+from .moe import FUSED_PARAMETERS, KbitExperts
+from .nn import KbitLinear, experts_targets, linear_targets, quantized_fraction
 
 __all__ = ["KbitConfig", "KbitHfQuantizer", "register", "record_quantization", "default_skip"]
 
@@ -102,9 +106,12 @@ class KbitHfQuantizer(HfQuantizer):
 
     def __init__(self, quantization_config: KbitConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
-        self._targets = frozenset()  # quantizing while loading: names of the layers to quantize
-        self._skip = []
-        self._saved_names = []  # loading a kbit folder: the quantized layers' names in its checkpoint
+        # Quantizing while loading: the Linear layers to quantize, the fused experts modules to quantize (name -> the
+        # model's module) and those with one projection quantized so far (name -> (KbitExperts, projections done)).
+        self._targets = frozenset()
+        self.experts = {}
+        self.experts_pending = {}
+        self._saved_names = []  # loading a kbit folder: its KbitLinear layers' names
         self.progress = Progress(0, "", enabled=False)
 
     def validate_environment(self, *args, **kwargs):
@@ -118,20 +125,30 @@ class KbitHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
-            layers = hf_format.checkpoint_layers(checkpoint_files)
+            layers, experts = hf_format.checkpoint_modules(checkpoint_files, hf_format.model_renamings(model))
             hf_format.swap_in_kbit_layers(model, layers)
+            hf_format.swap_in_kbit_experts(model, experts)
             self._saved_names = sorted(layers)
             return
         config = self.quantization_config
-        self._skip = skip = default_skip(model) if config.skip is None else config.skip
+        skip = default_skip(model) if config.skip is None else config.skip
         targets, _, _ = linear_targets(model, skip, config.min_features)
+        experts, _, _, unsupported = experts_targets(model, skip, config.min_features)
+        for name, why in unsupported:
+            warnings.warn(f"kbit: {name}: {why}; its experts stay in full precision", UserWarning, stacklevel=2)
         self._targets = frozenset(name for name, _ in targets)
+        self.experts = dict(experts)
         # transformers draws its own loading bar; kbit's count goes to its logger (python -m kbit shows it in logs).
-        self.progress = Progress(len(self._targets), "kbit: quantized while loading", bar=False, log=logger.info)
+        total = len(self._targets) + len(FUSED_PARAMETERS) * len(self.experts)
+        self.progress = Progress(total, "kbit: quantized while loading", bar=False, log=logger.info)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return False
         module_name, _, tensor_name = param_name.rpartition(".")
-        return not self.pre_quantized and tensor_name == "weight" and module_name in self._targets
+        if tensor_name == "weight":
+            return module_name in self._targets
+        return tensor_name in FUSED_PARAMETERS and module_name in self.experts
 
     def get_quantize_ops(self):
         from .hf_quantize_op import QuantizeWhileLoading
@@ -146,9 +163,10 @@ class KbitHfQuantizer(HfQuantizer):
             hf_format.check_loaded_layers(model)
             return model
         config = self.quantization_config
-        if find_experts(model):  # fused MoE experts arrive as whole 3-D tensors: quantized once all are loaded
-            quantize_model(model, bits=config.bits, codebook=config.codebook_tensor(), skip=self._skip,
-                           min_features=config.min_features, progress=False)
+        incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()
+                      for missing in FUSED_PARAMETERS if missing not in loaded]
+        if incomplete:
+            raise ValueError(f"the checkpoint lacks {', '.join(incomplete)}")
         layers = sum(isinstance(m, (KbitLinear, KbitExperts)) for m in model.modules())
         summary = (f"kbit: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized to "
                    f"{config.bits} bits ({layers} layers)")

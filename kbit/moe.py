@@ -66,7 +66,9 @@ from .weight import PrecisionLoss, QuantizedWeight, quantize_checked
 __all__ = ["KbitExperts", "find_experts", "rows_per_pass", "MAX_GROUPED_EXPERTS"]
 
 PROJECTIONS = ("gate_up", "down")
+FUSED_PARAMETERS = tuple(f"{proj}_proj" for proj in PROJECTIONS)  # transformers' names of the experts' weights
 _FORMAT_SUFFIXES = ("packed", "absmax", "scale")
+STORAGE = tuple(f"{p}_{s}" for p in PROJECTIONS for s in _FORMAT_SUFFIXES) + ("codebook", "meta")  # the state dict
 # Experts per layer the routing kernel sorts in one CTA's shared memory (real models have up to 512).
 MAX_GROUPED_EXPERTS = 1024
 
@@ -173,20 +175,36 @@ class KbitExperts(nn.Module):
         if tuple(down.shape) != (E, H, I2 // 2):
             raise ValueError(f"{name}.down_proj must be [{E}, {H}, {I2 // 2}] next to gate_up_proj "
                              f"{tuple(gate_up.shape)}, got {tuple(down.shape)}")
-        for w, proj in ((gate_up, "gate_up_proj"), (down, "down_proj")):
-            check_not_meta(w, f"{name}.{proj}")
         mod = cls(E, H, I2 // 2, bits=bits, dtype=gate_up.dtype, device=gate_up.device, codebook=codebook,
                   act_fn=act_fn)
+        losses = mod.quantize_projection("gate_up", gate_up, name) + mod.quantize_projection("down", down, name)
+        return mod.prepare(), losses
+
+    @classmethod
+    def like(cls, experts: nn.Module, bits: int = 4, dtype: torch.dtype = torch.float16, device=None,
+             codebook: Optional[Tensor] = None) -> "KbitExperts":
+        """All-zero experts of a fused experts module's shape and activation, to fill by ``quantize_projection``
+        or ``load_state_dict`` (what loading through transformers does)."""
+        E, H, I = experts_shape(experts)
+        return cls(E, H, I, bits=bits, dtype=dtype, device=device, codebook=codebook, act_fn=experts.act_fn)
+
+    def quantize_projection(self, proj: str, weight: Tensor, name: str = "experts") -> list:
+        """Quantize every expert's ``proj`` weight (``"gate_up"``: [E, 2I, H], ``"down"``: [E, H, I]) into this
+        module's storage, expert by expert: [(label, PrecisionLoss)]. Call ``prepare`` once both projections are in."""
+        want = (self.num_experts, *self.shapes()[self._check_projection(proj)])
+        check_tensor(weight, f"{name}.{proj}_proj")
+        check_not_meta(weight, f"{name}.{proj}_proj")
+        if tuple(weight.shape) != want:
+            raise ValueError(f"{name}.{proj}_proj must be {list(want)}, got {list(weight.shape)}")
+        packed, absmax, scale = (getattr(self, f"{proj}_{s}") for s in _FORMAT_SUFFIXES)
         losses = []
         with torch.no_grad():
-            for proj, w in (("gate_up", gate_up), ("down", down)):
-                packed, absmax, scale = (getattr(mod, f"{proj}_{s}") for s in _FORMAT_SUFFIXES)
-                for e in range(E):
-                    label = f"{name}.{proj}_proj[{e}]"
-                    qw, loss = quantize_checked(check_weight(w[e].detach(), label), mod.bits, mod.codebook)
-                    packed[e], absmax[e], scale[e] = qw.packed, qw.absmax, qw.scale
-                    losses.append((label, loss))
-        return mod.prepare(), losses
+            for e in range(self.num_experts):
+                label = f"{name}.{proj}_proj[{e}]"
+                qw, loss = quantize_checked(check_weight(weight[e].detach(), label), self.bits, self.codebook)
+                packed[e], absmax[e], scale[e] = qw.packed, qw.absmax, qw.scale
+                losses.append((label, loss))
+        return losses
 
     @classmethod
     def from_experts(cls, experts: nn.Module, bits: int = 4, codebook: Optional[Tensor] = None,
@@ -195,9 +213,7 @@ class KbitExperts(nn.Module):
         why = unsupported_reason(experts)
         if why:
             raise ValueError(f"{name}: {why}")
-        gate_up, down = experts.gate_up_proj, experts.down_proj
-        if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] and [E, I, H]
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        gate_up, down = (canonical_weight(experts, w) for w in (experts.gate_up_proj, experts.down_proj))
         return cls.from_weights(gate_up, down, bits=bits, codebook=codebook, act_fn=experts.act_fn, name=name)
 
     # ------------------------------------------------------------------ GEMM layouts
@@ -320,8 +336,7 @@ class KbitExperts(nn.Module):
     def _apply(self, fn, recurse=True):
         # Module-wide dtype casts (.half(), .to(dtype)) must not change the format's buffers (codebook and scales
         # are float32 by definition): apply fn for the target device, then move the originals there unchanged.
-        names = [f"{p}_{s}" for p in PROJECTIONS for s in _FORMAT_SUFFIXES] + ["codebook", "meta"]
-        before = {name: self._buffers.get(name) for name in names}
+        before = {name: self._buffers.get(name) for name in STORAGE}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
@@ -387,9 +402,8 @@ class KbitExperts(nn.Module):
 # ---------------------------------------------------------------------- finding experts in a model
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` keeps experts as 3-D ``gate_up_proj`` / ``down_proj`` parameters (transformers 5.x)."""
-    params = module._parameters
-    return (isinstance(params.get("gate_up_proj"), Tensor) and isinstance(params.get("down_proj"), Tensor)
-            and params["gate_up_proj"].dim() == 3 and params["down_proj"].dim() == 3)
+    params = [module._parameters.get(name) for name in FUSED_PARAMETERS]
+    return all(isinstance(p, Tensor) and p.dim() == 3 for p in params)
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
@@ -418,6 +432,12 @@ def find_experts(model: nn.Module) -> list:
     """[(name, module)] of every fused experts module in ``model`` (supported or not; one entry per name when a
     module is shared), in module order."""
     return [(name, m) for name, m in model.named_modules(remove_duplicate=False) if is_fused_experts(m)]
+
+
+def canonical_weight(module: nn.Module, weight: Tensor) -> Tensor:
+    """A fused experts module's ``gate_up_proj`` or ``down_proj`` (or a tensor loaded for it) as [E, out, in]:
+    modules with ``is_transposed`` store [E, in, out]."""
+    return weight.transpose(1, 2) if getattr(module, "is_transposed", False) else weight
 
 
 def experts_shape(module: nn.Module) -> tuple:

@@ -320,6 +320,26 @@ def linear_targets(model: nn.Module, skip: Iterable[str], min_features: int):
     return targets, skipped, small
 
 
+def experts_targets(model: nn.Module, skip: Iterable[str], min_features: int):
+    """The fused experts modules ``quantize_model`` replaces, as ``([(name, module)], skipped, small, unsupported)``.
+
+    ``skip`` applies to the experts module's name and ``min_features`` to min(H, I); ``unsupported`` lists
+    ``(name, why)`` for the fused experts modules ``KbitExperts`` cannot compute (``kbit.moe.unsupported_reason``).
+    """
+    targets, skipped, small, unsupported = [], 0, 0, []
+    for name, m in find_experts(model):
+        why = unsupported_reason(m)
+        if _matches(name, skip):
+            skipped += 1
+        elif why:
+            unsupported.append((name, why))
+        elif min(experts_shape(m)[1:]) < min_features:
+            small += 1
+        else:
+            targets.append((name, m))
+    return targets, skipped, small, unsupported
+
+
 def quantize_model(
     model: nn.Module,
     bits: int = 4,
@@ -378,18 +398,10 @@ def quantize_model(
         check_calibration(calibration)
 
     targets, skipped, small = linear_targets(model, skip, min_features)
-    expert_targets = []
-    for name, m in find_experts(model):
-        why = unsupported_reason(m)
-        if _matches(name, skip):
-            skipped += 1
-        elif why:
-            warnings.warn(f"quantize_model: {name}: {why}; its experts stay in full precision", UserWarning,
-                          stacklevel=2)
-        elif min(experts_shape(m)[1:]) < min_features:
-            small += 1
-        else:
-            expert_targets.append((name, m))
+    expert_targets, experts_skipped, experts_small, unsupported = experts_targets(model, skip, min_features)
+    skipped, small = skipped + experts_skipped, small + experts_small
+    for name, why in unsupported:
+        warnings.warn(f"quantize_model: {name}: {why}; its experts stay in full precision", UserWarning, stacklevel=2)
     if not targets and not expert_targets:
         warnings.warn(
             f"quantize_model: nothing to quantize in {type(model).__name__}: {skipped + small} nn.Linear or experts "

@@ -428,20 +428,26 @@ def test_quantize_model_quantizes_every_expert(moe_pair):
     assert kbit.quantized_fraction(q) > 0.75 and kbit.quantized_fraction(model) == 0.0
 
 
-def test_quantized_moe_matches_dequantized_reference(moe_pair):
-    """The quantized model computes what the original computes with every weight replaced by its reconstruction."""
-    model, q = moe_pair
+def dequantized_copy(model: nn.Module, quantized: nn.Module) -> nn.Module:
+    """A copy of ``model`` with the weight of each layer ``quantized`` holds in kbit storage replaced by its
+    reconstruction."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
-        for name, m in q.named_modules():
+        for name, m in quantized.named_modules():
             if isinstance(m, kbit.KbitLinear):
                 ref.get_submodule(name).weight.copy_(m.dequantize(torch.float32))
             elif isinstance(m, KbitExperts):
                 target = ref.get_submodule(name)
                 target.gate_up_proj.copy_(m.dequantize("gate_up", torch.float32))
                 target.down_proj.copy_(m.dequantize("down", torch.float32))
+    return ref
+
+
+def test_quantized_moe_matches_dequantized_reference(moe_pair):
+    """The quantized model computes what the original computes with every weight replaced by its reconstruction."""
+    model, q = moe_pair
     ids = torch.randint(0, COMMON["vocab_size"], (2, 9))
-    a, b, full = logits(q, ids), logits(ref, ids), logits(model, ids)
+    a, b, full = logits(q, ids), logits(dequantized_copy(model, q), ids), logits(model, ids)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert not torch.equal(a, full)
     assert float((a - full).norm() / full.norm()) < 0.4
@@ -570,3 +576,4 @@ def test_per_expert_linear_layout_is_quantized():
     assert all(isinstance(getattr(e, n), kbit.KbitLinear) for e in block.experts for n in ("w1", "w2", "w3"))
     assert type(block.gate) is nn.Linear
     assert kbit.quantized_fraction(block) > 0.99
+

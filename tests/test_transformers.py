@@ -1,7 +1,7 @@
 """kbit as a transformers quantization method: from_pretrained(..., quantization_config=KbitConfig(...)) quantizes
-while loading (Llama, Qwen2 with biases and tied embeddings, GPT-2's Conv1D), save_pretrained / from_pretrained
-round-trips (sharded), a kbit folder without kbit fails loudly, untrusted folders are refused, MiniLM through
-sentence-transformers."""
+while loading (Llama, Qwen2 with biases and tied embeddings, GPT-2's Conv1D, the fused experts of Mixtral,
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and GLM-4-MoE), save_pretrained / from_pretrained round-trips (sharded), a kbit
+folder without kbit fails loudly, untrusted folders are refused, MiniLM through sentence-transformers."""
 
 from __future__ import annotations
 
@@ -165,27 +165,128 @@ def test_quantization_settings(tmp_path, caplog):
         kbit.KbitConfig(bit=4)  # a misspelled setting is an error, not ignored
 
 
-def test_moe_experts_are_quantized_once_loaded(tmp_path, caplog):
-    """Fused experts (3-D tensors) become KbitExperts after loading, as quantize_model makes them; a kbit folder
-    cannot hold them yet, so saving refuses rather than writing weights nothing reads back."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+# ----------------------------------------------------------------------------- mixture-of-experts
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "glm4_moe")
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def moe_loaded(request, tmp_path_factory):
+    """(family, original model, its folder, quantized while loading, quantize_model of the original)."""
+    from test_moe import tiny_moe
 
     torch.manual_seed(19)
-    config = MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    from_config(MixtralForCausalLM, config, dtype=torch.float32).save_pretrained(str(tmp_path / "src"))
+    model = tiny_moe(request.param)
+    src = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(str(src))
+    q = transformers.AutoModelForCausalLM.from_pretrained(str(src), quantization_config=kbit.KbitConfig(bits=4))
+    ref = kbit.quantize_model(copy.deepcopy(model), bits=4, skip=kbit.hf_quantizer.default_skip(model), progress=False)
+    return request.param, model, src, q, ref
+
+
+def experts_names(model):
+    return sorted(n for n, m in model.named_modules() if isinstance(m, kbit.KbitExperts))
+
+
+def test_moe_quantize_while_loading_equals_quantize_model(moe_loaded):
+    """Every fused experts module becomes KbitExperts as it is read, bit for bit what quantize_model makes; the
+    model computes the original with every weight replaced by its reconstruction."""
+    from test_moe import COMMON, dequantized_copy
+
+    family, model, _, q, ref = moe_loaded
+    fused = [n for n, _ in kbit.moe.find_experts(model)]
+    assert fused and experts_names(q) == experts_names(ref) == sorted(fused)
+    assert not [n for n, p in q.named_parameters() if p.dim() >= 3], "a 3-D parameter stayed in full precision"
+    assert kbit_names(q) == kbit_names(ref) and isinstance(q.config.quantization_config, kbit.KbitConfig)
+    qs, rs = q.state_dict(), ref.state_dict()
+    assert set(qs) == set(rs)
+    for key in qs:
+        assert torch.equal(qs[key], rs[key]), key
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
+    a, full = logits(q, ids), logits(model, ids)
+    assert torch.equal(a, logits(ref, ids))
+    torch.testing.assert_close(a, logits(dequantized_copy(model, q), ids), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(a, full) and float((a - full).norm() / full.norm()) < 0.4
+
+
+def test_moe_save_pretrained_roundtrip_sharded(moe_loaded, tmp_path):
+    from test_moe import COMMON
+
+    family, _, _, q, _ = moe_loaded
+    q.save_pretrained(str(tmp_path), max_shard_size="200KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    qcfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "kbit" and qcfg["bits"] == 4
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert experts_names(again) == experts_names(q) and kbit_names(again) == kbit_names(q)
+    qs, ls = q.state_dict(), again.state_dict()
+    assert set(qs) == set(ls) and all(torch.equal(qs[k], ls[k]) for k in qs)
+    assert all(m.weight_dtype == torch.float32 for m in again.modules() if isinstance(m, kbit.KbitExperts))
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 5))
+    assert torch.equal(logits(again, ids), logits(q, ids))
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = again.generate(ids, **gen)
+    assert out.shape == (2, 9) and torch.equal(out, q.generate(ids, **gen))
+
+
+def test_moe_quantize_while_loading_holds_one_projection_at_a_time(tmp_path, monkeypatch, caplog):
+    """Peak memory: when an experts projection is quantized, no other layer's fused experts weight exists."""
+    from test_moe import tiny_moe
+
+    model = tiny_moe("qwen3_moe")
+    model.save_pretrained(str(tmp_path))
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 3}
+    del model
+
+    def experts_alive(exclude=frozenset()):
+        return {id(obj) for obj in gc.get_objects()
+                if type(obj) in (torch.Tensor, nn.Parameter) and id(obj) not in exclude
+                and obj.device.type != "meta" and obj.is_floating_point() and tuple(obj.shape) in shapes}
+
+    gc.collect()
+    before = experts_alive()
+    alive_at_each_call = []
+    real = kbit.KbitExperts.quantize_projection
+
+    def counting(self, proj, weight, name="experts"):
+        alive_at_each_call.append(len(experts_alive(before)))
+        return real(self, proj, weight, name)
+
+    monkeypatch.setattr(kbit.KbitExperts, "quantize_projection", counting)
     with caplog.at_level("INFO", logger="kbit"):
-        q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src"),
-                                                              quantization_config=kbit.KbitConfig(bits=4))
-    assert isinstance(q.model.layers[0].mlp.experts, kbit.KbitExperts)
-    assert "quantized to 4 bits (5 layers)" in caplog.text  # q, k, v, o and the experts; the router is narrow
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src"))
-    kbit.quantize_model(ref, bits=4, skip=kbit.hf_quantizer.default_skip(ref), progress=False)
-    ids = torch.randint(0, VOCAB, (1, 6))
-    assert torch.equal(logits(q, ids), logits(ref, ids))
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        kbit.save_quantized(q, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+        q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=kbit.KbitConfig())
+    assert len(alive_at_each_call) == 2 * len(experts_names(q)) == 4
+    assert max(alive_at_each_call) == 1, alive_at_each_call  # all loaded first would show up to 4
+    assert "quantized to 4 bits (10 layers)" in caplog.text  # q, k, v, o and the experts of 2 layers; routers narrow
+
+
+def test_moe_checkpoint_lacking_an_experts_weight_is_refused(tmp_path):
+    from test_moe import tiny_moe
+
+    tiny_moe("qwen3_moe").save_pretrained(str(tmp_path))
+    prefix = "model.layers.1.mlp.experts."
+    _rewrite(tmp_path, lambda t: [t.pop(key) for key in list(t) if key.startswith(prefix) and "down_proj" in key])
+    with pytest.raises(ValueError, match=r"lacks model\.layers\.1\.mlp\.experts\.down_proj"):
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=kbit.KbitConfig())
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "lacks model.layers.0.mlp.experts.down_scale"),
+    ("meta", r"holds model.layers.0.mlp.experts as kbit experts E=8, H=128, I=64"),
+    ("scale", "powers of two"),
+])
+def test_untrusted_kbit_experts_are_refused(damage, message, tmp_path):
+    from test_moe import tiny_moe
+
+    kbit.quantize_model(tiny_moe("qwen3_moe"), bits=4, progress=False).save_pretrained(str(tmp_path))
+    name = "model.layers.0.mlp.experts"
+    if damage == "missing":
+        _rewrite(tmp_path, lambda t: t.pop(f"{name}.down_scale"))
+    elif damage == "meta":
+        _rewrite(tmp_path, lambda t: t[f"{name}.meta"].__setitem__(3, 64))
+    else:
+        _rewrite(tmp_path, lambda t: t[f"{name}.gate_up_scale"].__setitem__(0, 3.0))
+    with pytest.raises(ValueError, match=message):
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------- save_pretrained / from_pretrained
