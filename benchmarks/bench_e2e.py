@@ -1,22 +1,29 @@
-"""End-to-end decode speed of a Llama-3-8B-shaped model: kbit K = 2..5 vs fp16, with CUDA graphs.
+"""End-to-end decode speed: kbit K = 2..5 vs 16-bit weights, with CUDA graphs, on a Llama-3-8B-shaped model or a
+Qwen3-MoE-shaped one (Qwen3-30B-A3B's dimensions, fewer layers).
 
     python benchmarks/bench_e2e.py                          # GPU: 32 layers, batch 1 and 16, K = 2..5 + fp16
     python benchmarks/bench_e2e.py --check                  # also: graph decode == eager greedy decode
     python benchmarks/bench_e2e.py --layers 4 --bits 4      # a quicker, shallower run
+    python benchmarks/bench_e2e.py --model qwen3-moe --layers 4 --bits 4 --check    # MoE: kbit K=4 vs bf16
     python benchmarks/bench_e2e.py --device cpu --layers 2 --hidden 256 --intermediate 512 \\
         --heads 4 --kv-heads 2 --vocab 1000 --new-tokens 8 --check      # tiny end-to-end smoke run
+    python benchmarks/bench_e2e.py --device cpu --model qwen3-moe --layers 2 --hidden 256 --heads 4 --kv-heads 2 \\
+        --head-dim 64 --experts 8 --top-k 2 --moe-intermediate 128 --vocab 1000 --new-tokens 8 --check   # MoE smoke
 
-The model is ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig`` (Llama-3-8B shapes:
-hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256, 32 layers) with random
-weights (seeded, so every format starts from the same fp16 model), on the device, in fp16; for a
-kbit row its Linear projections (q/k/v/o, gate/up/down; ``lm_head`` and the embeddings stay fp16)
-are swapped by ``kbit.quantize_model``.
+``--model llama3-8b`` (default) is ``transformers.LlamaForCausalLM`` (Llama-3-8B shapes: hidden 4096, intermediate
+14336, 32 heads, 8 KV heads, vocab 128256, 32 layers), in fp16 on CUDA. ``--model qwen3-moe`` is
+``transformers.Qwen3MoeForCausalLM`` with Qwen3-30B-A3B's shapes (hidden 2048, 128 routed experts of intermediate
+768, top-8, 32 heads / 4 KV heads of head_dim 128, vocab 151936, 48 layers; ``--layers`` takes fewer), in bf16 on
+CUDA, its experts run by transformers' default experts implementation (``grouped_mm`` where it can dispatch). Both
+have random weights (seeded, so every format starts from the same model), on the device; for a kbit row
+``kbit.quantize_model`` swaps the Linear projections (q/k/v/o, gate/up/down; ``lm_head``, the embeddings and the
+MoE routers stay 16-bit) and the routed experts (``kbit.KbitExperts``).
 
 Decoding is greedy with a ``transformers.StaticCache`` (fixed shapes, fixed addresses). One
 decode step -- the model forward for one token per sequence, argmax, and advancing the position --
 runs in one of three modes (``--mode``):
 
-* ``compile`` (default on CUDA, the fastest fp16 path): ``torch.compile(step, mode="reduce-overhead")``
+* ``compile`` (default on CUDA, the fastest 16-bit path): ``torch.compile(step, mode="reduce-overhead")``
   (inductor fuses norms, rotary and the rest; CUDA graphs remove launch gaps), kbit layers prepared
   by ``kbit.prepare`` first;
 * ``graph``: the eager step captured once in a ``torch.cuda.CUDAGraph`` and replayed;
@@ -27,7 +34,7 @@ Throughput is ``batch * new_tokens / time`` of the decode steps after the prefil
 eagerly and requires the graph (or compiled) tokens to equal the eager ones exactly (``compile``
 may legitimately differ in the last bits of a logit, so it reports the first divergence instead),
 and reports whether ``model.generate(do_sample=False)`` gives the same tokens. Results go to
-``benchmarks/results/e2e_<device>.md`` and ``.json``.
+``benchmarks/results/e2e_<device>.md`` and ``.json`` (``e2e_<model>_<device>`` for a model other than Llama).
 """
 
 from __future__ import annotations
@@ -54,7 +61,15 @@ import kbit  # noqa: E402
 from kbit.hf import from_config  # noqa: E402
 from kbit.timing import capture_cuda_graph  # noqa: E402
 
-LLAMA3_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+# The shape of each --model (its command-line defaults), and the dtype of its 16-bit baseline on CUDA.
+MODELS = {
+    "llama3-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256),
+    "qwen3-moe": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936, experts=128,
+                      moe_intermediate=768, top_k=8),
+}
+CUDA_DTYPES = {"llama3-8b": "float16", "qwen3-moe": "bfloat16"}
+SHAPE_ARGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "experts",
+              "moe_intermediate", "top_k")
 
 
 # ---------------------------------------------------------------------- model
@@ -68,14 +83,32 @@ def llama_config(layers, hidden, intermediate, heads, kv_heads, vocab, max_posit
     )
 
 
+def qwen3_moe_config(layers, hidden, heads, kv_heads, head_dim, vocab, experts, moe_intermediate, top_k,
+                     max_positions=8192):
+    """Every decoder layer sparse (Qwen3-30B-A3B: decoder_sparse_step 1, no MLP-only layers)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=experts, moe_intermediate_size=moe_intermediate,
+        num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,
+    )
+
+
+def model_config(model: str, shape: dict):
+    return (llama_config if model == "llama3-8b" else qwen3_moe_config)(**shape)
+
+
 def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=None):
-    """Random-weight LlamaForCausalLM on ``device``; Linear projections kbit-quantized if ``bits``,
-    the lm_head too (to ``lm_head_bits``) if that is given."""
-    from transformers import LlamaForCausalLM
+    """The random-weight causal LM of ``config`` on ``device``; Linear projections and routed experts
+    kbit-quantized if ``bits``, the lm_head too (to ``lm_head_bits``) if that is given."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = from_config(LlamaForCausalLM, config, dtype=dtype, attn_implementation="sdpa")
+        model = from_config(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config, dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     if bits is not None:
         kbit.quantize_model(model, bits=bits, progress=False)
@@ -84,16 +117,39 @@ def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=No
     return model
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def model_bytes(model) -> dict:
-    """Resident bytes of parameters and buffers, and the bytes one decode step reads: everything but the
-    embedding table and, for a kbit layer whose GEMM layout is on the GPU, its storage-format copy."""
-    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    emb = model.get_input_embeddings().weight
-    unread = emb.numel() * emb.element_size()
+    """Resident bytes of parameters and buffers (``total``); the bytes every decode step reads (``per_step``:
+    everything but the embedding table, the routed experts and, for a kbit module whose GEMM layout is on the
+    GPU, its storage-format copy); the routed experts' bytes (``experts``: a step reads the share of them its
+    tokens are routed to, ``experts_read``), with ``num_experts`` and ``top_k``."""
+    total = _nbytes(list(model.parameters()) + list(model.buffers()))
+    unread = _nbytes([model.get_input_embeddings().weight])
+    experts = 0
     for m in model.modules():
         if isinstance(m, kbit.KbitLinear) and getattr(m, "gemm_codes", None) is not None:
             unread += m.packed.nbytes + m.absmax.nbytes
-    return {"total": total, "per_step": total - unread}
+        elif isinstance(m, kbit.KbitExperts) or kbit.moe.is_fused_experts(m):
+            experts += _nbytes(list(m.parameters()) + list(m.buffers()))
+            if isinstance(m, kbit.KbitExperts) and m.gate_up_gemm_codes is not None:
+                storage = _nbytes(getattr(m, f"{p}_{s}") for p in ("gate_up", "down") for s in ("packed", "absmax"))
+                experts, unread = experts - storage, unread + storage
+    config = model.config
+    return {"total": total, "per_step": total - unread - experts, "experts": experts,
+            "num_experts": getattr(config, "num_experts", 0), "top_k": getattr(config, "num_experts_per_tok", 0)}
+
+
+def experts_read(batch: int, top_k: int, num_experts: int) -> float:
+    """The expected share of a layer's experts that ``batch`` tokens routed uniformly at random (top-k distinct
+    experts each; random weights route close to uniformly) read in one decode step."""
+    return 1 - (1 - top_k / num_experts) ** batch if num_experts else 0.0
+
+
+def step_bytes(nbytes: dict, batch: int) -> float:
+    return nbytes["per_step"] + nbytes["experts"] * experts_read(batch, nbytes["top_k"], nbytes["num_experts"])
 
 
 # ---------------------------------------------------------------------- decoding
@@ -281,11 +337,10 @@ def device_slug(device: torch.device) -> str:
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
-        args.dtype if args.dtype != "auto" else ("float16" if device.type == "cuda" else "float32")]
+        args.dtype if args.dtype != "auto" else (CUDA_DTYPES[args.model] if device.type == "cuda" else "float32")]
     mode = args.mode if args.mode != "auto" else ("compile" if device.type == "cuda" else "eager")
-    shape = dict(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
-                 kv_heads=args.kv_heads, vocab=args.vocab)
-    config = llama_config(**shape)
+    shape = {k: getattr(args, k) for k in MODELS[args.model]}
+    config = model_config(args.model, shape)
     batches = [int(b) for b in args.batch.split(",") if b]
     formats = ([None] if not args.no_fp16 else []) + [int(b) for b in args.bits.split(",") if b]
     max_len = -(-(args.prompt_len + max(args.new_tokens, args.check_tokens) + 8) // 64) * 64
@@ -303,10 +358,10 @@ def run(args) -> dict:
             label += f" + lm_head K={args.quantize_lm_head}"
         model = build_model(config, device, dtype, seed=args.seed, bits=bits, lm_head_bits=args.quantize_lm_head)
         nbytes = model_bytes(model)
-        row = {"format": label, "bits": bits, "model_bytes": nbytes["total"], "bytes_per_step": nbytes["per_step"],
-               "build_s": time.perf_counter() - t0, "batches": {}}
+        row = {"format": label, "bits": bits, "model_bytes": nbytes["total"], "build_s": time.perf_counter() - t0,
+               "batches": {}}
         for b in batches:
-            res = {}
+            res = {"bytes_per_step": step_bytes(nbytes, b)}
             dec = GreedyDecoder(model, b, max_len, mode=mode).prepare(prompts[b])
             if args.check:
                 n = args.check_tokens
@@ -331,7 +386,7 @@ def run(args) -> dict:
                 res["decode_s"] = secs
                 res["tokens_per_s"] = b * args.new_tokens / secs
                 res["steps_per_s"] = args.new_tokens / secs
-                res["effective_GBps"] = nbytes["per_step"] * args.new_tokens / secs / 1e9
+                res["effective_GBps"] = res["bytes_per_step"] * args.new_tokens / secs / 1e9
             if args.profile and device.type == "cuda":
                 res["profile"] = profile_steps(dec, prompts[b])
             row["batches"][str(b)] = res
@@ -357,7 +412,11 @@ def run(args) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
-    return {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode, "prompt_len": args.prompt_len,
+    experts_implementation = getattr(config, "_experts_implementation", None)
+    if experts_implementation is not None:
+        env["experts_implementation"] = experts_implementation
+    return {"model": args.model, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
+            "prompt_len": args.prompt_len,
             "prefill_len": args.prefill_len,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "max_cache_len": max_len, "env": env,
             "rows": rows, "check_passed": ok if args.check else None}
@@ -381,8 +440,7 @@ def markdown(result: dict) -> str:
     s, env = result["shape"], result["env"]
     batches = sorted({int(b) for r in result["rows"] for b in r["batches"]})
     base = next((r for r in result["rows"] if r["bits"] is None), None)
-    head = (f"Llama-shaped model ({s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
-            f"{s['heads']} heads / {s['kv_heads']} KV heads, vocab {s['vocab']}), random weights, "
+    head = (f"{_describe_model(result.get('model', 'llama3-8b'), s)}, random weights, "
             f"{result['dtype']}, greedy decode with a static KV cache, mode `{result['mode']}`, "
             f"prompt {result['prompt_len']}, {result['new_tokens']} timed tokens, median of {result['repeats']}; "
             f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env['transformers']}, "
@@ -418,11 +476,21 @@ def markdown(result: dict) -> str:
     lines.append("")
     lines.append("resident GB: parameters and buffers on the device (a kbit layer on the GPU holds its storage format "
                  "and its GEMM layout). eff. GB/s: the weight bytes one decode step reads (all but the embedding table and "
-                 "the storage copies), times steps/s (KV-cache traffic not counted).")
+                 "the storage copies; routed experts at the share a batch's tokens reach under uniform routing), times "
+                 "steps/s (KV-cache traffic not counted).")
     if prefill:
         lines.append(f"TTFT: batch 1, a {result['prefill_len']}-token prompt, eager forward into the static cache.")
     lines += _profile_table(result)
     return "\n".join(lines) + "\n"
+
+
+def _describe_model(model: str, s: dict) -> str:
+    if model == "qwen3-moe":
+        return (f"Qwen3-MoE-shaped model ({s['layers']} layers, hidden {s['hidden']}, {s['experts']} routed experts of "
+                f"intermediate {s['moe_intermediate']}, top-{s['top_k']}, {s['heads']} heads / {s['kv_heads']} KV heads "
+                f"of {s['head_dim']}, vocab {s['vocab']})")
+    return (f"Llama-shaped model ({s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
+            f"{s['heads']} heads / {s['kv_heads']} KV heads, vocab {s['vocab']})")
 
 
 def _profile_table(result: dict) -> list:
@@ -448,15 +516,18 @@ def _profile_table(result: dict) -> list:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    for k, v in LLAMA3_8B.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--model", default="llama3-8b", choices=tuple(MODELS),
+                   help="llama3-8b (dense) or qwen3-moe (Qwen3-30B-A3B's shapes); the shape options default to its")
+    for k in SHAPE_ARGS:
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     p.add_argument("--bits", default="2,3,4,5", help="comma-separated K values ('' for fp16 only)")
     p.add_argument("--no-fp16", action="store_true", help="skip the fp16 baseline row")
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128, help="timed decode steps")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                   help="auto: float32 on CPU; on CUDA float16 for llama3-8b, bfloat16 for qwen3-moe")
     p.add_argument("--mode", default="auto", choices=("auto", "graph", "compile", "eager"),
                    help="how a decode step runs (auto: compile on CUDA, the best fp16 path; eager on CPU)")
     p.add_argument("--check", action="store_true", help="compare graph/compiled decoding with eager greedy decoding")
@@ -474,7 +545,14 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default=None, help="results file suffix (default: the device, e.g. h100)")
     p.add_argument("--no-write", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unused = [k for k in SHAPE_ARGS if getattr(args, k) is not None and k not in MODELS[args.model]]
+    if unused:
+        p.error(f"--model {args.model} has no {', '.join('--' + k.replace('_', '-') for k in unused)}")
+    for k, v in MODELS[args.model].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
 
 
 def main(argv=None) -> int:
@@ -488,6 +566,8 @@ def main(argv=None) -> int:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         tag = args.tag or device_slug(torch.device(args.device))
+        if not args.tag and args.model != "llama3-8b":
+            tag = f"{args.model.replace('-', '_')}_{tag}"
         (out / f"e2e_{tag}.md").write_text(f"# kbit end-to-end decode ({tag})\n\n" + md)
         (out / f"e2e_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out / f'e2e_{tag}.md'} and .json", file=sys.stderr)

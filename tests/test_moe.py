@@ -577,3 +577,25 @@ def test_per_expert_linear_layout_is_quantized():
     assert type(block.gate) is nn.Linear
     assert kbit.quantized_fraction(block) > 0.99
 
+
+# ----------------------------------------------------------------------------- end-to-end benchmark
+def test_e2e_benchmark_runs_a_tiny_qwen3_moe(tmp_path):
+    """benchmarks/bench_e2e.py --model qwen3-moe in its CPU smoke size: both rows built, kbit's experts quantized,
+    the static-cache decode equal to model.generate."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("kbit_bench_e2e", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--device", "cpu", "--model", "qwen3-moe", "--layers", "2", "--hidden", "128", "--heads", "2",
+            "--kv-heads", "1", "--head-dim", "64", "--experts", "8", "--top-k", "2", "--moe-intermediate", "128",
+            "--vocab", "320", "--bits", "4", "--batch", "2", "--new-tokens", "2", "--repeats", "1", "--check",
+            "--check-tokens", "6", "--strict-generate", "--out-dir", str(tmp_path), "--tag", "smoke"]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "e2e_smoke.json").read_text())
+    assert [r["format"] for r in result["rows"]] == ["float32", "kbit K=4"]
+    assert result["rows"][1]["model_bytes"] < result["rows"][0]["model_bytes"] / 2
+    assert all(res["hf_generate_equals_eager"] for r in result["rows"] for res in r["batches"].values())
