@@ -1,4 +1,4 @@
-"""Command line: ``python -m kbit {demo,info,build,quantize} ...``."""
+"""Command line: ``python -m kbit {demo,info,build,tune,quantize} ...``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,12 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from . import tune
+
+    return tune.main(args)
+
+
 def _cmd_quantize(argv: List[str]) -> int:
     try:
         from kbit.convert import cli_quantize
@@ -75,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m kbit", description="kbit: 2- to 5-bit weight quantization.")
     parser.add_argument("--version", action="version", version=f"kbit {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,info,build,quantize}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,info,build,tune,quantize}")
 
     p = sub.add_parser("demo", help="quantize a synthetic Llama-shaped stack at 2..5 bits and print a table",
                        description=(demo.__doc__ or "").split("\n\n")[0])
@@ -88,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build", help="compile the CUDA extension ahead of time (needs CUDA)")
     p.set_defaults(func=_cmd_build)
+
+    from . import tune
+
+    p = sub.add_parser("tune", help="time the GEMM paths on this GPU and cache where each wins (needs CUDA)",
+                       description=(tune.__doc__ or "").split("\n\n")[0])
+    tune.add_arguments(p)
+    p.set_defaults(func=_cmd_tune)
 
     # Parsed by kbit.convert.cli_quantize; listed here for --help.
     sub.add_parser("quantize", help="quantize a model directory: quantize <model-dir> --bits 4 --out <dir>",

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import formats, grouped, layout
+from . import dispatch, formats, grouped, layout
 from ._build import cuda_ext
 
 
@@ -122,8 +122,9 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
 
 @gemm.register_kernel("cuda")
 def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
+    chosen = dispatch.gemm_plan(x.device, out_features, in_features_padded, x.shape[0], bits, fused_only=True)
     return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded,
-                           grid_override)
+                           grid_override, chosen.mb, chosen.wgmma_tiles, chosen.ws_tokens)
 
 
 # Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import ops
+from . import dispatch, ops
 from ._validate import (
     GEMM_DTYPES,
     INPUT_DTYPES,
@@ -37,42 +36,6 @@ from .formats import (
     padded_in_features,
 )
 from .layout import gemm_shapes
-
-# From this many tokens on, dequantize + cuBLAS beat the fused kernel's mma.sync path, per bit width. Measured on
-# an H100 (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md and _m160_224.md at faa39cf,
-# docs/PERFORMANCE.md): the fused time grows by one weight pass per 32 tokens, so K = 2 ties at M = 160, K = 4
-# at M = 192; at M = 256 dequantize + cuBLAS wins for every K. GPUs without the wgmma path use these.
-DEQUANT_CUBLAS_MIN_M = {2: 160, 3: 160, 4: 192, 5: 128}
-# Compute capability 9.x (the wgmma path, 128 tokens per weight pass), H100 at the wgmma commit
-# (benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md): at M = 128 the fused kernel wins on every
-# shape of >= 32M weights (8192->28672, K = 4: 197 vs 379 us; 14336->4096: 76 vs 107 us) and loses on smaller
-# ones (4096->4096: 31 vs 27 us); past 128 tokens it takes a second pass, which still wins for weights of
-# >= 128M at K <= 4 (370 vs 403 us at M = 256) and nowhere else.
-WGMMA_FUSED_MIN_WEIGHTS = 1 << 25
-WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS = 1 << 27
-# With the warp-specialized kernel (gemm_ws.cuh, H200, docs/PERFORMANCE.md v27) the fused GEMM beats dequantize +
-# cuBLAS on >= 128M weights through 1024 tokens (8192->28672, K = 4, M = 1024: 730 vs 878 us), K = 5 through 512,
-# and on >= 32M weights through 256 (4096->14336, M = 256: 65 vs 89 us).
-WS_FUSED_MAX_M = 1024
-WS_FUSED_MAX_M_MID = 256
-
-
-@functools.lru_cache(maxsize=None)
-def _has_wgmma_path(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
-def use_dequant_cublas(qw: "QuantizedWeight", M: int, device: torch.device) -> bool:
-    """Whether dequantize + cuBLAS beats the fused kernel for M tokens on this CUDA device."""
-    if not _has_wgmma_path(device.index if device.index is not None else torch.cuda.current_device()):
-        return M >= DEQUANT_CUBLAS_MIN_M[qw.bits]
-    weights = qw.shape[0] * qw.shape[1]
-    if M <= 128:  # one pass: 65..128 tokens cost what 128 do
-        return M > 64 and weights < WGMMA_FUSED_MIN_WEIGHTS
-    if weights < WGMMA_FUSED_TWO_PASS_MIN_WEIGHTS:
-        return M > WS_FUSED_MAX_M_MID or weights < WGMMA_FUSED_MIN_WEIGHTS
-    return M > WS_FUSED_MAX_M or (M > 512 and qw.bits == 5)
-
 
 class PrecisionWarning(UserWarning):
     """Some blocks of a quantized weight lost more than the format's error bound (see ``PrecisionLoss``)."""
@@ -199,6 +162,8 @@ class QuantizedWeight:
                 )
             b, a = ops.repack(self.packed, self.absmax, self.bits, self.out_features, self.in_features_padded)
             self._gemm = (self.device, b, a)
+            if self.device.type == "cuda":  # kbit.matmul plans from these facts, also while torch.compile traces it
+                dispatch.device_facts(self.device)
         return self._gemm[1], self._gemm[2]
 
     def attach_gemm_layout(self, b_gemm: Tensor, absmax_gemm: Tensor) -> None:
@@ -214,6 +179,7 @@ class QuantizedWeight:
         check_not_meta(self.packed, "packed")
         if self.device.type == "cuda":
             self.gemm_layout()
+            dispatch.device_facts(self.device)
         return self
 
     def dequantize(self, dtype=None) -> Tensor:
@@ -379,7 +345,9 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
     x2 = x.reshape(-1, in_features)
     if x.device.type == "cuda":
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        if grid_override == 0 and use_dequant_cublas(qw, x2.shape[0], x.device):
+        chosen = None if grid_override else dispatch.gemm_plan(x.device, out_features, qw.in_features_padded,
+                                                               x2.shape[0], qw.bits)
+        if chosen is not None and chosen.path is dispatch.Path.DEQUANTIZE_CUBLAS:
             y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()

@@ -185,18 +185,9 @@ bool dependent_launch_enabled() {
   return enabled;
 }
 
-// KBIT_GEMM_PATH=ws / classic forces the warp-specialized kernel (compute capability 9.x) / gemm.cuh's; unset or
-// anything else lets the planner choose. Read at every call, so a benchmark or tuner can switch it in-process.
-kbit::GemmPath gemm_path() {
-  const char* v = std::getenv("KBIT_GEMM_PATH");
-  if (v == nullptr) return kbit::GemmPath::Auto;
-  const std::string s(v);
-  return s == "ws" ? kbit::GemmPath::WarpSpecialized : s == "classic" ? kbit::GemmPath::Classic : kbit::GemmPath::Auto;
-}
-
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
-                int64_t num_blocks) {
+                int64_t num_blocks, int64_t mb, int64_t wgmma_tiles, int64_t ws_tokens) {
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(K_w, "K_dim", kbit::kBlock);
@@ -219,20 +210,28 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   if (short_by) x = at::constant_pad_nd(x, {0, short_by});
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone();
   const int64_t M = x.size(0);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
   int sms = 0;
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
+  // The configuration is kbit/dispatch.py's choice; refuse one that is not built, or that this GPU cannot run.
+  const std::string config = "k=" + num(k) + ", mb=" + num(mb) + ", wgmma_tiles=" + num(wgmma_tiles) +
+                             ", ws_tokens=" + num(ws_tokens);
+  kbit::GemmConfigInfo info{};
+  TORCH_CHECK(mb >= 1 && mb <= 16 && wgmma_tiles >= 0 && wgmma_tiles <= 2 && ws_tokens >= 0 && ws_tokens <= 128 &&
+                  kbit::gemm_config_info(static_cast<int>(k), static_cast<int>(mb), static_cast<int>(wgmma_tiles),
+                                         static_cast<int>(ws_tokens), &info),
+              "kbit: the fused GEMM has no configuration ", config);
   const kbit::GemmPlan plan =
-      kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k), sms,
-                      static_cast<int>(num_blocks), gemm_path());
+      kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k),
+                      static_cast<int>(mb), static_cast<int>(wgmma_tiles), static_cast<int>(ws_tokens), sms,
+                      static_cast<int>(num_blocks));
+  TORCH_CHECK(plan.built, "kbit: the fused GEMM configuration ", config, " is not built for compute capability ",
+              num(plan.cc_major), ".x (use dequantize + matmul)");
+  TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM configuration ",
+              config, " needs ", num(plan.smem_bytes / 1024), " KB of shared memory per block; this GPU allows ",
+              num(plan.smem_limit / 1024), " KB (use dequantize + matmul)");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM at k=", num(k), " needs ",
-              num(plan.smem_bytes / 1024), " KB of shared memory per block; this GPU allows ", num(plan.smem_limit / 1024),
-              " KB (use dequantize + matmul)");
-  TORCH_CHECK(plan.built, "kbit: the fused GEMM at k=", num(k), " for ", num(M), " tokens is not built for this GPU's architecture "
-              "(use dequantize + matmul)");
-
   kbit::GemmParams p{};
   p.x = x.data_ptr();
   p.b = reinterpret_cast<const uint4*>(b.data_ptr());
@@ -251,6 +250,26 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
   check_launch(kbit::gemm(p, stream), "gemm");
   return y;
+}
+
+// Every built configuration of the fused GEMM as JSON (kbit/dispatch.py plans from it), and the device facts the
+// binding checks a configuration against.
+std::string gemm_configs() {
+  std::string json = "[";
+  for (const kbit::GemmConfigInfo& c : kbit::gemm_configs()) {
+    json += std::string(json.size() > 1 ? ", " : "") + "{\"bits\": " + num(c.bits) + ", \"mb\": " + num(c.mb) +
+            ", \"wgmma_tiles\": " + num(c.wgmma_tiles) + ", \"ws_tokens\": " + num(c.ws_tokens) +
+            ", \"smem_bytes\": " + num(c.smem_bytes) + ", \"cc_major_min\": " + num(c.cc_major_min) +
+            ", \"cc_major_max\": " + num(c.cc_major_max) + "}";
+  }
+  return json + "]";
+}
+
+int64_t shared_memory_per_block_optin(int64_t device) {
+  int bytes = 0;
+  check_launch(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, static_cast<int>(device)),
+               "device query");
+  return bytes;
 }
 
 // ---------------------------------------------------------------------------- mixture of experts (moe.h)
@@ -439,7 +458,9 @@ TORCH_LIBRARY(kbit_cuda, m) {
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor scale) -> Tensor");
   m.def("repack(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
-        "int K_dim, int num_blocks) -> Tensor");
+        "int K_dim, int num_blocks, int mb, int wgmma_tiles, int ws_tokens) -> Tensor");
+  m.def("gemm_configs() -> str", &gemm_configs);  // no tensors: any backend
+  m.def("shared_memory_per_block_optin(int device) -> int", &shared_memory_per_block_optin);
   m.def("moe_route(Tensor expert_ids, Tensor weights, int num_experts, int rows_per_pass) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? x_rows, "

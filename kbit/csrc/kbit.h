@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 #include <cuda_runtime.h>
 
 namespace kbit {
@@ -76,7 +77,20 @@ struct GemmParams {
 // 0x7FFFFFFF), so each word of a partial tile says by itself whether it has landed.
 constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
 
-// How a GEMM will run: chosen on the host before allocating its workspace.
+// One configuration of the fused GEMM, as built. kbit/dispatch.py plans every call from this list (through the
+// binding's gemm_configs): it never picks one that is not built, or that this GPU cannot run.
+struct GemmConfigInfo {
+  int bits, mb, wgmma_tiles;  // GemmConfig<bits, mb, wgmma_tiles> of gemm.cuh, or with ws_tokens:
+  int ws_tokens;              // > 0: WsConfig<bits, ws_tokens> of gemm_ws.cuh (mb = ws_tokens / 8, wgmma_tiles = 0)
+  int smem_bytes;             // shared memory per CTA, static included
+  int cc_major_min, cc_major_max;  // the compute capabilities (major) its code is built for
+};
+// Whether (k, mb, wgmma_tiles, ws_tokens) is built; fills info if it is.
+bool gemm_config_info(int k, int mb, int wgmma_tiles, int ws_tokens, GemmConfigInfo* info);
+// Every built configuration, every bit width.
+std::vector<GemmConfigInfo> gemm_configs();
+
+// How a GEMM will run: its configuration's launch, sized on the host before allocating its workspace.
 struct GemmPlan {
   int mb, m_passes, grid, total_steps;
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: wgmma with that many row tiles per warp (GemmParams)
@@ -85,15 +99,13 @@ struct GemmPlan {
   int smem_bytes;           // shared memory per CTA the configuration needs
   int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
   int cc_major;             // the device's compute capability, major (0 if unknown)
-  bool built;               // whether the configuration is built for the device (GemmConfig::kOnSm80)
+  bool built;               // whether the configuration is built for the device's architecture
 };
 
-// Which kernel: the planner's choice, or one forced (KBIT_GEMM_PATH in the binding: tests and tuning).
-// WarpSpecialized is honoured on compute capability 9.x only.
-enum class GemmPath : int { Auto = 0, Classic = 1, WarpSpecialized = 2 };
-
-// num_sms: multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K).
-GemmPlan gemm_plan(int M, int N, int K_w, int k, int num_sms, int forced_grid, GemmPath path = GemmPath::Auto);
+// The launch of the configuration (k, mb, wgmma_tiles, ws_tokens) for M tokens; chooses nothing. num_sms:
+// multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K). A
+// configuration that is not built comes back with built = false and nothing else set.
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int ws_tokens, int num_sms, int forced_grid);
 // Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);

@@ -1,0 +1,404 @@
+"""The GEMM dispatch planner: which path and configuration compute ``x @ W_hat.T`` on a CUDA device.
+
+``plan(device, configs, out_features, in_features, tokens, bits)`` returns one of four paths and, for the fused
+ones, the configuration the binding runs:
+
+- ``mma_sync``: gemm.cuh's kernel with mma.sync, 8, 16 or 32 tokens per pass (every GPU);
+- ``wgmma``: gemm.cuh's kernel with wgmma, 64 or 128 tokens per pass, 128- or 256-row tiles (sm_90a);
+- ``warp_specialized``: gemm_ws.cuh's kernel, 32, 64 or 128 tokens per tile (sm_90a);
+- ``dequantize_cublas``: the weight dequantized to x's dtype, then ``F.linear`` (cuBLAS).
+
+It decides from three kinds of facts, each with one owner:
+
+- the configurations built, their shared memory and the compute capabilities their code is built for: the CUDA
+  extension reports them from its compile-time lists (``gemm_configs`` in gemm.cu), so a configuration that is
+  not built, or that needs more shared memory than the GPU allows per block, is never picked;
+- ``CROSSOVERS``: where one path overtakes another, as measured, with where and when;
+- crossovers measured on this GPU by ``python -m kbit tune`` for given shapes (``kbit.tune_cache``), used for
+  those shapes when present.
+
+The binding executes the configuration it is given (it sizes only the grid and the split-K workspace) and refuses
+one that is not built for the GPU or does not fit it. ``KBIT_GEMM_PATH`` (``ws``, ``classic``, ``mma_sync``,
+``wgmma``) forces the fused kernel, read at every call so a benchmark can switch it in-process; a forced path
+the GPU cannot run is ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from typing import Iterable, Mapping, NamedTuple, Optional
+
+import torch
+
+from ._build import cuda_ext
+from .formats import padded_in_features
+
+PATH_ENV = "KBIT_GEMM_PATH"
+
+
+class Path(str, enum.Enum):
+    MMA_SYNC = "mma_sync"
+    WGMMA = "wgmma"
+    WARP_SPECIALIZED = "warp_specialized"
+    DEQUANTIZE_CUBLAS = "dequantize_cublas"
+
+
+FUSED_PATHS = frozenset({Path.MMA_SYNC, Path.WGMMA, Path.WARP_SPECIALIZED})
+# KBIT_GEMM_PATH values: the fused paths allowed ("classic" = gemm.cuh's kernel, mma.sync or wgmma by the table).
+FORCED_PATHS = {
+    "ws": frozenset({Path.WARP_SPECIALIZED}),
+    "classic": frozenset({Path.MMA_SYNC, Path.WGMMA}),
+    "mma_sync": frozenset({Path.MMA_SYNC}),
+    "wgmma": frozenset({Path.WGMMA}),
+}
+
+
+class Device(NamedTuple):
+    name: str
+    capability: tuple  # (major, minor)
+    sms: int  # multiprocessors
+    smem_per_block: int  # opt-in maximum shared memory per block, bytes
+
+
+class GemmConfig(NamedTuple):
+    """One built configuration of the fused GEMM, as the extension reports it (``GemmConfigInfo`` in kbit.h)."""
+
+    bits: int
+    mb: int  # 8-token MMA tiles per pass
+    wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp
+    ws_tokens: int  # > 0: the warp-specialized kernel with that many tokens per tile
+    smem_bytes: int  # per CTA, static included
+    cc_major_min: int  # the compute capabilities (major) its code is built for
+    cc_major_max: int
+
+    @property
+    def path(self) -> Path:
+        return Path.WARP_SPECIALIZED if self.ws_tokens else Path.WGMMA if self.wgmma_tiles else Path.MMA_SYNC
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per pass: the kernel reads the weights once per pass."""
+        return self.mb * 8
+
+    def runs_on(self, device: Device) -> bool:
+        return (self.cc_major_min <= device.capability[0] <= self.cc_major_max
+                and self.smem_bytes <= device.smem_per_block)
+
+
+def parse_configs(text: str) -> tuple:
+    """The extension's report (``kbit_cuda.gemm_configs()``, JSON) as GemmConfigs."""
+    return tuple(GemmConfig(**{field: int(row[field]) for field in GemmConfig._fields}) for row in json.loads(text))
+
+
+class Plan(NamedTuple):
+    """What runs: a path and, for the fused ones, the configuration the binding receives."""
+
+    path: Path
+    mb: int = 0
+    wgmma_tiles: int = 0
+    ws_tokens: int = 0
+
+    @classmethod
+    def of(cls, config: GemmConfig) -> "Plan":
+        return cls(config.path, config.mb, config.wgmma_tiles, config.ws_tokens)
+
+
+DEQUANTIZE_CUBLAS = Plan(Path.DEQUANTIZE_CUBLAS)
+
+
+class NoFusedConfig(RuntimeError):
+    """No fused GEMM configuration of this bit width runs on this GPU."""
+
+
+# ---------------------------------------------------------------------------------------------- measured crossovers
+class Measured(NamedTuple):
+    gpu: str
+    commit: str
+    date: str
+    source: str
+
+
+H100_MMA_SYNC = Measured("H100 80GB HBM3", "faa39cf", "2026-11-21",
+                         "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md, _m160_224.md")
+H100_WGMMA = Measured("H100 80GB HBM3", "776473c", "2026-11-21",
+                      "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md; docs/PERFORMANCE.md, v20-v23")
+H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
+                                 "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, v27")
+
+
+class Rule(str, enum.Enum):
+    FUSED_THROUGH = "the fused kernel beats dequantize + cuBLAS through m tokens"
+    WARP_SPECIALIZED_FROM = "gemm_ws.cuh's kernel beats gemm.cuh's from m tokens"
+    WGMMA_FROM = "gemm.cuh's wgmma beats its mma.sync from m tokens"
+    WIDE_TILES_FROM = "256-row wgmma tiles beat 128-row ones from m tokens"
+
+
+class Gpus(str, enum.Enum):
+    WGMMA = "GPUs that run the wgmma configurations (compute capability 9.x)"
+    MMA_SYNC_ONLY = "every other GPU"
+
+
+ALL_BITS = (2, 3, 4, 5)
+
+
+class Crossover(NamedTuple):
+    """``rule`` at ``m`` tokens, for weights of at least ``min_weights`` elements (out_features x in_features padded
+    to 32) and ``min_out_features`` rows, where each SM has at least ``min_steps_per_sm`` steps (token passes x
+    256-row tiles x 256-column k-groups) in the configuration the rule would pick."""
+
+    gpus: Gpus
+    rule: Rule
+    m: int
+    measured: Measured
+    bits: tuple = ALL_BITS
+    min_weights: int = 0
+    min_out_features: int = 0
+    min_steps_per_sm: int = 0
+
+
+# Of several rows that hold, FUSED_THROUGH takes the largest m, the *_FROM rules the smallest.
+CROSSOVERS = (
+    # mma.sync reads the weights once per 32 tokens, dequantize + cuBLAS about twice whatever M: K = 2 ties at
+    # M = 160, K = 4 at 192, and at 256 dequantize + cuBLAS wins for every K.
+    Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 159, H100_MMA_SYNC, bits=(2, 3)),
+    Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 191, H100_MMA_SYNC, bits=(4,)),
+    Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 127, H100_MMA_SYNC, bits=(5,)),
+    # One wgmma pass holds 128 tokens; below 32M weights it loses from 65 on (4096->4096, M = 128: 31 vs 27 us);
+    # the warp-specialized kernel keeps >= 32M weights through 256 (4096->14336, M = 256: 65 vs 89 us) and >= 128M
+    # through 1024 (8192->28672, K = 4, M = 1024: 730 vs 878 us), K = 5 through 512.
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 64, H100_WGMMA),
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 256, H200_WARP_SPECIALIZED, min_weights=1 << 25),
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_WARP_SPECIALIZED, bits=(2, 3, 4), min_weights=1 << 27),
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 512, H200_WARP_SPECIALIZED, bits=(5,), min_weights=1 << 27),
+    # The warp-specialized kernel: from 17 tokens on >= 48M weights (8192->28672, M = 32: 63.6 vs 72.1 us), from
+    # 65 on >= 32M with N >= 8192, from 129 on >= 32M, from 513 everywhere. With N = 4096, each 256-row tile is
+    # split over many CTAs and its split-K hand-off (256 x 128 partials) costs more than the kernel saves.
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 129, H200_WARP_SPECIALIZED, min_weights=1 << 25),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 65, H200_WARP_SPECIALIZED, min_weights=1 << 25,
+              min_out_features=8192),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_WARP_SPECIALIZED, min_weights=48 << 20),
+    # gemm.cuh's wgmma from 65 tokens, and from 33 where every SM has >= 16 steps of 64 tokens: below that
+    # mma.sync's 32-token passes are faster (8192->28672 M = 32: 90.4 vs 70.9 us; 14336->4096 M = 64: 44.1 vs 41.4).
+    # 256-row tiles halve the activations' traffic from L2 where every SM has >= 16 steps; elsewhere the extra
+    # split-K costs more (4096->4096: 107 vs 31 us).
+    Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 65, H100_WGMMA),
+    Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
+    Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
+)
+
+WIDE_TILE_ROWS = 256  # the tile the crossovers' steps are counted in
+
+
+# ---------------------------------------------------------------------------------------------- the planner
+class _Problem(NamedTuple):
+    device: Device
+    built: dict  # (mb, wgmma_tiles, ws_tokens) -> GemmConfig, this bit width
+    out_features: int
+    in_features: int  # padded to 32
+    tokens: int
+    bits: int
+
+    @property
+    def weights(self) -> int:
+        return self.out_features * self.in_features
+
+    def steps(self, tokens_per_pass: int) -> int:
+        return (-(-self.tokens // tokens_per_pass) * -(-self.out_features // WIDE_TILE_ROWS)
+                * -(-self.in_features // 256))
+
+    def runs(self, config: Optional[GemmConfig]) -> bool:
+        return config is not None and config.runs_on(self.device)
+
+
+def _holding(p: _Problem, gpus: Gpus, rule: Rule, tokens_per_pass: int = 0) -> list:
+    steps = p.steps(tokens_per_pass) if tokens_per_pass else 0
+    return [c.m for c in CROSSOVERS
+            if c.gpus is gpus and c.rule is rule and p.bits in c.bits and p.weights >= c.min_weights
+            and p.out_features >= c.min_out_features and steps >= c.min_steps_per_sm * p.device.sms]
+
+
+def _starts(p: _Problem, gpus: Gpus, rule: Rule, tokens_per_pass: int = 0) -> bool:
+    """Whether ``rule`` holds at p.tokens: some crossover of it starts at or below them."""
+    return any(p.tokens >= m for m in _holding(p, gpus, rule, tokens_per_pass))
+
+
+def config_for(p: _Problem, path: Path, gpus: Gpus = Gpus.WGMMA) -> Optional[GemmConfig]:
+    """The configuration of ``path`` for p.tokens, if built: the smallest pass that holds them (the largest past
+    that, in several passes); wgmma's row tiles by the table."""
+    M = p.tokens
+    if path is Path.MMA_SYNC:
+        return p.built.get((1 if M <= 8 else 2 if M <= 16 else 4, 0, 0))
+    if path is Path.WARP_SPECIALIZED:
+        tokens = 32 if M <= 32 else 64 if M <= 64 else 128
+        return p.built.get((tokens // 8, 0, tokens))
+    if path is Path.WGMMA:
+        mb = 8 if M <= 64 else 16
+        tiles = (2, 1) if _starts(p, gpus, Rule.WIDE_TILES_FROM, mb * 8) else (1, 2)
+        return next((p.built[(mb, t, 0)] for t in tiles if (mb, t, 0) in p.built), None)
+    return None
+
+
+def _table_config(p: _Problem, gpus: Gpus, paths: frozenset) -> Optional[GemmConfig]:
+    """The fused configuration the crossover table picks among ``paths`` (built, not necessarily runnable here)."""
+    if gpus is Gpus.WGMMA:
+        if Path.WARP_SPECIALIZED in paths and (
+                paths == {Path.WARP_SPECIALIZED} or _starts(p, gpus, Rule.WARP_SPECIALIZED_FROM)):
+            return config_for(p, Path.WARP_SPECIALIZED, gpus)
+        if Path.WGMMA in paths and (
+                Path.MMA_SYNC not in paths or _starts(p, gpus, Rule.WGMMA_FROM, 64 if p.tokens <= 64 else 128)):
+            return config_for(p, Path.WGMMA, gpus)
+    return config_for(p, Path.MMA_SYNC, gpus) if Path.MMA_SYNC in paths else None
+
+
+def _fallback(p: _Problem) -> Optional[GemmConfig]:
+    """The mma.sync configuration that runs here: the smallest pass that holds the tokens, else the largest."""
+    runnable = sorted((c for c in p.built.values() if c.path is Path.MMA_SYNC and p.runs(c)), key=lambda c: c.tokens)
+    return next((c for c in runnable if c.tokens >= p.tokens), runnable[-1] if runnable else None)
+
+
+def _from_table(p: _Problem, cublas_allowed: bool) -> Optional[Plan]:
+    gpus = gpus_of(p)
+    wanted = _table_config(p, gpus, FUSED_PATHS)
+    config = wanted if p.runs(wanted) else _fallback(p)
+    if config is None:
+        return DEQUANTIZE_CUBLAS if cublas_allowed else None
+    if cublas_allowed:
+        through = max(_holding(p, gpus, Rule.FUSED_THROUGH), default=0)
+        if wanted is not None and config.tokens < wanted.tokens:
+            # A smaller pass than the one measured (the GPU's shared memory holds no larger one) reads the weights
+            # once per pass: the crossover comes that much earlier.
+            through = through * config.tokens // wanted.tokens
+        if p.tokens > through:
+            return DEQUANTIZE_CUBLAS
+    return Plan.of(config)
+
+
+def _from_tuned(p: _Problem, shape, cublas_allowed: bool) -> Optional[Plan]:
+    """The fastest path ``kbit tune`` measured (a ``tune_cache.TunedShape``) at the first tuned token count >= p.tokens
+    (the last one past them)."""
+    tokens = shape.tokens
+    i = next((i for i, t in enumerate(tokens) if t >= p.tokens), len(tokens) - 1)
+    timed = sorted((us[i], path) for path, us in shape.us.items()
+                   if us[i] is not None and (cublas_allowed or path is not Path.DEQUANTIZE_CUBLAS))
+    for _, path in timed:
+        if path is Path.DEQUANTIZE_CUBLAS:
+            return DEQUANTIZE_CUBLAS
+        config = config_for(p, path, gpus_of(p))
+        if p.runs(config):
+            return Plan.of(config)
+    return None
+
+
+def gpus_of(p: _Problem) -> Gpus:
+    return Gpus.WGMMA if any(c.path is not Path.MMA_SYNC and p.runs(c) for c in p.built.values()) else Gpus.MMA_SYNC_ONLY
+
+
+def fused_configs(device: Device, configs: Iterable[GemmConfig], out_features: int, in_features: int, tokens: int,
+                  bits: int) -> dict:
+    """{path: configuration} of each fused path that runs on ``device``, as ``plan`` would run it for these tokens:
+    what ``kbit tune`` times."""
+    p = _problem(device, configs, out_features, in_features, tokens, bits)
+    found = {path: config_for(p, path, gpus_of(p)) for path in (Path.MMA_SYNC, Path.WGMMA, Path.WARP_SPECIALIZED)}
+    return {path: config for path, config in found.items() if p.runs(config)}
+
+
+def _problem(device, configs, out_features, in_features, tokens, bits) -> _Problem:
+    return _Problem(device, {(c.mb, c.wgmma_tiles, c.ws_tokens): c for c in configs if c.bits == bits},
+                    out_features, padded_in_features(in_features), tokens, bits)
+
+
+def plan(device: Device, configs: Iterable[GemmConfig], out_features: int, in_features: int, tokens: int, bits: int,
+         *, fused_only: bool = False, force: Optional[frozenset] = None, tuned: Optional[Mapping] = None) -> Plan:
+    """The path and configuration for ``tokens`` x in_features activations times an [out_features, in_features]
+    weight of ``bits`` bits on ``device``.
+
+    ``fused_only`` leaves dequantize + cuBLAS out (a forced grid, ``kbit::gemm`` called directly); raises
+    NoFusedConfig when no fused configuration of ``bits`` runs on the device. ``force``: the fused paths allowed
+    (``FORCED_PATHS``), ignored when none of them runs here. ``tuned``: ``kbit.tune_cache.load``'s measurements,
+    keyed by (bits, out_features, in_features padded to 32).
+    """
+    p = _problem(device, configs, out_features, in_features, tokens, bits)
+    cublas_allowed = not fused_only
+    if force:
+        forced = _table_config(p, gpus_of(p), force)
+        if p.runs(forced):
+            return Plan.of(forced)
+    shape = tuned.get((bits, out_features, p.in_features)) if tuned else None
+    choice = (_from_tuned(p, shape, cublas_allowed) if shape else None) or _from_table(p, cublas_allowed)
+    if choice is None:
+        raise NoFusedConfig(
+            f"kbit: no fused GEMM configuration at {bits} bits runs on this GPU ({device.name}, compute capability "
+            f"{device.capability[0]}.{device.capability[1]}, {device.smem_per_block // 1024} KB of shared memory per "
+            f"block): use dequantize + matmul")
+    return choice
+
+
+# ---------------------------------------------------------------------------------------------- on this machine
+class DeviceFacts(NamedTuple):
+    device: Device
+    configs: tuple  # GemmConfig
+    tuned: Optional[Mapping]
+
+
+_FACTS: dict = {}  # CUDA device index -> DeviceFacts
+_PLANS: dict = {}  # (device index, out, in, tokens, bits, fused_only, forced) -> Plan
+_MAX_PLANS = 1 << 14
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    """What the planner knows of this CUDA device, read once per process (``QuantizedWeight.prepare`` reads it
+    before ``torch.compile`` traces ``kbit.matmul``)."""
+    index = device_index(device)
+    facts = _FACTS.get(index)
+    return facts if facts is not None else _read_facts(index)
+
+
+@torch.compiler.disable
+def _read_facts(index: int) -> DeviceFacts:
+    from . import tune_cache
+
+    ext = cuda_ext()
+    props = torch.cuda.get_device_properties(index)
+    device = Device(props.name, (props.major, props.minor), props.multi_processor_count,
+                    int(ext.shared_memory_per_block_optin(index)))
+    facts = DeviceFacts(device, parse_configs(ext.gemm_configs()), tune_cache.load(device))
+    _FACTS[index] = facts
+    return facts
+
+
+def forget() -> None:
+    """Read the devices' facts and the tuned crossovers again at the next plan (after ``kbit tune`` wrote them)."""
+    _FACTS.clear()
+    _PLANS.clear()
+
+
+def forced_paths() -> Optional[frozenset]:
+    """The fused paths ``KBIT_GEMM_PATH`` allows, or None (unset, or a value it does not name)."""
+    return FORCED_PATHS.get(os.environ.get(PATH_ENV, ""))
+
+
+def gemm_plan(device: torch.device, out_features: int, in_features: int, tokens: int, bits: int,
+              fused_only: bool = False) -> Plan:
+    """``plan`` on a CUDA device, with its facts and tuned crossovers. ``KBIT_GEMM_PATH`` applies to fused_only
+    plans: it chooses among the fused kernels, never whether the fused path is taken."""
+    facts = device_facts(device)
+    force = forced_paths() if fused_only else None
+    if torch.compiler.is_compiling():  # traced: no memo (its contents would become guards)
+        return plan(facts.device, facts.configs, out_features, in_features, tokens, bits, fused_only=fused_only,
+                    force=force, tuned=facts.tuned)
+    key = (device_index(device), out_features, in_features, tokens, bits, fused_only, force)
+    chosen = _PLANS.get(key)
+    if chosen is None:
+        chosen = plan(facts.device, facts.configs, out_features, in_features, tokens, bits, fused_only=fused_only,
+                      force=force, tuned=facts.tuned)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = chosen
+    return chosen
