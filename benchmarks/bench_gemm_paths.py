@@ -3,7 +3,7 @@
     python benchmarks/bench_gemm_paths.py          # H100/H200; prints one line per case, a summary last
 
 gemm.cuh's kernel ("classic") and the warp-specialized gemm_ws.cuh ("ws", compute capability 9.x) are forced in
-turn through KBIT_GEMM_PATH, which the binding reads at every call, so both are captured and timed in the same
+turn through KBIT_GEMM_PATH, which kbit's planner reads at every call, so both are captured and timed in the same
 process as cuBLAS. Same method as bench_gemm.py, lighter: a CUDA graph of 10 calls on weight copies rotated past
 2x L2, median of 5 replays. Also prints the relative difference of the two kernels' outputs per case. Writes
 bench_ws.json under $OUT (or the current folder). BENCH_ONLY=shape,... restricts the shapes; BENCH_BUDGET_S caps

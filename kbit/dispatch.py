@@ -189,7 +189,7 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
 )
 
-WIDE_TILE_ROWS = 256  # the tile the crossovers' steps are counted in
+STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps
 
 
 # ---------------------------------------------------------------------------------------------- the planner
@@ -201,31 +201,43 @@ class _Problem(NamedTuple):
     tokens: int
     bits: int
 
+    @classmethod
+    def of(cls, device, configs, out_features, in_features, tokens, bits) -> "_Problem":
+        return cls(device, {(c.mb, c.wgmma_tiles, c.ws_tokens): c for c in configs if c.bits == bits},
+                   out_features, padded_in_features(in_features), tokens, bits)
+
     @property
     def weights(self) -> int:
         return self.out_features * self.in_features
 
+    @property
+    def gpus(self) -> Gpus:
+        wgmma_here = any(c.path is not Path.MMA_SYNC and self.runs(c) for c in self.built.values())
+        return Gpus.WGMMA if wgmma_here else Gpus.MMA_SYNC_ONLY
+
     def steps(self, tokens_per_pass: int) -> int:
-        return (-(-self.tokens // tokens_per_pass) * -(-self.out_features // WIDE_TILE_ROWS)
-                * -(-self.in_features // 256))
+        return (-(-self.tokens // tokens_per_pass) * -(-self.out_features // STEP_TILE)
+                * -(-self.in_features // STEP_TILE))
 
     def runs(self, config: Optional[GemmConfig]) -> bool:
         return config is not None and config.runs_on(self.device)
 
 
-def _holding(p: _Problem, gpus: Gpus, rule: Rule, tokens_per_pass: int = 0) -> list:
+def _holding(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> list:
+    """The m of every crossover of ``rule`` whose conditions hold (steps counted in passes of tokens_per_pass)."""
     steps = p.steps(tokens_per_pass) if tokens_per_pass else 0
+    gpus = p.gpus
     return [c.m for c in CROSSOVERS
             if c.gpus is gpus and c.rule is rule and p.bits in c.bits and p.weights >= c.min_weights
             and p.out_features >= c.min_out_features and steps >= c.min_steps_per_sm * p.device.sms]
 
 
-def _starts(p: _Problem, gpus: Gpus, rule: Rule, tokens_per_pass: int = 0) -> bool:
-    """Whether ``rule`` holds at p.tokens: some crossover of it starts at or below them."""
-    return any(p.tokens >= m for m in _holding(p, gpus, rule, tokens_per_pass))
+def _starts(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> bool:
+    """Whether ``rule`` holds at p.tokens: one of its crossovers lies at or below them."""
+    return any(p.tokens >= m for m in _holding(p, rule, tokens_per_pass))
 
 
-def config_for(p: _Problem, path: Path, gpus: Gpus = Gpus.WGMMA) -> Optional[GemmConfig]:
+def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:
     """The configuration of ``path`` for p.tokens, if built: the smallest pass that holds them (the largest past
     that, in several passes); wgmma's row tiles by the table."""
     M = p.tokens
@@ -234,23 +246,21 @@ def config_for(p: _Problem, path: Path, gpus: Gpus = Gpus.WGMMA) -> Optional[Gem
     if path is Path.WARP_SPECIALIZED:
         tokens = 32 if M <= 32 else 64 if M <= 64 else 128
         return p.built.get((tokens // 8, 0, tokens))
-    if path is Path.WGMMA:
-        mb = 8 if M <= 64 else 16
-        tiles = (2, 1) if _starts(p, gpus, Rule.WIDE_TILES_FROM, mb * 8) else (1, 2)
-        return next((p.built[(mb, t, 0)] for t in tiles if (mb, t, 0) in p.built), None)
-    return None
+    mb = 8 if M <= 64 else 16
+    tiles = (2, 1) if _starts(p, Rule.WIDE_TILES_FROM, mb * 8) else (1, 2)
+    return next((p.built[(mb, t, 0)] for t in tiles if (mb, t, 0) in p.built), None)
 
 
-def _table_config(p: _Problem, gpus: Gpus, paths: frozenset) -> Optional[GemmConfig]:
-    """The fused configuration the crossover table picks among ``paths`` (built, not necessarily runnable here)."""
-    if gpus is Gpus.WGMMA:
+def _table_config(p: _Problem, paths: frozenset) -> Optional[GemmConfig]:
+    """The fused configuration the crossover table picks among ``paths`` (built; it may not run here)."""
+    if p.gpus is Gpus.WGMMA:
         if Path.WARP_SPECIALIZED in paths and (
-                paths == {Path.WARP_SPECIALIZED} or _starts(p, gpus, Rule.WARP_SPECIALIZED_FROM)):
-            return config_for(p, Path.WARP_SPECIALIZED, gpus)
+                paths == {Path.WARP_SPECIALIZED} or _starts(p, Rule.WARP_SPECIALIZED_FROM)):
+            return _config_for(p, Path.WARP_SPECIALIZED)
         if Path.WGMMA in paths and (
-                Path.MMA_SYNC not in paths or _starts(p, gpus, Rule.WGMMA_FROM, 64 if p.tokens <= 64 else 128)):
-            return config_for(p, Path.WGMMA, gpus)
-    return config_for(p, Path.MMA_SYNC, gpus) if Path.MMA_SYNC in paths else None
+                Path.MMA_SYNC not in paths or _starts(p, Rule.WGMMA_FROM, 64 if p.tokens <= 64 else 128)):
+            return _config_for(p, Path.WGMMA)
+    return _config_for(p, Path.MMA_SYNC) if Path.MMA_SYNC in paths else None
 
 
 def _fallback(p: _Problem) -> Optional[GemmConfig]:
@@ -260,13 +270,12 @@ def _fallback(p: _Problem) -> Optional[GemmConfig]:
 
 
 def _from_table(p: _Problem, cublas_allowed: bool) -> Optional[Plan]:
-    gpus = gpus_of(p)
-    wanted = _table_config(p, gpus, FUSED_PATHS)
+    wanted = _table_config(p, FUSED_PATHS)
     config = wanted if p.runs(wanted) else _fallback(p)
     if config is None:
         return DEQUANTIZE_CUBLAS if cublas_allowed else None
     if cublas_allowed:
-        through = max(_holding(p, gpus, Rule.FUSED_THROUGH), default=0)
+        through = max(_holding(p, Rule.FUSED_THROUGH), default=0)
         if wanted is not None and config.tokens < wanted.tokens:
             # A smaller pass than the one measured (the GPU's shared memory holds no larger one) reads the weights
             # once per pass: the crossover comes that much earlier.
@@ -277,8 +286,8 @@ def _from_table(p: _Problem, cublas_allowed: bool) -> Optional[Plan]:
 
 
 def _from_tuned(p: _Problem, shape, cublas_allowed: bool) -> Optional[Plan]:
-    """The fastest path ``kbit tune`` measured (a ``tune_cache.TunedShape``) at the first tuned token count >= p.tokens
-    (the last one past them)."""
+    """The fastest path that runs here of those ``kbit tune`` timed (a ``tune_cache.TunedShape``), at the first
+    tuned token count >= p.tokens (the last one past them)."""
     tokens = shape.tokens
     i = next((i for i, t in enumerate(tokens) if t >= p.tokens), len(tokens) - 1)
     timed = sorted((us[i], path) for path, us in shape.us.items()
@@ -286,28 +295,10 @@ def _from_tuned(p: _Problem, shape, cublas_allowed: bool) -> Optional[Plan]:
     for _, path in timed:
         if path is Path.DEQUANTIZE_CUBLAS:
             return DEQUANTIZE_CUBLAS
-        config = config_for(p, path, gpus_of(p))
+        config = _config_for(p, path)
         if p.runs(config):
             return Plan.of(config)
     return None
-
-
-def gpus_of(p: _Problem) -> Gpus:
-    return Gpus.WGMMA if any(c.path is not Path.MMA_SYNC and p.runs(c) for c in p.built.values()) else Gpus.MMA_SYNC_ONLY
-
-
-def fused_configs(device: Device, configs: Iterable[GemmConfig], out_features: int, in_features: int, tokens: int,
-                  bits: int) -> dict:
-    """{path: configuration} of each fused path that runs on ``device``, as ``plan`` would run it for these tokens:
-    what ``kbit tune`` times."""
-    p = _problem(device, configs, out_features, in_features, tokens, bits)
-    found = {path: config_for(p, path, gpus_of(p)) for path in (Path.MMA_SYNC, Path.WGMMA, Path.WARP_SPECIALIZED)}
-    return {path: config for path, config in found.items() if p.runs(config)}
-
-
-def _problem(device, configs, out_features, in_features, tokens, bits) -> _Problem:
-    return _Problem(device, {(c.mb, c.wgmma_tiles, c.ws_tokens): c for c in configs if c.bits == bits},
-                    out_features, padded_in_features(in_features), tokens, bits)
 
 
 def plan(device: Device, configs: Iterable[GemmConfig], out_features: int, in_features: int, tokens: int, bits: int,
@@ -320,10 +311,10 @@ def plan(device: Device, configs: Iterable[GemmConfig], out_features: int, in_fe
     (``FORCED_PATHS``), ignored when none of them runs here. ``tuned``: ``kbit.tune_cache.load``'s measurements,
     keyed by (bits, out_features, in_features padded to 32).
     """
-    p = _problem(device, configs, out_features, in_features, tokens, bits)
+    p = _Problem.of(device, configs, out_features, in_features, tokens, bits)
     cublas_allowed = not fused_only
     if force:
-        forced = _table_config(p, gpus_of(p), force)
+        forced = _table_config(p, force)
         if p.runs(forced):
             return Plan.of(forced)
     shape = tuned.get((bits, out_features, p.in_features)) if tuned else None
@@ -334,6 +325,15 @@ def plan(device: Device, configs: Iterable[GemmConfig], out_features: int, in_fe
             f"{device.capability[0]}.{device.capability[1]}, {device.smem_per_block // 1024} KB of shared memory per "
             f"block): use dequantize + matmul")
     return choice
+
+
+def fused_configs(device: Device, configs: Iterable[GemmConfig], out_features: int, in_features: int, tokens: int,
+                  bits: int) -> dict:
+    """{path: configuration} of each fused path that runs on ``device``, as ``plan`` would run it for these tokens:
+    what ``kbit tune`` times."""
+    p = _Problem.of(device, configs, out_features, in_features, tokens, bits)
+    found = {path: _config_for(p, path) for path in (Path.MMA_SYNC, Path.WGMMA, Path.WARP_SPECIALIZED)}
+    return {path: config for path, config in found.items() if p.runs(config)}
 
 
 # ---------------------------------------------------------------------------------------------- on this machine

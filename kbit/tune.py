@@ -17,7 +17,8 @@ import warnings
 
 import torch
 
-DEFAULT_SHAPES = "8192->28672,28672->8192,14336->4096,4096->14336,11008->4096,4096->11008,4096->4096,2048->10240,2048->1536"
+DEFAULT_SHAPES = ("8192->28672,28672->8192,14336->4096,4096->14336,11008->4096,4096->11008,4096->4096,2048->10240,"
+                  "2048->1536")
 DEFAULT_TOKENS = "1,8,16,32,64,128,192,256,384,512,768,1024,2048,4096"
 AGREEMENT = 1e-2  # relative Frobenius error between a fused path's output and dequantize + cuBLAS's
 
@@ -158,6 +159,7 @@ def _report(facts, entries: list, log) -> None:
         for i, M in enumerate(e["tokens"]):
             times = {name: t[i] for name, t in e["us"].items() if t[i] is not None}
             fastest = min(times, key=times.get)
-            table = dispatch.plan(facts.device, facts.configs, e["out_features"], e["in_features"], M, e["bits"]).path.value
-            note = "" if table == fastest or table not in times else f"  (table: {table}, {times[table] / times[fastest]:.2f}x)"
+            table = dispatch.plan(facts.device, facts.configs, e["out_features"], e["in_features"], M, e["bits"])
+            slower = times.get(table.path.value, 0) / times[fastest]
+            note = f"  (the table's {table.path.value}: {slower:.2f}x slower)" if slower > 1 else ""
             log(f"  M = {M:>5}: {fastest} {times[fastest]:.1f} us{note}")

@@ -835,6 +835,7 @@ def _malformed_cases():
     cb, s, x = qw.codebook, qw.scale, torch.randn(3, K_dim, device="cuda").half()
     n = N * K_dim
     as_u8 = qw.packed.to(torch.uint8)  # same element count, a quarter of the bytes
+    config = (1, 0, 0)  # mb, wgmma_tiles, ws_tokens: built (the tensor checks come first)
     return [
         ("dequantize packed uint8", lambda: ext.dequantize(as_u8, qw.absmax, cb, k, n, torch.float16, s)),
         ("dequantize packed float32", lambda: ext.dequantize(qw.packed.float(), qw.absmax, cb, k, n, torch.float16, s)),
@@ -851,18 +852,21 @@ def _malformed_cases():
         ("repack K_dim 50", lambda: ext.repack(qw.packed, qw.absmax, k, N, 50)),
         ("repack N larger", lambda: ext.repack(qw.packed, qw.absmax, k, N * 2, K_dim)),
         ("repack N negative", lambda: ext.repack(qw.packed, qw.absmax, k, -N, -K_dim)),
-        ("gemm b_gemm int64", lambda: ext.gemm(x, b.long(), a, cb, s, None, k, N, K_dim, 0)),
-        ("gemm b_gemm short", lambda: ext.gemm(x, b[:-1], a, cb, s, None, k, N, K_dim, 0)),
-        ("gemm layout for a larger N", lambda: ext.gemm(x, b, a, cb, s, None, k, N * 4, K_dim, 0)),
-        ("gemm layout for a larger K", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim * 4, 0)),
-        ("gemm absmax float", lambda: ext.gemm(x, b, a.float(), cb, s, None, k, N, K_dim, 0)),
-        ("gemm codebook short", lambda: ext.gemm(x, b, a, cb[:4], s, None, k, N, K_dim, 0)),
-        ("gemm scale on cpu", lambda: ext.gemm(x, b, a, cb, s.cpu(), None, k, N, K_dim, 0)),
-        ("gemm bias short", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N - 1, device="cuda").half(), k, N, K_dim, 0)),
-        ("gemm bias bf16", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N, device="cuda").bfloat16(), k, N, K_dim, 0)),
+        ("gemm b_gemm int64", lambda: ext.gemm(x, b.long(), a, cb, s, None, k, N, K_dim, 0, *config)),
+        ("gemm b_gemm short", lambda: ext.gemm(x, b[:-1], a, cb, s, None, k, N, K_dim, 0, *config)),
+        ("gemm layout for a larger N", lambda: ext.gemm(x, b, a, cb, s, None, k, N * 4, K_dim, 0, *config)),
+        ("gemm layout for a larger K", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim * 4, 0, *config)),
+        ("gemm absmax float", lambda: ext.gemm(x, b, a.float(), cb, s, None, k, N, K_dim, 0, *config)),
+        ("gemm codebook short", lambda: ext.gemm(x, b, a, cb[:4], s, None, k, N, K_dim, 0, *config)),
+        ("gemm scale on cpu", lambda: ext.gemm(x, b, a, cb, s.cpu(), None, k, N, K_dim, 0, *config)),
+        ("gemm bias short", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N - 1, device="cuda").half(), k, N, K_dim, 0,
+                                             *config)),
+        ("gemm bias bf16", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N, device="cuda").bfloat16(), k, N, K_dim, 0,
+                                            *config)),
         ("gemm x too wide", lambda: ext.gemm(torch.randn(3, K_dim + 8, device="cuda").half(), b, a, cb, s, None, k, N,
-                                             K_dim, 0)),
-        ("gemm k mismatch", lambda: ext.gemm(x, b, a, cb, s, None, 3, N, K_dim, 0)),
+                                             K_dim, 0, *config)),
+        ("gemm k mismatch", lambda: ext.gemm(x, b, a, cb, s, None, 3, N, K_dim, 0, *config)),
+        ("gemm configuration not built", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim, 0, 3, 0, 0)),
         ("quantize short codebook", lambda: ext.quantize(W, cb[:4], k, s)),
         ("quantize codebook float16", lambda: ext.quantize(W, cb.half(), k, s)),
     ]

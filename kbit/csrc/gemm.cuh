@@ -933,11 +933,11 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
 }
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass; wgmma with 64
-// tokens and 256-row tiles, or 128 tokens and 128- or 256-row tiles (not 256 at K = 5: no room). gemm_plan
-// picks among them.
+// tokens and 256-row tiles, or 128 tokens and 128- or 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py
+// picks among them (gemm.cu reports them: gemm_configs).
 constexpr int gemm_config_key(int mb, int wgmma_tiles) { return wgmma_tiles * 32 + mb; }
 // Calls f(GemmConfig<K, mb, wgmma_tiles>{}) if that configuration is built; returns whether it is. The one list
-// of configurations, for the launcher and for the host's plan (gemm.cu).
+// of configurations, for the launcher and for the host's report (gemm.cu).
 template <int K, typename F>
 bool with_gemm_config(int mb, int wgmma_tiles, F&& f) {
   switch (gemm_config_key(mb, wgmma_tiles)) {

@@ -430,7 +430,7 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
 }
 
 // The configurations built, per bit width and dtype: 32, 64 or 128 tokens per tile. The one list, for the
-// launcher and for the host's plan (gemm.cu).
+// launcher and for the host's report (gemm.cu).
 template <int K, typename F>
 bool with_ws_config(int tokens, F&& f) {
   switch (tokens) {

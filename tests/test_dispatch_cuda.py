@@ -1,0 +1,95 @@
+"""The GEMM dispatch on a GPU (skipped without CUDA): the extension's configuration list is the one the CPU tests
+pin, every plan runs, the binding refuses configurations the GPU cannot run, and ``kbit tune`` writes a cache the
+planner reads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path as FilePath
+
+import pytest
+import torch
+
+import kbit
+from kbit import dispatch, tune, tune_cache
+from kbit._build import cuda_ext
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a CUDA device"),
+]
+
+
+def test_extension_reports_the_pinned_configurations():
+    """tests/gemm_configs.json is what the CPU tests plan from; after changing the C++ lists, write the report below
+    into it."""
+    reported = cuda_ext().gemm_configs()
+    pinned = json.loads((FilePath(__file__).parent / "gemm_configs.json").read_text())
+    assert json.loads(reported) == pinned, f"the extension reports:\n{json.dumps(json.loads(reported), indent=1)}"
+
+
+def test_device_facts():
+    facts = dispatch.device_facts(torch.device("cuda"))
+    props = torch.cuda.get_device_properties(0)
+    assert facts.device.capability == (props.major, props.minor) and facts.device.sms == props.multi_processor_count
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    assert optin is None or facts.device.smem_per_block == optin
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4, 5))
+def test_every_plan_runs(bits):
+    """kbit.matmul at token counts on both sides of every crossover, as planned and forced onto the fused path,
+    within tolerance of the dequantized reference: no plan picks what the binding refuses."""
+    facts = dispatch.device_facts(torch.device("cuda"))
+    fused_runs = any(c.bits == bits and c.runs_on(facts.device) for c in facts.configs)
+    for N, K in ((4096, 4096), (14336, 4096), (1000, 4128)):
+        qw = kbit.quantize(torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02, bits)
+        w = kbit.dequantize(qw, torch.float32)
+        for M in (1, 9, 17, 33, 40, 64, 65, 80, 129, 160, 257, 513):
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            want = x.float() @ w.T
+            outputs = {"planned": kbit.matmul(x, qw)}
+            if fused_runs:
+                outputs["fused"] = kbit.matmul(x, qw, grid_override=1000)
+            else:
+                with pytest.raises(dispatch.NoFusedConfig):
+                    kbit.matmul(x, qw, grid_override=1000)
+            for how, y in outputs.items():
+                err = float((y.float() - want).norm() / want.norm())
+                assert err < 1e-2, f"N={N} K={K} M={M} bits={bits} {how}: relative error {err:.3g}"
+
+
+def test_binding_refuses_configurations_it_cannot_run():
+    qw = kbit.quantize(torch.randn(256, 256, device="cuda", dtype=torch.float16), 4)
+    b, a = qw.gemm_layout()
+    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+
+    def run(mb, wgmma_tiles, ws_tokens, bits=4):
+        return cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, None, bits, 256, 256, 0, mb, wgmma_tiles, ws_tokens)
+
+    for bogus in ((3, 0, 0), (16, 2, 16), (0, 0, 0), (4, 0, 64), (8, 1, 0)):
+        with pytest.raises(RuntimeError, match="has no configuration"):
+            run(*bogus)
+    facts = dispatch.device_facts(x.device)
+    cannot = [c for c in facts.configs if c.bits == 4 and not c.runs_on(facts.device)]
+    for c in cannot:
+        with pytest.raises(RuntimeError, match="not built for compute capability|shared memory per block"):
+            run(c.mb, c.wgmma_tiles, c.ws_tokens)
+
+
+def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv("KBIT_CACHE_DIR", str(tmp_path))
+    dispatch.forget()
+    try:
+        args = argparse.Namespace(bits="4", shapes="1024->2048", tokens="1,64,512", dtype="fp16", repeats=2)
+        assert tune.main(args) == 0
+        device = dispatch.device_facts(torch.device("cuda")).device
+        tuned = tune_cache.load(device)
+        shape = tuned[(4, 2048, 1024)]
+        assert shape.tokens == (1, 64, 512)
+        fastest = min((us[1], path) for path, us in shape.us.items() if us[1] is not None)[1]
+        chosen = dispatch.gemm_plan(torch.device("cuda"), 2048, 1024, 64, 4)
+        assert chosen.path is fastest
+    finally:
+        dispatch.forget()
