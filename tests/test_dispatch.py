@@ -317,3 +317,24 @@ def test_gemm_plan_uses_facts_cache_and_path_override(h100_here, monkeypatch):
     assert dispatch.gemm_plan(h100_here, 28672, 8192, 64, 4, fused_only=True) == Plan(Path.WARP_SPECIALIZED, 8, 0, 64)
     dispatch.forget()
     assert not dispatch._FACTS and not dispatch._PLANS
+
+
+# ----------------------------------------------------------------------------- python -m kbit tune, without a GPU
+def test_tune_arguments():
+    from kbit import tune
+
+    assert tune._shapes("4096->14336, 8192x28672") == [(4096, 14336), (8192, 28672)]
+    assert tune._int_list("1,16, 64", "--tokens") == [1, 16, 64]
+    for bad in ("4096", "4096->0", "a->b"):
+        with pytest.raises(SystemExit):
+            tune._shapes(bad)
+    with pytest.raises(SystemExit):
+        tune._int_list("1,-2", "--tokens")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures when a GPU is visible")
+def test_tune_without_a_gpu_says_so(capsys):
+    from kbit.__main__ import main
+
+    assert main(["tune", "--bits", "4"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
