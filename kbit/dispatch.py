@@ -115,17 +115,17 @@ class NoFusedConfig(RuntimeError):
 # ---------------------------------------------------------------------------------------------- measured crossovers
 class Measured(NamedTuple):
     gpu: str
-    commit: str
+    commit: str  # the code measured
     date: str
-    source: str
+    source: str  # where the numbers are
 
 
 H100_MMA_SYNC = Measured("H100 80GB HBM3", "faa39cf", "2026-11-21",
-                         "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md, _m160_224.md")
+                         "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md and _m160_224.md, as of a0567f5")
 H100_WGMMA = Measured("H100 80GB HBM3", "776473c", "2026-11-21",
-                      "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m128_256.md; docs/PERFORMANCE.md, v20-v23")
+                      "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m32_64.md and _m128_256.md, as of 776473c")
 H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
-                                 "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, v27")
+                                 "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, H200, GEMM 32 to 4096 tokens")
 
 
 class Rule(str, enum.Enum):

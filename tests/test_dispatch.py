@@ -334,7 +334,11 @@ def test_tune_arguments():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures when a GPU is visible")
 def test_tune_without_a_gpu_says_so(capsys):
-    from kbit.__main__ import main
+    import argparse
 
-    assert main(["tune", "--bits", "4"]) == 2
+    from kbit import tune
+
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    assert tune.main(parser.parse_args(["--bits", "4"])) == 2
     assert "no CUDA device" in capsys.readouterr().err
