@@ -54,12 +54,19 @@ def model_renamings(model: nn.Module) -> list:
     return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
 
 
+def renamed_key(key: str, renamings) -> str:
+    """``key`` after every renaming in turn, as transformers renames checkpoint keys (its own helper for this
+    is newer than the oldest transformers kbit supports; each renaming's method is not)."""
+    for renaming in renamings:
+        key = renaming.rename_source_key(key)[0]
+    return key
+
+
 def checkpoint_modules(checkpoint_files, renamings=()) -> tuple:
     """The kbit modules in a checkpoint, named as ``renamings`` (``model_renamings``) rename its keys:
     ``({name: (bits, (out_features, in_features), dtype, has_bias)}`` of each ``KbitLinear``,
     ``{name: (bits, E, H, I, dtype)}`` of each ``KbitExperts``)."""
     from safetensors import safe_open
-    from transformers.core_model_loading import apply_renamings
 
     files = [str(f) for f in checkpoint_files or ()]
     not_safetensors = [f for f in files if not f.endswith(".safetensors")]
@@ -68,7 +75,7 @@ def checkpoint_modules(checkpoint_files, renamings=()) -> tuple:
     file_of = {}  # renamed key -> (file, key in the file)
     for path in files:
         with safe_open(path, framework="pt") as f:
-            file_of.update((apply_renamings(key, list(renamings)), (path, key)) for key in f.keys())
+            file_of.update((renamed_key(key, renamings), (path, key)) for key in f.keys())
     layers = sorted(key[: -len(".absmax")] for key in file_of if key.endswith(".absmax"))
     experts = sorted(key[: -len(".gate_up_absmax")] for key in file_of if key.endswith(".gate_up_absmax"))
     if not layers and not experts:
