@@ -84,7 +84,7 @@ def test_quantize_while_loading_equals_quantize_model(loaded):
     qs, rs = q.state_dict(), ref.state_dict()
     assert set(qs) == set(rs)
     for key in qs:
-        assert torch.equal(qs[key], rs[key]), key
+        assert qs[key].dtype == rs[key].dtype and torch.equal(qs[key], rs[key]), key  # equal() ignores dtype
     ids = torch.randint(0, VOCAB, (2, 9))
     a, full = logits(q, ids), logits(model, ids)
     assert torch.equal(a, logits(ref, ids))
@@ -200,7 +200,7 @@ def test_moe_quantize_while_loading_equals_quantize_model(moe_loaded):
     qs, rs = q.state_dict(), ref.state_dict()
     assert set(qs) == set(rs)
     for key in qs:
-        assert torch.equal(qs[key], rs[key]), key
+        assert qs[key].dtype == rs[key].dtype and torch.equal(qs[key], rs[key]), key  # equal() ignores dtype
     ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
     a, full = logits(q, ids), logits(model, ids)
     assert torch.equal(a, logits(ref, ids))

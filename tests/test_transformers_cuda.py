@@ -68,7 +68,7 @@ def test_quantize_while_loading_generates_the_quantize_model_tokens(folder, tmp_
     qs, rs = q.state_dict(), ref.state_dict()
     assert set(qs) == set(rs)
     for key in qs:
-        assert qs[key].is_cuda and torch.equal(qs[key], rs[key]), key
+        assert qs[key].is_cuda and qs[key].dtype == rs[key].dtype and torch.equal(qs[key], rs[key]), key
 
     ids = torch.randint(0, VOCAB, (2, 12), device="cuda")
     tokens = _generate(q, ids)
