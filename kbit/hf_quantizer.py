@@ -159,6 +159,13 @@ class KbitHfQuantizer(HfQuantizer):
         return [hf_format.packed_renaming(self._saved_names)] if self._saved_names else []
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        # The GEMM layouts are non-persistent buffers derived from the storage when a layer is built. After
+        # transformers (5.17, CUDA) finished loading, layers quantized during the load held layouts that no longer
+        # matched their (correct) storage, and generate drifted from quantize_model's tokens: whatever the loader
+        # does to buffers no checkpoint key filled, the layouts are derived again once it is done.
+        for module in model.modules():
+            if isinstance(module, (KbitLinear, KbitExperts)):
+                module.prepare()
         if self.pre_quantized:
             hf_format.check_loaded_layers(model)
             return model
