@@ -126,6 +126,9 @@ H100_WGMMA = Measured("H100 80GB HBM3", "776473c", "2026-11-21",
                       "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m32_64.md and _m128_256.md, as of 776473c")
 H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
                                  "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, H200, GEMM 32 to 4096 tokens")
+H200_TUNED = Measured("H200", "0b6f506", "2026-11-23",
+                      "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
+                      "--tokens 32,48,64,96,128,192,256; docs/PERFORMANCE.md, H200, dispatch")
 
 
 class Rule(str, enum.Enum):
@@ -172,19 +175,23 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 256, H200_WARP_SPECIALIZED, min_weights=1 << 25),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_WARP_SPECIALIZED, bits=(2, 3, 4), min_weights=1 << 27),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 512, H200_WARP_SPECIALIZED, bits=(5,), min_weights=1 << 27),
-    # The warp-specialized kernel: from 17 tokens on >= 48M weights (8192->28672, M = 32: 63.6 vs 72.1 us), from
-    # 65 on >= 32M with N >= 8192, from 129 on >= 32M, from 513 everywhere. With N = 4096, each 256-row tile is
+    # The warp-specialized kernel: from 17 tokens on >= 48M weights with N >= 8192 (8192->28672, M = 32: 63.6 vs
+    # 72.1 us), from 65 on >= 32M with N >= 8192, from 129 on >= 32M, from 513 everywhere. With N = 4096, each 256-row tile is
     # split over many CTAs and its split-K hand-off (256 x 128 partials) costs more than the kernel saves.
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 129, H200_WARP_SPECIALIZED, min_weights=1 << 25),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 65, H200_WARP_SPECIALIZED, min_weights=1 << 25,
               min_out_features=8192),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_WARP_SPECIALIZED, min_weights=48 << 20),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_TUNED, min_weights=48 << 20, min_out_features=8192),
     # gemm.cuh's wgmma from 65 tokens, and from 33 where every SM has >= 16 steps of 64 tokens: below that
     # mma.sync's 32-token passes are faster (8192->28672 M = 32: 90.4 vs 70.9 us; 14336->4096 M = 64: 44.1 vs 41.4).
     # 256-row tiles halve the activations' traffic from L2 where every SM has >= 16 steps; elsewhere the extra
     # split-K costs more (4096->4096: 107 vs 31 us).
-    Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 65, H100_WGMMA),
+    # With out_features < 8192, mma.sync's 32-token passes stay faster through 128 tokens (H200, K = 4, M = 64 / 128:
+    # 14336->4096 41.6 / 72.0 us against wgmma's 45.4 / 75.9 and the warp-specialized kernel's 56.9 / 99.1;
+    # 11008->4096 34.3 / 57.1 against 40.4 / 62.8 and 52.0 / 90.1), and tie with wgmma at 192-256 tokens.
+    Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 65, H200_TUNED, min_out_features=8192),
+    Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 257, H200_TUNED),
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
 )
@@ -258,7 +265,7 @@ def _table_config(p: _Problem, paths: frozenset) -> Optional[GemmConfig]:
                 paths == {Path.WARP_SPECIALIZED} or _starts(p, Rule.WARP_SPECIALIZED_FROM)):
             return _config_for(p, Path.WARP_SPECIALIZED)
         if Path.WGMMA in paths and (
-                Path.MMA_SYNC not in paths or _starts(p, Rule.WGMMA_FROM, 64 if p.tokens <= 64 else 128)):
+                Path.MMA_SYNC not in paths or _starts(p, Rule.WGMMA_FROM, 64)):  # steps as 64-token passes
             return _config_for(p, Path.WGMMA)
     return _config_for(p, Path.MMA_SYNC) if Path.MMA_SYNC in paths else None
 

@@ -42,10 +42,10 @@ def config_of(chosen: Plan, bits: int):
                 (chosen.mb, chosen.wgmma_tiles, chosen.ws_tokens))
 
 
-# ----------------------------------------------------------------------------- the rules it replaced, verbatim
+# ----------------------------------------------------------------------------- the table's decisions, longhand
 def hopper_rules(M, N, K, bits, sms, path="auto"):
-    """weight.use_dequant_cublas and gemm.cu's gemm_plan / ws_tokens_for as they were, for compute capability 9.x
-    (weights counted with K padded to 32 on both sides: the one intended change)."""
+    """The crossover table's decisions for compute capability 9.x written out as plain conditions (weights counted
+    with K padded to 32)."""
     K = -(-K // 32) * 32
     W = N * K
     if path == "auto":
@@ -59,7 +59,7 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
             return CUBLAS
     tokens = 32 if M <= 32 else 64 if M <= 64 else 128
     faster = (M > 512 or (M > 128 and W >= 1 << 25) or (M > 64 and N >= 8192 and W >= 1 << 25)
-              or (M > 32 and W >= 1 << 27) or (M > 16 and W >= 48 << 20))
+              or (M > 32 and W >= 1 << 27) or (M > 16 and N >= 8192 and W >= 48 << 20))
     if path == "ws" or (path != "classic" and faster):
         return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
     kg = -(-K // 256)
@@ -67,7 +67,7 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     def steps(mb):
         return -(-M // (mb * 8)) * -(-N // 256) * kg
 
-    wgmma = M > 64 or (M > 32 and steps(8) >= 16 * sms)
+    wgmma = (M > 64 and N >= 8192) or M > 256 or (M > 32 and steps(8) >= 16 * sms)
     mb = 1 if M <= 8 else 2 if M <= 16 else 4 if not wgmma else 8 if M <= 64 else 16
     tiles = 0 if not wgmma else 2 if mb == 8 or (bits != 5 and steps(16) >= 16 * sms) else 1
     return Plan(Path.WGMMA if tiles else Path.MMA_SYNC, mb, tiles, 0)
