@@ -97,8 +97,8 @@ struct GemmConfig {
   //     one wavefront, not four), the block's pieces transposed on the way in; rows 576 B apart (64 mod 128),
   //     so the two rows of one 8-lane phase hit different banks;
   //   MB >= 2: ldmatrix in the rows' natural order, 16-byte copies; rows 528 B apart (16 mod 128), so the 8 rows
-  //     of one matrix hit 8 different 16-byte bank groups. Transposing there cost 4x the copy instructions:
-  //     M = 16 on 8192 -> 28672 went from 54.0 to 59.7 us (v20).
+  //     of one matrix hit 8 different 16-byte bank groups. Transposing there costs 4x the copy instructions
+  //     (docs/PERFORMANCE.md#instructive-failures).
   static constexpr bool kXPairsTransposed = !kWgmma && MB == 1;
   static constexpr int kXRow = kXPairsTransposed ? kKGroup + 32 : kKGroup + 8;
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
@@ -379,8 +379,8 @@ __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
 //   acts_free[s]        every warp is done reading the step's activations: their loaders wait for it
 // A warp refills its own weight region as soon as it is done with it, without waiting for anyone; only
 // the activations tie the warps together, and only as far as the pipeline is deep. With one
-// __syncthreads per step (v1-v8), every warp waited for the slowest at every step: 30% of all stall
-// cycles at M = 1 (ncu, v8).
+// __syncthreads per step, every warp waited for the slowest at every step: 30% of all stall cycles at M = 1
+// (ncu).
 template <class Cfg>
 struct Barriers {
   uint64_t weights_full[Cfg::kStages][Cfg::kWarps];

@@ -157,8 +157,8 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
 // holds_first / holds_last: this CTA holds the tile's first / last k-group (its own range starts / ends inside
 // the tile otherwise). Same protocol as finish_tile: contributors store their partial and go on; the reducer
 // polls each word until it is no longer kPartialEmpty, adds the partials in CTA order, puts kPartialEmpty back.
-// (Tried and measured slower, v27: one flag per contributor warp, written after a __threadfence, so the reducer
-// loads the words unchecked; 8192 -> 28672 at M = 128 went from 108 to 237 us.)
+// (One flag per contributor warp, written after a __threadfence, so that the reducer loads the words unchecked,
+// measured slower: the fence waits for the SM's copies in flight; docs/PERFORMANCE.md#instructive-failures.)
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_finish(const GemmParams& p, const StepCursor& c, bool holds_first, bool holds_last,
                                           const int (&tile16s)[2], float out_scale, float (&acc)[2][Cfg::kFrags][4]) {
