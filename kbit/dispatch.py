@@ -126,7 +126,7 @@ H100_WGMMA = Measured("H100 80GB HBM3", "776473c", "2026-11-21",
                       "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m32_64.md and _m128_256.md, as of 776473c")
 H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
                                  "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, H200, GEMM 32 to 4096 tokens")
-H200_TUNED = Measured("H200", "0b6f506", "2026-11-23",
+H200_TUNED = Measured("H200", "a512329", "2026-11-23",
                       "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
                       "--tokens 32,48,64,96,128,192,256; docs/PERFORMANCE.md, H200, dispatch")
 
