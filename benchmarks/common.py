@@ -142,6 +142,10 @@ def geomean(vals: Iterable[float]) -> Optional[float]:
 
 
 def git_commit() -> str:
+    """The commit measured: $KBIT_BENCH_COMMIT when set (a copy of the tree whose git metadata is not its own, as on
+    a remote runner), else git's HEAD, "+dirty" with uncommitted changes."""
+    if os.environ.get("KBIT_BENCH_COMMIT"):
+        return os.environ["KBIT_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10)
