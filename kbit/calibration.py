@@ -4,7 +4,9 @@
 other than ``"rtn"``. For ``"gptq"`` it needs each layer's input Hessian ``H = 2 X^T X / n`` over calibration
 inputs. Quantization errors compound through depth, so a model whose layers sit in a list of blocks (a
 transformer's ``model.layers`` / ``encoder.layer``) is calibrated block by block: block i's Hessians come from
-the inputs that the already-quantized blocks before it produce, which lets GPTQ compensate for them too. While
+the inputs that the already-quantized blocks before it produce, which lets GPTQ compensate for them too. Inside a
+block, the layers are quantized in the order they run, in groups that share one input (q/k/v projections,
+gate/up), each group with the Hessians of a pass of the block in which the groups before it are quantized. While
 that runs, a quantized layer's weight is temporarily replaced by its dequantized value; every original weight
 is back in place when ``quantize_layers`` returns or raises, so the model changes only when
 ``quantize_model`` swaps in the finished layers.
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .methods import check_method, quantize_tensor
+from .rotation import Rotation
 from .weight import QuantizedWeight
 
 __all__ = ["collect_hessians", "quantize_layers", "check_calibration"]
@@ -65,11 +68,19 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _run(model: nn.Module, batches: list) -> None:
+def _token_mask(kwargs: dict) -> Optional[Tensor]:
+    """The batch's 2-D ``attention_mask`` as bool [batch, seq] (the real tokens), or None."""
+    mask = kwargs.get("attention_mask")
+    return mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+
+def _run(model: nn.Module, batches: list, hooks: Optional["_HessianHooks"] = None) -> None:
     """The model's forward pass over every batch (``use_cache=False`` where it takes it); hooks do the work."""
     device = _device_of(model)
     takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
     for args, kwargs in batches:
+        if hooks is not None:
+            hooks.mask = _token_mask(kwargs)
         args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
         kwargs = {key: v.to(device) if isinstance(v, Tensor) else v for key, v in kwargs.items()}
         if takes_use_cache:
@@ -81,16 +92,32 @@ def _run(model: nn.Module, batches: list) -> None:
 
 
 class _HessianHooks:
-    """Forward hooks summing ``X^T X`` (float32, on the layer's device) and the row count of each layer's input."""
+    """Forward hooks summing ``X^T X`` (float32, on the layer's device) and the row count of each layer's input.
+
+    ``first_inputs`` keeps each layer's first input tensor, in the order the layers ran: layers fed the very
+    same tensor (q/k/v projections, gate/up) form one group of ``first_group``. ``mask``: the current batch's
+    real tokens (bool [batch, seq]); an input of that leading shape counts only their rows, not the padding's.
+    """
 
     def __init__(self, layers: dict):
-        self.sums, self.counts = {}, {}
+        self.sums, self.counts, self.first_inputs = {}, {}, {}
+        self.mask: Optional[Tensor] = None
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in layers.items()]
+
+    def first_group(self) -> list:
+        """Names of the layers that ran first, all on the same input."""
+        if not self.first_inputs:
+            return []
+        first = next(iter(self.first_inputs.values()))
+        return [n for n, x in self.first_inputs.items() if x is first]
 
     def _hook(self, name: str):
         def hook(module, inputs, output):
-            x = inputs[0].detach().to(torch.float32)
-            x = x.reshape(-1, x.shape[-1])
+            self.first_inputs.setdefault(name, inputs[0])
+            x = inputs[0].detach()
+            if self.mask is not None and tuple(x.shape[:-1]) == tuple(self.mask.shape):
+                x = x[self.mask.to(x.device)]
+            x = x.to(torch.float32).reshape(-1, x.shape[-1])
             if name not in self.sums:
                 self.sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
                 self.counts[name] = 0
@@ -102,6 +129,7 @@ class _HessianHooks:
         """Unhook; ``{name: 2 X^T X / n}`` of the layers that saw at least one input."""
         for h in self.handles:
             h.remove()
+        self.handles = []
         return {n: s.mul_(2.0 / self.counts[n]) for n, s in self.sums.items() if self.counts[n]}
 
 
@@ -115,7 +143,7 @@ def _hessians_over(model: nn.Module, layers: dict, batches: list) -> dict:
     hooks = _HessianHooks(layers)
     try:
         with torch.no_grad():
-            _run(model, batches)
+            _run(model, batches, hooks)
     finally:
         hessians = hooks.remove()
     return hessians
@@ -164,12 +192,13 @@ class _WeightSubstitution:
     def __init__(self, weight_of: Callable[[nn.Module], Tensor]):
         self.weight_of, self.originals = weight_of, []
 
-    def put(self, layer: nn.Module, qw: QuantizedWeight) -> None:
+    def put(self, layer: nn.Module, qw: QuantizedWeight, rotation: Optional[Rotation]) -> None:
         param = layer.weight
         self.originals.append((param, param.data))
         param.data = param.data.clone()  # written through the [out, in] view, whatever the layer's own layout
         view = self.weight_of(layer)
-        view.copy_(qw.dequantize(view.dtype).to(view.device))
+        w = qw.dequantize(torch.float32)
+        view.copy_((w if rotation is None else rotation.unrotate(w)).to(device=view.device, dtype=view.dtype))
 
     def restore(self) -> None:
         for w, data in reversed(self.originals):
@@ -179,11 +208,14 @@ class _WeightSubstitution:
 
 def quantize_layers(model: nn.Module, layers: list, k: int, method: str, codebook: Optional[Tensor] = None,
                     calibration=None, on_layer: Optional[Callable[[], None]] = None,
-                    weight_of: Callable[[nn.Module], Tensor] = lambda layer: layer.weight) -> dict:
+                    weight_of: Callable[[nn.Module], Tensor] = lambda layer: layer.weight,
+                    rotations: Optional[dict] = None) -> dict:
     """``{id(layer): QuantizedWeight}`` for ``layers`` (``[(name, module)]``, one entry per module).
 
     ``weight_of(layer)`` is the layer's weight in ``nn.Linear``'s [out, in] layout (a transposed view for
-    transformers' ``Conv1D``); the layer's input is its forward's first argument.
+    transformers' ``Conv1D``); the layer's input is its forward's first argument. ``rotations``: ``{id(layer):
+    Rotation}`` of the layers to quantize rotated (``kbit.rotation``); their QuantizedWeight holds ``W @ R``,
+    chosen with the Hessian of the rotated inputs.
 
     ``"mse"`` quantizes each weight on its own; ``"gptq"`` runs ``calibration`` through the model (block by block
     where the layers sit in a list of blocks, see the module docstring). GPTQ runs on the GPU when there is one,
@@ -194,10 +226,15 @@ def quantize_layers(model: nn.Module, layers: list, k: int, method: str, codeboo
     if method == "rtn":
         raise ValueError("quantize_layers is for the methods other than 'rtn' (kbit.quantize_model does that one)")
     result = {}
+    rotations = rotations or {}
 
     def quantize(name: str, layer: nn.Module, hessian: Optional[Tensor]) -> QuantizedWeight:
         w = weight_of(layer).detach()
         label = f"{name or type(layer).__name__}.weight"
+        rotation = rotations.get(id(layer))
+        if rotation is not None:
+            w = rotation.rotate(w.float()).to(w.dtype)
+            hessian = None if hessian is None else rotation.hessian(hessian)
         if method == "gptq" and hessian is None:  # calibration never reached it: nothing to weigh the error by
             qw = quantize_tensor(w, k, "mse", codebook, name=label)
         elif method == "gptq" and torch.cuda.is_available() and w.device.type != "cuda":
@@ -223,18 +260,29 @@ def quantize_layers(model: nn.Module, layers: list, k: int, method: str, codeboo
             if blocks is not None:
                 prefix, block_list = blocks
                 inputs = _capture_inputs(model, block_list[0], batches)
+                masks = [_token_mask(kw) for _, kw in batches]
                 for i, block in enumerate(block_list):
-                    inside = [(n, m) for n, m in layers if n.startswith(f"{prefix}.{i}.")]
-                    hooks = _HessianHooks(dict(inside))
-                    try:
-                        outputs = [block(*a, **kw) for a, kw in inputs]
-                    finally:
-                        hessians = hooks.remove()
-                    for name, layer in inside:
-                        substitution.put(layer, quantize(name, layer, hessians.get(name)))
-                        done.add(name)
-                    if inside and i + 1 < len(block_list):  # the next block sees this one quantized
-                        outputs = [block(*a, **kw) for a, kw in inputs]
+                    remaining = dict((n, m) for n, m in layers if n.startswith(f"{prefix}.{i}."))
+                    while True:  # one pass per group of layers, and one for the output of the quantized block
+                        hooks = _HessianHooks(remaining)
+                        try:
+                            outputs = []
+                            for (a, kw), mask in zip(inputs, masks):
+                                hooks.mask = mask
+                                outputs.append(block(*a, **kw))
+                        finally:
+                            hessians = hooks.remove()
+                        if not remaining:
+                            break
+                        group = hooks.first_group() or list(remaining)  # layers never run: quantized with "mse"
+                        del hooks  # its first inputs
+                        for name in group:
+                            layer = remaining.pop(name)
+                            substitution.put(layer, quantize(name, layer, hessians.get(name)),
+                                             rotations.get(id(layer)))
+                            done.add(name)
+                        if not remaining and i + 1 == len(block_list):
+                            break  # nothing reads the last block's output
                     inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
             rest = [(n, m) for n, m in layers if n not in done]
             if rest:  # outside the blocks (or no blocks): one pass of the model as quantized so far

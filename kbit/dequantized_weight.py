@@ -6,16 +6,19 @@ original weight without computing anything, and dequantizes only inside an opera
 result of that operation is a plain tensor and nothing is kept, so holding the view holds no full-precision copy.
 
 It is read-only: an in-place operation on it raises (it would change a temporary copy, not the stored weight).
+The weight of a rotated layer (``kbit.rotation``) is the un-rotated one, in the layer's own input basis.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from .rotation import Rotation
 from .weight import QuantizedWeight
 
 __all__ = ["DequantizedWeight"]
@@ -24,17 +27,18 @@ _STORAGE = ("packed", "absmax", "codebook", "scale")
 
 
 class DequantizedWeight(Tensor):
-    """A [out_features, in_features] tensor of the original dtype whose values are ``qweight.dequantize()``."""
+    """A [out_features, in_features] tensor of the original dtype whose values are ``qweight.dequantize()``,
+    un-rotated by ``rotation`` when the stored weight is rotated."""
 
     @staticmethod
-    def __new__(cls, qweight: QuantizedWeight):
+    def __new__(cls, qweight: QuantizedWeight, rotation: Optional[Rotation] = None):
         if not isinstance(qweight, QuantizedWeight):
             raise TypeError(f"qweight must be a kbit.QuantizedWeight, got {type(qweight).__name__}")
         return Tensor._make_wrapper_subclass(cls, qweight.shape, dtype=qweight.dtype, device=qweight.device,
                                              requires_grad=False)
 
-    def __init__(self, qweight: QuantizedWeight):
-        self.qweight = qweight
+    def __init__(self, qweight: QuantizedWeight, rotation: Optional[Rotation] = None):
+        self.qweight, self.rotation = qweight, rotation
         # The storage tensors as attributes: what __tensor_flatten__ names for torch.compile.
         self.packed, self.absmax, self.codebook, self.scale = (getattr(qweight, name) for name in _STORAGE)
         # transformers' weight initialization (of layers a checkpoint lacks) skips tensors marked loaded: a
@@ -43,7 +47,10 @@ class DequantizedWeight(Tensor):
 
     def dequantize(self, dtype=None) -> Tensor:
         """The weight as a plain tensor (default: its original dtype)."""
-        return self.qweight.dequantize(dtype)
+        if self.rotation is None:
+            return self.qweight.dequantize(dtype)
+        w = self.rotation.unrotate(self.qweight.dequantize(torch.float32))
+        return w.to(self.qweight.dtype if dtype is None else dtype)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # printing must not dequantize
         qw = self.qweight
@@ -51,7 +58,7 @@ class DequantizedWeight(Tensor):
                 f"device={qw.device}, bits={qw.bits})")
 
     def __deepcopy__(self, memo):
-        return DequantizedWeight(copy.deepcopy(self.qweight, memo))
+        return DequantizedWeight(copy.deepcopy(self.qweight, memo), copy.deepcopy(self.rotation, memo))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -68,10 +75,15 @@ class DequantizedWeight(Tensor):
 
     # torch.compile traces a tensor subclass through these two: the storage tensors and what describes them.
     def __tensor_flatten__(self):
-        qw = self.qweight
-        return list(_STORAGE), (qw.bits, qw.shape, qw.dtype)
+        qw, rotation = self.qweight, self.rotation
+        if rotation is None:
+            return list(_STORAGE), (qw.bits, qw.shape, qw.dtype, 0)
+        self.rotation_signs = rotation.signs
+        return list(_STORAGE) + ["rotation_signs"], (qw.bits, qw.shape, qw.dtype, rotation.block)
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
-        bits, shape, dtype = context
-        return DequantizedWeight(QuantizedWeight.from_checked(*(inner[name] for name in _STORAGE), bits, shape, dtype))
+        bits, shape, dtype, block = context
+        rotation = Rotation(inner["rotation_signs"], block) if block else None
+        qw = QuantizedWeight.from_checked(*(inner[name] for name in _STORAGE), bits, shape, dtype)
+        return DequantizedWeight(qw, rotation)

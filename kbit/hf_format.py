@@ -6,7 +6,8 @@ For each ``KbitLinear`` ``X`` the weights hold ``X.weight`` (the ``packed`` bit 
 wrong shape and refuses the folder ("size mismatch") instead of loading random weights in the layer's place.
 For each ``KbitExperts`` ``X`` (a mixture-of-experts layer's routed experts) they hold its ``state_dict``:
 ``X.gate_up_packed``, ``X.gate_up_absmax``, ``X.gate_up_scale``, the same three for ``down``, ``X.codebook`` and
-``X.meta`` (layout in ``kbit.moe``). ``config.json`` carries ``quantization_config`` (``kbit.KbitConfig``).
+``X.meta`` (layout in ``kbit.moe``). A ``KbitLinear`` quantized in a rotated basis (``kbit.rotation``) also holds
+``X.rotation_signs`` and ``X.rotation_block``. ``config.json`` carries ``quantization_config`` (``kbit.KbitConfig``).
 
 Names are the model's own, after ``save_pretrained`` applied the model's renamings back to the original
 checkpoint's names (Mixtral's ``mlp`` is saved as ``block_sparse_moe``); loading applies them forward again.
@@ -30,6 +31,7 @@ from .formats import STATE_KEYS
 from .moe import STORAGE as EXPERTS_STORAGE
 from .moe import KbitExperts, experts_shape, unsupported_reason
 from .nn import KbitLinear
+from .rotation import choose_block
 
 FORMAT_VERSION = 1
 # A layer's saved entries: its state keys with ``packed`` saved under the layer's weight name.
@@ -64,7 +66,7 @@ def renamed_key(key: str, renamings) -> str:
 
 def checkpoint_modules(checkpoint_files, renamings=()) -> tuple:
     """The kbit modules in a checkpoint, named as ``renamings`` (``model_renamings``) rename its keys:
-    ``({name: (bits, (out_features, in_features), dtype, has_bias)}`` of each ``KbitLinear``,
+    ``({name: (bits, (out_features, in_features), dtype, has_bias, rotated)}`` of each ``KbitLinear``,
     ``{name: (bits, E, H, I, dtype)}`` of each ``KbitExperts``)."""
     from safetensors import safe_open
 
@@ -91,8 +93,8 @@ def checkpoint_modules(checkpoint_files, renamings=()) -> tuple:
         if keys:
             with safe_open(path, framework="pt") as f:
                 metas.update((key, f.get_tensor(file_of[key][1])) for key in keys)
-    return ({name: (*check_meta(metas[f"{name}.meta"], f"{name}.meta"), f"{name}.bias" in file_of)
-             for name in layers},
+    return ({name: (*check_meta(metas[f"{name}.meta"], f"{name}.meta"), f"{name}.bias" in file_of,
+                    f"{name}.rotation_signs" in file_of) for name in layers},
             {name: check_experts_meta(metas[f"{name}.meta"], f"{name}.meta") for name in experts})
 
 
@@ -111,7 +113,7 @@ def swap_in_kbit_layers(model: nn.Module, layers: dict) -> None:
     """Replace each layer the checkpoint holds quantized by an empty (meta) ``KbitLinear`` of its shape."""
     modules = dict(model.named_modules())
     prefix = getattr(model, "base_model_prefix", "") or ""
-    for saved, (bits, (out_features, in_features), dtype, has_bias) in layers.items():
+    for saved, (bits, (out_features, in_features), dtype, has_bias, rotated) in layers.items():
         name = _module_name(saved, modules, prefix)
         old = modules[name]
         if linear_features(old) != (in_features, out_features) or (old.bias is not None) != has_bias:
@@ -119,7 +121,13 @@ def swap_in_kbit_layers(model: nn.Module, layers: dict) -> None:
                 f"the checkpoint holds {name} as a [{out_features}, {in_features}] kbit layer "
                 f"{'with' if has_bias else 'without'} bias, but this model's {name} is {old}"
             )
-        new = KbitLinear(in_features, out_features, bias=False, bits=bits, dtype=dtype, device="meta")
+        # a rotated layer's block is a placeholder here: the checkpoint's rotation_block replaces it
+        block = choose_block(in_features) if rotated else 0
+        if block == 1:
+            raise ValueError(f"the checkpoint holds {name} rotated, but its in_features={in_features} admits no "
+                             "rotation")
+        new = KbitLinear(in_features, out_features, bias=False, bits=bits, dtype=dtype, device="meta",
+                         rotation_block=block)
         if has_bias:
             new.bias = old.bias  # the model's (meta) bias, in the dtype from_pretrained was asked for
         model.set_submodule(name, new)

@@ -20,6 +20,7 @@ from ._layers import is_conv1d
 from ._validate import check_weight
 from .moe import FUSED_PARAMETERS, KbitExperts, canonical_weight
 from .nn import KbitLinear
+from .rotation import Rotation
 from .weight import quantize_checked, warn_precision
 
 
@@ -47,11 +48,14 @@ class QuantizeWhileLoading(ConversionOps):
     def _quantize_linear(self, model, name: str, key: str, value: torch.Tensor) -> None:
         config = self.hf_quantizer.quantization_config
         layer = model.get_submodule(name)
-        weight = value.t() if is_conv1d(layer) else value  # Conv1D stores [in, out]
-        # KbitConfig checked bits and codebook; the checkpoint's weight is checked here
-        qw, loss = quantize_checked(check_weight(weight, key), config.bits, config.codebook_tensor())
+        weight = check_weight(value.t() if is_conv1d(layer) else value, key)  # Conv1D stores [in, out]
+        rotation = Rotation.for_layer(name, weight.shape[1]) if config.rotate else None
+        if rotation is not None:
+            weight = rotation.rotate(weight.float()).to(weight.dtype)
+        # KbitConfig checked bits and codebook; the checkpoint's weight is checked above
+        qw, loss = quantize_checked(weight, config.bits, config.codebook_tensor())
         warn_precision(loss, key, stacklevel=3)
-        new = KbitLinear.from_quantized(qw)
+        new = KbitLinear.from_quantized(qw, rotation=rotation)
         if layer.bias is not None:
             new.bias = layer.bias  # the same parameter, whether transformers has loaded it yet or not
         model.set_submodule(name, new)

@@ -54,13 +54,14 @@ class KbitConfig(QuantizationConfigMixin):
             ``_keep_in_fp32_modules``.
         min_features: layers with ``min(in_features, out_features)`` below this stay in full precision.
         codebook: a custom codebook, 2**bits sorted values with max |value| 1; default: normal-float.
+        rotate: quantize each layer in a rotated basis of its input features (as ``kbit.quantize_model``).
 
     ``format_version`` is the version of the saved format; a folder from a newer kbit is refused with a message.
     """
 
     def __init__(self, bits: int = 4, skip=None, min_features: int = 128, codebook=None,
                  format_version: int = hf_format.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
-                 kbit_version: Optional[str] = None):
+                 kbit_version: Optional[str] = None, rotate: bool = False):
         from . import __version__
 
         if quant_method != QUANT_METHOD:
@@ -74,6 +75,9 @@ class KbitConfig(QuantizationConfigMixin):
         self.skip = None if skip is None else ([skip] if isinstance(skip, str) else [str(s) for s in skip])
         self.min_features = check_int(min_features, "min_features", 0)
         self.codebook = None if codebook is None else check_codebook(torch.as_tensor(codebook), self.bits).tolist()
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+        self.rotate = rotate
         self.format_version = format_version
         self.kbit_version = kbit_version or __version__
 
@@ -203,12 +207,12 @@ def register() -> None:
         register_quantizer(QUANT_METHOD)(KbitHfQuantizer)
 
 
-def record_quantization(model, bits: int, skip, min_features: int, codebook=None) -> None:
+def record_quantization(model, bits: int, skip, min_features: int, codebook=None, rotate: bool = False) -> None:
     """Mark a transformers model quantized by ``kbit.quantize_model`` as kbit-quantized, as ``from_pretrained``
     would have: ``save_pretrained`` then writes ``quantization_config`` and the kbit weight names."""
     if isinstance(getattr(model, "hf_quantizer", None), KbitHfQuantizer):
         return  # loaded through kbit's quantizer: its config describes the model
-    config = KbitConfig(bits=bits, skip=skip, min_features=min_features, codebook=codebook)
+    config = KbitConfig(bits=bits, skip=skip, min_features=min_features, codebook=codebook, rotate=rotate)
     model.config.quantization_config = config
     model.hf_quantizer = KbitHfQuantizer(config, pre_quantized=True)
     model.is_quantized = True

@@ -13,8 +13,9 @@ every kernel reproduces it bit for bit, so a better quantizer needs no kernel ch
   largest weight a little usually lowers the error of the other 31.
 * ``"gptq"`` (calibrated): the layer's input Hessian ``H = 2 X^T X / n`` (``kbit.calibration``) weighs the
   error. Columns are quantized one at a time, and each column's rounding error is fed back into the columns
-  not yet quantized so that the layer's *output* error stays small (GPTQ). Blocks of 32 are respected: a
-  block's scale is searched on its error-updated weights when its first column is reached.
+  not yet quantized so that the layer's *output* error stays small (GPTQ), in activation order (``block_order``:
+  whole blocks of 32, largest Hessian diagonal first). A block's scale is searched on its error-updated weights
+  when its first column is reached, and refined once all codes are known (``refine_block_scales``).
 
 Every method returns a ``QuantizedWeight`` whose reference dequantization is exactly the reconstruction the
 method optimized (``reconstruct``).
@@ -54,6 +55,7 @@ MAX_SEARCH_UP = 8  # codes above the absmax code: when the codebook's extreme le
 FIT_ITERS = 6  # codebook fit: rounds of scale search + Lloyd update
 FIT_SAMPLE_BLOCKS = 1 << 12  # the codebook is fitted on at most this many blocks (a seeded random sample)
 GPTQ_BATCH = 128  # GPTQ's lazy batch: columns updated together before the rest of the matrix sees their error
+REFINE_SWEEPS = 2  # coordinate-descent sweeps of refine_block_scales over all blocks (0: no refinement)
 GPTQ_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean, so that H is safely invertible
 _CHUNK_ELEMENTS = 1 << 21  # elements per vectorized chunk of the scale search (bounds temporary memory)
 
@@ -251,59 +253,96 @@ def quantize_mse(W: Tensor, k: int, codebook: Optional[Tensor] = None, name: str
 def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
     """Upper Cholesky factor U of the damped inverse Hessian (H^-1 = U^T U), float32.
 
-    Inputs that calibration never reached (zero diagonal) get a unit diagonal and no coupling: their columns
-    are rounded to nearest and pass no error on.
+    Inputs that calibration never reached (zero diagonal; padded columns too) get a unit diagonal and no
+    coupling: their columns are rounded to nearest and pass no error on. The damping is ``damp`` times the mean
+    diagonal of the live inputs.
     """
     H = H.to(torch.float64).clone()
     dead = torch.diagonal(H) <= 0
     H[dead, :] = 0.0
     H[:, dead] = 0.0
+    live_mean = float(torch.diagonal(H)[~dead].mean()) if bool((~dead).any()) else 1.0
     torch.diagonal(H)[dead] = 1.0
-    torch.diagonal(H).add_(damp * float(torch.diagonal(H).mean()))
+    torch.diagonal(H).add_(damp * live_mean)
     L = torch.linalg.cholesky(H)
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).to(torch.float32)
 
 
-def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = None, name: str = "W",
-                  damp: float = GPTQ_DAMP) -> QuantizedWeight:
-    """Calibrated: GPTQ's column-by-column quantization with error feedback, in kbit's blocks of 32.
+def block_order(hessian_diag: Tensor) -> Tensor:
+    """GPTQ's activation order within kbit's blocks: a permutation of the (padded) columns.
 
-    With U the upper Cholesky factor of H^-1, quantizing column j costs ``err**2 / U[j, j]**2`` of output error,
-    and the columns after j absorb it best by subtracting ``err / U[j, j] * U[j, j+1:]``. Corrections inside a
-    batch of ``GPTQ_BATCH`` columns are applied at once, the rest of the matrix sees a batch's error at its end.
-    The codebook is fitted as for ``"mse"`` with each column's error weighted by ``H[j, j]``; a block's scale is
-    the scale search's choice on the block's updated weights, each column weighted by its cost ``1 / U[j, j]**2``.
+    Blocks of 32 stay whole, since each has one scale: blocks in decreasing order of their summed Hessian
+    diagonal, and the columns inside each block in decreasing order of their own. The columns that matter most
+    are quantized first, while many others are left to absorb their error.
     """
-    N, K = W.shape
-    device = W.device
-    x_pad, scale = _normalized(W)
-    kp = x_pad.shape[1]
-    limit = _limit(W.dtype, scale)
-    U = _inverse_hessian_factor(H.to(device), damp)
-    cost = torch.nn.functional.pad(1.0 / torch.diagonal(U) ** 2, (0, kp - K))  # padded columns cost nothing
-    cost = cost / cost[:K].mean()
-    if codebook is None:
-        hd = torch.diagonal(H).to(device=device, dtype=torch.float32).clamp(min=0)
-        col_w = torch.nn.functional.pad(hd / hd.mean().clamp(min=1e-30), (0, kp - K))
-        cb, _ = _choose_codebook(x_pad.reshape(-1, BLOCK_SIZE), k, col_w.expand(N, -1).reshape(-1, BLOCK_SIZE),
-                                 limit)
-    else:
-        cb = codebook.to(device=device, dtype=torch.float32)
+    kp = hessian_diag.numel()
+    d = hessian_diag.reshape(kp // BLOCK_SIZE, BLOCK_SIZE)
+    blocks = torch.argsort(d.sum(dim=1), descending=True, stable=True)
+    inside = torch.argsort(d[blocks], dim=1, descending=True, stable=True)
+    return (blocks[:, None] * BLOCK_SIZE + inside).reshape(-1)
 
-    x = x_pad.clone()  # updated in place: column j holds the original weights plus the feedback so far
+
+def refine_block_scales(x: Tensor, codes: Tensor, absmax: Tensor, cb: Tensor, H: Tensor, limit: float,
+                        sweeps: int = REFINE_SWEEPS) -> Tensor:
+    """Block scale codes [N, kp / 32] that lower the output error ``tr((x - x_hat) H (x - x_hat)^T)`` with the
+    codes kept: coordinate descent over each block's E4M4 neighbours (one and two steps up and down).
+
+    ``x`` [N, kp]: the normalized weights; ``H`` [kp, kp]. GPTQ chooses each block's scale before the error
+    feedback of its own columns has landed; afterwards a slightly different scale often fits the block better.
+    """
+    N, kp = x.shape
+    peak = float(cb.abs().max())
+    q = cb[codes]  # [N, kp] levels
+    absmax = absmax.clone()
+    d = decode_absmax_e4m4(absmax)
+    g = (x - q * d.repeat_interleave(BLOCK_SIZE, dim=1)) @ H  # (x - x_hat) H: dE/d(x_hat) = -2 g
+    for _ in range(sweeps):
+        for b in range(kp // BLOCK_SIZE):
+            J = slice(b * BLOCK_SIZE, (b + 1) * BLOCK_SIZE)
+            qJ, HJ = q[:, J], H[J, J]
+            lin = (qJ * g[:, J]).sum(dim=1)  # q_J . (H r)_J
+            quad = ((qJ @ HJ) * qJ).sum(dim=1)  # q_J^T H_JJ q_J
+            base = absmax[:, b].to(torch.int32)
+            best_gain, best_code = torch.zeros(N, device=x.device), base
+            for step in (-2, -1, 1, 2):
+                code = (base + step).clamp(0, 255)
+                ds = decode_absmax_e4m4(code.to(torch.uint8)) - d[:, b]
+                gain = 2.0 * ds * lin - ds * ds * quad  # the error's decrease
+                ok = (gain > best_gain) & (decode_absmax_e4m4(code.to(torch.uint8)) * peak <= limit)
+                best_gain, best_code = torch.where(ok, gain, best_gain), torch.where(ok, code, best_code)
+            new_d = decode_absmax_e4m4(best_code.to(torch.uint8))
+            delta = qJ * (new_d - d[:, b])[:, None]  # x_hat's change on the block (zero where the scale stays)
+            g -= delta @ H[J, :]
+            absmax[:, b] = best_code.to(torch.uint8)
+            d[:, b] = new_d
+    return absmax
+
+
+def _gptq_pass(x_pad: Tensor, U: Tensor, perm: Tensor, cb: Tensor, k: int, cost: Tensor, limit: float,
+               absmax: Optional[Tensor] = None):
+    """One GPTQ sweep over the columns in order ``perm``: (codes [N, kp], block scale codes [N, kp / 32]).
+
+    Each block's scale is searched when its first column is reached, unless ``absmax`` gives them all.
+    """
+    N, kp = x_pad.shape
+    device = x_pad.device
+    search = absmax is None
+    if search:
+        absmax = torch.zeros(N, kp // BLOCK_SIZE, dtype=torch.uint8, device=device)
+    x = x_pad[:, perm]  # updated in place: column j holds the original weights plus the feedback so far
     codes = torch.zeros(N, kp, dtype=torch.int64, device=device)
-    absmax = torch.zeros(N, kp // BLOCK_SIZE, dtype=torch.uint8, device=device)
-    for i1 in range(0, K, GPTQ_BATCH):
-        i2 = min(i1 + GPTQ_BATCH, K)
+    for i1 in range(0, kp, GPTQ_BATCH):
+        i2 = min(i1 + GPTQ_BATCH, kp)
         xb = x[:, i1:i2]  # a view: corrections inside the batch land in x directly
         errs = torch.zeros(N, i2 - i1, device=device)
         Ub = U[i1:i2, i1:i2]
         for j in range(i2 - i1):
             col = i1 + j
             if col % BLOCK_SIZE == 0:
-                b = col // BLOCK_SIZE
-                blk = x[:, col:col + BLOCK_SIZE]
-                absmax[:, b] = search_block_scales(blk, cb, k, cost[col:col + BLOCK_SIZE], limit)
+                b = int(perm[col]) // BLOCK_SIZE  # the original block these 32 columns form
+                if search:
+                    absmax[:, b] = search_block_scales(x[:, col:col + BLOCK_SIZE], cb, k,
+                                                       cost[col:col + BLOCK_SIZE], limit)
                 d = decode_absmax_e4m4(absmax[:, b])
                 recip = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
             c = nearest_levels(xb[:, j] * recip, cb)
@@ -311,10 +350,49 @@ def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = Non
             e = (xb[:, j] - cb[c] * d) / Ub[j, j]
             xb[:, j + 1:].addr_(e, Ub[j, j + 1:], alpha=-1.0)
             errs[:, j] = e
-        if i2 < K:
-            x[:, i2:K].addmm_(errs, U[i1:i2, i2:K], alpha=-1.0)
-    if kp != K:  # padded columns hold zeros: whatever their code, they are cut off on dequantization
-        codes[:, K:] = _codes_for(torch.zeros(N, kp - K, device=device), decode_absmax_e4m4(absmax[:, -1]), cb)
+        if i2 < kp:
+            x[:, i2:].addmm_(errs, U[i1:i2, i2:], alpha=-1.0)
+    codes[:, perm] = codes.clone()  # back to the weight's own column order
+    return codes, absmax
+
+
+def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = None, name: str = "W",
+                  damp: float = GPTQ_DAMP, act_order: bool = True) -> QuantizedWeight:
+    """Calibrated: GPTQ's column-by-column quantization with error feedback, in kbit's blocks of 32.
+
+    With U the upper Cholesky factor of H^-1, quantizing column j costs ``err**2 / U[j, j]**2`` of output error,
+    and the columns after j absorb it best by subtracting ``err / U[j, j] * U[j, j+1:]``. Corrections inside a
+    batch of ``GPTQ_BATCH`` columns are applied at once, the rest of the matrix sees a batch's error at its end.
+    The codebook is fitted as for ``"mse"`` with each column's error weighted by ``H[j, j]``; a block's scale is
+    the scale search's choice on the block's updated weights, each column weighted by its cost ``1 / U[j, j]**2``,
+    then ``refine_block_scales`` adjusts the scales to the final codes.
+    ``act_order``: columns in ``block_order``, else in their own order. ``damp``: added to H's diagonal, as a
+    fraction of its mean.
+    """
+    N, K = W.shape
+    device = W.device
+    x_pad, scale = _normalized(W)
+    kp = x_pad.shape[1]
+    limit = _limit(W.dtype, scale)
+    H = torch.nn.functional.pad(H.to(device=device, dtype=torch.float32), (0, kp - K, 0, kp - K))
+    hd = torch.diagonal(H).clamp(min=0)
+    if codebook is None:
+        col_w = hd / hd[:K].mean().clamp(min=1e-30)
+        cb, _ = _choose_codebook(x_pad.reshape(-1, BLOCK_SIZE), k, col_w.expand(N, -1).reshape(-1, BLOCK_SIZE),
+                                 limit)
+    else:
+        cb = codebook.to(device=device, dtype=torch.float32)
+    perm = block_order(hd) if act_order else torch.arange(kp, device=device)
+    U = _inverse_hessian_factor(H[perm][:, perm], damp)  # padded columns are dead inputs: no coupling
+    real = perm < K
+    cost = torch.where(real, 1.0 / torch.diagonal(U) ** 2, 0.0)  # padded columns cost nothing
+    cost = cost / cost[real].mean()
+
+    codes, absmax = _gptq_pass(x_pad, U, perm, cb, k, cost, limit)
+    if REFINE_SWEEPS:
+        H_damped = H.clone()
+        H_damped.diagonal().add_(damp * float(hd[:K].mean()))
+        absmax = refine_block_scales(x_pad, codes, absmax, cb, H_damped, limit)
     _warn_zeroed(x_pad.reshape(-1, BLOCK_SIZE), absmax.reshape(-1), name)
     return _storage(codes, absmax, cb, scale, k, (N, K), W.dtype)
 

@@ -53,6 +53,7 @@ from .dequantized_weight import DequantizedWeight
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
 from .methods import check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
+from .rotation import Rotation, check_rotation
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_checked, warn_precision
 
 __all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
@@ -70,6 +71,10 @@ class KbitLinear(nn.Module):
         dtype: dtype of the original weight (what ``dequantize`` returns by default) and of the bias.
         device: where the buffers live.
         codebook: optional custom codebook (2**bits sorted values in [-1, 1]); default normal-float.
+        rotation_block: 0 (default) for a weight stored as is; else the stored weight is ``W @ R``, rotated on
+            its input features (``kbit.rotation``: random signs, then Hadamard blocks of this size), and the
+            module rotates its input before the k-bit matmul. Its two extra buffers, ``rotation_signs`` (int8
+            [in_features]) and ``rotation_block`` (int64), are saved with the layer.
 
     A module built this way holds an all-zero weight: fill it with ``load_state_dict`` or build
     it with ``from_linear`` / ``from_quantized``.
@@ -84,17 +89,21 @@ class KbitLinear(nn.Module):
         dtype: torch.dtype = torch.float16,
         device=None,
         codebook: Optional[Tensor] = None,
+        rotation_block: int = 0,
     ):
         super().__init__()
         bits = check_bits(bits)
         in_features, out_features = check_int(in_features, "in_features", 1), check_int(out_features, "out_features", 1)
         check_dtype(dtype, "dtype")
         cb = create_normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)
-        self._build(in_features, out_features, bias, bits, dtype, device, cb)
+        rotation_block = check_int(rotation_block, "rotation_block", 0)
+        if rotation_block:
+            check_rotation(torch.ones(in_features, dtype=torch.int8), rotation_block, in_features)
+        self._build(in_features, out_features, bias, bits, dtype, device, cb, rotation_block)
 
     def _build(self, in_features: int, out_features: int, bias: bool, bits: int, dtype: torch.dtype, device,
-               codebook: Tensor) -> None:
-        """The module's state: all-zero storage of a checked shape, bits, dtype and codebook."""
+               codebook: Tensor, rotation_block: int = 0) -> None:
+        """The module's state: all-zero storage of a checked shape, bits, dtype, codebook and rotation block."""
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.weight_dtype = dtype
         shape = (out_features, in_features)
@@ -104,6 +113,13 @@ class KbitLinear(nn.Module):
         self.register_buffer("codebook", codebook.to(device=device, dtype=torch.float32))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("meta", self._meta_tensor(device))
+        if rotation_block:
+            self.register_buffer("rotation_signs", torch.ones(in_features, dtype=torch.int8, device=device))
+            self.register_buffer("rotation_block", torch.tensor(rotation_block, dtype=torch.int64, device=device))
+        else:
+            self.register_buffer("rotation_signs", None)
+            self.register_buffer("rotation_block", None)
+        self._block = rotation_block  # the block as a Python int: reading the buffer in forward would sync
         self.register_buffer("gemm_codes", None, persistent=False)  # the GEMM layout, on CUDA only
         self.register_buffer("gemm_absmax", None, persistent=False)
         if bias:
@@ -117,8 +133,10 @@ class KbitLinear(nn.Module):
         return meta_tensor(self.bits, (self.out_features, self.in_features), self.weight_dtype, device)
 
     @classmethod
-    def from_quantized(cls, qw: QuantizedWeight, bias: Optional[Tensor] = None) -> "KbitLinear":
-        """Wrap an existing ``QuantizedWeight`` (its tensors are shared, not copied)."""
+    def from_quantized(cls, qw: QuantizedWeight, bias: Optional[Tensor] = None,
+                       rotation: Optional[Rotation] = None) -> "KbitLinear":
+        """Wrap an existing ``QuantizedWeight`` (its tensors are shared, not copied). ``rotation``: the
+        ``kbit.rotation.Rotation`` whose rotated weight ``qw`` holds, None for an unrotated one."""
         if not isinstance(qw, QuantizedWeight):
             raise TypeError(f"qw must be a kbit.QuantizedWeight, got {type(qw).__name__}")
         out_features, in_features = qw.shape
@@ -127,17 +145,23 @@ class KbitLinear(nn.Module):
                 raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
             if tuple(bias.shape) != (out_features,):
                 raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
-        return cls._wrap(qw, bias)
+        if rotation is not None:
+            check_rotation(rotation.signs, rotation.block, in_features)
+        return cls._wrap(qw, bias, rotation)
 
     @classmethod
-    def _wrap(cls, qw: QuantizedWeight, bias: Optional[Tensor]) -> "KbitLinear":
-        """``from_quantized`` for a bias already checked against ``qw``."""
+    def _wrap(cls, qw: QuantizedWeight, bias: Optional[Tensor], rotation: Optional[Rotation] = None) -> "KbitLinear":
+        """``from_quantized`` for a bias (and rotation) already checked against ``qw``."""
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         out_features, in_features = qw.shape
-        mod._build(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook)
+        block = 0 if rotation is None else rotation.block
+        mod._build(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook, block)
         mod.packed, mod.absmax, mod.codebook, mod.scale = qw.packed, qw.absmax, qw.codebook, qw.scale
         mod.meta = mod._meta_tensor(qw.device)
+        if rotation is not None:
+            mod.rotation_signs = rotation.signs.to(device=qw.device, dtype=torch.int8).contiguous()
+            mod.rotation_block = torch.tensor(rotation.block, dtype=torch.int64, device=qw.device)
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         mod._qw = qw
@@ -196,24 +220,33 @@ class KbitLinear(nn.Module):
             # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
             torch._dynamo.mark_static_address(t, guard=False)
         return self
+
+    @property
+    def rotation(self) -> Optional[Rotation]:
+        """The input rotation of the stored weight, None for an unrotated one."""
+        return None if self.rotation_signs is None else Rotation(self.rotation_signs, self._block)
+
     def dequantize(self, dtype=None) -> Tensor:
-        """The [out_features, in_features] reconstructed weight (default: the original dtype)."""
-        return self.qweight.dequantize(dtype)
+        """The [out_features, in_features] reconstructed weight in the original basis (default: the original
+        dtype): a rotated layer's stored weight is un-rotated."""
+        return DequantizedWeight(self.qweight, self.rotation).dequantize(dtype)
 
     @property
     def weight(self) -> DequantizedWeight:
         """The weight as a read-only tensor: the original shape, dtype and device, free to read; an operation on
-        it (``F.linear(x, layer.weight)``) dequantizes for that operation only. Not a parameter or buffer, so
-        ``state_dict`` holds only the quantized storage."""
-        return DequantizedWeight(self.qweight)
+        it (``F.linear(x, layer.weight)``) dequantizes (and un-rotates) for that operation only. Not a parameter
+        or buffer, so ``state_dict`` holds only the quantized storage."""
+        return DequantizedWeight(self.qweight, self.rotation)
 
     def forward(self, x: Tensor) -> Tensor:
-        return matmul(x, self.qweight, self.bias)
+        rotation = self.rotation
+        return matmul(x if rotation is None else rotation.rotate(x), self.qweight, self.bias)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"bits={self.bits}, dtype={str(self.weight_dtype).replace('torch.', '')}"
+            + (f", rotation_block={self._block}" if self._block else "")
         )
 
     # ------------------------------------------------------------------ device / dtype moves
@@ -263,6 +296,9 @@ class KbitLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.weight_dtype = dtype
+        block = state_dict.get(prefix + "rotation_block")
+        if self.rotation_block is not None and isinstance(block, Tensor) and block.device.type != "meta":
+            self._block = int(block)
         self._invalidate()
         if self.packed.device.type == "cuda":
             self.prepare()
@@ -281,6 +317,15 @@ class KbitLinear(nn.Module):
                 check_codebook(t, self.bits, prefix + key)
             elif key == "scale":
                 check_scale(t, t.device, prefix + key)
+        if self.rotation_signs is None:
+            return  # rotation entries in the state dict are unexpected keys: load_state_dict reports them
+        signs, block = state_dict.get(prefix + "rotation_signs"), state_dict.get(prefix + "rotation_block")
+        if signs is None and block is None:
+            return
+        if signs is None or block is None:
+            raise ValueError(f"{prefix}rotation_signs and {prefix}rotation_block come together; got only one")
+        if signs.device.type != "meta" and block.device.type != "meta":
+            check_rotation(signs, block, self.in_features, prefix)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -349,6 +394,7 @@ def quantize_model(
     progress: bool = True,
     method: str = "rtn",
     calibration=None,
+    rotate: bool = False,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
@@ -358,6 +404,12 @@ def quantize_model(
     from each layer's input Hessian; needs ``calibration``, token ids [n_seq, seq_len] or a list of dicts of model
     inputs, run block by block, on the GPU when there is one). All three give the same storage format and speed.
     Fused MoE experts are quantized with ``"rtn"`` whatever the method.
+
+    ``rotate``: quantize each layer's weight in a rotated basis of its input features (``kbit.rotation``: random
+    signs, then a block-diagonal Hadamard transform), which spreads outlier weights over many inputs and lowers
+    the error at K = 2..3; the layer rotates its activations before the same k-bit matmul (a small extra cost),
+    and ``.weight`` / ``dequantize()`` are in the original basis. Layers whose ``in_features`` is odd stay
+    unrotated; fused MoE experts are never rotated.
 
     transformers' ``Conv1D`` layers (GPT-2 family; weight stored [in, out]) count as Linear layers and become a
     ``KbitLinear`` of their transposed weight. A Linear is eligible unless its qualified name matches ``skip``
@@ -396,6 +448,8 @@ def quantize_model(
                          f"method={method!r} and calibration={'None' if calibration is None else 'data'}")
     if calibration is not None:
         check_calibration(calibration)
+    if not isinstance(rotate, bool):
+        raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
 
     targets, skipped, small = linear_targets(model, skip, min_features)
     expert_targets, experts_skipped, experts_small, unsupported = experts_targets(model, skip, min_features)
@@ -412,30 +466,39 @@ def quantize_model(
         return model
 
     replaced = {}
+    unique = list({id(m): (n, m) for n, m in reversed(targets)}.values())[::-1]
+    rotations = {}
+    if rotate:
+        for name, lin in unique:
+            rotation = Rotation.for_layer(name, linear_features(lin)[0])
+            if rotation is not None:
+                rotations[id(lin)] = rotation
     with torch.no_grad():
         bar = Progress(len(targets) + len(expert_targets), "kbit: quantizing", progress)
         chosen = {}
         if method != "rtn":  # kbit.calibration runs the method; the swap below is the same for every method
-            unique = list({id(m): (n, m) for n, m in reversed(targets)}.values())[::-1]
             try:
                 chosen = quantize_layers(model, unique, bits, method, codebook, calibration, on_layer=bar.update,
-                                         weight_of=linear_weight)
+                                         weight_of=linear_weight, rotations=rotations)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
         for name, lin in targets:
             if id(lin) in chosen:
-                replaced[id(lin)] = (chosen[id(lin)], lin.bias)
+                replaced[id(lin)] = (chosen[id(lin)], lin.bias, rotations.get(id(lin)))
                 continue
             bar.update()
             if id(lin) in replaced:
                 continue
             label = f"{name or type(lin).__name__}.weight"
+            w, rotation = linear_weight(lin).detach(), rotations.get(id(lin))
+            if rotation is not None:
+                w = rotation.rotate(w.float()).to(w.dtype)
             try:
-                qw, loss = quantize_checked(check_weight(linear_weight(lin).detach(), label), bits, codebook)
+                qw, loss = quantize_checked(check_weight(w, label), bits, codebook)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: cannot quantize {name or 'the model'}: {e}; the model is unchanged") from e
             warn_precision(loss, label)
-            replaced[id(lin)] = (qw, lin.bias)
+            replaced[id(lin)] = (qw, lin.bias, rotation)
         for name, m in expert_targets:
             bar.update()
             if id(m) in replaced:
@@ -458,7 +521,8 @@ def quantize_model(
                f"to {bits} bits ({len(replaced)} layers)")
     logger.info(summary)
     bar.close(summary)
-    record_in_transformers_config(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook)
+    record_in_transformers_config(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook,
+                                  rotate=rotate)
     return model
 
 

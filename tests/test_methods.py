@@ -170,14 +170,53 @@ def _naive_gptq(W, H, cb, k, damp=methods.GPTQ_DAMP):
     return codes
 
 
-def test_gptq_matches_naive_reference():
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_matches_naive_reference(act_order):
     N, K, k = 48, 256, 3  # K > GPTQ_BATCH: lazy batches and the update of later columns both run
     W = torch.randn(N, K) * 0.02
     H = _hessian(_correlated_inputs(512, K))
     cb = formats.create_normal_float_codebook(k)
-    qw = methods.quantize_tensor(W, k, "gptq", codebook=cb, hessian=H)
-    got, want = _stored_codes(qw), _naive_gptq(W, H, cb, k)
+    qw = methods.quantize_gptq(W, H, k, codebook=cb, act_order=act_order)
+    got = _stored_codes(qw)
+    # activation order is the naive GPTQ of the permuted problem, codes permuted back
+    perm = methods.block_order(torch.diagonal(H)) if act_order else torch.arange(K)
+    want = torch.empty_like(got)
+    want[:, perm] = _naive_gptq(W[:, perm], H[perm][:, perm], cb, k)
     assert float((got == want).float().mean()) > 0.98  # float32 vs float64: rare flips at level midpoints
+
+
+def test_refine_block_scales_lowers_output_error():
+    """With the codes kept, the refined block scales lower ``tr(dW H dW^T)`` (never raise it) and change only by
+    a few E4M4 steps."""
+    N, K, k = 32, 192, 3
+    x = torch.randn(N, K)
+    H = _hessian(_correlated_inputs(512, K))
+    cb = formats.create_normal_float_codebook(k)
+    blocks = x.reshape(-1, BLOCK_SIZE)
+    absmax = formats.encode_absmax_e4m4(blocks.abs().amax(dim=1))
+    codes = formats.nearest_codes(blocks, decode_absmax_e4m4(absmax), cb).reshape(N, K)
+    absmax = absmax.reshape(N, -1)
+
+    def out_err(a):
+        xh = cb[codes] * decode_absmax_e4m4(a).repeat_interleave(BLOCK_SIZE, dim=1)
+        r = (x - xh).double()
+        return float((r @ H.double() * r).sum())
+
+    refined = methods.refine_block_scales(x, codes, absmax, cb, H, limit=formats.E4M4_MAX)
+    assert out_err(refined) < 0.97 * out_err(absmax)
+    steps = (refined.to(torch.int32) - absmax.to(torch.int32)).abs()
+    assert int(steps.max()) <= 2 * methods.REFINE_SWEEPS and bool((steps > 0).any())
+
+
+def test_block_order_keeps_blocks_whole():
+    d = torch.rand(160)
+    d[64:96] += 10.0  # the third block matters most
+    perm = methods.block_order(d)
+    assert sorted(perm.tolist()) == list(range(160))
+    groups = perm.reshape(-1, BLOCK_SIZE)
+    assert all(len({int(c) // BLOCK_SIZE for c in g}) == 1 for g in groups)  # each group is one original block
+    assert int(groups[0, 0]) // BLOCK_SIZE == 2
+    assert all(bool((d[g][1:] <= d[g][:-1]).all()) for g in groups)  # inside a block: larger diagonal first
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
@@ -233,6 +272,26 @@ def test_collect_hessians_is_2xtx_over_n():
     torch.testing.assert_close(hs["2"], 2 * X2.T @ X2 / 8)
 
 
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, hidden, attention_mask):
+        return self.proj(hidden)
+
+
+def test_hessians_skip_padding():
+    """Rows of padding tokens (attention_mask 0) do not count: a tokenizer's padded batch gives the Hessian of
+    its real tokens."""
+    model = _Masked()
+    x = torch.randn(3, 5, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    hs = calibration.collect_hessians(model, {"proj": model.proj}, [{"hidden": x, "attention_mask": mask}])
+    real = x[mask.bool()]
+    torch.testing.assert_close(hs["proj"], 2 * real.T @ real / real.shape[0])
+
+
 def test_quantize_layers_restores_weights_even_on_error():
     model = _tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -270,6 +329,27 @@ def test_block_calibration_sees_quantized_earlier_blocks():
     want = methods.quantize_tensor(model.model.layers[1].self_attn.q_proj.weight, 2, "gptq", hessian=H)
     got = qws[id(model.model.layers[1].self_attn.q_proj)]
     assert torch.equal(got.packed, want.packed) and torch.equal(got.absmax, want.absmax)
+
+
+def test_block_calibration_quantizes_in_groups_in_order():
+    """Inside a block, o_proj's Hessian comes from a pass with q/k/v quantized, down_proj's from one with the
+    attention and gate/up quantized; q/k/v see the block's original input."""
+    model = _tiny_llama()
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    ids = torch.randint(0, 256, (2, 16))
+    qws = calibration.quantize_layers(model, layers, 3, "gptq", calibration=ids)
+    block = "model.layers.0."
+    groups = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    q = copy.deepcopy(model)
+    mods, orig = dict(q.named_modules()), dict(model.named_modules())
+    for group in groups:
+        for name in group:
+            H = calibration.collect_hessians(q, {"x": mods[block + name]}, ids)["x"]
+            want = methods.quantize_tensor(orig[block + name].weight, 3, "gptq", hessian=H)
+            got = qws[id(orig[block + name])]
+            assert torch.equal(got.packed, want.packed) and torch.equal(got.absmax, want.absmax), name
+        for name in group:  # the next group sees this one quantized
+            mods[block + name].weight.data = kbit.dequantize(qws[id(orig[block + name])], torch.float32)
 
 
 @pytest.mark.parametrize("method", ["rtn", "mse", "gptq"])
