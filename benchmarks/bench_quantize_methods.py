@@ -59,13 +59,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_method(spec: str, shape: dict, layers: int, device: str, dtype: torch.dtype, k: int, calibration):
+def time_method(spec: str, shape: dict, layers: int, device: str, dtype: torch.dtype, bits: int, calibration):
     """(seconds to quantize, number of layers quantized) for ``spec`` (``<method>`` or ``<method>+rotate``)."""
     method, _, option = spec.partition("+")
     model = build_model(shape, layers, device, dtype)
     _sync(device)
     t = time.perf_counter()
-    kbit.quantize_model(model, k=k, method=method, calibration=calibration if method == "gptq" else None,
+    kbit.quantize_model(model, bits=bits, method=method, calibration=calibration if method == "gptq" else None,
                         rotate=option == "rotate", progress=False)
     _sync(device)
     seconds = time.perf_counter() - t

@@ -56,7 +56,7 @@ FIT_ITERS = 6  # codebook fit: rounds of scale search + Lloyd update
 FIT_SAMPLE_BLOCKS = 1 << 12  # the codebook is fitted on at most this many blocks (a seeded random sample)
 GPTQ_BATCH = 128  # GPTQ's lazy batch: columns updated together before the rest of the matrix sees their error
 REFINE_SWEEPS = 2  # coordinate-descent sweeps of refine_block_scales over all blocks (0: no refinement)
-GPTQ_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean, so that H is safely invertible
+GPTQ_DAMP = 0.1  # added to H's diagonal, as a fraction of its mean: keeps H invertible and the fit general
 _CHUNK_ELEMENTS = 1 << 21  # elements per vectorized chunk of the scale search (bounds temporary memory)
 
 

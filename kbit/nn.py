@@ -39,6 +39,7 @@ from ._layers import linear_features, linear_weight
 from ._progress import Progress
 from ._transformers_hook import record_in_transformers_config
 from ._validate import (
+    GEMM_DTYPES,
     check_bits,
     check_codebook,
     check_dtype,
@@ -53,7 +54,7 @@ from .dequantized_weight import DequantizedWeight
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
 from .methods import check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
-from .rotation import Rotation, check_rotation
+from .rotation import Rotation, check_rotation, hadamard
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_checked, warn_precision
 
 __all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
@@ -216,6 +217,9 @@ class KbitLinear(nn.Module):
             return self
         qw = self.qweight
         self.gemm_codes, self.gemm_absmax = qw.prepare().gemm_layout()
+        if self._block:  # the Hadamard matrices forward uses, made now rather than inside a captured region
+            for dtype in GEMM_DTYPES:
+                hadamard(self._block, dtype, self.packed.device)
         for t in (self.packed, self.absmax, self.codebook, self.scale, self.gemm_codes, self.gemm_absmax):
             # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
             torch._dynamo.mark_static_address(t, guard=False)

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_BLOCK", "Rotation", "choose_block", "random_signs", "rotate", "unrotate", "check_rotation"]
+__all__ = ["MAX_BLOCK", "Rotation", "choose_block", "random_signs", "hadamard", "rotate", "unrotate", "check_rotation"]
 
 # Largest Hadamard block: wider blocks mix more inputs (more incoherence) but cost b multiply-adds per input
 # element; 512 is under 15% of the GEMM's own work for layers of 4096 outputs or more.
@@ -35,7 +35,7 @@ def choose_block(in_features: int) -> int:
 def random_signs(in_features: int, seed: int) -> Tensor:
     """int8 [in_features] of +-1, drawn from ``seed`` (on the CPU, so the same on every machine)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (in_features,), generator=g, dtype=torch.int8) * 2 - 1).to(torch.int8)
+    return torch.randint(0, 2, (in_features,), generator=g, dtype=torch.int8) * 2 - 1
 
 
 @functools.lru_cache(maxsize=None)

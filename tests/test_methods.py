@@ -443,3 +443,23 @@ def test_cuda_kernels_on_method_outputs(method, k):
     # GPTQ on the GPU (what quantize_model does when CUDA is present) gives valid storage too
     gptq_gpu = methods.quantize_tensor(W.cuda(), k, "gptq", hessian=_hessian(_correlated_inputs(512, K)).cuda())
     kbit.QuantizedWeight.from_state_dict(gptq_gpu.state_dict())
+
+
+def test_quantize_methods_benchmark_runs_tiny(tmp_path, capsys):
+    """benchmarks/bench_quantize_methods.py in its CPU smoke size: one row per method, every decoder Linear."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quantize_methods.py"
+    spec = importlib.util.spec_from_file_location("kbit_bench_quantize_methods", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "q.json"
+    argv = ["--tiny", "--device", "cpu", "--layers", "1", "--calib-seqs", "2", "--calib-len", "16",
+            "--methods", "rtn,gptq+rotate", "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["rtn", "gptq+rotate"] and all(r["layers"] == 5 for r in rows)
+    assert "x 32" in capsys.readouterr().out

@@ -75,7 +75,7 @@ def test_check_rotation_refuses_bad_input():
 @pytest.mark.parametrize("method", ["rtn", "mse"])
 def test_rotated_layer_computes_the_rotated_reference(method):
     model = _mlp()
-    q = kbit.quantize_model(copy.deepcopy(model), k=4, method=method, rotate=True, min_features=64, progress=False)
+    q = kbit.quantize_model(copy.deepcopy(model), bits=4, method=method, rotate=True, min_features=64, progress=False)
     x = torch.randn(6, 192)
     for name in ("up", "down"):
         layer = getattr(q, name)
@@ -96,20 +96,20 @@ def test_rotated_layer_computes_the_rotated_reference(method):
 
 
 def test_rotated_state_dict_round_trip_and_checks():
-    q = kbit.quantize_model(_mlp(), k=3, rotate=True, min_features=64, progress=False)
+    q = kbit.quantize_model(_mlp(), bits=3, rotate=True, min_features=64, progress=False)
     state = q.state_dict()
     assert state["up.rotation_signs"].dtype == torch.int8 and int(state["up.rotation_block"]) == 64
-    fresh = kbit.quantize_model(_mlp(seed=1), k=3, rotate=True, min_features=64, progress=False)
+    fresh = kbit.quantize_model(_mlp(seed=1), bits=3, rotate=True, min_features=64, progress=False)
     fresh.load_state_dict(state)
     x = torch.randn(3, 192)
     with torch.no_grad():
         assert torch.equal(fresh(x), q(x))
-    built = kbit.KbitLinear(192, 256, k=3, dtype=torch.float32, rotation_block=32)  # a different block: loaded
+    built = kbit.KbitLinear(192, 256, bits=3, dtype=torch.float32, rotation_block=32)  # a different block: loaded
     built.load_state_dict({key[3:]: v for key, v in state.items() if key.startswith("up.")})
     assert built.rotation.block == 64
     with torch.no_grad():
         assert torch.equal(built(x), q.up(x))
-    plain = kbit.quantize_model(_mlp(), k=3, min_features=64, progress=False)
+    plain = kbit.quantize_model(_mlp(), bits=3, min_features=64, progress=False)
     with pytest.raises(RuntimeError, match="rotation_signs"):
         plain.load_state_dict(state)  # an unrotated layer must not silently drop a rotation
     bad = dict(state)
@@ -123,7 +123,7 @@ def test_rotated_state_dict_round_trip_and_checks():
 
 
 def test_rotated_layer_deepcopy_and_casts():
-    q = kbit.quantize_model(_mlp(), k=4, rotate=True, min_features=64, progress=False)
+    q = kbit.quantize_model(_mlp(), bits=4, rotate=True, min_features=64, progress=False)
     c = copy.deepcopy(q).half()
     assert c.up.rotation_signs.dtype == torch.int8 and c.up.rotation.block == q.up.rotation.block
     x = torch.randn(2, 192)
@@ -139,7 +139,7 @@ def test_gptq_with_rotation_lowers_output_error():
     ids = torch.randint(0, 256, (8, 32))
     out = {}
     for method, rotate in [("rtn", True), ("gptq", True), ("gptq", False)]:
-        q = kbit.quantize_model(copy.deepcopy(model), k=3, method=method, rotate=rotate,
+        q = kbit.quantize_model(copy.deepcopy(model), bits=3, method=method, rotate=rotate,
                                 calibration=ids if method == "gptq" else None, progress=False)
         assert all(m.rotation is not None for m in q.modules() if isinstance(m, kbit.KbitLinear)) == rotate
         with torch.no_grad():
@@ -166,7 +166,7 @@ def _tiny_llama_dir(tmp_path):
 def test_rotation_round_trips_through_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     model, src = _tiny_llama_dir(tmp_path)
-    q = kbit.quantize_model(copy.deepcopy(model), k=3, rotate=True, progress=False)
+    q = kbit.quantize_model(copy.deepcopy(model), bits=3, rotate=True, progress=False)
     assert q.config.quantization_config.rotate is True
     kbit.save_quantized(q, tmp_path / "q")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "q"))
