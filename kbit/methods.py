@@ -139,15 +139,19 @@ def _weighted_error(x: Tensor, cb: Tensor, absmax: Tensor, weight: Optional[Tens
 
 
 # ----------------------------------------------------------------------------- codebook fit
+MIN_LEVEL_GAP = 2.0**-8  # of the normalized levels: several fp16 steps, so rounding to fp16 keeps them apart
+
+
 def _valid_codebook(c: Tensor) -> Tensor:
-    """Sorted, strictly increasing (gaps of at least 1e-4 of the range), largest |value| exactly 1."""
+    """Sorted, strictly increasing, largest |value| exactly 1, every level an fp16 value: the fp16 kernel's tables
+    then hold exactly the stored levels (as for the normal-float codebook, ``formats``)."""
     c = torch.sort(c.to(torch.float64)).values
-    span = float(c[-1] - c[0]) or 1.0
+    c = c / c.abs().max()
     for i in range(1, c.numel()):
-        if c[i] - c[i - 1] < 1e-4 * span:
-            c[i] = c[i - 1] + 1e-4 * span
-    c = c.to(torch.float32)
-    return c / c.abs().max()  # m / m == 1 exactly in float32
+        if c[i] - c[i - 1] < MIN_LEVEL_GAP:
+            c[i] = c[i - 1] + MIN_LEVEL_GAP
+    c = c / c.abs().max()  # m / m == 1 exactly
+    return c.to(torch.float16).to(torch.float32)
 
 
 def fit_codebook(x: Tensor, k: int, weight: Optional[Tensor] = None, iters: int = FIT_ITERS,
