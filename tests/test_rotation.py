@@ -214,7 +214,7 @@ def test_lora_on_rotated_layers(tmp_path):
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_rotated_forward_matches_reference(k, dtype):
-    q = kbit.quantize_model(_mlp().to(dtype), k=k, rotate=True, min_features=64, progress=False).cuda()
+    q = kbit.quantize_model(_mlp().to(dtype), bits=k, rotate=True, min_features=64, progress=False).cuda()
     x = torch.randn(5, 192, device="cuda", dtype=dtype)
     with torch.no_grad():
         got = q.up(x)
