@@ -45,3 +45,12 @@ def seed(request):
     random.seed(value)
     print(f"[kbit] {request.node.nodeid}: seed={value} (rerun with KBIT_TEST_SEED={value})")
     return value
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: one thread avoids oversubscribing a shared CPU (many times faster there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

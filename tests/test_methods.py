@@ -28,13 +28,7 @@ from kbit import calibration, formats, methods
 from kbit.formats import BLOCK_SIZE, decode_absmax_e4m4, unpack_bitplanes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: one thread avoids oversubscribing a shared CPU (many times faster there)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 def _stored_codes(qw):

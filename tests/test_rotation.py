@@ -19,12 +19,7 @@ import kbit
 from kbit.rotation import MAX_BLOCK, Rotation, check_rotation, choose_block, random_signs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 class Mlp(nn.Module):
