@@ -61,9 +61,15 @@ _CHUNK_ELEMENTS = 1 << 21  # elements per vectorized chunk of the scale search (
 
 
 # ----------------------------------------------------------------------------- nearest levels
-def nearest_levels(v: Tensor, cb: Tensor) -> Tensor:
-    """Index of the level of sorted ``cb`` nearest to each ``v`` (ties to the lower level, as ``formats``)."""
-    return torch.bucketize(v, (cb[1:] + cb[:-1]) * 0.5)
+def level_midpoints(cb: Tensor) -> Tensor:
+    """The decision boundaries of sorted ``cb``: a value above midpoint i is nearer level i + 1."""
+    return (cb[1:] + cb[:-1]) * 0.5
+
+
+def nearest_levels(v: Tensor, cb: Tensor, midpoints: Optional[Tensor] = None) -> Tensor:
+    """Index of the level of sorted ``cb`` nearest to each ``v`` (ties to the lower level, as ``formats``);
+    ``midpoints``: ``level_midpoints(cb)``, when the caller has them."""
+    return torch.bucketize(v, level_midpoints(cb) if midpoints is None else midpoints)
 
 
 def _codes_for(x: Tensor, d: Tensor, cb: Tensor) -> Tensor:
@@ -338,11 +344,14 @@ def _gptq_pass(x_pad: Tensor, U: Tensor, perm: Tensor, cb: Tensor, k: int, cost:
         absmax = torch.zeros(N, kp // BLOCK_SIZE, dtype=torch.uint8, device=device)
     x = x_pad[:, perm]  # updated in place: column j holds the original weights plus the feedback so far
     codes = torch.zeros(N, kp, dtype=torch.int64, device=device)
+    # The column loop is launch-bound on a GPU: what does not change per column is computed outside it.
+    mids = level_midpoints(cb)
     for i1 in range(0, kp, GPTQ_BATCH):
         i2 = min(i1 + GPTQ_BATCH, kp)
         xb = x[:, i1:i2]  # a view: corrections inside the batch land in x directly
         errs = torch.zeros(N, i2 - i1, device=device)
         Ub = U[i1:i2, i1:i2]
+        batch_codes = []
         for j in range(i2 - i1):
             col = i1 + j
             if col % BLOCK_SIZE == 0:
@@ -352,11 +361,12 @@ def _gptq_pass(x_pad: Tensor, U: Tensor, perm: Tensor, cb: Tensor, k: int, cost:
                                                        cost[col:col + BLOCK_SIZE], limit)
                 d = decode_absmax_e4m4(absmax[:, b])
                 recip = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
-            c = nearest_levels(xb[:, j] * recip, cb)
-            codes[:, col] = c
+            c = nearest_levels(xb[:, j] * recip, cb, mids)
+            batch_codes.append(c)
             e = (xb[:, j] - cb[c] * d) / Ub[j, j]
             xb[:, j + 1:].addr_(e, Ub[j, j + 1:], alpha=-1.0)
             errs[:, j] = e
+        codes[:, i1:i2] = torch.stack(batch_codes, dim=1)
         if i2 < kp:
             x[:, i2:].addmm_(errs, U[i1:i2, i2:], alpha=-1.0)
     codes[:, perm] = codes.clone()  # back to the weight's own column order
