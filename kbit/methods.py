@@ -88,16 +88,28 @@ def _search_offsets(cb: Tensor, k: int):
     return -SEARCH_DOWN[k], up
 
 
-def _candidate_error(xb: Tensor, wb: Optional[Tensor], code: Tensor, cb: Tensor, peak: float,
-                     limit: Optional[float]) -> Tensor:
-    """Per block: the (weighted) squared error with block scale ``code`` and nearest codes (inf past ``limit``)."""
-    d = decode_absmax_e4m4(code.clamp(0, 255).to(torch.uint8))
-    r = xb - cb[_codes_for(xb, d, cb)] * d[:, None]
+def _candidate_errors(xb: Tensor, wb: Optional[Tensor], codes: Tensor, cb: Tensor, peak: float,
+                      limit: Optional[float]) -> Tensor:
+    """Per block and candidate: the (weighted) squared error of blocks ``xb`` [nb, 32] with block scale codes
+    ``codes`` [nb, C] and nearest codes, [nb, C] (inf past ``limit``)."""
+    d = decode_absmax_e4m4(codes.clamp(0, 255).to(torch.uint8))
+    x = xb[:, None, :]
+    r = x - cb[_codes_for(x, d, cb)] * d[..., None]
     r = r * r
-    err = (r if wb is None else r * wb).sum(dim=1)
+    if wb is not None:
+        r = r * (wb if wb.dim() == 1 else wb[:, None, :])
+    err = r.sum(dim=2)
     if limit is not None:
         err = torch.where(d * peak > limit, float("inf"), err)
     return err
+
+
+def _first_best(codes: Tensor, errs: Tensor) -> tuple:
+    """(code, error) of the first smallest error per row, as a scan keeping strictly smaller errors would choose
+    (NaN errors never chosen)."""
+    errs = torch.where(torch.isnan(errs), float("inf"), errs)
+    i = errs.argmin(dim=1, keepdim=True)
+    return codes.gather(1, i).squeeze(1), errs.gather(1, i).squeeze(1)
 
 
 def search_block_scales(x: Tensor, cb: Tensor, k: int, weight: Optional[Tensor] = None,
@@ -108,31 +120,26 @@ def search_block_scales(x: Tensor, cb: Tensor, k: int, weight: Optional[Tensor] 
     None, [32] or [nb, 32] non-negative error weights. ``limit``: the largest allowed ``d * max|cb|`` (keeps
     reconstructions finite in the weight's dtype). Coarse to fine: every other code from ``SEARCH_DOWN[k]`` below
     the block's absmax code to a few above it, then the two neighbours of the best. The absmax code is tried
-    first and kept on ties, so the result is never worse than plain rounding with the same codebook.
+    first and kept on ties, so the result is never worse than plain rounding with the same codebook. Each stage's
+    candidates are scored together (GPTQ calls this once per block of columns: on a GPU, launches are its cost).
     """
     cb = cb.to(device=x.device, dtype=torch.float32)
     low, high = _search_offsets(cb, k)
+    offsets = [0] + [o for o in range(low, high + 1, 2) if o != 0]  # the absmax code first: kept on ties
+    coarse = torch.tensor(offsets, dtype=torch.int32, device=x.device)
+    fine = torch.tensor([0, -1, 1], dtype=torch.int32, device=x.device)
     peak = float(cb.abs().max())
     out = torch.empty(x.shape[0], dtype=torch.uint8, device=x.device)
-    step = max(1, _CHUNK_ELEMENTS // BLOCK_SIZE)
+    step = max(1, _CHUNK_ELEMENTS // (BLOCK_SIZE * len(offsets)))
     for s in range(0, x.shape[0], step):
         xb = x[s:s + step]
         wb = weight if weight is None or weight.dim() == 1 else weight[s:s + step]
         base = encode_absmax_e4m4(xb.abs().amax(dim=1)).to(torch.int32)
-        best, best_err = base, _candidate_error(xb, wb, base, cb, peak, limit)
-
-        def consider(code):
-            nonlocal best, best_err
-            err = _candidate_error(xb, wb, code, cb, peak, limit)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best = torch.where(better, code, best)
-
-        for off in [o for o in range(low, high + 1, 2) if o != 0]:
-            consider((base + off).clamp(0, 255))
-        centre = best
-        for off in (-1, 1):
-            consider((centre + off).clamp(0, 255))
+        codes = (base[:, None] + coarse).clamp(0, 255)
+        best, best_err = _first_best(codes, _candidate_errors(xb, wb, codes, cb, peak, limit))
+        codes = (best[:, None] + fine).clamp(0, 255)  # the best so far first: kept on ties
+        errs = _candidate_errors(xb, wb, codes[:, 1:], cb, peak, limit)
+        best, _ = _first_best(codes, torch.cat([best_err[:, None], errs], dim=1))
         out[s:s + step] = best.to(torch.uint8)
     return out
 
