@@ -14,7 +14,7 @@ Blocks of one model are identical in shape and each method's work is per block (
 ``lm_head`` passes are a small share), so the time for the whole model is reported as the measured time times
 ``32 / --layers``: the table says so in its header. Times include the CUDA synchronization at the end of each
 method, not building the model or the first call's CUDA compilation (a warm-up quantizes a small model first).
-Targets (issue 22): data-free methods <= 60 s, calibrated <= 600 s for the 8B model on one H200.
+Targets: data-free methods <= 60 s, calibrated <= 600 s for the 8B model on one H200.
 """
 
 from __future__ import annotations
