@@ -271,6 +271,23 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
   }
 }
 
+// The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights times each row's E4M4 block scale
+// in 16 bits (rounded once, like the dequantized weights cuBLAS would read), into h; then, once the wgmma group that
+// last read a register set is done, h as the A registers of the block's two k16 slices.
+template <class Cfg, typename T>
+__device__ __forceinline__ void scaled_block_fragments(const uint32_t (&w)[4 * Cfg::kBits], uint2 scales_lo,
+                                                       uint2 scales_hi, int t, uint32_t sel, uint32_t (&h)[2][4]) {
+  const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
+  const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
+  block_fragments<Cfg>(w, t, sel, h);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+}
+__device__ __forceinline__ void wgmma_a_fragments(const uint32_t (&h)[2][4], uint32_t (&a)[2][4]) {
+  a[0][0] = h[0][0], a[0][1] = h[1][0], a[0][2] = h[0][1], a[0][3] = h[1][1];  // k16 slice 0: columns 8q + 0..3
+  a[1][0] = h[0][2], a[1][1] = h[1][2], a[1][2] = h[0][3], a[1][3] = h[1][3];  // k16 slice 1: columns 8q + 4..7
+}
+
 // ---------------------------------------------------------------------------- shared memory layout
 // Dynamic shared memory, by address:
 //   [base, table)                   kSmallLow small pieces, then kCodesLow code pieces
@@ -597,16 +614,11 @@ __device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, c
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const int group = r * 8 + t;
-      const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
-      const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
       uint32_t h[2][4];
-      block_fragments<Cfg>(w, t, sel, h);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+      scaled_block_fragments<Cfg, T>(w, scales_lo, scales_hi, t, sel, h);
       if (group >= 2) wgmma_wait<1>();  // group - 2 is done with a[group % 2]
       uint32_t (&ag)[2][4] = a[group % 2];
-      ag[0][0] = h[0][0], ag[0][1] = h[1][0], ag[0][2] = h[0][1], ag[0][3] = h[1][1];  // k-step 0
-      ag[1][0] = h[0][2], ag[1][1] = h[1][2], ag[1][2] = h[0][3], ag[1][3] = h[1][3];  // k-step 1
+      wgmma_a_fragments(h, ag);
       wgmma_fence();
 #pragma unroll
       for (int s = 0; s < 2; ++s)

@@ -275,18 +275,11 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* 
 #pragma unroll
       for (int t = 0; t < 8; ++t) {
         const int group = b * 8 + t;
-        // Block t's codebook values times each row's block scale, in 16 bits (rounded once, as the dequantized
-        // weights cuBLAS would read).
-        const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
-        const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
         uint32_t h[2][4];
-        block_fragments<Cfg>(w, t, sel, h);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+        scaled_block_fragments<Cfg, T>(w, scales_lo, scales_hi, t, sel, h);
         if (group >= 2) wgmma_wait<1>();  // group - 2 is done with a[group % 2]
         uint32_t (&ag)[2][4] = a[group % 2];
-        ag[0][0] = h[0][0], ag[0][1] = h[1][0], ag[0][2] = h[0][1], ag[0][3] = h[1][1];  // k16 slice 0
-        ag[1][0] = h[0][2], ag[1][1] = h[1][2], ag[1][2] = h[0][3], ag[1][3] = h[1][3];  // k16 slice 1
+        wgmma_a_fragments(h, ag);
         wgmma_fence();
         // Block t: columns 32t .. 32t + 31 = box t / 2, bytes 64 (t % 2) + 32 s of each 128-byte row.
 #pragma unroll
