@@ -185,6 +185,25 @@ bool dependent_launch_enabled() {
   return enabled;
 }
 
+// The parameters the single and the grouped GEMM fill alike (GroupedGemmParams extends GemmParams).
+void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor& b, const at::Tensor& absmax,
+                      const at::Tensor& codebook, const float* scale, const at::Tensor& y, const kbit::GemmPlan& plan,
+                      int64_t M, int64_t k, cudaStream_t stream) {
+  p.x = x.data_ptr();
+  p.b = reinterpret_cast<const uint4*>(b.data_ptr());
+  p.absmax = absmax.data_ptr<uint8_t>();
+  p.codebook = codebook.data_ptr<float>();
+  p.scale = scale;
+  p.y = y.data_ptr();
+  p.partials = plan.partial_floats > 0 ? split_k_partials(plan.partial_floats, x, stream) : nullptr;
+  p.dependent_launch = dependent_launch_enabled() && plan.cc_major >= 9;
+  p.M = static_cast<int>(M);
+  p.K_x = static_cast<int>(x.size(1));
+  p.lda = static_cast<int>(x.size(1));
+  p.k = static_cast<int>(k);
+  p.dtype = to_dtype(x.scalar_type());
+}
+
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
                 int64_t num_blocks, int64_t mb, int64_t wgmma_tiles, int64_t ws_tokens) {
@@ -233,20 +252,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   if (M == 0) return y;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kbit::GemmParams p{};
-  p.x = x.data_ptr();
-  p.b = reinterpret_cast<const uint4*>(b.data_ptr());
-  p.absmax = absmax.data_ptr<uint8_t>();
-  p.codebook = codebook.data_ptr<float>();
-  p.scale = scale_ptr;
+  fill_gemm_inputs(p, x, b, absmax, codebook, scale_ptr, y, plan, M, k, stream);
   p.bias = bias ? bias->data_ptr() : nullptr;
-  p.y = y.data_ptr();
-  p.partials = plan.partial_floats > 0 ? split_k_partials(plan.partial_floats, x, stream) : nullptr;
-  p.dependent_launch = dependent_launch_enabled() && plan.cc_major >= 9;
-  p.M = static_cast<int>(M);
-  p.K_x = static_cast<int>(x.size(1));
-  p.lda = static_cast<int>(x.size(1));
-  p.k = static_cast<int>(k);
-  p.dtype = to_dtype(x.scalar_type());
   kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
   check_launch(kbit::gemm(p, stream), "gemm");
   return y;
@@ -402,19 +409,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
               " rows per pass is not built for this GPU's architecture");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kbit::GroupedGemmParams p{};
-  p.x = x.data_ptr();
-  p.b = reinterpret_cast<const uint4*>(b.data_ptr());
-  p.absmax = absmax.data_ptr<uint8_t>();
-  p.codebook = codebook.data_ptr<float>();
-  p.scale = scale.data_ptr<float>();
-  p.y = y.data_ptr();
-  p.partials = split_k_partials(plan.partial_floats, x, stream);
-  p.dependent_launch = dependent_launch_enabled() && plan.cc_major >= 9;
-  p.M = static_cast<int>(M);
-  p.K_x = static_cast<int>(x.size(1));
-  p.lda = static_cast<int>(x.size(1));
-  p.k = static_cast<int>(k);
-  p.dtype = to_dtype(x.scalar_type());
+  fill_gemm_inputs(p, x, b, absmax, codebook, scale.data_ptr<float>(), y, plan, M, k, stream);
   kbit::grouped_gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
   p.passes = reinterpret_cast<const int4*>(passes.data_ptr());
   p.num_passes = num_passes.data_ptr<int>();
