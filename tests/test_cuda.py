@@ -46,6 +46,7 @@ from kbit._validate import check_codebook
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a CUDA device"),
+    pytest.mark.usefixtures("ieee_fp32_matmul"),  # fp32 references are real fp32 products (conftest.py)
 ]
 
 SESSION_SEED = int(os.environ.get("KBIT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
@@ -79,15 +80,6 @@ def seed_for(*params) -> int:
 def tag(seed: int, **params) -> str:
     items = " ".join(f"{k}={_name(v)}" for k, v in params.items())
     return f"[KBIT_TEST_SEED={SESSION_SEED} seed={seed} {items}]"
-
-
-@pytest.fixture(autouse=True)
-def _ieee_fp32_matmul():
-    """fp32 references must be real fp32 products (no TF32)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -32,20 +32,12 @@ from test_moe import ROUTINGS, TOP_KS, routing
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a CUDA device"),
+    pytest.mark.usefixtures("ieee_fp32_matmul"),  # fp32 references are real fp32 products (conftest.py)
 ]
 
 # (E, H, I): N = 2I not a multiple of 256 (partial row tiles), I_pad = 160 a partial k-group.
 SHAPE = (16, 256, 160)
 TOKENS = (1, 5, 16, 64, 300)
-
-
-@pytest.fixture(autouse=True)
-def _ieee_fp32_matmul():
-    """fp32 references must be real fp32 products (no TF32)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
 
 
 _EXPERTS = {}
