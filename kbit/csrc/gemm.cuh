@@ -271,6 +271,7 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
   }
 }
 
+#if KBIT_WGMMA
 // The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights times each row's E4M4 block scale
 // in 16 bits (rounded once, like the dequantized weights cuBLAS would read), into h; then, once the wgmma group that
 // last read a register set is done, h as the A registers of the block's two k16 slices.
@@ -287,6 +288,7 @@ __device__ __forceinline__ void wgmma_a_fragments(const uint32_t (&h)[2][4], uin
   a[0][0] = h[0][0], a[0][1] = h[1][0], a[0][2] = h[0][1], a[0][3] = h[1][1];  // k16 slice 0: columns 8q + 0..3
   a[1][0] = h[0][2], a[1][1] = h[1][2], a[1][2] = h[0][3], a[1][3] = h[1][3];  // k16 slice 1: columns 8q + 4..7
 }
+#endif
 
 // ---------------------------------------------------------------------------- shared memory layout
 // Dynamic shared memory, by address:
