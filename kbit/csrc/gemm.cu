@@ -19,21 +19,9 @@ template <typename F>
 bool with_config(int k, int mb, int wgmma_tiles, int ws_tokens, F&& f) {
   if (ws_tokens > 0) {
     if (mb * 8 != ws_tokens || wgmma_tiles != 0) return false;
-    switch (k) {
-      case 2: return with_ws_config<2>(ws_tokens, f);
-      case 3: return with_ws_config<3>(ws_tokens, f);
-      case 4: return with_ws_config<4>(ws_tokens, f);
-      case 5: return with_ws_config<5>(ws_tokens, f);
-      default: return false;
-    }
+    return with_bits(k, false, [&](auto bits) { return with_ws_config<decltype(bits)::value>(ws_tokens, f); });
   }
-  switch (k) {
-    case 2: return with_gemm_config<2>(mb, wgmma_tiles, f);
-    case 3: return with_gemm_config<3>(mb, wgmma_tiles, f);
-    case 4: return with_gemm_config<4>(mb, wgmma_tiles, f);
-    case 5: return with_gemm_config<5>(mb, wgmma_tiles, f);
-    default: return false;
-  }
+  return with_bits(k, false, [&](auto bits) { return with_gemm_config<decltype(bits)::value>(mb, wgmma_tiles, f); });
 }
 
 // What the host needs of a configuration beyond its own constants: the compute capabilities (major) its code is
@@ -135,22 +123,10 @@ cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {
   if (p.K_x % kXColumnAlign || p.lda % kXColumnAlign || reinterpret_cast<uintptr_t>(p.x) % 16) {
     return cudaErrorMisalignedAddress;
   }
-  if (p.ws_tokens) {
-    switch (p.k) {
-      case 2: return gemm_ws_for_bits<2>(p, stream);
-      case 3: return gemm_ws_for_bits<3>(p, stream);
-      case 4: return gemm_ws_for_bits<4>(p, stream);
-      case 5: return gemm_ws_for_bits<5>(p, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
-  switch (p.k) {
-    case 2: return gemm_for_bits<2>(p, stream);
-    case 3: return gemm_for_bits<3>(p, stream);
-    case 4: return gemm_for_bits<4>(p, stream);
-    case 5: return gemm_for_bits<5>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_bits(p.k, cudaErrorInvalidValue, [&](auto bits) {
+    constexpr int K = decltype(bits)::value;
+    return p.ws_tokens ? gemm_ws_for_bits<K>(p, stream) : gemm_for_bits<K>(p, stream);
+  });
 }
 
 }  // namespace kbit

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #include <cuda_runtime.h>
 
@@ -27,6 +28,20 @@ constexpr int64_t layout_tiles16(int64_t N) {
   return (N + kLayoutNAlign - 1) / kLayoutNAlign * (kLayoutNAlign / kLayoutTileRows);
 }
 constexpr int64_t layout_k_groups(int64_t K_w) { return (K_w + kKGroup - 1) / kKGroup; }
+
+// The one switch on the bit width: f(std::integral_constant<int, K>{}) for k = K in kMinBits..kMaxBits, `otherwise`
+// for any other k. Each kernel family instantiates its templates per K through it.
+template <typename R, typename F>
+R with_bits(int k, R otherwise, F&& f) {
+  switch (k) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return otherwise;
+  }
+}
+static_assert(kMinBits == 2 && kMaxBits == 5, "with_bits lists the bit widths");
 
 enum class DType : int { F16 = 0, BF16 = 1, F32 = 2 };
 

@@ -37,13 +37,8 @@ cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   if (p.K_x % kXColumnAlign || p.lda % kXColumnAlign || reinterpret_cast<uintptr_t>(p.x) % 16) {
     return cudaErrorMisalignedAddress;
   }
-  switch (p.k) {
-    case 2: return grouped_gemm_for_bits<2>(p, stream);
-    case 3: return grouped_gemm_for_bits<3>(p, stream);
-    case 4: return grouped_gemm_for_bits<4>(p, stream);
-    case 5: return grouped_gemm_for_bits<5>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_bits(p.k, cudaErrorInvalidValue,
+                   [&](auto bits) { return grouped_gemm_for_bits<decltype(bits)::value>(p, stream); });
 }
 
 }  // namespace kbit

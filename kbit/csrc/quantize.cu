@@ -255,20 +255,15 @@ int64_t grid_for(int64_t n) {
 
 template <template <typename, int> class Fn, typename... Args>
 cudaError_t dispatch(DType dtype, int k, Args&&... args) {
-#define KBIT_CASE_K(T)                                            \
-  switch (k) {                                                    \
-    case 2: return Fn<T, 2>::run(std::forward<Args>(args)...);    \
-    case 3: return Fn<T, 3>::run(std::forward<Args>(args)...);    \
-    case 4: return Fn<T, 4>::run(std::forward<Args>(args)...);    \
-    case 5: return Fn<T, 5>::run(std::forward<Args>(args)...);    \
-    default: return cudaErrorInvalidValue;                        \
-  }
+  auto for_type = [&](auto type) {
+    using T = typename decltype(type)::type;
+    return with_bits(k, cudaErrorInvalidValue, [&](auto bits) { return Fn<T, decltype(bits)::value>::run(args...); });
+  };
   switch (dtype) {
-    case DType::F16: KBIT_CASE_K(__half)
-    case DType::BF16: KBIT_CASE_K(__nv_bfloat16)
-    case DType::F32: KBIT_CASE_K(float)
+    case DType::F16: return for_type(std::common_type<__half>{});
+    case DType::BF16: return for_type(std::common_type<__nv_bfloat16>{});
+    case DType::F32: return for_type(std::common_type<float>{});
   }
-#undef KBIT_CASE_K
   return cudaErrorInvalidValue;
 }
 

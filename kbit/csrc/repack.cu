@@ -67,13 +67,9 @@ cudaError_t launch(const uint32_t* packed, const uint8_t* absmax, int N, int K_d
 cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_dim, uint32_t* b_gemm,
                    uint8_t* absmax_gemm, cudaStream_t stream) {
   if (N <= 0 || K_dim <= 0 || K_dim % kBlock) return cudaErrorInvalidValue;
-  switch (k) {
-    case 2: return launch<2>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
-    case 3: return launch<3>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
-    case 4: return launch<4>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
-    case 5: return launch<5>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_bits(k, cudaErrorInvalidValue, [&](auto bits) {
+    return launch<decltype(bits)::value>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
+  });
 }
 
 }  // namespace kbit
