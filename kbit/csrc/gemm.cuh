@@ -52,31 +52,24 @@ constexpr int kReservedSmem = 1024;
 constexpr int kSharedTop = kReservedSmem + 227 * 1024;
 constexpr int kStaticSmemMax = 2048;
 
-// Warps per CTA, and row tiles (16 weight rows each) per warp; a CTA tile is 256 rows (kbit/layout.py's N_ALIGN)
-// or 128. mma.sync at MB >= 2: 8 warps x two row tiles. A warp owns two row tiles: each activation fragment it
-// loads then serves both, and the per-step work that does not scale with the rows (barrier waits, copy issue,
-// cursors: ~180 of ~480 instructions per step with one tile, ncu, H100) is paid once per 32 rows. Eight warps
-// leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps one tile per warp at
-// MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2, more shared memory than
-// sm_80 has).
-// mma.sync at MB = 1: kDecodeWarps warps x 256 / (16 kDecodeWarps) row tiles. The M = 1 loop is latency-bound
-// (2 warps per scheduler at 255 registers: under 1 eligible, issue slots half busy, ncu, H200); 16 warps of at
-// most 128 registers give each scheduler 4.
+// Warps per CTA, and row tiles (16 weight rows each) per warp. A warp owns two row tiles: each activation
+// fragment it loads then serves both, and the per-step work that does not scale with the rows (barrier
+// waits, copy issue, cursors: ~180 of ~480 instructions per step with one tile, ncu, H100) is paid once per
+// 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps
+// one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
+// more shared memory than sm_80 has).
 // wgmma: one or two row tiles (CTA tiles of 128 or 256 rows). With two, each step's activations (MB*8 tokens x
 // 256 k, 16-64 KB from L2) serve twice the weights: with one at 128 tokens, the activations were 4x the
 // weights' bytes and the kernel ran at the rate the SM takes data in (~19 GB/s per SM, H100; 238 vs 192 us
 // for 8192 -> 28672, K = 4). But half the tiles means more split-K and 2x larger partials: on small shapes
 // (4096 -> 4096: 107 vs 31 us) one is faster. K = 5 at 128 tokens has one only: two would not fit two stages.
-constexpr int kDecodeWarps = 16;
-__host__ __device__ constexpr int gemm_warps(int mb, int wgmma_tiles) {
-  return !wgmma_tiles && mb == 1 ? kDecodeWarps : 8;
-}
+constexpr int kGemmWarps = 8;
 // wgmma_tiles: 0 for mma.sync, else the wgmma path's row tiles per warp (the host picks them per shape).
 __host__ __device__ constexpr int gemm_row_tiles(int k, int mb, int wgmma_tiles) {
-  return wgmma_tiles ? wgmma_tiles : mb == 1 ? 256 / (16 * kDecodeWarps) : k != 5 ? 2 : 1;
+  return wgmma_tiles ? wgmma_tiles : k != 5 || mb == 1 ? 2 : 1;
 }
 __host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles) {
-  return gemm_warps(mb, wgmma_tiles) * gemm_row_tiles(k, mb, wgmma_tiles) * 16;
+  return kGemmWarps * gemm_row_tiles(k, mb, wgmma_tiles) * 16;
 }
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
@@ -91,7 +84,7 @@ struct GemmConfig {
   static constexpr bool kGrouped = G != 0;
   static constexpr GroupedEpilogue kEpilogue = static_cast<GroupedEpilogue>(G);
   using Params = std::conditional_t<kGrouped, GroupedGemmParams, GemmParams>;  // what the kernel receives
-  static constexpr int kWarps = gemm_warps(MB, WG);
+  static constexpr int kWarps = kGemmWarps;
   static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
@@ -762,10 +755,9 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   // Contributors in flight at once, up to 8 fragments of each: one L2 round trip per batch, not per partial (a
   // tile of a small GEMM has ~8). At most 16 fragments (64 registers); one partial at a time at 8 or more
   // fragments per warp and on sm_80, and 2 fragments at a time next to 32 accumulator fragments (wgmma, 128
-  // tokens), whose builds spill with more; 8 fragments with 16 warps (128 registers per thread). The sums build
-  // up in acc itself (a copy would spill there too), each fragment adding its partials in CTA order whatever the
-  // batches.
-  constexpr int kInFlight = KBIT_BULK_COPY && F < 8 ? (Cfg::kWarps > 8 ? 8 : 16) / F : 1;
+  // tokens), whose builds spill with more. The sums build up in acc itself (a copy would spill there too),
+  // each fragment adding its partials in CTA order whatever the batches.
+  constexpr int kInFlight = KBIT_BULK_COPY && F < 8 ? 16 / F : 1;
   constexpr int kBatch = F < 8 ? F : F < 32 ? 8 : 2;
   const float empty = __uint_as_float(kPartialEmpty);
   for (int j0 = 1; j0 <= others; j0 += kInFlight) {
