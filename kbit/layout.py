@@ -19,8 +19,8 @@ fills two A registers side by side.
 Exact memory shapes (``k`` = bits, ``N`` = out_features, ``K_pad`` = in_features padded to 32,
 ``N_pad = ceil(N / 256) * 256``, ``KG = ceil(K_pad / 256)``):
 
-``B_gemm``: int32 ``[N_pad / 16, KG, k, 32, 4]`` — indexed ``[tile, kgroup, vec, lane, word]``.
-    For weight rows ``16*tile .. 16*tile + 15`` and columns ``256*kgroup .. 256*kgroup + 255``,
+``B_gemm``: int32 ``[N_pad / 256, KG, 16, k, 32, 4]`` — indexed ``[block, kgroup, i, vec, lane, word]``,
+    tile ``tile = 16*block + i``. For weight rows ``16*tile .. 16*tile + 15`` and columns ``256*kgroup .. 256*kgroup + 255``,
     lane ``l = 4*g + q`` owns a string of ``128 * k`` bits held in ``k`` 16-byte vectors
     (bit ``o`` of the string is bit ``o % 32`` of word ``(o % 128) // 32`` of vec ``o // 128``).
     The code of row ``16*tile + g + 8*r``, column ``256*kgroup + 32*t + 8*p + 2*q + e``
@@ -28,8 +28,11 @@ Exact memory shapes (``k`` = bits, ``N`` = out_features, ``K_pad`` = in_features
     bits ``[(2 * P + e) * k, ... + k)`` with pair number ``P = 8*t + 2*p + r``. So the two codes of
     pair ``P`` form the ``2k``-bit index that the kernel looks up; for k = 4 each pair is one byte,
     for k = 2 each byte is pair ``p`` of both rows.
-``absmax_gemm``: uint8 ``[N_pad / 16, KG, 2, 8, 8]`` — indexed ``[tile, kgroup, r, g, t]``: the
-    E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``.
+``absmax_gemm``: uint8 ``[N_pad / 256, KG, 16, 2, 8, 8]`` — indexed ``[block, kgroup, i, r, g, t]``: the
+    E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``, ``tile = 16*block + i``.
+
+The 16-row tiles of a block of 256 rows sit next to each other per k-group, so what one CTA tile (128 or 256
+rows, aligned) needs of one k-group is one contiguous piece of each tensor: one copy each.
 
 Rows past N and columns past K_pad are padding: code 0 and absmax 0 (so they dequantize to 0).
 ``unrepack_reference`` drops them and returns the storage format bit for bit.
@@ -46,6 +49,7 @@ from .formats import BLOCK_SIZE, pack_bitplanes, to_int32_bits, unpack_bitplanes
 
 TILE_ROWS = 16  # weight rows per warp tile (the MMA's M)
 N_ALIGN = 256  # rows of the largest CTA tile (docs/DESIGN.md#configurations): N is padded to this
+BLOCK_TILES = N_ALIGN // TILE_ROWS  # 16-row tiles per block of the layout (contiguous per k-group)
 K_GROUP = 256  # columns per pipeline step: 8 quantization blocks
 LANES = 32
 X_ALIGN = 8  # activation columns per 16-byte read of the GEMM
@@ -53,9 +57,9 @@ X_ALIGN = 8  # activation columns per 16-byte read of the GEMM
 
 def gemm_shapes(bits: int, out_features: int, in_features_padded: int):
     """Shapes of (B_gemm, absmax_gemm) for an [out_features, in_features_padded] weight."""
-    tiles = -(-out_features // N_ALIGN) * N_ALIGN // TILE_ROWS
+    blocks = -(-out_features // N_ALIGN)
     k_groups = -(-in_features_padded // K_GROUP)
-    return (tiles, k_groups, bits, LANES, 4), (tiles, k_groups, 2, 8, 8)
+    return (blocks, k_groups, BLOCK_TILES, bits, LANES, 4), (blocks, k_groups, BLOCK_TILES, 2, 8, 8)
 
 
 def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_features: int,
@@ -63,7 +67,8 @@ def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_
     """Storage format -> (B_gemm, absmax_gemm). Pure permutation plus zero padding."""
     N, K = out_features, in_features_padded
     b_shape, a_shape = gemm_shapes(bits, N, K)
-    nt, kg = b_shape[0], b_shape[1]
+    nb, kg = b_shape[0], b_shape[1]
+    nt = nb * BLOCK_TILES
     codes = unpack_bitplanes(packed, bits).reshape(N, K)
     codes = torch.nn.functional.pad(codes, (0, kg * K_GROUP - K, 0, nt * TILE_ROWS - N))
     # rows = 16*T + 8*r + g ; cols = 256*j + 32*t + 8*p + 2*q + e ; bit string order (t, p, r, e)
@@ -72,11 +77,12 @@ def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_
     shifts = torch.arange(bits, device=c.device, dtype=torch.int64)
     string = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, bits, 4, 32)  # 128 * bits bits per lane
     words = (string << torch.arange(32, device=c.device, dtype=torch.int64)).sum(-1)
-    b_gemm = to_int32_bits(words).permute(0, 1, 3, 2, 4).contiguous()  # T j v lane w
+    b_gemm = to_int32_bits(words).permute(0, 1, 3, 2, 4)  # T j v lane w
+    b_gemm = b_gemm.reshape(nb, BLOCK_TILES, kg, bits, LANES, 4).transpose(1, 2).contiguous()  # block j i v lane w
 
     a = absmax.reshape(N, K // BLOCK_SIZE)
     a = torch.nn.functional.pad(a, (0, kg * 8 - K // BLOCK_SIZE, 0, nt * TILE_ROWS - N))
-    a_gemm = a.reshape(nt, 2, 8, kg, 8).permute(0, 3, 1, 2, 4).contiguous()  # T j r g t
+    a_gemm = a.reshape(nb, BLOCK_TILES, 2, 8, kg, 8).permute(0, 4, 1, 2, 3, 5).contiguous()  # block j i r g t
     assert tuple(b_gemm.shape) == b_shape and tuple(a_gemm.shape) == a_shape
     return b_gemm, a_gemm
 
@@ -85,7 +91,10 @@ def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, bits: int, ou
                        in_features_padded: int):
     """(B_gemm, absmax_gemm) -> storage format (packed, absmax), bit for bit."""
     N, K = out_features, in_features_padded
-    nt, kg = gemm_shapes(bits, N, K)[0][:2]
+    nb, kg = gemm_shapes(bits, N, K)[0][:2]
+    nt = nb * BLOCK_TILES
+    b_gemm = b_gemm.transpose(1, 2).reshape(nt, kg, bits, LANES, 4)  # T j v lane w
+    a_gemm = a_gemm.transpose(1, 2).reshape(nt, kg, 2, 8, 8)  # T j r g t
     words = b_gemm.permute(0, 1, 3, 2, 4).to(torch.int64) & 0xFFFFFFFF  # T j lane v w
     string = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int64)) & 1
     string = string.reshape(nt, kg, LANES, 128, bits)

@@ -92,6 +92,7 @@ def test_repack_round_trip_bit_exact(k, shape):
 def _documented_code(b_gemm, k, row, col):
     """Read the code of (row, col) from B_gemm at the bit offsets that kbit/layout.py documents."""
     tile, rr = divmod(row, 16)
+    block, i_tile = divmod(tile, 16)  # tile = 16 * block + i
     r, g = divmod(rr, 8)
     kgroup, cc = divmod(col, 256)
     t, c32 = divmod(cc, 32)
@@ -103,9 +104,9 @@ def _documented_code(b_gemm, k, row, col):
     for i in range(k):
         bit = o + i
         vec, w, j = bit // 128, (bit % 128) // 32, bit % 32
-        word = int(b_gemm[tile, kgroup, vec, lane, w]) & 0xFFFFFFFF
+        word = int(b_gemm[block, kgroup, i_tile, vec, lane, w]) & 0xFFFFFFFF
         code |= ((word >> j) & 1) << i
-    return code, (tile, kgroup, r, g, t)
+    return code, (block, kgroup, i_tile, r, g, t)
 
 
 @pytest.mark.parametrize("k", KS)
@@ -120,12 +121,12 @@ def test_layout_documented_bit_offsets(k, shape):
     rows = torch.randint(0, N, (200,)).tolist() + [0, N - 1]
     cols = torch.randint(0, K_dim, (200,)).tolist() + [0, K_dim - 1]
     for row, col in zip(rows, cols):
-        code, (tile, kgroup, r, g, t) = _documented_code(b, k, row, col)
+        code, index = _documented_code(b, k, row, col)
         assert code == int(codes[row, col]), f"bits={k} N={N} K_dim={K_dim}: code of ({row}, {col})"
         want_absmax = int(absmax[row * (K_dim // 32) + col // 32])
-        assert int(a[tile, kgroup, r, g, t]) == want_absmax, f"absmax of ({row}, {col})"
+        assert int(a[index]) == want_absmax, f"absmax of ({row}, {col})"
     # Padding rows (past N) and columns (past K_dim) hold code 0 and absmax 0.
-    n_pad = b.shape[0] * 16
+    n_pad = b.shape[0] * 256
     kg = b.shape[1]
     for row, col in [(N, 0), (n_pad - 1, K_dim - 1), (0, kg * 256 - 1)]:
         if row >= N or col >= K_dim:
@@ -144,7 +145,7 @@ def test_layout_k4_pairs_are_bytes():
     lane, g, q, t, r, p = 4 * 3 + 2, 3, 2, 5, 1, 3
     o = (8 * t + 2 * p + r) * 2 * k  # pair 8t + 2p + r: a multiple of 8, byte aligned
     assert o % 8 == 0
-    word = int(b[0, 0, o // 128, lane, (o % 128) // 32]) & 0xFFFFFFFF
+    word = int(b[0, 0, 0, o // 128, lane, (o % 128) // 32]) & 0xFFFFFFFF
     byte = (word >> (o % 32)) & 0xFF
     row, col = g + 8 * r, 32 * t + 8 * p + 2 * q
     assert byte == int(codes[row, col]) | (int(codes[row, col + 1]) << 4)

@@ -114,10 +114,10 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& absmax, const 
 
 // Shapes of the GEMM layout of an [N, K_dim] weight (kbit.h, kbit/layout.py's gemm_shapes).
 std::vector<int64_t> layout_codes_shape(int64_t k, int64_t N, int64_t K_dim) {
-  return {kbit::layout_tiles16(N), kbit::layout_k_groups(K_dim), k, 32, 4};
+  return {kbit::layout_tiles16(N) / kbit::kLayoutBlockTiles, kbit::layout_k_groups(K_dim), kbit::kLayoutBlockTiles, k, 32, 4};
 }
 std::vector<int64_t> layout_absmax_shape(int64_t N, int64_t K_dim) {
-  return {kbit::layout_tiles16(N), kbit::layout_k_groups(K_dim), 2, 8, 8};
+  return {kbit::layout_tiles16(N) / kbit::kLayoutBlockTiles, kbit::layout_k_groups(K_dim), kbit::kLayoutBlockTiles, 2, 8, 8};
 }
 
 std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Tensor& absmax, int64_t k, int64_t N,
@@ -369,7 +369,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
               num(K_w), ", got ", num(x.size(1)));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "kbit: x must be 16-byte aligned");
   check_dim(x.size(0), "rows of x", 0);
-  TORCH_CHECK(b.dim() == 6, "kbit: b_gemm must be the experts' GEMM layouts stacked [experts, ...], got shape ",
+  TORCH_CHECK(b.dim() == 7, "kbit: b_gemm must be the experts' GEMM layouts stacked [experts, ...], got shape ",
               shape_string(b.sizes()));
   const int64_t E = b.size(0);
   check_num_experts(E);

@@ -25,17 +25,15 @@ bool with_config(int k, int mb, int wgmma_tiles, int ws_tokens, F&& f) {
 }
 
 // What the host needs of a configuration beyond its own constants: the compute capabilities (major) its code is
-// built for, and its CTA tile's rows.
+// built for.
 template <class Cfg>
 struct HostFacts {
   static constexpr int kCcMajorMin = Cfg::kWgmma || !Cfg::kOnSm80 ? kHopperMajor : kSm80Major;
   static constexpr int kCcMajorMax = Cfg::kWgmma ? kHopperMajor : INT_MAX;
-  static constexpr int kTileRows = Cfg::kTileRows;
 };
 template <int K, int NT>
 struct HostFacts<WsConfig<K, NT>> {
   static constexpr int kCcMajorMin = kHopperMajor, kCcMajorMax = kHopperMajor;
-  static constexpr int kTileRows = kWsTileRows;
 };
 
 bool gemm_config_info(int k, int mb, int wgmma_tiles, int ws_tokens, GemmConfigInfo* info) {
@@ -85,7 +83,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int ws
   int tile_rows = 0, partial_per_cta = 0;
   with_config(k, mb, wgmma_tiles, ws_tokens, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    tile_rows = HostFacts<Cfg>::kTileRows;
+    tile_rows = Cfg::kTileRows;
     partial_per_cta = Cfg::kPartialFloats;  // one partial tile per CTA: a CTA publishes at most one (finish_tile)
   });
   plan.mb = mb;

@@ -8,7 +8,7 @@
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
 //   Barriers        the pipeline's mbarriers: per stage, one per warp for its weights, two for the
 //                   activations all warps share (landed / free again)
-//   load_weights    one warp's copies of one step's weights (bulk copies on sm_90, cp.async on sm_80)
+//   load_weights    one step's weights (two bulk copies on sm_90, cp.async per warp on sm_80)
 //   load_activations one warp's share of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result (mma.sync)
@@ -16,8 +16,8 @@
 //                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
-//   gemm_main       the persistent, stream-K main loop: no CTA-wide barrier per step, each warp waits
-//                   only for its own weights and for the shared activations
+//   gemm_main       the persistent, stream-K main loop: no CTA-wide barrier per step; a stage is refilled
+//                   once every warp is done with it, its weights by one thread (sm_90), the warps taking turns
 //   gemm_kernel     the entry point (and what sm_80 builds of it)
 //
 // Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
@@ -391,72 +391,66 @@ __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
   }
 }
 
-// The pipeline's barriers. Stage s holds one step: per warp tile its codes and scales (read by that warp
-// only), and the activations (read by every warp).
-//   weights_full[s][w]  warp w's weights of the step have landed: warp w waits for it
-//   acts_full[s]        the step's activations have landed: every warp waits for it
-//   acts_free[s]        every warp is done reading the step's activations: their loaders wait for it
-// A warp refills its own weight region as soon as it is done with it, without waiting for anyone; only
-// the activations tie the warps together, and only as far as the pipeline is deep. With one
-// __syncthreads per step, every warp waited for the slowest at every step: 30% of all stall cycles at M = 1
-// (ncu).
+// The pipeline's barriers. Stage s holds one step: the CTA tile's codes and scales, and the activations.
+//   weights_full[s]  the step's weights have landed: every warp waits for it
+//   acts_full[s]     the step's activations have landed: every warp waits for it
+//   acts_free[s]     every warp is done with the step (weights and activations): the stage's refill waits for it
+// No CTA-wide barrier per step: the warps are tied together only as far as the pipeline is deep (with one
+// __syncthreads per step every warp waited for the slowest at every step: 30% of all stall cycles at M = 1, ncu).
 template <class Cfg>
 struct Barriers {
-  uint64_t weights_full[Cfg::kStages][Cfg::kWarps];
+  uint64_t weights_full[Cfg::kStages];
   uint64_t acts_full[Cfg::kStages];
   uint64_t acts_free[Cfg::kStages];
   // Lane 0 of each warp initializes every kWarps-th barrier. An mbarrier init takes a warp-uniform
   // address: one thread per barrier made ptxas serialize the 32 lanes' inits in a loop (~1 us, as long as
   // one thread doing all 72; clock64 trace, H100), one lane per warp runs the warps' inits in parallel.
-  static constexpr int kWeightBars = Cfg::kStages * Cfg::kWarps, kBars = kWeightBars + 2 * Cfg::kStages;
+  static constexpr int kBars = 3 * Cfg::kStages;
   __device__ void init(int warp, int lane) {
     constexpr int S = Cfg::kStages;
     if (lane != 0) return;
     for (int i = warp; i < kBars; i += Cfg::kWarps) {
-      // sm_90: lane 0 arrives and announces the bytes; sm_80: every lane arrives after its cp.async copies.
-      if (i < kWeightBars) mbarrier_init(&weights_full[i / Cfg::kWarps][i % Cfg::kWarps], KBIT_BULK_COPY ? 1 : 32);
-      else if (i < kWeightBars + S) mbarrier_init(&acts_full[i - kWeightBars], Cfg::kThreads);  // every thread
-      else mbarrier_init(&acts_free[i - kWeightBars - S], Cfg::kWarps);                       // lane 0s
+      // sm_90: one thread arrives and announces the bytes; sm_80: every thread arrives after its cp.async copies.
+      if (i < S) mbarrier_init(&weights_full[i], KBIT_BULK_COPY ? 1 : Cfg::kThreads);
+      else if (i < 2 * S) mbarrier_init(&acts_full[i - S], Cfg::kThreads);  // every thread
+      else mbarrier_init(&acts_free[i - 2 * S], Cfg::kWarps);                // lane 0s
     }
   }
 };
 
-// One warp's weights of one step, per row tile r: its codes, K*512 contiguous bytes at B_gemm[tile16][kgroup],
-// and block scales, 128 contiguous bytes at absmax_gemm[tile16][kgroup]. In shared memory a warp's row
-// tiles sit next to each other: codes at warp * kRowTiles * K*512 + r * K*512, scales likewise.
+// The first layout piece (kbit.h) of a step's CTA tile: its kTileRows / 16 pieces follow it, codes and scales
+// each one contiguous range (the tile is 128 or 256 rows, aligned to the layout's blocks of 256). In shared
+// memory they keep that order: warp w's row tile r is piece w * kRowTiles + r of the tile.
 template <class Cfg>
-__device__ __forceinline__ int64_t weights_index(const GemmParams& p, const StepCursor& c, int r) {
-  int64_t tile16 = (static_cast<int64_t>(c.ntile) * Cfg::kWarps + (threadIdx.x >> 5)) * Cfg::kRowTiles + r;
+__device__ __forceinline__ int64_t first_piece(const GemmParams& p, const StepCursor& c) {
+  static_assert(kLayoutNAlign % Cfg::kTileRows == 0, "a CTA tile must not straddle the layout's blocks");
+  int64_t tile16 = static_cast<int64_t>(c.ntile) * (Cfg::kTileRows / kLayoutTileRows);
   if constexpr (Cfg::kGrouped)  // the pass's expert: the weights are stacked
     tile16 += static_cast<int64_t>(token_pass<Cfg>(p, c).expert) * static_cast<const GroupedGemmParams&>(p).expert_tiles16;
-  return tile16 * p.k_groups + c.kgroup;
+  return layout_piece(tile16, c.kgroup, p.k_groups);
 }
+// One step's weights: codes (kBStage bytes) and block scales (kAbsStage). sm_90: two bulk copies issued by the one
+// thread that calls this (per-warp copies had cost each warp ~80 issue slots per step, 10% of its work at M = 1);
+// sm_80: every thread calls it and copies its warp's row tiles with cp.async.
 template <class Cfg>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
                                              uint64_t* full, const StepCursor& c) {
   constexpr int K = Cfg::kBits;
+  const int64_t piece = first_piece<Cfg>(p, c);
+#if KBIT_BULK_COPY
+  mbarrier_arrive_expect_bytes(full, Cfg::kBStage + Cfg::kAbsStage);
+  bulk_copy_to_shared(codes_piece, p.b + piece * (K * 32), Cfg::kBStage, full);
+  bulk_copy_to_shared(small_piece, p.absmax + piece * 128, Cfg::kAbsStage, full);
+#else
   constexpr int RT = Cfg::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  uint8_t* codes = codes_piece + warp * RT * K * 512;
-  uint8_t* scales = small_piece + warp * RT * 128;
-#if KBIT_BULK_COPY
-  if (lane == 0) {
-    mbarrier_arrive_expect_bytes(full, RT * (K * 512 + 128));
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      const int64_t at = weights_index<Cfg>(p, c, r);
-      bulk_copy_to_shared(codes + r * K * 512, p.b + at * (K * 32), K * 512, full);
-      bulk_copy_to_shared(scales + r * 128, p.absmax + at * 128, 128, full);
-    }
-  }
-#else
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
-    const int64_t at = weights_index<Cfg>(p, c, r);
-    const uint4* src = p.b + at * (K * 32) + lane;
+    const int i = warp * RT + r;
+    const uint4* src = p.b + (piece + i) * (K * 32) + lane;
 #pragma unroll
-    for (int v = 0; v < K; ++v) cp_async16(codes + r * K * 512 + (v * 32 + lane) * 16, src + v * 32);
-    if (lane < 8) cp_async16(scales + r * 128 + lane * 16, p.absmax + at * 128 + lane * 16);
+    for (int v = 0; v < K; ++v) cp_async16(codes_piece + i * K * 512 + (v * 32 + lane) * 16, src + v * 32);
+    if (lane < 8) cp_async16(small_piece + i * 128 + lane * 16, p.absmax + (piece + i) * 128 + lane * 16);
   }
   mbarrier_arrive_after_cp_async(full);
 #endif
@@ -817,14 +811,12 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // Launched early (programmatic dependent launch), the CTA warms L2 with the weights of its first
   // steps while the previous kernel drains; everything else waits for that kernel. In a normal launch
   // there is nothing to overlap, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
-  if (!Cfg::kGrouped && p.dependent_launch && lane == 0) {  // a grouped GEMM's passes are not written yet
+  if (!Cfg::kGrouped && p.dependent_launch && threadIdx.x == 0) {  // a grouped GEMM's passes are not written yet
     StepCursor at(p, first);
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
-      for (int r = 0; r < Cfg::kRowTiles; ++r) {
-        const int64_t i = weights_index<Cfg>(p, at, r);
-        prefetch_l2(p.b + i * (K * 32), K * 512);
-        prefetch_l2(p.absmax + i * 128, 128);
-      }
+      const int64_t i = first_piece<Cfg>(p, at);
+      prefetch_l2(p.b + i * (K * 32), Cfg::kBStage);
+      prefetch_l2(p.absmax + i * 128, Cfg::kAbsStage);
     }
   }
 #endif
@@ -844,8 +836,13 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
   StepCursor load_at(p, first);
+  // Weights of one step into stage s: on sm_90 by lane 0 of one warp, the warps taking turns step by step, once
+  // every warp is done with the stage; on sm_80 every thread copies its warp's share, into its warp's own region.
+  static_assert((Cfg::kWarps & (Cfg::kWarps - 1)) == 0, "the issuing warp is a step number modulo kWarps");
+  auto issues_weights = [&](int step) { return !KBIT_BULK_COPY || warp == (step & (Cfg::kWarps - 1)); };
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {  // every CTA has a step 0
-    load_weights<Cfg>(p, layout.codes(s), layout.small(s), &bars.weights_full[s][warp], load_at);
+    if (issues_weights(s) && (!KBIT_BULK_COPY || lane == 0))
+      load_weights<Cfg>(p, layout.codes(s), layout.small(s), &bars.weights_full[s], load_at);
     load_activations<Cfg, T>(p, layout.small(s), &bars.acts_full[s], load_at);
     if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
   }
@@ -857,20 +854,27 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   int slot = 0;         // stage of this step
   uint32_t phase = 0;   // parity of this step's use of its stage
   for (int step = first; step < last; ++step, c.advance(p)) {
-    // Step + S - 1 goes into the stage of step - 1. Its weight region is this warp's own, done with.
+    // Step + S - 1 goes into the stage of step - 1: its weights now (sm_90: the issuing warp first waits until
+    // every warp is done with step - 1; sm_80: this warp's own region, done with); its activations once every
+    // warp is done with step - 1, with 3+ stages after this step's math (by then, mostly without waiting), with
+    // 2 now (after the math they would have no step to land in).
     const int refill = slot == 0 ? S - 1 : slot - 1;
     const bool more = step + S - 1 < last;
-    if (more)
-      load_weights<Cfg>(p, layout.codes(refill), layout.small(refill), &bars.weights_full[refill][warp], load_at);
-    // Its activations once every warp is done with step - 1. With 3+ stages after this step's math (by then,
-    // mostly without waiting); with 2, now: after the math they would have no step to land in.
-    auto load_next_activations = [&] {
+    auto wait_stage_free = [&] {
       if (step > first) mbarrier_wait(&bars.acts_free[refill], slot == 0 ? phase ^ 1u : phase);
+    };
+    if (more && issues_weights(step)) {
+      if (KBIT_BULK_COPY) wait_stage_free();
+      if (!KBIT_BULK_COPY || lane == 0)
+        load_weights<Cfg>(p, layout.codes(refill), layout.small(refill), &bars.weights_full[refill], load_at);
+    }
+    auto load_next_activations = [&] {
+      wait_stage_free();
       load_activations<Cfg, T>(p, layout.small(refill), &bars.acts_full[refill], load_at);
     };
     if (S == 2 && more) load_next_activations();
 
-    mbarrier_wait(&bars.weights_full[slot][warp], phase);
+    mbarrier_wait(&bars.weights_full[slot], phase);
     mbarrier_wait(&bars.acts_full[slot], phase);
 #if KBIT_WGMMA
     if constexpr (Cfg::kWgmma) {

@@ -47,10 +47,12 @@ template <int K, int NT>
 struct WsConfig {
   static constexpr int kBits = K, kTokens = NT;
   static constexpr int kThreads = kWsThreads;
+  static constexpr int kTileRows = kWsTileRows;
+  static constexpr bool kGrouped = false;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per m64 block and warp
   // One stage = one step: the activations (NT tokens x 256 k, four TMA boxes of 64 k, 128-byte swizzled rows),
-  // then per 16-row tile its codes (K * 512 B) and its E4M4 block scales (128 B), as bulk copies. Every piece
+  // then the tile's codes (K * 512 B per 16-row tile) and its E4M4 block scales (128 B per tile), two bulk copies. Every piece
   // starts 1024-byte aligned (the swizzle atoms) when the stage does.
   static constexpr int kXBox = NT * 128;
   static constexpr int kCodeBytes = K * 512;
@@ -104,13 +106,9 @@ __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_m
     const int k0 = c.kgroup * kKGroup, m0 = c.mpass * Cfg::kTokens;
 #pragma unroll
     for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(stage + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
-    const int64_t tile0 = static_cast<int64_t>(c.ntile) * kWsTile16s;
-#pragma unroll 4
-    for (int i = 0; i < kWsTile16s; ++i) {
-      const int64_t at = (tile0 + i) * p.k_groups + c.kgroup;  // B_gemm[tile16][kgroup], absmax_gemm likewise
-      bulk_copy_to_shared(stage + Cfg::kCodesOffset + i * Cfg::kCodeBytes, p.b + at * (K * 32), Cfg::kCodeBytes, bar);
-      bulk_copy_to_shared(stage + Cfg::kScalesOffset + i * 128, p.absmax + at * 128, 128, bar);
-    }
+    const int64_t piece = first_piece<Cfg>(p, c);
+    bulk_copy_to_shared(stage + Cfg::kCodesOffset, p.b + piece * (K * 32), kWsTile16s * Cfg::kCodeBytes, bar);
+    bulk_copy_to_shared(stage + Cfg::kScalesOffset, p.absmax + piece * 128, kWsTile16s * 128, bar);
     if (++slot == S) slot = 0, phase ^= 1u;
   }
 }
@@ -340,8 +338,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemm_ws_kernel(const __grid_con
   if (p.dependent_launch && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
-      const int64_t i0 = static_cast<int64_t>(at.ntile) * kWsTile16s * p.k_groups + at.kgroup;
-      for (int i = 0; i < kWsTile16s; ++i) prefetch_l2(p.b + (i0 + static_cast<int64_t>(i) * p.k_groups) * (K * 32), K * 512);
+      prefetch_l2(p.b + first_piece<Cfg>(p, at) * (K * 32), kWsTile16s * K * 512);
     }
   }
   grid_dependency_wait();

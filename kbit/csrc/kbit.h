@@ -22,12 +22,19 @@ constexpr int kKGroup = 256;         // columns per k-group of the layout and pe
 constexpr int kXColumnAlign = 8;     // the GEMM reads x in 16-byte pieces: columns a multiple of this (layout.X_ALIGN)
 // KBIT_CONSTANTS_END
 
-// Dimensions of the GEMM layout of an [N, K_w] weight: B_gemm [tiles16, k_groups, k, 32, 4], absmax_gemm
-// [tiles16, k_groups, 2, 8, 8] (layout.gemm_shapes).
+// Dimensions of the GEMM layout of an [N, K_w] weight: B_gemm [tiles16 / 16, k_groups, 16, k, 32, 4], absmax_gemm
+// [tiles16 / 16, k_groups, 16, 2, 8, 8] (layout.gemm_shapes). A piece is one 16-row tile's k*512 bytes of codes
+// (128 of scales) of one k-group; the 16 tiles of a 256-row block lie next to each other per k-group, so a CTA
+// tile's pieces of one k-group are one contiguous range.
+constexpr int kLayoutBlockTiles = kLayoutNAlign / kLayoutTileRows;
 constexpr int64_t layout_tiles16(int64_t N) {
-  return (N + kLayoutNAlign - 1) / kLayoutNAlign * (kLayoutNAlign / kLayoutTileRows);
+  return (N + kLayoutNAlign - 1) / kLayoutNAlign * kLayoutBlockTiles;
 }
 constexpr int64_t layout_k_groups(int64_t K_w) { return (K_w + kKGroup - 1) / kKGroup; }
+// Piece number of 16-row tile `tile16`, k-group `kgroup`: codes at piece * k*512 bytes, scales at piece * 128.
+__host__ __device__ constexpr int64_t layout_piece(int64_t tile16, int kgroup, int k_groups) {
+  return (tile16 / kLayoutBlockTiles * k_groups + kgroup) * kLayoutBlockTiles + tile16 % kLayoutBlockTiles;
+}
 
 // The one switch on the bit width: f(std::integral_constant<int, K>{}) for k = K in kMinBits..kMaxBits, `otherwise`
 // for any other k. Each kernel family instantiates its templates per K through it.

@@ -19,6 +19,7 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
   const int lane = static_cast<int>(idx & 31), g = lane >> 2, q = lane & 3;
   const int64_t tj = idx >> 5;  // tile * k_groups + kgroup
   const int j = static_cast<int>(tj % k_groups), tile = static_cast<int>(tj / k_groups);
+  const int64_t piece = layout_piece(tile, j, k_groups);
   const int blocks_per_row = K_dim / kBlock;
 
   uint32_t words[4 * K];
@@ -43,12 +44,12 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
         words[wi] |= code << bi;
         if (bi + K > 32) words[wi + 1] |= code >> (32 - bi);
       }
-      if (q == 0) a_gemm[((tj * 2 + r) * 8 + g) * 8 + t] = inside ? absmax[blk] : 0;
+      if (q == 0) a_gemm[((piece * 2 + r) * 8 + g) * 8 + t] = inside ? absmax[blk] : 0;
     }
   }
 #pragma unroll
   for (int v = 0; v < K; ++v)
-    b_gemm[(tj * K + v) * 32 + lane] = make_uint4(words[4 * v], words[4 * v + 1], words[4 * v + 2], words[4 * v + 3]);
+    b_gemm[(piece * K + v) * 32 + lane] = make_uint4(words[4 * v], words[4 * v + 1], words[4 * v + 2], words[4 * v + 3]);
 }
 
 template <int K>
