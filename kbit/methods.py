@@ -15,7 +15,8 @@ every kernel reproduces it bit for bit, so a better quantizer needs no kernel ch
   error. Columns are quantized one at a time, and each column's rounding error is fed back into the columns
   not yet quantized so that the layer's *output* error stays small (GPTQ), in activation order (``block_order``:
   whole blocks of 32, largest Hessian diagonal first). A block's scale is searched on its error-updated weights
-  when its first column is reached, and refined once all codes are known (``refine_block_scales``).
+  when its first column is reached; once all codes are known, the codebook is refitted to them
+  (``refit_codebook``) and the block scales refined (``refine_block_scales``), both on the output error.
 
 Every method returns a ``QuantizedWeight`` whose reference dequantization is exactly the reconstruction the
 method optimized (``reconstruct``).
@@ -56,6 +57,9 @@ FIT_ITERS = 6  # codebook fit: rounds of scale search + Lloyd update
 FIT_SAMPLE_BLOCKS = 1 << 12  # the codebook is fitted on at most this many blocks (a seeded random sample)
 GPTQ_BATCH = 128  # GPTQ's lazy batch: columns updated together before the rest of the matrix sees their error
 REFINE_SWEEPS = 2  # coordinate-descent sweeps of refine_block_scales over all blocks (0: no refinement)
+REFIT_CODEBOOK = True  # GPTQ: the codebook refitted to the chosen codes on the output error (refit_codebook)
+REFIT_WEIGHTS = 1 << 23  # refit_codebook's system comes from whole rows holding at most this many weights: it
+# costs 2**k products of [rows, kp] x [kp, kp], and 2**k levels are well determined by far fewer weights
 GPTQ_DAMP = 0.1  # added to H's diagonal, as a fraction of its mean: keeps H invertible and the fit general
 _CHUNK_ELEMENTS = 1 << 21  # elements per vectorized chunk of the scale search (bounds temporary memory)
 
@@ -338,6 +342,54 @@ def refine_block_scales(x: Tensor, codes: Tensor, absmax: Tensor, cb: Tensor, H:
     return absmax
 
 
+def refit_codebook(x: Tensor, codes: Tensor, absmax: Tensor, cb: Tensor, H: Tensor) -> Tensor:
+    """The codebook that minimizes the output error ``tr((x - x_hat) H (x - x_hat)^T)`` with the codes and block
+    scales kept, or ``cb`` where that one is not a valid codebook or not better.
+
+    ``x_hat = sum_l c_l M_l`` (``M_l``: the block scales where the code is l, 0 elsewhere) is linear in the levels
+    ``c``, so the error is the quadratic ``c^T A c - 2 b^T c + const`` with ``A_lm = <M_l, M_m H>`` and
+    ``b_l = <M_l, x H>``: one small linear solve, the (first) level at |value| 1 held fixed (the format's
+    normalization); levels no code uses keep their value.
+    GPTQ's codebook is fitted to the weights before the error feedback moves them; this fits it to the codes GPTQ
+    chose. On a weight of more than ``REFIT_WEIGHTS`` weights, ``A`` and ``b`` come from a seeded random sample of
+    as many whole rows as that allows (``A`` costs ``2**k`` products of [rows, kp] x [kp, kp]).
+    """
+    n_levels = cb.numel()
+    rows = max(1, REFIT_WEIGHTS // x.shape[1])
+    if x.shape[0] > rows:
+        pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:rows].to(x.device)
+        x, codes, absmax = x[pick], codes[pick], absmax[pick]
+    D = decode_absmax_e4m4(absmax).repeat_interleave(BLOCK_SIZE, dim=1)
+    flat_codes = codes.reshape(-1)
+    A = torch.zeros(n_levels, n_levels, dtype=torch.float64, device=x.device)
+    for level in range(n_levels):
+        M = torch.where(codes == level, D, 0.0)
+        A[level] = torch.zeros(n_levels, dtype=torch.float64, device=x.device).index_add_(
+            0, flat_codes, ((M @ H) * D).reshape(-1).double())
+    b = torch.zeros(n_levels, dtype=torch.float64, device=x.device).index_add_(
+        0, flat_codes, ((x @ H) * D).reshape(-1).double())
+    A = 0.5 * (A + A.T)
+    cb64 = cb.double()
+    peak = int(cb64.abs().argmax())
+    free = [i for i in range(n_levels) if i != peak and float(A[i, i]) > 0]  # unused levels keep their value
+    if not free:
+        return cb
+    fixed = [i for i in range(n_levels) if i not in free]
+    new = cb64.clone()
+    try:
+        new[free] = torch.linalg.solve(A[free][:, free], b[free] - A[free][:, fixed] @ cb64[fixed])
+    except RuntimeError:  # singular: keep the codebook
+        return cb
+    new = new.to(torch.float16).double()  # fp16 levels (as _valid_codebook); the peak stays exactly +-1
+    if not bool((new[1:] - new[:-1] >= MIN_LEVEL_GAP).all()) or float(new.abs().max()) != 1.0:
+        return cb
+
+    def error(c):  # up to the constant tr(x H x^T)
+        return float(c @ A @ c - 2.0 * b @ c)
+
+    return new.to(torch.float32) if error(new) < error(cb64) else cb
+
+
 def _gptq_pass(x_pad: Tensor, U: Tensor, perm: Tensor, cb: Tensor, k: int, cost: Tensor, limit: float,
                absmax: Optional[Tensor] = None):
     """One GPTQ sweep over the columns in order ``perm``: (codes [N, kp], block scale codes [N, kp / 32]).
@@ -388,8 +440,9 @@ def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = Non
     and the columns after j absorb it best by subtracting ``err / U[j, j] * U[j, j+1:]``. Corrections inside a
     batch of ``GPTQ_BATCH`` columns are applied at once, the rest of the matrix sees a batch's error at its end.
     The codebook is fitted as for ``"mse"`` with each column's error weighted by ``H[j, j]``; a block's scale is
-    the scale search's choice on the block's updated weights, each column weighted by its cost ``1 / U[j, j]**2``,
-    then ``refine_block_scales`` adjusts the scales to the final codes.
+    the scale search's choice on the block's updated weights, each column weighted by its cost ``1 / U[j, j]**2``;
+    then ``refit_codebook`` refits a fitted codebook (not a given one) and ``refine_block_scales`` the scales to the
+    final codes, both on the output error with the damped Hessian.
     ``act_order``: columns in ``block_order``, else in their own order. ``damp``: added to H's diagonal, as a
     fraction of its mean.
     """
@@ -413,9 +466,11 @@ def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = Non
     cost = cost / cost[real].mean()
 
     codes, absmax = _gptq_pass(x_pad, U, perm, cb, k, cost, limit)
+    H_damped = H.clone()
+    H_damped.diagonal().add_(damp * float(hd[:K].mean()))
+    if codebook is None and REFIT_CODEBOOK:
+        cb = refit_codebook(x_pad, codes, absmax, cb, H_damped)
     if REFINE_SWEEPS:
-        H_damped = H.clone()
-        H_damped.diagonal().add_(damp * float(hd[:K].mean()))
         absmax = refine_block_scales(x_pad, codes, absmax, cb, H_damped, limit)
     _warn_zeroed(x_pad.reshape(-1, BLOCK_SIZE), absmax.reshape(-1), name)
     return _storage(codes, absmax, cb, scale, k, (N, K), W.dtype)

@@ -8,7 +8,8 @@ What is checked, against references that do not share the code under test:
 * ``"mse"`` is never worse than plain rounding on any block and clearly better in total; its fitted codebook
   beats normal-float on non-Gaussian weights.
 * ``"gptq"`` reproduces a naive GPTQ written from the paper's formulas (explicit inverse-Hessian updates in
-  float64, no lazy batches, no Cholesky), and lowers the layer's output error below ``"mse"``'s.
+  float64, no lazy batches, no Cholesky), and lowers the layer's output error below ``"mse"``'s; its codebook
+  refit is the least-squares codebook for the codes (a solve written with the Cholesky factor of H).
 * Hessians are ``2 X^T X / n`` of each layer's input; block-by-block calibration leaves the model's weights
   untouched; ``quantize_model`` on small transformers (Llama and BERT from configs) with each method.
 * On CUDA (skipped without): dequantize and the fused GEMM on method outputs match the CPU reference.
@@ -201,6 +202,69 @@ def test_refine_block_scales_lowers_output_error():
     assert out_err(refined) < 0.97 * out_err(absmax)
     steps = (refined.to(torch.int32) - absmax.to(torch.int32)).abs()
     assert int(steps.max()) <= 2 * methods.REFINE_SWEEPS and bool((steps > 0).any())
+
+
+def _out_err(x, codes, absmax, cb, H):
+    xh = cb[codes] * decode_absmax_e4m4(absmax).repeat_interleave(BLOCK_SIZE, dim=1)
+    r = (x - xh).double()
+    return float((r @ H.double() * r).sum())
+
+
+def _nearest_with(x, cb):
+    """(codes [N, K], block scale codes [N, K / 32]) of ``x``: absmax scales and nearest codes for ``cb``."""
+    blocks = x.reshape(-1, BLOCK_SIZE)
+    absmax = formats.encode_absmax_e4m4(blocks.abs().amax(dim=1))
+    codes = formats.nearest_codes(blocks, decode_absmax_e4m4(absmax), cb)
+    return codes.reshape(x.shape), absmax.reshape(x.shape[0], -1)
+
+
+def test_refit_codebook_is_the_least_squares_codebook(monkeypatch):
+    """With codes and block scales kept, the refitted levels minimize ``tr(dW H dW^T)``: they match a least-squares
+    solve over the levels (written as ``||(x - x_hat) L||``, ``H = L L^T``, the level at 1 held there) up to the
+    levels' fp16 rounding, and lower the error."""
+    N, K, k = 256, 192, 3
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
+    H = _hessian(_correlated_inputs(512, K))
+    H += 0.01 * H.diagonal().mean() * torch.eye(K)  # damped, as GPTQ's: positive definite in float64 too
+    cb = torch.linspace(-0.875, 1.0, 2**k)  # uniform levels: far from what Gaussian weights need
+    codes, absmax = _nearest_with(x, cb)
+    new = methods.refit_codebook(x, codes, absmax, cb, H)
+
+    D = decode_absmax_e4m4(absmax).repeat_interleave(BLOCK_SIZE, dim=1).double()
+    L = torch.linalg.cholesky(H.double())
+    cols = [(torch.where(codes == level, D, 0.0) @ L).reshape(-1) for level in range(2**k)]
+    peak = 2**k - 1  # the level at 1
+    free = list(range(peak))
+    target = (x.double() @ L).reshape(-1) - cols[peak]
+    want = torch.linalg.lstsq(torch.stack([cols[i] for i in free], 1), target[:, None]).solution[:, 0]
+    assert float(new[peak]) == 1.0 and bool((new[1:] > new[:-1]).all())
+    assert torch.allclose(new[free].double(), want, atol=1e-3), (new, want)
+    assert torch.equal(new, new.half().float())  # fp16 values, as fitted codebooks are
+    assert _out_err(x, codes, absmax, new, H) < 0.98 * _out_err(x, codes, absmax, cb, H)
+    # an optimal codebook is kept
+    assert torch.equal(methods.refit_codebook(x, codes, absmax, new, H), new)
+    # more weights than REFIT_WEIGHTS: the system comes from a sample of rows; a lower error than cb's on all rows,
+    # not lower than the solution from all rows
+    monkeypatch.setattr(methods, "REFIT_WEIGHTS", N // 2 * K)
+    sampled = methods.refit_codebook(x, codes, absmax, cb, H)
+    err = {name: _out_err(x, codes, absmax, c, H) for name, c in (("cb", cb), ("all", new), ("sample", sampled))}
+    assert not torch.equal(sampled, new) and err["all"] <= err["sample"] < 0.99 * err["cb"], err
+
+
+def test_gptq_refits_its_codebook(monkeypatch):
+    """quantize_gptq's codebook is refitted to its codes: a lower output error than without the refit."""
+    N, K, k = 64, 192, 3
+    X = _correlated_inputs(1024, K)
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(2)) * 0.02
+    H = _hessian(X)
+    errs, books = {}, {}
+    for refit in (False, True):
+        monkeypatch.setattr(methods, "REFIT_CODEBOOK", refit)
+        qw = methods.quantize_tensor(W, k, "gptq", hessian=H)
+        errs[refit] = float((X @ (kbit.dequantize(qw, torch.float32) - W).T).norm())
+        books[refit] = qw.codebook
+    assert not torch.equal(books[True], books[False])
+    assert errs[True] < errs[False], errs
 
 
 def test_block_order_keeps_blocks_whole():
