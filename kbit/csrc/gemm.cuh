@@ -6,8 +6,7 @@
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   SmemLayout      where the tables (at an aligned shared address) and each stage's pieces live
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
-//   Barriers        the pipeline's mbarriers: per stage, one per warp for its weights, two for the
-//                   activations all warps share (landed / free again)
+//   Barriers        the pipeline's mbarriers, per stage: weights landed, activations landed, stage free again
 //   load_weights    one step's weights (two bulk copies on sm_90, cp.async per warp on sm_80)
 //   load_activations one warp's share of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
