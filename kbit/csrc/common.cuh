@@ -46,6 +46,16 @@ __device__ __forceinline__ float e4m4_byte_to_float(uint32_t word, int b) {
   return __uint_as_float(at_bit_16 << 3) * 0x1p116f;
 }
 
+// Bytes b and b + 1 of `word` (E4M4 codes) as floats, each 1/16 of decode_e4m4's value, in four instructions
+// for the two (e4m4_byte_to_float takes three for one): a code shifted to bits 6..13 of an fp16 value puts its
+// exponent field in fp16's (bias 15 instead of 11: 1/16) and its mantissa at the top of fp16's, subnormals
+// included; one PRMT places both codes, one shift both, and fp16 -> fp32 is exact. b is 0 or 2.
+__device__ __forceinline__ float2 e4m4_pair_to_float_sixteenths(uint32_t word, int b) {
+  const uint32_t bits = __byte_perm(word, 0u, 0x4040u | b | ((b + 1) << 8)) << 6;  // codes at bits 6.., 22..
+  const __half2 halves = *reinterpret_cast<const __half2*>(&bits);
+  return make_float2(__low2float(halves), __high2float(halves));
+}
+
 // E4M4 encode of a non-negative float: round to nearest even on the float's bit pattern, saturating at 0xFF
 // (31.0; infinities and NaN also give 0xFF). Branch-free; mirrors formats.encode_absmax_e4m4 exactly.
 __device__ __forceinline__ uint32_t encode_e4m4(float x) {
@@ -113,12 +123,19 @@ __device__ __forceinline__ void mbarrier_init_fence() {
 #endif
   __syncthreads();
 }
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(bar)) : "memory");
+// Each operation takes the barrier's 32-bit shared address (a loop that computes it once saves the conversion
+// per use: sm_90 derives a static shared variable's address from the CTA's cluster rank, an S2R each time) or
+// a pointer.
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) { mbarrier_arrive(shared_address(bar)); }
 // Arrives once this thread's earlier cp.async copies have landed (the barrier counts this arrival at init).
+__device__ __forceinline__ void mbarrier_arrive_after_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbarrier_arrive_after_cp_async(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(bar)) : "memory");
+  mbarrier_arrive_after_cp_async(shared_address(bar));
 }
 // Spins until the barrier's phase with this parity has completed (try_wait may suspend the thread a while).
 #if KBIT_BULK_COPY
@@ -126,24 +143,30 @@ __device__ __forceinline__ void mbarrier_arrive_after_cp_async(uint64_t* bar) {
 #else
 #define KBIT_MBARRIER_POLL "mbarrier.test_wait.parity.shared::cta.b64"
 #endif
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n\t.reg .pred done;\n"
       "KBIT_WAIT_%=:\n\t" KBIT_MBARRIER_POLL " done, [%0], %1;\n\t"
-      "@!done bra KBIT_WAIT_%=;\n\t}\n" ::"r"(shared_address(bar)),
+      "@!done bra KBIT_WAIT_%=;\n\t}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
 }
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) { mbarrier_wait(shared_address(bar), parity); }
 #if KBIT_BULK_COPY
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+  mbarrier_arrive_expect_bytes(shared_address(bar), bytes);
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   shared_address(smem)),
+               "l"(gmem), "r"(bytes), "r"(bar)
                : "memory");
 }
 __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   shared_address(smem)),
-               "l"(gmem), "r"(bytes), "r"(shared_address(bar))
-               : "memory");
+  bulk_copy_to_shared(smem, gmem, bytes, shared_address(bar));
 }
 // Prefetch into L2 only: no effect on results, so it may run before grid_dependency_wait(). L2 is where
 // the GPU's writes meet, so a prefetched line is never older than what a later load would read.

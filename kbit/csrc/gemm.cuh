@@ -88,6 +88,13 @@ struct GemmConfig {
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileRows = gemm_tile_rows(K, MB, WG);            // weight rows per CTA tile
+  // The accumulators hold the output times 1 / kAccScale: mma.sync scales each block's fp32 result by its E4M4
+  // scale decoded in sixteenths (e4m4_pair_to_float_sixteenths), wgmma scales the weights by the whole value.
+  static constexpr float kAccScale = kWgmma ? 1.0f : 16.0f;
+  // Who copies a step's activations. MB = 1 (up to 8 token rows, 4-byte pieces): the warp that issues the step's
+  // weights, so that the other warps only wait for the stage and compute. More tokens: every warp its share (one
+  // warp copying 16-32 rows was 5-14% slower at M = 16-32 than every warp copying 2-4; H200, same call).
+  static constexpr bool kActsByIssuer = !kWgmma && MB == 1;
   static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
   static constexpr int kAbsStage = kWarps * kRowTiles * 128;        // per row tile: 16 rows x 8 blocks
   // Activations, MB*8 tokens x 256 k (load_activations): wgmma's core matrices (8 tokens x 8 k, 128 B each), or
@@ -335,10 +342,11 @@ struct StepCursor {
     ntile = tile - mpass * p.n_tiles;
   }
   __device__ void advance(const GemmParams& p) {
-    if (++kgroup == p.k_groups) {
-      kgroup = 0;
-      if (++ntile == p.n_tiles) ntile = 0, ++mpass;
-    }
+    if (++kgroup == p.k_groups) next_tile(p);
+  }
+  __device__ void next_tile(const GemmParams& p) {
+    kgroup = 0;
+    if (++ntile == p.n_tiles) ntile = 0, ++mpass;
   }
   __device__ int tile(const GemmParams& p) const { return mpass * p.n_tiles + ntile; }
 };
@@ -391,28 +399,27 @@ __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
 }
 
 // The pipeline's barriers. Stage s holds one step: the CTA tile's codes and scales, and the activations.
-//   weights_full[s]  the step's weights have landed: every warp waits for it
-//   acts_full[s]     the step's activations have landed: every warp waits for it
-//   acts_free[s]     every warp is done with the step (weights and activations): the stage's refill waits for it
+//   full[s]   the step's weights and activations have landed: every warp waits for it
+//   empty[s]  every warp is done with the step: the stage's refill waits for it
 // No CTA-wide barrier per step: the warps are tied together only as far as the pipeline is deep (with one
 // __syncthreads per step every warp waited for the slowest at every step: 30% of all stall cycles at M = 1, ncu).
 template <class Cfg>
 struct Barriers {
-  uint64_t weights_full[Cfg::kStages];
-  uint64_t acts_full[Cfg::kStages];
-  uint64_t acts_free[Cfg::kStages];
+  uint64_t full[Cfg::kStages];
+  uint64_t empty[Cfg::kStages];
   // Lane 0 of each warp initializes every kWarps-th barrier. An mbarrier init takes a warp-uniform
   // address: one thread per barrier made ptxas serialize the 32 lanes' inits in a loop (~1 us, as long as
   // one thread doing all 72; clock64 trace, H100), one lane per warp runs the warps' inits in parallel.
-  static constexpr int kBars = 3 * Cfg::kStages;
+  static constexpr int kBars = 2 * Cfg::kStages;
   __device__ void init(int warp, int lane) {
     constexpr int S = Cfg::kStages;
+    // full[s] completes with one arrival per thread that copied into the stage, after its copies (cp.async),
+    // and on sm_90 the issuing lane's, which announces the weights' bytes (bulk copies).
+    constexpr int kActCopiers = Cfg::kActsByIssuer ? 32 : Cfg::kThreads;
     if (lane != 0) return;
     for (int i = warp; i < kBars; i += Cfg::kWarps) {
-      // sm_90: one thread arrives and announces the bytes; sm_80: every thread arrives after its cp.async copies.
-      if (i < S) mbarrier_init(&weights_full[i], KBIT_BULK_COPY ? 1 : Cfg::kThreads);
-      else if (i < 2 * S) mbarrier_init(&acts_full[i - S], Cfg::kThreads);  // every thread
-      else mbarrier_init(&acts_free[i - 2 * S], Cfg::kWarps);                // lane 0s
+      if (i < S) mbarrier_init(&full[i], KBIT_BULK_COPY ? 1 + kActCopiers : Cfg::kThreads);
+      else mbarrier_init(&empty[i - S], Cfg::kWarps);  // lane 0s
     }
   }
 };
@@ -430,10 +437,10 @@ __device__ __forceinline__ int64_t first_piece(const GemmParams& p, const StepCu
 }
 // One step's weights: codes (kBStage bytes) and block scales (kAbsStage). sm_90: two bulk copies issued by the one
 // thread that calls this (per-warp copies had cost each warp ~80 issue slots per step, 10% of its work at M = 1);
-// sm_80: every thread calls it and copies its warp's row tiles with cp.async.
+// sm_80: every thread calls it and copies its warp's row tiles with cp.async (the caller arrives on `full`).
 template <class Cfg>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
-                                             uint64_t* full, const StepCursor& c) {
+                                             [[maybe_unused]] uint32_t full, const StepCursor& c) {
   constexpr int K = Cfg::kBits;
   const int64_t piece = first_piece<Cfg>(p, c);
 #if KBIT_BULK_COPY
@@ -451,28 +458,27 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
     for (int v = 0; v < K; ++v) cp_async16(codes_piece + i * K * 512 + (v * 32 + lane) * 16, src + v * 32);
     if (lane < 8) cp_async16(small_piece + i * 128 + lane * 16, p.absmax + (piece + i) * 128 + lane * 16);
   }
-  mbarrier_arrive_after_cp_async(full);
 #endif
 }
 
-// One warp's share of one step's activations (rows past M are not copied: the MMA's token columns are
-// independent, and theirs are never stored; columns past K_x are zero-filled). Every thread arrives on
-// `full`, whether it copied or not. The two paths store them differently:
-//   mma.sync: token row `row` at row * kXRow halves; rows warp, warp + kWarps, ... With kXPairsTransposed, each
+// A warp's share of one step's activations (rows past M are not copied: the MMA's token columns are
+// independent, and theirs are never stored; columns past K_x are zero-filled): every row (kActsByIssuer), or
+// rows warp, warp + kWarps, ... The caller arrives on the stage's barrier. The two paths store them differently:
+//   mma.sync: token row `row` at row * kXRow halves. With kXPairsTransposed, each
 //     block of 32 columns has its 4 x 4 pieces of 4 bytes transposed, so that lane q's four column pairs
 //     8p + 2q (p = 0..3, its A fragment's k order) sit side by side at 8q: one 16-byte load per lane and block;
 //     4 copies of 4 bytes per lane and row, lane l copying pairs l, l + 32, ... (32 pieces of 128 contiguous
 //     bytes, and 32 different banks in shared memory). Otherwise in natural order: one 16-byte copy per lane
 //     and row (ldmatrix does the transposition).
 //   wgmma: the tensor cores' K-major layout without swizzle: token n, columns 8c .. 8c + 7 at
-//     (n / 8) * 4096 + c * 128 + (n % 8) * 16 bytes (8 x 8 core matrices, 128 B apart along k). 8-token groups
-//     warp, warp + kWarps, ...; lane l copies token l % 8, chunks l / 8 + 4i: 16-byte copies, each
-//     instruction filling 4 whole core matrices.
+//     (n / 8) * 4096 + c * 128 + (n % 8) * 16 bytes (8 x 8 core matrices, 128 B apart along k). Lane l copies
+//     token l % 8 of each 8-token group it copies, chunks l / 8 + 4i: 16-byte copies, each instruction filling 4
+//     whole core matrices.
 template <class Cfg, typename T>
-__device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* small_piece, uint64_t* full,
-                                                 const StepCursor& c) {
+__device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* small_piece, const StepCursor& c) {
   constexpr int MB = Cfg::kMB;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kStride = Cfg::kActsByIssuer ? 1 : Cfg::kWarps;  // rows (token groups) between a warp's copies
+  const int lane = threadIdx.x & 31, warp = Cfg::kActsByIssuer ? 0 : threadIdx.x >> 5;
   const T* x = static_cast<const T*>(p.x);
   uint8_t* xs = small_piece + Cfg::kAbsStage;
   const TokenPass pass = token_pass<Cfg>(p, c);
@@ -480,7 +486,7 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
   if constexpr (Cfg::kWgmma) {
     const int n = lane & 7;
 #pragma unroll
-    for (int group = warp; group < MB; group += Cfg::kWarps) {
+    for (int group = warp; group < MB; group += kStride) {
       if (group * 8 + n >= rows) continue;
       const T* src = x_row<Cfg, T>(p, pass.first + group * 8 + n) + kcol0;
 #pragma unroll
@@ -492,7 +498,7 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
     }
   } else {
 #pragma unroll
-    for (int row = warp; row < MB * 8; row += Cfg::kWarps) {
+    for (int row = warp; row < MB * 8; row += kStride) {
       if (row >= rows) break;
       const T* src = x_row<Cfg, T>(p, pass.first + row) + kcol0;
       if constexpr (Cfg::kXPairsTransposed) {
@@ -510,7 +516,6 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
       }
     }
   }
-  mbarrier_arrive_after_cp_async(full);
 }
 
 // One warp's codes (its bit string, kbit/layout.py) and E4M4 block scales of one step's row tile r:
@@ -551,6 +556,7 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
   const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) +
                       (Cfg::kXPairsTransposed ? g * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3)) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
+  float2 block_scales_lo[RT], block_scales_hi[RT];
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
@@ -562,8 +568,12 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
     }
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      const float s_lo = e4m4_byte_to_float(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
-      const float s_hi = e4m4_byte_to_float(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
+      if (t % 2 == 0) {  // blocks t and t + 1 of rows g and g + 8, in sixteenths (GemmConfig::kAccScale)
+        block_scales_lo[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
+        block_scales_hi[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
+      }
+      const float s_lo = t % 2 ? block_scales_lo[r].y : block_scales_lo[r].x;
+      const float s_hi = t % 2 ? block_scales_hi[r].y : block_scales_hi[r].x;
       uint32_t h[2][4];
       block_fragments<Cfg>(w[r], t, sel, h);
       const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
@@ -636,7 +646,7 @@ __device__ __forceinline__ void store_tile_grouped(const GemmParams& p, const St
   const auto& grouped = static_cast<const GroupedGemmParams&>(p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const TokenPass pass = token_pass<Cfg>(p, c);
-  const float s = p.scale[pass.expert];
+  const float s = p.scale[pass.expert] * Cfg::kAccScale;
   T* y = static_cast<T*>(p.y);
 #pragma unroll
   for (int r = 0; r < Cfg::kRowTiles; ++r) {
@@ -795,7 +805,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
 
 template <class Cfg, typename T>
 __device__ __forceinline__ void gemm_main(const GemmParams& p) {
-  constexpr int K = Cfg::kBits, MB = Cfg::kMB;
+  constexpr int K = Cfg::kBits;
   constexpr int S = Cfg::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
   const SmemLayout<Cfg> layout(smem);
@@ -806,6 +816,11 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   bars.init(warp, lane);
   mbarrier_init_fence();
+  // The barriers' shared addresses, once (mbarrier_arrive); opaque, or the compiler re-derives them per use.
+  uint32_t full0 = shared_address(bars.full), empty0 = shared_address(bars.empty);
+  asm volatile("" : "+r"(full0), "+r"(empty0));
+  auto full = [&](int s) { return full0 + 8u * s; };
+  auto empty = [&](int s) { return empty0 + 8u * s; };
 #if KBIT_BULK_COPY
   // Launched early (programmatic dependent launch), the CTA warms L2 with the weights of its first
   // steps while the previous kernel drains; everything else waits for that kernel. In a normal launch
@@ -827,7 +842,22 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     if (first == last) return;
   }
   // Loaded now, not in the epilogue: there it would add a global round trip to the kernel's last ~2 us.
-  const float out_scale = *p.scale;
+  const float out_scale = *p.scale * Cfg::kAccScale;
+
+  // One step's copies into stage s. Its weights: on sm_90 two bulk copies by lane 0 of the issuing warp (the
+  // warps take turns step by step), on sm_80 every thread copies its warp's share, into its warp's own region.
+  // Its activations: the issuing warp (kActsByIssuer) or every warp. Every thread that copied arrives on full[s]
+  // once, after its last copy.
+  static_assert((Cfg::kWarps & (Cfg::kWarps - 1)) == 0, "the issuing warp is a step number modulo kWarps");
+  auto issues = [&](int step) { return warp == (step & (Cfg::kWarps - 1)); };
+  auto copy_weights = [&](int s, const StepCursor& at, bool issuer) {
+    if (!KBIT_BULK_COPY || (issuer && lane == 0)) load_weights<Cfg>(p, layout.codes(s), layout.small(s), full(s), at);
+    if (!KBIT_BULK_COPY && Cfg::kActsByIssuer && !issuer) mbarrier_arrive_after_cp_async(full(s));  // done copying
+  };
+  auto copy_activations = [&](int s, const StepCursor& at) {
+    load_activations<Cfg, T>(p, layout.small(s), at);
+    mbarrier_arrive_after_cp_async(full(s));
+  };
 
   // The codebook first (see build_tables), then the first step's copies, then the tables while those
   // land, then the rest of the pipeline's copies. With all S - 1 copies issued before the tables, the
@@ -835,14 +865,9 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
   StepCursor load_at(p, first);
-  // Weights of one step into stage s: on sm_90 by lane 0 of one warp, the warps taking turns step by step, once
-  // every warp is done with the stage; on sm_80 every thread copies its warp's share, into its warp's own region.
-  static_assert((Cfg::kWarps & (Cfg::kWarps - 1)) == 0, "the issuing warp is a step number modulo kWarps");
-  auto issues_weights = [&](int step) { return !KBIT_BULK_COPY || warp == (step & (Cfg::kWarps - 1)); };
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {  // every CTA has a step 0
-    if (issues_weights(s) && (!KBIT_BULK_COPY || lane == 0))
-      load_weights<Cfg>(p, layout.codes(s), layout.small(s), &bars.weights_full[s], load_at);
-    load_activations<Cfg, T>(p, layout.small(s), &bars.acts_full[s], load_at);
+    copy_weights(s, load_at, issues(s));
+    if (!Cfg::kActsByIssuer || issues(s)) copy_activations(s, load_at);
     if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
   }
   const uint32_t sel = lane_select<Cfg>(layout.table, lane);
@@ -852,49 +877,50 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   StepCursor c(p, first);
   int slot = 0;         // stage of this step
   uint32_t phase = 0;   // parity of this step's use of its stage
-  for (int step = first; step < last; ++step, c.advance(p)) {
-    // Step + S - 1 goes into the stage of step - 1: its weights now (sm_90: the issuing warp first waits until
-    // every warp is done with step - 1; sm_80: this warp's own region, done with); its activations once every
-    // warp is done with step - 1, with 3+ stages after this step's math (by then, mostly without waiting), with
-    // 2 now (after the math they would have no step to land in).
-    const int refill = slot == 0 ? S - 1 : slot - 1;
-    const bool more = step + S - 1 < last;
-    auto wait_stage_free = [&] {
-      if (step > first) mbarrier_wait(&bars.acts_free[refill], slot == 0 ? phase ^ 1u : phase);
-    };
-    if (more && issues_weights(step)) {
-      if (KBIT_BULK_COPY) wait_stage_free();
-      if (!KBIT_BULK_COPY || lane == 0)
-        load_weights<Cfg>(p, layout.codes(refill), layout.small(refill), &bars.weights_full[refill], load_at);
-    }
-    auto load_next_activations = [&] {
-      wait_stage_free();
-      load_activations<Cfg, T>(p, layout.small(refill), &bars.acts_full[refill], load_at);
-    };
-    if (S == 2 && more) load_next_activations();
+  for (int step = first; step < last;) {
+    // The steps of one tile (its k-groups in this CTA's range), then the tile's end.
+    const int tile_end = min(last, step + p.k_groups - c.kgroup);
+    const int rows = token_pass<Cfg>(p, c).rows;
+    for (; step < tile_end; ++step) {
+      // Step + S - 1 goes into the stage of step - 1 once every warp is done with it: its weights now, its
+      // activations after this step's math (the issuing warp had waited; every warp waits, mostly no longer by
+      // then), or with 2 stages now (after the math they would have no step to land in). The issuing warp copies
+      // after arriving on empty[slot]: the next step's issuer waits for that arrival, not for its copies.
+      const int refill = slot == 0 ? S - 1 : slot - 1;
+      const bool more = step + S - 1 < last;
+      auto wait_refill_empty = [&] {
+        if (step > first) mbarrier_wait(empty(refill), slot == 0 ? phase ^ 1u : phase);
+      };
+      if (more) {
+        if (issues(step)) wait_refill_empty();
+        copy_weights(refill, load_at, issues(step));
+        if (!Cfg::kActsByIssuer && S == 2) wait_refill_empty(), copy_activations(refill, load_at);
+      }
 
-    mbarrier_wait(&bars.weights_full[slot], phase);
-    mbarrier_wait(&bars.acts_full[slot], phase);
+      mbarrier_wait(full(slot), phase);
 #if KBIT_WGMMA
-    if constexpr (Cfg::kWgmma) {
-      fence_proxy_async_shared();  // the activations landed through cp.async: visible to the tensor cores now
-      compute_step_wgmma<Cfg, T>(layout.codes(slot), layout.small(slot), sel, acc);
-    } else
+      if constexpr (Cfg::kWgmma) {
+        fence_proxy_async_shared();  // the activations landed through cp.async: visible to the tensor cores now
+        compute_step_wgmma<Cfg, T>(layout.codes(slot), layout.small(slot), sel, acc);
+      } else
 #endif
-    {
-      compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, token_pass<Cfg>(p, c).rows, acc);
-    }
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(&bars.acts_free[slot]);
+      {
+        compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, rows, acc);
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty(slot));
 
-    if (S > 2 && more) load_next_activations();
-    if (more) load_at.advance(p);
-    if (c.kgroup == p.k_groups - 1 || step == last - 1) {
-      finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
-#pragma unroll
-      for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
+      if (more && (Cfg::kActsByIssuer ? issues(step) : S > 2)) {
+        if (!Cfg::kActsByIssuer) wait_refill_empty();
+        copy_activations(refill, load_at);
+      }
+      if (more) load_at.advance(p);
+      if (++slot == S) slot = 0, phase ^= 1u;
     }
-    if (++slot == S) slot = 0, phase ^= 1u;
+    finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
+#pragma unroll
+    for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
+    c.next_tile(p);
   }
 }
 
