@@ -6,17 +6,18 @@
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   SmemLayout      where the tables (at an aligned shared address) and each stage's pieces live
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
-//   Barriers        the pipeline's mbarriers, per stage: weights landed, activations landed, stage free again
+//   Barriers        the pipeline's mbarriers, per stage: the step landed (full), every warp done with it (empty)
 //   load_weights    one step's weights (two bulk copies on sm_90, cp.async per warp on sm_80)
-//   load_activations one warp's share of one step's activation copies (cp.async)
+//   load_activations a warp's share (at MB = 1: all) of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
 //                   32 columns and applies each block's scale to the fp32 result (mma.sync)
 //   compute_step_wgmma the same for 64 rows per warpgroup and 64 or 128 tokens, block scales applied to the
 //                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
-//   gemm_main       the persistent, stream-K main loop: no CTA-wide barrier per step; a stage is refilled
-//                   once every warp is done with it, its weights by one thread (sm_90), the warps taking turns
+//   gemm_main       the persistent, stream-K main loop, one inner loop per tile: no CTA-wide barrier per step; a
+//                   stage is refilled once every warp is done with it, its weights by one thread (sm_90), the
+//                   warps taking turns, at MB = 1 its activations by that thread's warp
 //   gemm_kernel     the entry point (and what sm_80 builds of it)
 //
 // Roles: the weights are the MMA's A operand (16 output features x 16 k), the activations its B operand
