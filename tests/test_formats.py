@@ -160,6 +160,14 @@ def test_e4m4_decode_known_values():
         assert float(dec[c]) == want, f"code {c:#04x}: got {float(dec[c])}, want {want}"
 
 
+def test_e4m4_code_shifted_into_fp16_is_a_sixteenth():
+    # The GEMM kernel's decode (e4m4_pair_to_float_sixteenths, common.cuh): a code at bits 6..13 of an fp16 bit
+    # pattern is exactly 1/16 of its E4M4 value, subnormals included; the kernel multiplies its output by 16.
+    codes = all_codes()
+    as_fp16 = (codes.to(torch.int32) << 6).to(torch.int16).view(torch.float16).float()
+    assert torch.equal(as_fp16 * 16, kbit.functional.decode_absmax_e4m4(codes))
+
+
 def test_e4m4_round_trip_all_codes():
     codes = all_codes()
     assert torch.equal(kbit.functional.encode_absmax_e4m4(kbit.functional.decode_absmax_e4m4(codes)), codes)
