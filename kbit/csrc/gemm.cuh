@@ -888,13 +888,13 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
       // then), or with 2 stages now (after the math they would have no step to land in). The issuing warp copies
       // after arriving on empty[slot]: the next step's issuer waits for that arrival, not for its copies.
       const int refill = slot == 0 ? S - 1 : slot - 1;
-      const bool more = step + S - 1 < last;
+      const bool more = step + S - 1 < last, issuer = issues(step);
       auto wait_refill_empty = [&] {
         if (step > first) mbarrier_wait(empty(refill), slot == 0 ? phase ^ 1u : phase);
       };
       if (more) {
-        if (issues(step)) wait_refill_empty();
-        copy_weights(refill, load_at, issues(step));
+        if (issuer) wait_refill_empty();
+        copy_weights(refill, load_at, issuer);
         if (!Cfg::kActsByIssuer && S == 2) wait_refill_empty(), copy_activations(refill, load_at);
       }
 
@@ -911,7 +911,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
       __syncwarp();
       if (lane == 0) mbarrier_arrive(empty(slot));
 
-      if (more && (Cfg::kActsByIssuer ? issues(step) : S > 2)) {
+      if (more && (Cfg::kActsByIssuer ? issuer : S > 2)) {
         if (!Cfg::kActsByIssuer) wait_refill_empty();
         copy_activations(refill, load_at);
       }
