@@ -4,6 +4,8 @@
 ones, the configuration the binding runs:
 
 - ``mma_sync``: gemm.cuh's kernel with mma.sync, 8, 16 or 32 tokens per pass (every GPU);
+- ``k_split``: the same with up to 8 tokens, the CTA's 8 warps splitting the k-groups of 32-row tiles (sm_90 on):
+  small shapes without split-K across CTAs;
 - ``wgmma``: gemm.cuh's kernel with wgmma, 64 or 128 tokens per pass, 128- or 256-row tiles (sm_90a);
 - ``warp_specialized``: gemm_ws.cuh's kernel, 32, 64 or 128 tokens per tile (sm_90a);
 - ``dequantize_cublas``: the weight dequantized to x's dtype, then ``F.linear`` (cuBLAS).
@@ -19,7 +21,7 @@ It decides from three kinds of facts, each with one owner:
 
 The binding executes the configuration it is given (it sizes only the grid and the split-K workspace) and refuses
 one that is not built for the GPU or does not fit it. ``KBIT_GEMM_PATH`` (``ws``, ``classic``, ``mma_sync``,
-``wgmma``) forces the fused kernel, read at every call so a benchmark can switch it in-process; a forced path
+``wgmma``, ``k_split``) forces the fused kernel, read at every call so a benchmark can switch it in-process; a forced path
 the GPU cannot run is ignored.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 from typing import Iterable, Mapping, NamedTuple, Optional
 
@@ -40,17 +43,19 @@ PATH_ENV = "KBIT_GEMM_PATH"
 
 class Path(str, enum.Enum):
     MMA_SYNC = "mma_sync"
+    K_SPLIT = "k_split"
     WGMMA = "wgmma"
     WARP_SPECIALIZED = "warp_specialized"
     DEQUANTIZE_CUBLAS = "dequantize_cublas"
 
 
-FUSED_PATHS = frozenset({Path.MMA_SYNC, Path.WGMMA, Path.WARP_SPECIALIZED})
+FUSED_PATHS = frozenset({Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED})
 # KBIT_GEMM_PATH values: the fused paths allowed ("classic" = gemm.cuh's kernel, mma.sync or wgmma by the table).
 FORCED_PATHS = {
     "ws": frozenset({Path.WARP_SPECIALIZED}),
-    "classic": frozenset({Path.MMA_SYNC, Path.WGMMA}),
+    "classic": frozenset({Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA}),
     "mma_sync": frozenset({Path.MMA_SYNC}),
+    "k_split": frozenset({Path.K_SPLIT}),
     "wgmma": frozenset({Path.WGMMA}),
 }
 
@@ -69,13 +74,20 @@ class GemmConfig(NamedTuple):
     mb: int  # 8-token MMA tiles per pass
     wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp
     ws_tokens: int  # > 0: the warp-specialized kernel with that many tokens per tile
+    k_split: int  # 1, or 8: the warps split the k-groups of one 32-row tile
     smem_bytes: int  # per CTA, static included
     cc_major_min: int  # the compute capabilities (major) its code is built for
     cc_major_max: int
 
     @property
     def path(self) -> Path:
-        return Path.WARP_SPECIALIZED if self.ws_tokens else Path.WGMMA if self.wgmma_tiles else Path.MMA_SYNC
+        if self.ws_tokens:
+            return Path.WARP_SPECIALIZED
+        return Path.WGMMA if self.wgmma_tiles else Path.K_SPLIT if self.k_split > 1 else Path.MMA_SYNC
+
+    @property
+    def key(self) -> tuple:
+        return self.mb, self.wgmma_tiles, self.ws_tokens, self.k_split
 
     @property
     def tokens(self) -> int:
@@ -99,10 +111,11 @@ class Plan(NamedTuple):
     mb: int = 0
     wgmma_tiles: int = 0
     ws_tokens: int = 0
+    k_split: int = 1
 
     @classmethod
     def of(cls, config: GemmConfig) -> "Plan":
-        return cls(config.path, config.mb, config.wgmma_tiles, config.ws_tokens)
+        return cls(config.path, config.mb, config.wgmma_tiles, config.ws_tokens, config.k_split)
 
 
 DEQUANTIZE_CUBLAS = Plan(Path.DEQUANTIZE_CUBLAS)
@@ -129,6 +142,7 @@ H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
 H200_TUNED = Measured("H200", "a512329", "2026-11-23",
                       "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
                       "--tokens 32,48,64,96,128,192,256; docs/PERFORMANCE.md, H200, dispatch")
+H200_K_SPLIT = Measured("H200", "pending", "2026-11-23", "pending")
 
 
 class Rule(str, enum.Enum):
@@ -136,6 +150,7 @@ class Rule(str, enum.Enum):
     WARP_SPECIALIZED_FROM = "gemm_ws.cuh's kernel beats gemm.cuh's from m tokens"
     WGMMA_FROM = "gemm.cuh's wgmma beats its mma.sync from m tokens"
     WIDE_TILES_FROM = "256-row wgmma tiles beat 128-row ones from m tokens"
+    K_SPLIT_FROM = "the warps splitting 32-row tiles' k-groups beat 256-row tiles from m tokens (built up to 8)"
 
 
 class Gpus(str, enum.Enum):
@@ -148,8 +163,9 @@ ALL_BITS = (2, 3, 4, 5)
 
 class Crossover(NamedTuple):
     """``rule`` at ``m`` tokens, for weights of at least ``min_weights`` elements (out_features x in_features padded
-    to 32) and ``min_out_features`` rows, where each SM has at least ``min_steps_per_sm`` steps (token passes x
-    256-row tiles x 256-column k-groups) in the configuration the rule would pick."""
+    to 32) and ``min_out_features`` rows, where each SM has at least ``min_steps_per_sm`` and fewer than
+    ``max_steps_per_sm`` steps (token passes x 256-row tiles x 256-column k-groups) in the configuration the rule
+    would pick."""
 
     gpus: Gpus
     rule: Rule
@@ -159,6 +175,7 @@ class Crossover(NamedTuple):
     min_weights: int = 0
     min_out_features: int = 0
     min_steps_per_sm: int = 0
+    max_steps_per_sm: float = math.inf
 
 
 # Of several rows that hold, FUSED_THROUGH takes the largest m, the *_FROM rules the smallest.
@@ -194,6 +211,9 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 257, H200_TUNED),
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
+    # Up to 8 tokens, 32-row tiles with the warps splitting k where the 256-row tiles leave each SM fewer than 3
+    # steps: there every 256-row tile is split over several CTAs and their hand-off is most of the call.
+    Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, max_steps_per_sm=3),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps
@@ -202,7 +222,7 @@ STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count
 # ---------------------------------------------------------------------------------------------- the planner
 class _Problem(NamedTuple):
     device: Device
-    built: dict  # (mb, wgmma_tiles, ws_tokens) -> GemmConfig, this bit width
+    built: dict  # GemmConfig.key -> GemmConfig, this bit width
     out_features: int
     in_features: int  # padded to 32
     tokens: int
@@ -210,7 +230,7 @@ class _Problem(NamedTuple):
 
     @classmethod
     def of(cls, device, configs, out_features, in_features, tokens, bits) -> "_Problem":
-        return cls(device, {(c.mb, c.wgmma_tiles, c.ws_tokens): c for c in configs if c.bits == bits},
+        return cls(device, {c.key: c for c in configs if c.bits == bits},
                    out_features, padded_in_features(in_features), tokens, bits)
 
     @property
@@ -219,7 +239,7 @@ class _Problem(NamedTuple):
 
     @property
     def gpus(self) -> Gpus:
-        wgmma_here = any(c.path is not Path.MMA_SYNC and self.runs(c) for c in self.built.values())
+        wgmma_here = any(c.path in (Path.WGMMA, Path.WARP_SPECIALIZED) and self.runs(c) for c in self.built.values())
         return Gpus.WGMMA if wgmma_here else Gpus.MMA_SYNC_ONLY
 
     def steps(self, tokens_per_pass: int) -> int:
@@ -236,7 +256,8 @@ def _holding(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> list:
     gpus = p.gpus
     return [c.m for c in CROSSOVERS
             if c.gpus is gpus and c.rule is rule and p.bits in c.bits and p.weights >= c.min_weights
-            and p.out_features >= c.min_out_features and steps >= c.min_steps_per_sm * p.device.sms]
+            and p.out_features >= c.min_out_features and steps >= c.min_steps_per_sm * p.device.sms
+            and steps < c.max_steps_per_sm * p.device.sms]
 
 
 def _starts(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> bool:
@@ -249,13 +270,15 @@ def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:
     that, in several passes); wgmma's row tiles by the table."""
     M = p.tokens
     if path is Path.MMA_SYNC:
-        return p.built.get((1 if M <= 8 else 2 if M <= 16 else 4, 0, 0))
+        return p.built.get((1 if M <= 8 else 2 if M <= 16 else 4, 0, 0, 1))
+    if path is Path.K_SPLIT:
+        return p.built.get((1, 0, 0, 8)) if M <= 8 else None
     if path is Path.WARP_SPECIALIZED:
         tokens = 32 if M <= 32 else 64 if M <= 64 else 128
-        return p.built.get((tokens // 8, 0, tokens))
+        return p.built.get((tokens // 8, 0, tokens, 1))
     mb = 8 if M <= 64 else 16
     tiles = (2, 1) if _starts(p, Rule.WIDE_TILES_FROM, mb * 8) else (1, 2)
-    return next((p.built[(mb, t, 0)] for t in tiles if (mb, t, 0) in p.built), None)
+    return next((p.built[(mb, t, 0, 1)] for t in tiles if (mb, t, 0, 1) in p.built), None)
 
 
 def _table_config(p: _Problem, paths: frozenset) -> Optional[GemmConfig]:
@@ -267,6 +290,10 @@ def _table_config(p: _Problem, paths: frozenset) -> Optional[GemmConfig]:
         if Path.WGMMA in paths and (
                 Path.MMA_SYNC not in paths or _starts(p, Rule.WGMMA_FROM, 64)):  # steps as 64-token passes
             return _config_for(p, Path.WGMMA)
+    if Path.K_SPLIT in paths and (Path.MMA_SYNC not in paths or _starts(p, Rule.K_SPLIT_FROM, 8)):
+        split = _config_for(p, Path.K_SPLIT)
+        if split is not None:
+            return split
     return _config_for(p, Path.MMA_SYNC) if Path.MMA_SYNC in paths else None
 
 
@@ -339,7 +366,7 @@ def fused_configs(device: Device, configs: Iterable[GemmConfig], out_features: i
     """{path: configuration} of each fused path that runs on ``device``, as ``plan`` would run it for these tokens:
     what ``kbit tune`` times."""
     p = _Problem.of(device, configs, out_features, in_features, tokens, bits)
-    found = {path: _config_for(p, path) for path in (Path.MMA_SYNC, Path.WGMMA, Path.WARP_SPECIALIZED)}
+    found = {path: _config_for(p, path) for path in (Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED)}
     return {path: config for path, config in found.items() if p.runs(config)}
 
 

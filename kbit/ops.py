@@ -124,7 +124,7 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
 def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
     chosen = dispatch.gemm_plan(x.device, out_features, in_features_padded, x.shape[0], bits, fused_only=True)
     return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded,
-                           grid_override, chosen.mb, chosen.wgmma_tiles, chosen.ws_tokens)
+                           grid_override, chosen.mb, chosen.wgmma_tiles, chosen.k_split, chosen.ws_tokens)
 
 
 # Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside

@@ -104,7 +104,7 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
             if config is not None:
                 def fused(lay, x=x, c=config):
                     return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features, kp, 0, c.mb,
-                                    c.wgmma_tiles, c.ws_tokens)
+                                    c.wgmma_tiles, c.k_split, c.ws_tokens)
 
                 error = float((fused(layouts[0]).float() - reference).norm() / reference.norm().clamp_min(1e-30))
                 if error <= AGREEMENT:

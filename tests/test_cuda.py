@@ -483,20 +483,37 @@ def test_gemm_warp_specialized(k, N, K, monkeypatch):
     _gemm_sweep(qw, seed, WS_MS, grid_override=1000, path="ws")
 
 
+# gemm.cuh with the warps splitting 32-row tiles' k-groups, forced with KBIT_GEMM_PATH=k_split up to 8 tokens
+# (a k range that ends inside a step, tiles past N, one CTA per tile or a forced grid that splits tiles across CTAs).
+K_SPLIT_MS = (1, 2, 3, 5, 8)
+
+
 @needs_hopper
+@pytest.mark.parametrize("N,K", SMALL_SHAPES + MODEL_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_k_split(k, N, K, monkeypatch):
+    monkeypatch.setenv("KBIT_GEMM_PATH", "k_split")
+    seed = seed_for("gemm-k-split", k, N, K)
+    qw = quantized_weight(N, K, k, seed)
+    _gemm_sweep(qw, seed, K_SPLIT_MS, grid_override=1000, path="k_split")
+
+
+@needs_hopper
+@pytest.mark.parametrize("path,ms", (("ws", (17, 100, 200)), ("k_split", (1, 5, 8))), ids=lambda v: str(v))
 @pytest.mark.parametrize("k,dtype", [(k, torch.float16) for k in BITS] + [(4, torch.bfloat16)], ids=lambda v: _name(v))
-def test_split_k_deterministic_warp_specialized(k, dtype, monkeypatch):
-    """Forced grids on the warp-specialized kernel: within tolerance, bitwise identical over repeats."""
-    monkeypatch.setenv("KBIT_GEMM_PATH", "ws")
-    seed = seed_for("splitk-ws", k, dtype)
+def test_split_k_deterministic_forced_path(k, dtype, path, ms, monkeypatch):
+    """Forced grids on the warp-specialized kernel and on the k split: within tolerance, bitwise identical over
+    repeats."""
+    monkeypatch.setenv("KBIT_GEMM_PATH", path)
+    seed = seed_for("splitk-" + path, k, dtype)
     g = gen(seed + 1, "cuda")
     failures = []
     for N, K in SPLITK_SHAPES:
         qw = quantized_weight(N, K, k, seed)
         chk = GemmChecker(qw)
-        for M in (17, 100, 200):
+        for M in ms:
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
-            bias = torch.randn(N, generator=g, device="cuda").to(dtype) if M == 100 else None
+            bias = torch.randn(N, generator=g, device="cuda").to(dtype) if M == ms[1] else None
             for grid in SPLITK_GRIDS:
                 first = run_matmul(x, qw, bias, grid_override=grid)
                 st = chk.stats(x, bias, first)
@@ -510,7 +527,7 @@ def test_split_k_deterministic_warp_specialized(k, dtype, monkeypatch):
                     mismatches += (_bits(run_matmul(x, qw, bias, grid_override=grid)) != ref_bits).any().to(torch.int64)
                 if int(mismatches):
                     failures.append(f"{where}: {int(mismatches)} repeats differ bitwise from the first run")
-    assert not failures, tag(seed, op="split-k-ws", bits=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
+    assert not failures, tag(seed, op="split-k-" + path, bits=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
 
 
 @pytest.mark.parametrize("N,K", ((384, 96), (1000, 4128), (4096, 4096), (1536, 2048)), ids=lambda v: str(v))
@@ -798,19 +815,23 @@ def test_sanitize_repack(k):
 
 
 @pytest.mark.parametrize("k", BITS)
-def test_sanitize_gemm(k):
+def test_sanitize_gemm(k, monkeypatch):
     seed = seed_for("sanitize-gemm", k)
     g = gen(seed)
+    hopper = torch.cuda.get_device_capability()[0] == 9
     for N, K in ((200, 1056), (136, 4104), (128, 100)):
         W = torch.randn(N, K, generator=g) * 0.02
         qw = kbit.quantize(W.half().cuda(), k)
         for dtype in ((torch.float16, torch.bfloat16) if k == 4 else (torch.float16,)):
-            for M, grid in ((1, 0), (17, 0), (1, 7), (33, 1000), (0, 0)):
-                x = torch.randn(M, K, generator=g).to(dtype).cuda()
-                bias = torch.randn(N, generator=g).to(dtype).cuda() if M == 17 else None
-                out = kbit.matmul(x, qw, bias, grid_override=grid)
-                _cpu_gemm_check(out, x, qw, bias, tag(seed, op="sanitize-gemm", bits=k, N=N, K=K, M=M, dtype=dtype,
-                                                        grid_override=grid))
+            # the planner's choice, then up to 8 tokens the k split forced (where it is built)
+            for path in ("", "k_split") if hopper else ("",):
+                monkeypatch.setenv("KBIT_GEMM_PATH", path)
+                for M, grid in ((1, 0), (17, 0), (1, 7), (33, 1000), (0, 0)) if not path else ((1, 0), (5, 0), (1, 7)):
+                    x = torch.randn(M, K, generator=g).to(dtype).cuda()
+                    bias = torch.randn(N, generator=g).to(dtype).cuda() if M in (5, 17) else None
+                    out = kbit.matmul(x, qw, bias, grid_override=grid)
+                    _cpu_gemm_check(out, x, qw, bias, tag(seed, op="sanitize-gemm", bits=k, N=N, K=K, M=M,
+                                                            dtype=dtype, grid_override=grid, path=path))
     torch.cuda.synchronize()
 
 
@@ -827,7 +848,7 @@ def _malformed_cases():
     cb, s, x = qw.codebook, qw.scale, torch.randn(3, K_dim, device="cuda").half()
     n = N * K_dim
     as_u8 = qw.packed.to(torch.uint8)  # same element count, a quarter of the bytes
-    config = (1, 0, 0)  # mb, wgmma_tiles, ws_tokens: built (the tensor checks come first)
+    config = (1, 0, 1, 0)  # mb, wgmma_tiles, k_split, ws_tokens: built (the tensor checks come first)
     return [
         ("dequantize packed uint8", lambda: ext.dequantize(as_u8, qw.absmax, cb, k, n, torch.float16, s)),
         ("dequantize packed float32", lambda: ext.dequantize(qw.packed.float(), qw.absmax, cb, k, n, torch.float16, s)),

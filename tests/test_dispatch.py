@@ -38,8 +38,8 @@ CUBLAS = dispatch.DEQUANTIZE_CUBLAS
 
 
 def config_of(chosen: Plan, bits: int):
-    return next(c for c in CONFIGS if c.bits == bits and (c.mb, c.wgmma_tiles, c.ws_tokens) ==
-                (chosen.mb, chosen.wgmma_tiles, chosen.ws_tokens))
+    return next(c for c in CONFIGS if c.bits == bits and c.key ==
+                (chosen.mb, chosen.wgmma_tiles, chosen.ws_tokens, chosen.k_split))
 
 
 # ----------------------------------------------------------------------------- the table's decisions, longhand
@@ -66,6 +66,9 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
 
     def steps(mb):
         return -(-M // (mb * 8)) * -(-N // 256) * kg
+
+    if path != "ws" and 1 <= M <= 8 and steps(1) < 3 * sms:
+        return Plan(Path.K_SPLIT, 1, 0, 0, 8)
 
     wgmma = (M > 64 and N >= 8192) or M > 256 or (M > 32 and steps(8) >= 16 * sms)
     mb = 1 if M <= 8 else 2 if M <= 16 else 4 if not wgmma else 8 if M <= 64 else 16
@@ -103,6 +106,8 @@ def test_hopper_fused_only_and_forced_paths_unchanged(bits):
             for env, path in (("ws", "ws"), ("classic", "classic")):
                 forced = dispatch.plan(H100, CONFIGS, N, K, M, bits, fused_only=True, force=dispatch.FORCED_PATHS[env])
                 assert forced == hopper_rules(M, N, K, bits, H100.sms, path=path), f"{where} {env}"
+            split = dispatch.plan(H100, CONFIGS, N, K, M, bits, fused_only=True, force=dispatch.FORCED_PATHS["k_split"])
+            assert split == (Plan(Path.K_SPLIT, 1, 0, 0, 8) if M <= 8 else fused), f"{where} k_split"
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -176,14 +181,18 @@ def test_forced_path_that_cannot_run_is_ignored():
 def test_configurations_report():
     assert {c.bits for c in CONFIGS} == set(BITS)
     for c in CONFIGS:
-        assert c.path is (Path.WARP_SPECIALIZED if c.ws_tokens else Path.WGMMA if c.wgmma_tiles else Path.MMA_SYNC)
-        assert c.ws_tokens in (0, c.mb * 8)
-        if c.path is not Path.MMA_SYNC:
+        assert c.path is (Path.WARP_SPECIALIZED if c.ws_tokens else Path.WGMMA if c.wgmma_tiles else
+                          Path.K_SPLIT if c.k_split > 1 else Path.MMA_SYNC)
+        assert c.ws_tokens in (0, c.mb * 8) and c.k_split in (1, 8)
+        if c.k_split > 1:
+            assert (c.mb, c.wgmma_tiles, c.ws_tokens, c.cc_major_min) == (1, 0, 0, 9)
+        if c.path in (Path.WGMMA, Path.WARP_SPECIALIZED):
             assert (c.cc_major_min, c.cc_major_max) == (9, 9)  # sm_90a code
         assert c.smem_bytes <= H100.smem_per_block
     for bits in BITS:  # every bit width has each pass size the planner names
-        built = {(c.mb, c.wgmma_tiles, c.ws_tokens) for c in CONFIGS if c.bits == bits}
-        assert {(1, 0, 0), (2, 0, 0), (4, 0, 0), (8, 2, 0), (16, 1, 0), (4, 0, 32), (8, 0, 64), (16, 0, 128)} <= built
+        built = {c.key for c in CONFIGS if c.bits == bits}
+        assert {(1, 0, 0, 1), (2, 0, 0, 1), (4, 0, 0, 1), (8, 2, 0, 1), (16, 1, 0, 1), (4, 0, 32, 1), (8, 0, 64, 1),
+                (16, 0, 128, 1), (1, 0, 0, 8)} <= built
     text = json.dumps([c._asdict() for c in CONFIGS])
     assert dispatch.parse_configs(text) == CONFIGS
 
@@ -306,10 +315,11 @@ def h100_here(cache_dir):
 def test_gemm_plan_uses_facts_cache_and_path_override(h100_here, monkeypatch):
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     assert dispatch.gemm_plan(h100_here, 4096, 4096, 100, 4) == CUBLAS  # tuned
-    assert dispatch.gemm_plan(h100_here, 1024, 4096, 1, 4) == mma(1)  # table
+    split = Plan(Path.K_SPLIT, 1, 0, 0, 8)
+    assert dispatch.gemm_plan(h100_here, 1024, 4096, 1, 4) == split  # table
     monkeypatch.setenv(dispatch.PATH_ENV, "ws")  # read at every call
     assert dispatch.gemm_plan(h100_here, 1024, 4096, 1, 4, fused_only=True) == Plan(Path.WARP_SPECIALIZED, 4, 0, 32)
-    assert dispatch.gemm_plan(h100_here, 1024, 4096, 1, 4) == mma(1)  # never whether the fused path is taken
+    assert dispatch.gemm_plan(h100_here, 1024, 4096, 1, 4) == split  # never whether the fused path is taken
     assert dispatch.gemm_plan(h100_here, 1024, 4096, 1000, 4) == CUBLAS
     monkeypatch.setenv(dispatch.PATH_ENV, "classic")
     assert dispatch.gemm_plan(h100_here, 8192, 28672, 64, 4, fused_only=True) == Plan(Path.WGMMA, 8, 2, 0)

@@ -65,17 +65,19 @@ def test_binding_refuses_configurations_it_cannot_run():
     b, a = qw.gemm_layout()
     x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
 
-    def run(mb, wgmma_tiles, ws_tokens, bits=4):
-        return cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, None, bits, 256, 256, 0, mb, wgmma_tiles, ws_tokens)
+    def run(mb, wgmma_tiles, ws_tokens, k_split=1, bits=4):
+        return cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, None, bits, 256, 256, 0, mb, wgmma_tiles, k_split,
+                               ws_tokens)
 
-    for bogus in ((3, 0, 0), (16, 2, 16), (0, 0, 0), (4, 0, 64), (8, 1, 0)):
+    for bogus in ((3, 0, 0), (16, 2, 16), (0, 0, 0), (4, 0, 64), (8, 1, 0), (2, 0, 0, 8), (1, 0, 0, 4), (1, 1, 0, 8),
+                  (4, 0, 32, 8)):
         with pytest.raises(RuntimeError, match="has no configuration"):
             run(*bogus)
     facts = dispatch.device_facts(x.device)
     cannot = [c for c in facts.configs if c.bits == 4 and not c.runs_on(facts.device)]
     for c in cannot:
         with pytest.raises(RuntimeError, match="not built for compute capability|shared memory per block"):
-            run(c.mb, c.wgmma_tiles, c.ws_tokens)
+            run(c.mb, c.wgmma_tiles, c.ws_tokens, c.k_split)
 
 
 def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):

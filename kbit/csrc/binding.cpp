@@ -206,7 +206,7 @@ void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
-                int64_t num_blocks, int64_t mb, int64_t wgmma_tiles, int64_t ws_tokens) {
+                int64_t num_blocks, int64_t mb, int64_t wgmma_tiles, int64_t k_split, int64_t ws_tokens) {
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(K_w, "K_dim", kbit::kBlock);
@@ -233,16 +233,17 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
   // The configuration is kbit/dispatch.py's choice; refuse one that is not built, or that this GPU cannot run.
   const std::string config = "k=" + num(k) + ", mb=" + num(mb) + ", wgmma_tiles=" + num(wgmma_tiles) +
-                             ", ws_tokens=" + num(ws_tokens);
+                             ", k_split=" + num(k_split) + ", ws_tokens=" + num(ws_tokens);
   kbit::GemmConfigInfo info{};
-  TORCH_CHECK(mb >= 1 && mb <= 16 && wgmma_tiles >= 0 && wgmma_tiles <= 2 && ws_tokens >= 0 && ws_tokens <= 128 &&
+  TORCH_CHECK(mb >= 1 && mb <= 16 && wgmma_tiles >= 0 && wgmma_tiles <= 2 && k_split >= 1 && k_split <= 8 &&
+                  ws_tokens >= 0 && ws_tokens <= 128 &&
                   kbit::gemm_config_info(static_cast<int>(k), static_cast<int>(mb), static_cast<int>(wgmma_tiles),
-                                         static_cast<int>(ws_tokens), &info),
+                                         static_cast<int>(k_split), static_cast<int>(ws_tokens), &info),
               "kbit: the fused GEMM has no configuration ", config);
   const kbit::GemmPlan plan =
       kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k),
-                      static_cast<int>(mb), static_cast<int>(wgmma_tiles), static_cast<int>(ws_tokens), sms,
-                      static_cast<int>(num_blocks));
+                      static_cast<int>(mb), static_cast<int>(wgmma_tiles), static_cast<int>(k_split),
+                      static_cast<int>(ws_tokens), sms, static_cast<int>(num_blocks));
   TORCH_CHECK(plan.built, "kbit: the fused GEMM configuration ", config, " is not built for compute capability ",
               num(plan.cc_major), ".x (use dequantize + matmul)");
   TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM configuration ",
@@ -265,7 +266,8 @@ std::string gemm_configs() {
   std::string json = "[";
   for (const kbit::GemmConfigInfo& c : kbit::gemm_configs()) {
     json += std::string(json.size() > 1 ? ", " : "") + "{\"bits\": " + num(c.bits) + ", \"mb\": " + num(c.mb) +
-            ", \"wgmma_tiles\": " + num(c.wgmma_tiles) + ", \"ws_tokens\": " + num(c.ws_tokens) +
+            ", \"wgmma_tiles\": " + num(c.wgmma_tiles) + ", \"k_split\": " + num(c.k_split) +
+            ", \"ws_tokens\": " + num(c.ws_tokens) +
             ", \"smem_bytes\": " + num(c.smem_bytes) + ", \"cc_major_min\": " + num(c.cc_major_min) +
             ", \"cc_major_max\": " + num(c.cc_major_max) + "}";
   }
@@ -453,7 +455,7 @@ TORCH_LIBRARY(kbit_cuda, m) {
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor scale) -> Tensor");
   m.def("repack(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
-        "int K_dim, int num_blocks, int mb, int wgmma_tiles, int ws_tokens) -> Tensor");
+        "int K_dim, int num_blocks, int mb, int wgmma_tiles, int k_split, int ws_tokens) -> Tensor");
   m.def("gemm_configs() -> str", &gemm_configs);  // no tensors: any backend
   m.def("shared_memory_per_block_optin(int device) -> int", &shared_memory_per_block_optin);
   m.def("moe_route(Tensor expert_ids, Tensor weights, int num_experts, int rows_per_pass) -> "

@@ -13,15 +13,17 @@ namespace kbit {
 constexpr int kHopperMajor = 9;
 constexpr int kSm80Major = 8;
 
-// Calls f(cfg) with the compile-time configuration (k, mb, wgmma_tiles, ws_tokens) if it is built; returns whether
-// it is. with_gemm_config and with_ws_config are the lists; this is their one entry point on the host.
+// Calls f(cfg) with the compile-time configuration (k, mb, wgmma_tiles, k_split, ws_tokens) if it is built; returns
+// whether it is. with_gemm_config and with_ws_config are the lists; this is their one entry point on the host.
 template <typename F>
-bool with_config(int k, int mb, int wgmma_tiles, int ws_tokens, F&& f) {
+bool with_config(int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, F&& f) {
   if (ws_tokens > 0) {
-    if (mb * 8 != ws_tokens || wgmma_tiles != 0) return false;
+    if (mb * 8 != ws_tokens || wgmma_tiles != 0 || k_split != 1) return false;
     return with_bits(k, false, [&](auto bits) { return with_ws_config<decltype(bits)::value>(ws_tokens, f); });
   }
-  return with_bits(k, false, [&](auto bits) { return with_gemm_config<decltype(bits)::value>(mb, wgmma_tiles, f); });
+  return with_bits(k, false, [&](auto bits) {
+    return with_gemm_config<decltype(bits)::value>(mb, wgmma_tiles, k_split, f);
+  });
 }
 
 // What the host needs of a configuration beyond its own constants: the compute capabilities (major) its code is
@@ -36,10 +38,11 @@ struct HostFacts<WsConfig<K, NT>> {
   static constexpr int kCcMajorMin = kHopperMajor, kCcMajorMax = kHopperMajor;
 };
 
-bool gemm_config_info(int k, int mb, int wgmma_tiles, int ws_tokens, GemmConfigInfo* info) {
-  return with_config(k, mb, wgmma_tiles, ws_tokens, [&](auto cfg) {
+bool gemm_config_info(int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, GemmConfigInfo* info) {
+  return with_config(k, mb, wgmma_tiles, k_split, ws_tokens, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    info->bits = k, info->mb = mb, info->wgmma_tiles = wgmma_tiles, info->ws_tokens = ws_tokens;
+    info->bits = k, info->mb = mb, info->wgmma_tiles = wgmma_tiles, info->k_split = k_split;
+    info->ws_tokens = ws_tokens;
     info->smem_bytes = Cfg::kSmemTotal;
     info->cc_major_min = HostFacts<Cfg>::kCcMajorMin;
     info->cc_major_max = HostFacts<Cfg>::kCcMajorMax;
@@ -52,11 +55,13 @@ std::vector<GemmConfigInfo> gemm_configs() {
   for (int k = 2; k <= 5; ++k) {
     for (int mb = 1; mb <= 16; ++mb) {
       for (int wgmma_tiles = 0; wgmma_tiles <= 2; ++wgmma_tiles) {
-        GemmConfigInfo info{};
-        if (gemm_config_info(k, mb, wgmma_tiles, 0, &info)) all.push_back(info);
+        for (int k_split : {1, kGemmWarps}) {
+          GemmConfigInfo info{};
+          if (gemm_config_info(k, mb, wgmma_tiles, k_split, 0, &info)) all.push_back(info);
+        }
       }
       GemmConfigInfo info{};
-      if (gemm_config_info(k, mb, 0, mb * 8, &info)) all.push_back(info);
+      if (gemm_config_info(k, mb, 0, 1, mb * 8, &info)) all.push_back(info);
     }
   }
   return all;
@@ -64,14 +69,15 @@ std::vector<GemmConfigInfo> gemm_configs() {
 
 int gemm_smem_bytes(int k, int mb, int wgmma_tiles) {
   GemmConfigInfo info{};
-  return gemm_config_info(k, mb, wgmma_tiles, 0, &info) ? info.smem_bytes : 0;
+  return gemm_config_info(k, mb, wgmma_tiles, 1, 0, &info) ? info.smem_bytes : 0;
 }
 bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
   GemmConfigInfo info{};
-  return gemm_config_info(k, mb, wgmma_tiles, 0, &info) && info.cc_major_min <= kSm80Major;
+  return gemm_config_info(k, mb, wgmma_tiles, 1, 0, &info) && info.cc_major_min <= kSm80Major;
 }
 
-GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int ws_tokens, int num_sms, int forced_grid) {
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
+                   int forced_grid) {
   GemmPlan plan{};
   int dev = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) {
@@ -79,37 +85,43 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int ws
     cudaDeviceGetAttribute(&plan.cc_major, cudaDevAttrComputeCapabilityMajor, dev);
   }
   GemmConfigInfo info{};
-  if (!gemm_config_info(k, mb, wgmma_tiles, ws_tokens, &info)) return plan;  // not built: plan.built stays false
+  if (!gemm_config_info(k, mb, wgmma_tiles, k_split, ws_tokens, &info)) return plan;  // not built: plan.built stays false
   int tile_rows = 0, partial_per_cta = 0;
-  with_config(k, mb, wgmma_tiles, ws_tokens, [&](auto cfg) {
+  with_config(k, mb, wgmma_tiles, k_split, ws_tokens, [&](auto cfg) {
     using Cfg = decltype(cfg);
     tile_rows = Cfg::kTileRows;
     partial_per_cta = Cfg::kPartialFloats;  // one partial tile per CTA: a CTA publishes at most one (finish_tile)
   });
   plan.mb = mb;
   plan.wgmma_tiles = wgmma_tiles;
+  plan.k_split = k_split;
   plan.ws_tokens = ws_tokens;
   plan.smem_bytes = info.smem_bytes;
   plan.built = plan.cc_major >= info.cc_major_min && plan.cc_major <= info.cc_major_max;
-  const int k_groups = static_cast<int>(layout_k_groups(K_w));
+  const int k_steps = (static_cast<int>(layout_k_groups(K_w)) + k_split - 1) / k_split;
   plan.m_passes = (M + mb * 8 - 1) / (mb * 8);
-  plan.total_steps = plan.m_passes * ((N + tile_rows - 1) / tile_rows) * k_groups;
+  const int tiles = plan.m_passes * ((N + tile_rows - 1) / tile_rows);
+  plan.total_steps = tiles * k_steps;
   // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile).
-  const int want = forced_grid > 0 ? std::min(forced_grid, num_sms) : num_sms;
+  // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
+  // that no tile is shared across CTAs.
+  const int want = forced_grid > 0 ? std::min(forced_grid, num_sms) : k_split > 1 && tiles <= num_sms ? tiles : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
-  const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_groups == 0;
+  const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0;
   plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
   return plan;
 }
 
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.N = N;
-  const int rows = plan.ws_tokens ? kWsTileRows : gemm_tile_rows(p.k, plan.mb, plan.wgmma_tiles);
+  const int rows = plan.ws_tokens ? kWsTileRows : gemm_tile_rows(p.k, plan.mb, plan.wgmma_tiles, plan.k_split);
   p.n_tiles = (N + rows - 1) / rows;
   p.k_groups = static_cast<int>(layout_k_groups(K_w));
+  p.k_steps = (p.k_groups + plan.k_split - 1) / plan.k_split;
   p.mb = plan.mb;
   p.wgmma_tiles = plan.wgmma_tiles;
+  p.k_split = plan.k_split;
   p.ws_tokens = plan.ws_tokens;
   p.grid = plan.grid;
   p.steps_per_cta = plan.total_steps / plan.grid;

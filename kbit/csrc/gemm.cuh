@@ -6,6 +6,7 @@
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   SmemLayout      where the tables (at an aligned shared address) and each stage's pieces live
 //   StepCursor      a step's coordinates, advanced step by step instead of recomputed by division
+//   warp_piece      where a warp's codes and scales of a step lie in the GEMM layout
 //   Barriers        the pipeline's mbarriers, per stage: the step landed (full), every warp done with it (empty)
 //   load_weights    one step's weights (two bulk copies on sm_90, cp.async per warp on sm_80)
 //   load_activations a warp's share (at MB = 1: all) of one step's activation copies (cp.async)
@@ -14,6 +15,7 @@
 //   compute_step_wgmma the same for 64 rows per warpgroup and 64 or 128 tokens, block scales applied to the
 //                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
+//   gather_k_split  with the warps splitting a tile's k-groups: their sums into warp 0's, through shared memory
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
 //   gemm_main       the persistent, stream-K main loop, one inner loop per tile: no CTA-wide barrier per step; a
 //                   stage is refilled once every warp is done with it, its weights by one thread (sm_90), the
@@ -31,7 +33,9 @@
 //     are applied to the weights in 16 bits (one HMUL2 per register, whatever the token count), so a pass
 //     of up to 128 tokens costs one table lookup per weight pair and no FFMA per token.
 //
-// Work: a step is (token pass, CTA row tile, 256-column k-group). The total step range is cut into
+// Work: a step is (token pass, CTA row tile, 256-column k-group). With the warps splitting k (GemmConfig::kKSplit,
+// small shapes), a CTA tile is 32 rows and a step 8 k-groups, one per warp, summed in shared memory at the tile's end.
+// The total step range is cut into
 // `grid` contiguous pieces (stream-K), one per CTA, so every SM streams weights whatever the shape.
 // A tile whose k-groups span several CTAs is reduced deterministically by the CTA that holds its first
 // k-group (which reaches it last, at the end of its range): every other contributor stores its fp32 partial,
@@ -68,16 +72,17 @@ constexpr int kGemmWarps = 8;
 __host__ __device__ constexpr int gemm_row_tiles(int k, int mb, int wgmma_tiles) {
   return wgmma_tiles ? wgmma_tiles : k != 5 || mb == 1 ? 2 : 1;
 }
-__host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles) {
-  return kGemmWarps * gemm_row_tiles(k, mb, wgmma_tiles) * 16;
+__host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles, int k_split) {
+  return kGemmWarps / k_split * gemm_row_tiles(k, mb, wgmma_tiles) * 16;
 }
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
 // WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp. G: 0 for one weight, else the
-// grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue.
-template <int K, int MB, int WG, int G = 0>
+// grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue. KS: warps splitting one tile's
+// k-groups (kKSplit).
+template <int K, int MB, int WG, int G = 0, int KS = 1>
 struct GemmConfig {
   static constexpr int kBits = K, kMB = MB;
   static constexpr bool kWgmma = WG > 0;
@@ -85,29 +90,37 @@ struct GemmConfig {
   static constexpr GroupedEpilogue kEpilogue = static_cast<GroupedEpilogue>(G);
   using Params = std::conditional_t<kGrouped, GroupedGemmParams, GemmParams>;  // what the kernel receives
   static constexpr int kWarps = kGemmWarps;
+  // KS = 1: each warp owns its row tiles of the CTA tile, and a step is one k-group. KS = kWarps (mma.sync, up to 8
+  // tokens): every warp the same 32 rows, a step KS k-groups, warp w the step's w-th; at the tile's end the warps'
+  // sums meet in shared memory (gather_k_split). Small shapes then need no split-K across CTAs: 4096 -> 4096 is 128
+  // tiles of 32 rows, one per CTA, where 256-row tiles were 16, each split over ~8 CTAs whose hand-off through L2
+  // cost the call 1.5-3 us (docs/PERFORMANCE.md, fixed cost per call).
+  static constexpr int kKSplit = KS;
+  static_assert(KS == 1 || (KS == kGemmWarps && WG == 0 && G == 0 && MB == 1), "k split across warps: mma.sync, MB = 1");
   static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileRows = gemm_tile_rows(K, MB, WG);            // weight rows per CTA tile
+  static constexpr int kTileRows = gemm_tile_rows(K, MB, WG, KS);        // weight rows per CTA tile
   // The accumulators hold the output times 1 / kAccScale: mma.sync scales each block's fp32 result by its E4M4
   // scale decoded in sixteenths (e4m4_pair_to_float_sixteenths), wgmma scales the weights by the whole value.
   static constexpr float kAccScale = kWgmma ? 1.0f : 16.0f;
   // Who copies a step's activations. MB = 1 (up to 8 token rows, 4-byte pieces): the warp that issues the step's
   // weights, so that the other warps only wait for the stage and compute. More tokens: every warp its share (one
   // warp copying 16-32 rows was 5-14% slower at M = 16-32 than every warp copying 2-4; H200, same call).
-  static constexpr bool kActsByIssuer = !kWgmma && MB == 1;
+  // With KS > 1 every warp copies its own k-group's.
+  static constexpr bool kActsByIssuer = !kWgmma && MB == 1 && KS == 1;
   static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
   static constexpr int kAbsStage = kWarps * kRowTiles * 128;        // per row tile: 16 rows x 8 blocks
-  // Activations, MB*8 tokens x 256 k (load_activations): wgmma's core matrices (8 tokens x 8 k, 128 B each), or
-  // padded token rows of kXRow halves (mma.sync). Those are read two ways:
+  // Activations, MB*8 tokens x KS*256 k (load_activations): wgmma's core matrices (8 tokens x 8 k, 128 B each), or
+  // padded token rows of kXRow halves (mma.sync; k-group KS * kstep + w at 256w in each). Those are read two ways:
   //   MB = 1 (kXPairsTransposed): one predicated 16-byte load per lane and block (at M = 1 only lanes 0..3 load:
-  //     one wavefront, not four), the block's pieces transposed on the way in; rows 576 B apart (64 mod 128),
+  //     one wavefront, not four), the block's pieces transposed on the way in; rows KS*512 + 64 B apart (64 mod 128),
   //     so the two rows of one 8-lane phase hit different banks;
   //   MB >= 2: ldmatrix in the rows' natural order, 16-byte copies; rows 528 B apart (16 mod 128), so the 8 rows
   //     of one matrix hit 8 different 16-byte bank groups. Transposing there costs 4x the copy instructions
   //     (docs/PERFORMANCE.md#instructive-failures).
   static constexpr bool kXPairsTransposed = !kWgmma && MB == 1;
-  static constexpr int kXRow = kXPairsTransposed ? kKGroup + 32 : kKGroup + 8;
+  static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
@@ -115,14 +128,14 @@ struct GemmConfig {
   //          128..255 of each row unused: the PRMT address needs the 256 B stride);
   //   K = 3, 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies), one copy per
   //          lane, fewer at K = 5, where 32 copies would take 128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at
-  //          larger MB, which needs the room for activations (and to fit sm_80's 163 KB). 8 copies means
+  //          larger MB or KS, which need the room for activations (and to fit sm_80's 163 KB). 8 copies means
   //          4 lanes share each, 3 wavefronts per lookup on average; 16 copies, 2.
   //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
   // The E4M4 block scales need no table (e4m4_byte_to_float).
   static constexpr bool kByteRows = !kWgmma && (K == 2 || K == 4);  // table rows addressed by one byte (PRMT)
   static constexpr int kPairs = 1 << (2 * K);
-  static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 ? 65536 : 32768;  // the most a compact table may take
+  static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 && KS == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
   static constexpr int kTables = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
 
@@ -147,7 +160,9 @@ struct GemmConfig {
   // Per-CTA total (static + dynamic) when the dynamic base is below kTableAlign: what the plan checks.
   static constexpr int kSmemTotal = kTableAlign - kReservedSmem + kTables + kHighBytes;
   // Built for sm_80-class GPUs: what fits their shared memory. The host refuses the rest.
-  static constexpr bool kOnSm80 = !kWgmma && kSmemTotal <= kSm80SmemMax;
+  // Not the k split: gather_k_split parks sums in a stage that sm_80's per-warp copies refill without waiting for the
+  // other warps (and none of its configurations fits there).
+  static constexpr bool kOnSm80 = !kWgmma && KS == 1 && kSmemTotal <= kSm80SmemMax;
   static constexpr int kPartialFloats = kWarps * kFrags * 32 * 4;  // one CTA's partial output tile
 };
 
@@ -332,21 +347,22 @@ struct SmemLayout {
   }
 };
 
-// Position of a pipeline step in (token pass, CTA row tile, k-group) order. The kernel walks its steps in
-// order, so it advances cursors instead of dividing: one cursor for the copies, one for the math.
+// Position of a pipeline step in (token pass, CTA row tile, k step) order; k step = k-group, or with KS warps
+// splitting k the k-groups KS * kstep ... The kernel walks its steps in order, so it advances cursors instead of
+// dividing: one cursor for the copies, one for the math.
 struct StepCursor {
-  int kgroup, ntile, mpass;
+  int kstep, ntile, mpass;
   __device__ StepCursor(const GemmParams& p, int step) {
-    const int tile = step / p.k_groups;
-    kgroup = step - tile * p.k_groups;
+    const int tile = step / p.k_steps;
+    kstep = step - tile * p.k_steps;
     mpass = tile / p.n_tiles;
     ntile = tile - mpass * p.n_tiles;
   }
   __device__ void advance(const GemmParams& p) {
-    if (++kgroup == p.k_groups) next_tile(p);
+    if (++kstep == p.k_steps) next_tile(p);
   }
   __device__ void next_tile(const GemmParams& p) {
-    kgroup = 0;
+    kstep = 0;
     if (++ntile == p.n_tiles) ntile = 0, ++mpass;
   }
   __device__ int tile(const GemmParams& p) const { return mpass * p.n_tiles + ntile; }
@@ -384,7 +400,7 @@ __device__ __forceinline__ const T* x_row(const GemmParams& p, int row) {
 }
 
 // The stream-K cut (first_step_of below): one weight, the host's plan; grouped, grid CTAs over num_passes *
-// n_tiles * k_groups steps, from the pass count the routing kernel wrote (read after grid_dependency_wait).
+// n_tiles * k_steps steps, from the pass count the routing kernel wrote (read after grid_dependency_wait).
 struct StreamKCut {
   int steps_per_cta, extra_steps;
 };
@@ -392,7 +408,7 @@ template <class Cfg>
 __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
   if constexpr (Cfg::kGrouped) {
     const auto& g = static_cast<const GroupedGemmParams&>(p);
-    const int total = min(max(*g.num_passes, 0), g.max_passes) * p.n_tiles * p.k_groups;
+    const int total = min(max(*g.num_passes, 0), g.max_passes) * p.n_tiles * p.k_steps;
     return {total / static_cast<int>(gridDim.x), total % static_cast<int>(gridDim.x)};
   } else {
     return {p.steps_per_cta, p.extra_steps};
@@ -425,47 +441,77 @@ struct Barriers {
   }
 };
 
-// The first layout piece (kbit.h) of a step's CTA tile: its kTileRows / 16 pieces follow it, codes and scales
-// each one contiguous range (the tile is 128 or 256 rows, aligned to the layout's blocks of 256). In shared
-// memory they keep that order: warp w's row tile r is piece w * kRowTiles + r of the tile.
+// The first layout piece (kbit.h) of step c's CTA tile in k-group `kgroup`: the tile's kTileRows / 16 pieces of that
+// k-group follow it, codes and scales each one contiguous range (the tile is 32, 128 or 256 rows, aligned to the
+// layout's blocks of 256).
 template <class Cfg>
-__device__ __forceinline__ int64_t first_piece(const GemmParams& p, const StepCursor& c) {
+__device__ __forceinline__ int64_t tile_piece(const GemmParams& p, const StepCursor& c, int kgroup) {
   static_assert(kLayoutNAlign % Cfg::kTileRows == 0, "a CTA tile must not straddle the layout's blocks");
   int64_t tile16 = static_cast<int64_t>(c.ntile) * (Cfg::kTileRows / kLayoutTileRows);
   if constexpr (Cfg::kGrouped)  // the pass's expert: the weights are stacked
     tile16 += static_cast<int64_t>(token_pass<Cfg>(p, c).expert) * static_cast<const GroupedGemmParams&>(p).expert_tiles16;
-  return layout_piece(tile16, c.kgroup, p.k_groups);
+  return layout_piece(tile16, kgroup, p.k_groups);
 }
-// One step's weights: codes (kBStage bytes) and block scales (kAbsStage). sm_90: two bulk copies issued by the one
-// thread that calls this (per-warp copies had cost each warp ~80 issue slots per step, 10% of its work at M = 1);
-// sm_80: every thread calls it and copies its warp's row tiles with cp.async (the caller arrives on `full`).
+// The piece of warp w's first row tile in step c: its kRowTiles pieces follow it, and in shared memory they sit at
+// w * kRowTiles. KS = 1: the step's k-group, rows w * kRowTiles * 16 .. of the tile (so the whole tile is one range
+// from warp 0's); KS > 1: the tile's 32 rows in k-group KS * kstep + w.
+template <class Cfg>
+__device__ __forceinline__ int64_t warp_piece(const GemmParams& p, const StepCursor& c, int w) {
+  if constexpr (Cfg::kKSplit == 1) return tile_piece<Cfg>(p, c, c.kstep) + w * Cfg::kRowTiles;
+  else return tile_piece<Cfg>(p, c, Cfg::kKSplit * c.kstep + w);
+}
+// The k-group of warp w in step c, and whether the step has it (KS > 1: the tile's last step may have fewer).
+template <class Cfg>
+__device__ __forceinline__ int warp_kgroup(const StepCursor& c, int w) {
+  return Cfg::kKSplit == 1 ? c.kstep : Cfg::kKSplit * c.kstep + w;
+}
+// Contiguous ranges of a step's weights, one per warp with KS > 1 (those of the k-groups the step has).
+template <class Cfg>
+__device__ __forceinline__ int weight_ranges(const GemmParams& p, const StepCursor& c) {
+  return Cfg::kKSplit == 1 ? 1 : min(Cfg::kKSplit, p.k_groups - Cfg::kKSplit * c.kstep);
+}
+template <class Cfg>
+struct WeightRange {  // bytes of one range
+  static constexpr int kCodes = Cfg::kBStage / Cfg::kKSplit, kScales = Cfg::kAbsStage / Cfg::kKSplit;
+};
+// One step's weights: codes (kBStage bytes) and block scales (kAbsStage). sm_90: two bulk copies per range, issued
+// by the one thread that calls this (per-warp copies had cost each warp ~80 issue slots per step, 10% of its work
+// at M = 1); sm_80: every thread calls it and copies its warp's row tiles with cp.async (the caller arrives on
+// `full`).
 template <class Cfg>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
                                              [[maybe_unused]] uint32_t full, const StepCursor& c) {
   constexpr int K = Cfg::kBits;
-  const int64_t piece = first_piece<Cfg>(p, c);
 #if KBIT_BULK_COPY
-  mbarrier_arrive_expect_bytes(full, Cfg::kBStage + Cfg::kAbsStage);
-  bulk_copy_to_shared(codes_piece, p.b + piece * (K * 32), Cfg::kBStage, full);
-  bulk_copy_to_shared(small_piece, p.absmax + piece * 128, Cfg::kAbsStage, full);
+  using R = WeightRange<Cfg>;
+  const int ranges = weight_ranges<Cfg>(p, c);
+  mbarrier_arrive_expect_bytes(full, ranges * (R::kCodes + R::kScales));
+  for (int j = 0; j < ranges; ++j) {
+    const int64_t piece = warp_piece<Cfg>(p, c, j);
+    bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full);
+    bulk_copy_to_shared(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full);
+  }
 #else
   constexpr int RT = Cfg::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp_kgroup<Cfg>(c, warp) >= p.k_groups) return;
+  const int64_t piece = warp_piece<Cfg>(p, c, warp);
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
     const int i = warp * RT + r;
-    const uint4* src = p.b + (piece + i) * (K * 32) + lane;
+    const uint4* src = p.b + (piece + r) * (K * 32) + lane;
 #pragma unroll
     for (int v = 0; v < K; ++v) cp_async16(codes_piece + i * K * 512 + (v * 32 + lane) * 16, src + v * 32);
-    if (lane < 8) cp_async16(small_piece + i * 128 + lane * 16, p.absmax + (piece + i) * 128 + lane * 16);
+    if (lane < 8) cp_async16(small_piece + i * 128 + lane * 16, p.absmax + (piece + r) * 128 + lane * 16);
   }
 #endif
 }
 
 // A warp's share of one step's activations (rows past M are not copied: the MMA's token columns are
-// independent, and theirs are never stored; columns past K_x are zero-filled): every row (kActsByIssuer), or
-// rows warp, warp + kWarps, ... The caller arrives on the stage's barrier. The two paths store them differently:
-//   mma.sync: token row `row` at row * kXRow halves. With kXPairsTransposed, each
+// independent, and theirs are never stored; columns past K_x are zero-filled): every row (kActsByIssuer), every row
+// of its own k-group (KS > 1), or rows warp, warp + kWarps, ... The caller arrives on the stage's barrier. The two
+// paths store them differently:
+//   mma.sync: token row `row` at row * kXRow halves (KS > 1: warp w's k-group at 256w in it). With kXPairsTransposed, each
 //     block of 32 columns has its 4 x 4 pieces of 4 bytes transposed, so that lane q's four column pairs
 //     8p + 2q (p = 0..3, its A fragment's k order) sit side by side at 8q: one 16-byte load per lane and block;
 //     4 copies of 4 bytes per lane and row, lane l copying pairs l, l + 32, ... (32 pieces of 128 contiguous
@@ -478,16 +524,19 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
 template <class Cfg, typename T>
 __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* small_piece, const StepCursor& c) {
   constexpr int MB = Cfg::kMB;
-  constexpr int kStride = Cfg::kActsByIssuer ? 1 : Cfg::kWarps;  // rows (token groups) between a warp's copies
-  const int lane = threadIdx.x & 31, warp = Cfg::kActsByIssuer ? 0 : threadIdx.x >> 5;
+  constexpr bool kEveryRow = Cfg::kActsByIssuer || Cfg::kKSplit > 1;
+  constexpr int kStride = kEveryRow ? 1 : Cfg::kWarps;  // rows (token groups) between a warp's copies
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, first_row = kEveryRow ? 0 : warp;
+  const int kgroup = warp_kgroup<Cfg>(c, warp);
+  if (Cfg::kKSplit > 1 && kgroup >= p.k_groups) return;
   const T* x = static_cast<const T*>(p.x);
-  uint8_t* xs = small_piece + Cfg::kAbsStage;
+  uint8_t* xs = small_piece + Cfg::kAbsStage + (Cfg::kKSplit > 1 ? warp * kKGroup * 2 : 0);
   const TokenPass pass = token_pass<Cfg>(p, c);
-  const int rows = pass.rows, kcol0 = c.kgroup * kKGroup;
+  const int rows = pass.rows, kcol0 = kgroup * kKGroup;
   if constexpr (Cfg::kWgmma) {
     const int n = lane & 7;
 #pragma unroll
-    for (int group = warp; group < MB; group += kStride) {
+    for (int group = first_row; group < MB; group += kStride) {
       if (group * 8 + n >= rows) continue;
       const T* src = x_row<Cfg, T>(p, pass.first + group * 8 + n) + kcol0;
 #pragma unroll
@@ -499,7 +548,7 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
     }
   } else {
 #pragma unroll
-    for (int row = warp; row < MB * 8; row += kStride) {
+    for (int row = first_row; row < MB * 8; row += kStride) {
       if (row >= rows) break;
       const T* src = x_row<Cfg, T>(p, pass.first + row) + kcol0;
       if constexpr (Cfg::kXPairsTransposed) {
@@ -554,8 +603,9 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
 #pragma unroll
   for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r]);
   constexpr int XR = Cfg::kXRow;
+  const int xk = Cfg::kKSplit > 1 ? (threadIdx.x >> 5) * kKGroup : 0;  // the warp's k-group in the token rows
   const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) +
-                      (Cfg::kXPairsTransposed ? g * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3)) * 2;
+                      (xk + (Cfg::kXPairsTransposed ? g * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3))) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
   float2 block_scales_lo[RT], block_scales_hi[RT];
 
@@ -718,6 +768,35 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
   return cta_of_step(StreamKCut{p.steps_per_cta, p.extra_steps}, s);
 }
 
+// KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
+// k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of
+// the stage (RT * K * 512 bytes, >= the kFrags * 512 it needs; the warp read them at the step's start), the warps
+// meet once, warp 0 adds. Every warp arrives on the stage's empty barrier after this, warp 0 after its reads, so the
+// stage is not refilled under them. Warp 0 then finishes the tile alone (finish_tile), as the only warp of its
+// row tiles.
+template <class Cfg>
+__device__ __forceinline__ void gather_k_split(uint8_t* codes_piece, float (&acc)[Cfg::kFrags][4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kWarpBytes = Cfg::kRowTiles * Cfg::kBits * 512;
+  static_assert(Cfg::kFrags * 512 <= kWarpBytes, "a warp's accumulators must fit in its codes");
+  auto parked = [&](int w, int f) { return reinterpret_cast<float4*>(codes_piece + w * kWarpBytes) + f * 32 + lane; };
+  __syncwarp();  // every lane of the warp has read its codes
+  if (warp != 0) {
+#pragma unroll
+    for (int f = 0; f < Cfg::kFrags; ++f) *parked(warp, f) = make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    for (int w = 1; w < Cfg::kWarps; ++w) {
+#pragma unroll
+      for (int f = 0; f < Cfg::kFrags; ++f) {
+        const float4 v = *parked(w, f);
+        acc[f][0] += v.x, acc[f][1] += v.y, acc[f][2] += v.z, acc[f][3] += v.w;
+      }
+    }
+  }
+}
+
 // The tile of step c ends here for this CTA: store it, or, when other CTAs hold parts of its k range, either
 // publish this CTA's partial (it does not hold the tile's first k-group) or reduce the others' into its own.
 // A CTA publishes at most one partial: only its first tile can have begun before its range (one slot each).
@@ -733,7 +812,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   constexpr int MB = Cfg::kMB;
   constexpr int F = Cfg::kFrags;
   const int tile = c.tile(p);
-  const int tile_first = tile * p.k_groups, tile_last = tile_first + p.k_groups - 1;
+  const int tile_first = tile * p.k_steps, tile_last = tile_first + p.k_steps - 1;
   const bool holds_first = tile_first >= first, holds_last = tile_last < last;
   if (holds_first && holds_last) {
     store_tile<Cfg, T>(p, c, out_scale, acc);
@@ -829,9 +908,11 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (!Cfg::kGrouped && p.dependent_launch && threadIdx.x == 0) {  // a grouped GEMM's passes are not written yet
     StepCursor at(p, first);
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
-      const int64_t i = first_piece<Cfg>(p, at);
-      prefetch_l2(p.b + i * (K * 32), Cfg::kBStage);
-      prefetch_l2(p.absmax + i * 128, Cfg::kAbsStage);
+      for (int j = 0; j < weight_ranges<Cfg>(p, at); ++j) {
+        const int64_t i = warp_piece<Cfg>(p, at, j);
+        prefetch_l2(p.b + i * (K * 32), WeightRange<Cfg>::kCodes);
+        prefetch_l2(p.absmax + i * 128, WeightRange<Cfg>::kScales);
+      }
     }
   }
 #endif
@@ -880,7 +961,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   uint32_t phase = 0;   // parity of this step's use of its stage
   for (int step = first; step < last;) {
     // The steps of one tile (its k-groups in this CTA's range), then the tile's end.
-    const int tile_end = min(last, step + p.k_groups - c.kgroup);
+    const int tile_end = min(last, step + p.k_steps - c.kstep);
     const int rows = token_pass<Cfg>(p, c).rows;
     for (; step < tile_end; ++step) {
       // Step + S - 1 goes into the stage of step - 1 once every warp is done with it: its weights now, its
@@ -906,7 +987,11 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
       } else
 #endif
       {
-        compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, rows, acc);
+        if (Cfg::kKSplit == 1 || warp_kgroup<Cfg>(c, warp) < p.k_groups)
+          compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, rows, acc);
+        if constexpr (Cfg::kKSplit > 1) {
+          if (step + 1 == tile_end) gather_k_split<Cfg>(layout.codes(slot), acc);
+        }
       }
       __syncwarp();
       if (lane == 0) mbarrier_arrive(empty(slot));
@@ -917,8 +1002,9 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
       }
       if (more) load_at.advance(p);
       if (++slot == S) slot = 0, phase ^= 1u;
+      if (Cfg::kKSplit > 1 && step + 1 < tile_end) c.kstep++;  // the warps' k-groups (whole tiles: next_tile below)
     }
-    finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
+    if (Cfg::kKSplit == 1 || warp == 0) finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
 #pragma unroll
     for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
     c.next_tile(p);
@@ -976,16 +1062,20 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, static_cast<const typename Cfg::Params&>(p));
 }
 
-// The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass; wgmma with 64
-// tokens and 256-row tiles, or 128 tokens and 128- or 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py
-// picks among them (gemm.cu reports them: gemm_configs).
-constexpr int gemm_config_key(int mb, int wgmma_tiles) { return wgmma_tiles * 32 + mb; }
-// Calls f(GemmConfig<K, mb, wgmma_tiles>{}) if that configuration is built; returns whether it is. The one list
-// of configurations, for the launcher and for the host's report (gemm.cu).
+// The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 tokens
+// the warps splitting 32-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens and 128- or
+// 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them: gemm_configs).
+constexpr int gemm_config_key(int mb, int wgmma_tiles, int k_split = 1) {
+  return (k_split > 1 ? 1024 : 0) + wgmma_tiles * 32 + mb;
+}
+// Calls f(GemmConfig<K, mb, wgmma_tiles, 0, k_split>{}) if that configuration is built; returns whether it is. The
+// one list of configurations, for the launcher and for the host's report (gemm.cu).
 template <int K, typename F>
-bool with_gemm_config(int mb, int wgmma_tiles, F&& f) {
-  switch (gemm_config_key(mb, wgmma_tiles)) {
+bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
+  if (k_split != 1 && k_split != kGemmWarps) return false;
+  switch (gemm_config_key(mb, wgmma_tiles, k_split)) {
     case gemm_config_key(1, 0): f(GemmConfig<K, 1, 0>{}); return true;
+    case gemm_config_key(1, 0, kGemmWarps): f(GemmConfig<K, 1, 0, 0, kGemmWarps>{}); return true;
     case gemm_config_key(2, 0): f(GemmConfig<K, 2, 0>{}); return true;
     case gemm_config_key(4, 0): f(GemmConfig<K, 4, 0>{}); return true;
     case gemm_config_key(8, 2): f(GemmConfig<K, 8, 2>{}); return true;
@@ -1002,7 +1092,7 @@ bool with_gemm_config(int mb, int wgmma_tiles, F&& f) {
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
-  with_gemm_config<K>(p.mb, p.wgmma_tiles, [&](auto cfg) { err = launch_gemm<decltype(cfg), T>(p, stream); });
+  with_gemm_config<K>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) { err = launch_gemm<decltype(cfg), T>(p, stream); });
   return err;
 }
 
@@ -1017,7 +1107,7 @@ cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
 template <int K>
 cudaError_t gemm_for_bits(const GemmParams& p, cudaStream_t stream);
 
-int gemm_smem_bytes(int k, int mb, int wgmma_tiles);
+int gemm_smem_bytes(int k, int mb, int wgmma_tiles);  // of GemmConfig<k, mb, wgmma_tiles> (no k split)
 bool gemm_on_sm80(int k, int mb, int wgmma_tiles);
 
 }  // namespace kbit

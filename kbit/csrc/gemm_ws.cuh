@@ -103,10 +103,10 @@ __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_m
     uint8_t* stage = stages + slot * Cfg::kStageBytes;
     uint64_t* bar = &full[slot];
     mbarrier_arrive_expect_bytes(bar, Cfg::kStageBytes);
-    const int k0 = c.kgroup * kKGroup, m0 = c.mpass * Cfg::kTokens;
+    const int k0 = c.kstep * kKGroup, m0 = c.mpass * Cfg::kTokens;
 #pragma unroll
     for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(stage + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
-    const int64_t piece = first_piece<Cfg>(p, c);
+    const int64_t piece = tile_piece<Cfg>(p, c, c.kstep);
     bulk_copy_to_shared(stage + Cfg::kCodesOffset, p.b + piece * (K * 32), kWsTile16s * Cfg::kCodeBytes, bar);
     bulk_copy_to_shared(stage + Cfg::kScalesOffset, p.absmax + piece * 128, kWsTile16s * 128, bar);
     if (++slot == S) slot = 0, phase ^= 1u;
@@ -161,7 +161,7 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void ws_finish(const GemmParams& p, const StepCursor& c, bool holds_first, bool holds_last,
                                           const int (&tile16s)[2], float out_scale, float (&acc)[2][Cfg::kFrags][4]) {
   constexpr int F = Cfg::kFrags;
-  const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
+  const int tile_last = c.tile(p) * p.k_steps + p.k_steps - 1;
   if (holds_first && holds_last) {
     ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
     return;
@@ -249,7 +249,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* 
   StepCursor c(p, first);
   int slot = 0;
   uint32_t phase = 0;
-  bool from_start = c.kgroup == 0;
+  bool from_start = c.kstep == 0;
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
     const uint8_t* stage = stages + slot * Cfg::kStageBytes;
@@ -292,7 +292,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* 
     fence_accumulators(acc[1]);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[slot]);
-    const bool holds_last = c.kgroup == p.k_groups - 1;
+    const bool holds_last = c.kstep == p.k_steps - 1;
     if (holds_last || remaining == 1) {
       ws_finish<Cfg, T>(p, c, from_start, holds_last, tile16s, out_scale, acc);
 #pragma unroll
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemm_ws_kernel(const __grid_con
   if (p.dependent_launch && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
-      prefetch_l2(p.b + first_piece<Cfg>(p, at) * (K * 32), kWsTile16s * K * 512);
+      prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), kWsTile16s * K * 512);
     }
   }
   grid_dependency_wait();

@@ -82,12 +82,15 @@ struct GemmParams {
                             // launch, and again after it
   int M, N, K_x, lda;
   int k_groups;             // K_w / 256, rounded up
-  int n_tiles;              // CTA row tiles along N (16 rows per warp)
+  int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
+  int n_tiles;              // CTA row tiles along N
   int grid;                 // CTAs; CTA c owns steps_per_cta steps, one more if c < extra_steps
-  int steps_per_cta;        // pipeline steps (token passes x n_tiles x k_groups) / grid
+  int steps_per_cta;        // pipeline steps (token passes x n_tiles x k_steps) / grid
   int extra_steps;          // pipeline steps % grid
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
+  int k_split;              // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb = 1): the CTA's 8 warps split
+                            // the k-groups of one 32-row tile (gemm.cuh, GemmConfig::kKSplit)
   int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64 or 128: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
                             // with that many tokens per tile (mb = ws_tokens / 8)
   int k;                    // bits
@@ -102,13 +105,14 @@ constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
 // One configuration of the fused GEMM, as built. kbit/dispatch.py plans every call from this list (through the
 // binding's gemm_configs): it never picks one that is not built, or that this GPU cannot run.
 struct GemmConfigInfo {
-  int bits, mb, wgmma_tiles;  // GemmConfig<bits, mb, wgmma_tiles> of gemm.cuh, or with ws_tokens:
+  int bits, mb, wgmma_tiles;  // GemmConfig<bits, mb, wgmma_tiles, 0, k_split> of gemm.cuh, or with ws_tokens:
+  int k_split;                // warps splitting one tile's k-groups (GemmParams), 1 with ws_tokens
   int ws_tokens;              // > 0: WsConfig<bits, ws_tokens> of gemm_ws.cuh (mb = ws_tokens / 8, wgmma_tiles = 0)
   int smem_bytes;             // shared memory per CTA, static included
   int cc_major_min, cc_major_max;  // the compute capabilities (major) its code is built for
 };
-// Whether (k, mb, wgmma_tiles, ws_tokens) is built; fills info if it is.
-bool gemm_config_info(int k, int mb, int wgmma_tiles, int ws_tokens, GemmConfigInfo* info);
+// Whether (k, mb, wgmma_tiles, k_split, ws_tokens) is built; fills info if it is.
+bool gemm_config_info(int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, GemmConfigInfo* info);
 // Every built configuration, every bit width.
 std::vector<GemmConfigInfo> gemm_configs();
 
@@ -116,6 +120,7 @@ std::vector<GemmConfigInfo> gemm_configs();
 struct GemmPlan {
   int mb, m_passes, grid, total_steps;
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: wgmma with that many row tiles per warp (GemmParams)
+  int k_split;              // warps splitting one tile's k-groups (GemmParams)
   int ws_tokens;            // 0, or tokens per tile of the warp-specialized kernel (GemmParams)
   int64_t partial_floats;   // floats of split-K workspace (0 when every CTA owns whole tiles)
   int smem_bytes;           // shared memory per CTA the configuration needs
@@ -124,10 +129,11 @@ struct GemmPlan {
   bool built;               // whether the configuration is built for the device's architecture
 };
 
-// The launch of the configuration (k, mb, wgmma_tiles, ws_tokens) for M tokens; chooses nothing. num_sms:
+// The launch of the configuration (k, mb, wgmma_tiles, k_split, ws_tokens) for M tokens; chooses nothing. num_sms:
 // multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K). A
 // configuration that is not built comes back with built = false and nothing else set.
-GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int ws_tokens, int num_sms, int forced_grid);
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
+                   int forced_grid);
 // Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);
