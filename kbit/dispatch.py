@@ -142,7 +142,9 @@ H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
 H200_TUNED = Measured("H200", "a512329", "2026-11-23",
                       "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
                       "--tokens 32,48,64,96,128,192,256; docs/PERFORMANCE.md, H200, dispatch")
-H200_K_SPLIT = Measured("H200", "pending", "2026-11-23", "pending")
+H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
+                        "bench_gemm.py --m 1,4,8 --k 2,3,4,5, eleven shapes, KBIT_GEMM_PATH=mma_sync against k_split; "
+                        "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
 
 
 class Rule(str, enum.Enum):
@@ -211,9 +213,12 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 257, H200_TUNED),
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
-    # Up to 8 tokens, 32-row tiles with the warps splitting k where the 256-row tiles leave each SM fewer than 3
-    # steps: there every 256-row tile is split over several CTAs and their hand-off is most of the call.
-    Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, max_steps_per_sm=3),
+    # Up to 8 tokens, 32-row tiles with the warps splitting k where the 256-row tiles leave each SM fewer than 2
+    # steps (1 at K = 3): there each 256-row tile is split over several CTAs, and their hand-off is a quarter of the
+    # call (K = 4, M = 1: 2048->1536 4.87 -> 3.86 us, 4096->4096 8.27 -> 6.76; K = 3 on 4096->4096 7.87 -> 7.96).
+    # From 2.4 steps per SM on, the 256-row tiles win (2048->10240 8.46 vs 8.86; 14336->4096 14.4 vs 15.9).
+    Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(2, 4, 5), max_steps_per_sm=2),
+    Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(3,), max_steps_per_sm=1),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps

@@ -98,7 +98,7 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
         reference = dequantize_cublas(weights[0]).float()
         us[dispatch.Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats))
         runs = dispatch.fused_configs(facts.device, facts.configs, out_features, in_features, M, bits)
-        for path in (dispatch.Path.MMA_SYNC, dispatch.Path.WGMMA, dispatch.Path.WARP_SPECIALIZED):
+        for path in (dispatch.Path.MMA_SYNC, dispatch.Path.K_SPLIT, dispatch.Path.WGMMA, dispatch.Path.WARP_SPECIALIZED):
             config = runs.get(path)
             time = None
             if config is not None:

@@ -67,7 +67,7 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     def steps(mb):
         return -(-M // (mb * 8)) * -(-N // 256) * kg
 
-    if path != "ws" and 1 <= M <= 8 and steps(1) < 3 * sms:
+    if path != "ws" and 1 <= M <= 8 and steps(1) < (1 if bits == 3 else 2) * sms:
         return Plan(Path.K_SPLIT, 1, 0, 0, 8)
 
     wgmma = (M > 64 and N >= 8192) or M > 256 or (M > 32 and steps(8) >= 16 * sms)

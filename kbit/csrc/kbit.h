@@ -82,20 +82,20 @@ struct GemmParams {
                             // launch, and again after it
   int M, N, K_x, lda;
   int k_groups;             // K_w / 256, rounded up
-  int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
   int n_tiles;              // CTA row tiles along N
   int grid;                 // CTAs; CTA c owns steps_per_cta steps, one more if c < extra_steps
   int steps_per_cta;        // pipeline steps (token passes x n_tiles x k_steps) / grid
   int extra_steps;          // pipeline steps % grid
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
-  int k_split;              // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb = 1): the CTA's 8 warps split
-                            // the k-groups of one 32-row tile (gemm.cuh, GemmConfig::kKSplit)
   int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64 or 128: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
                             // with that many tokens per tile (mb = ws_tokens / 8)
   int k;                    // bits
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
+  int k_split;              // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb = 1): the CTA's 8 warps split
+                            // the k-groups of one 32-row tile (gemm.cuh, GemmConfig::kKSplit)
+  int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
 };
 
 // A split-K partial not yet written: a NaN whose payload no arithmetic produces (the GPU's arithmetic NaN is
