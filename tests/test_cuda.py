@@ -879,7 +879,7 @@ def _malformed_cases():
         ("gemm x too wide", lambda: ext.gemm(torch.randn(3, K_dim + 8, device="cuda").half(), b, a, cb, s, None, k, N,
                                              K_dim, 0, *config)),
         ("gemm k mismatch", lambda: ext.gemm(x, b, a, cb, s, None, 3, N, K_dim, 0, *config)),
-        ("gemm configuration not built", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim, 0, 3, 0, 0)),
+        ("gemm configuration not built", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim, 0, 3, 0, 1, 0)),
         ("quantize short codebook", lambda: ext.quantize(W, cb[:4], k, s)),
         ("quantize codebook float16", lambda: ext.quantize(W, cb.half(), k, s)),
     ]

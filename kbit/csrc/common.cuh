@@ -153,6 +153,9 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 }
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) { mbarrier_wait(shared_address(bar), parity); }
 #if KBIT_BULK_COPY
+// Bulk copies write and wgmma reads shared memory through the async proxy: shared-memory writes through the generic
+// proxy (cp.async, st.shared) need this fence before an async-proxy access of the same bytes.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -261,9 +264,6 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 // Waits until at most N committed groups of this warpgroup are still running.
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// wgmma reads shared memory through the async proxy: shared-memory writes seen through the generic proxy
-// (cp.async, st.shared) need this fence before a wgmma may read them.
-__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // The accumulators after a wait: redefined here, so the compiler reads them only after it.
 template <int F>

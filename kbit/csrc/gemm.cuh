@@ -350,16 +350,26 @@ struct SmemLayout {
 // Position of a pipeline step in (token pass, CTA row tile, k step) order; k step = k-group, or with KS warps
 // splitting k the k-groups KS * kstep ... The kernel walks its steps in order, so it advances cursors instead of
 // dividing: one cursor for the copies, one for the math.
+// Steps per tile: k_groups, or with KS > 1 p.k_steps (k_groups / KS rounded up). KS = 1 reads k_groups itself, the
+// parameter the layout's addresses read too.
+template <int KS>
+__device__ __forceinline__ int steps_per_tile(const GemmParams& p) {
+  return KS == 1 ? p.k_groups : p.k_steps;
+}
+template <int KS>
+using KSplit = std::integral_constant<int, KS>;
 struct StepCursor {
   int kstep, ntile, mpass;
-  __device__ StepCursor(const GemmParams& p, int step) {
-    const int tile = step / p.k_steps;
-    kstep = step - tile * p.k_steps;
+  template <int KS = 1>
+  __device__ StepCursor(const GemmParams& p, int step, KSplit<KS> = {}) {
+    const int tile = step / steps_per_tile<KS>(p);
+    kstep = step - tile * steps_per_tile<KS>(p);
     mpass = tile / p.n_tiles;
     ntile = tile - mpass * p.n_tiles;
   }
-  __device__ void advance(const GemmParams& p) {
-    if (++kstep == p.k_steps) next_tile(p);
+  template <int KS = 1>
+  __device__ void advance(const GemmParams& p, KSplit<KS> = {}) {
+    if (++kstep == steps_per_tile<KS>(p)) next_tile(p);
   }
   __device__ void next_tile(const GemmParams& p) {
     kstep = 0;
@@ -408,7 +418,7 @@ template <class Cfg>
 __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
   if constexpr (Cfg::kGrouped) {
     const auto& g = static_cast<const GroupedGemmParams&>(p);
-    const int total = min(max(*g.num_passes, 0), g.max_passes) * p.n_tiles * p.k_steps;
+    const int total = min(max(*g.num_passes, 0), g.max_passes) * p.n_tiles * steps_per_tile<Cfg::kKSplit>(p);
     return {total / static_cast<int>(gridDim.x), total % static_cast<int>(gridDim.x)};
   } else {
     return {p.steps_per_cta, p.extra_steps};
@@ -784,6 +794,9 @@ __device__ __forceinline__ void gather_k_split(uint8_t* codes_piece, float (&acc
   if (warp != 0) {
 #pragma unroll
     for (int f = 0; f < Cfg::kFrags; ++f) *parked(warp, f) = make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]);
+#if KBIT_BULK_COPY
+    fence_proxy_async_shared();  // ordered before the stage's next bulk copy (the async proxy) writes there
+#endif
   }
   __syncthreads();
   if (warp == 0) {
@@ -812,7 +825,8 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   constexpr int MB = Cfg::kMB;
   constexpr int F = Cfg::kFrags;
   const int tile = c.tile(p);
-  const int tile_first = tile * p.k_steps, tile_last = tile_first + p.k_steps - 1;
+  const int k_steps = steps_per_tile<Cfg::kKSplit>(p);
+  const int tile_first = tile * k_steps, tile_last = tile_first + k_steps - 1;
   const bool holds_first = tile_first >= first, holds_last = tile_last < last;
   if (holds_first && holds_last) {
     store_tile<Cfg, T>(p, c, out_scale, acc);
@@ -887,6 +901,7 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   constexpr int K = Cfg::kBits;
   constexpr int S = Cfg::kStages;
+  using KS = KSplit<Cfg::kKSplit>;
   extern __shared__ __align__(16) uint8_t smem[];
   const SmemLayout<Cfg> layout(smem);
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
@@ -906,8 +921,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // steps while the previous kernel drains; everything else waits for that kernel. In a normal launch
   // there is nothing to overlap, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
   if (!Cfg::kGrouped && p.dependent_launch && threadIdx.x == 0) {  // a grouped GEMM's passes are not written yet
-    StepCursor at(p, first);
-    for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p)) {
+    StepCursor at(p, first, KS{});
+    for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, KS{})) {
       for (int j = 0; j < weight_ranges<Cfg>(p, at); ++j) {
         const int64_t i = warp_piece<Cfg>(p, at, j);
         prefetch_l2(p.b + i * (K * 32), WeightRange<Cfg>::kCodes);
@@ -946,8 +961,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // tables waited ~3 us for the issuing threads, held back by DRAM (all SMs fill their pipelines at once),
   // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
-  StepCursor load_at(p, first);
-  for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p)) {  // every CTA has a step 0
+  StepCursor load_at(p, first, KS{});
+  for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p, KS{})) {  // every CTA has a step 0
     copy_weights(s, load_at, issues(s));
     if (!Cfg::kActsByIssuer || issues(s)) copy_activations(s, load_at);
     if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
@@ -956,12 +971,12 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   __syncthreads();  // tables complete
 
   float acc[Cfg::kFrags][4] = {};
-  StepCursor c(p, first);
+  StepCursor c(p, first, KS{});
   int slot = 0;         // stage of this step
   uint32_t phase = 0;   // parity of this step's use of its stage
   for (int step = first; step < last;) {
     // The steps of one tile (its k-groups in this CTA's range), then the tile's end.
-    const int tile_end = min(last, step + p.k_steps - c.kstep);
+    const int tile_end = min(last, step + steps_per_tile<Cfg::kKSplit>(p) - c.kstep);
     const int rows = token_pass<Cfg>(p, c).rows;
     for (; step < tile_end; ++step) {
       // Step + S - 1 goes into the stage of step - 1 once every warp is done with it: its weights now, its
@@ -1000,7 +1015,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
         if (!Cfg::kActsByIssuer) wait_refill_empty();
         copy_activations(refill, load_at);
       }
-      if (more) load_at.advance(p);
+      if (more) load_at.advance(p, KS{});
       if (++slot == S) slot = 0, phase ^= 1u;
       if (Cfg::kKSplit > 1 && step + 1 < tile_end) c.kstep++;  // the warps' k-groups (whole tiles: next_tile below)
     }

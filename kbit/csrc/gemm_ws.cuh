@@ -161,7 +161,7 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void ws_finish(const GemmParams& p, const StepCursor& c, bool holds_first, bool holds_last,
                                           const int (&tile16s)[2], float out_scale, float (&acc)[2][Cfg::kFrags][4]) {
   constexpr int F = Cfg::kFrags;
-  const int tile_last = c.tile(p) * p.k_steps + p.k_steps - 1;
+  const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
   if (holds_first && holds_last) {
     ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
     return;
@@ -292,7 +292,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* 
     fence_accumulators(acc[1]);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[slot]);
-    const bool holds_last = c.kstep == p.k_steps - 1;
+    const bool holds_last = c.kstep == p.k_groups - 1;
     if (holds_last || remaining == 1) {
       ws_finish<Cfg, T>(p, c, from_start, holds_last, tile16s, out_scale, acc);
 #pragma unroll
