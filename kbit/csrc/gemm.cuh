@@ -901,7 +901,7 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   constexpr int K = Cfg::kBits;
   constexpr int S = Cfg::kStages;
-  using KS = KSplit<Cfg::kKSplit>;
+  using Split = KSplit<Cfg::kKSplit>;  // the cursors' steps per tile
   extern __shared__ __align__(16) uint8_t smem[];
   const SmemLayout<Cfg> layout(smem);
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
@@ -921,8 +921,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // steps while the previous kernel drains; everything else waits for that kernel. In a normal launch
   // there is nothing to overlap, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
   if (!Cfg::kGrouped && p.dependent_launch && threadIdx.x == 0) {  // a grouped GEMM's passes are not written yet
-    StepCursor at(p, first, KS{});
-    for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, KS{})) {
+    StepCursor at(p, first, Split{});
+    for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, Split{})) {
       for (int j = 0; j < weight_ranges<Cfg>(p, at); ++j) {
         const int64_t i = warp_piece<Cfg>(p, at, j);
         prefetch_l2(p.b + i * (K * 32), WeightRange<Cfg>::kCodes);
@@ -961,8 +961,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // tables waited ~3 us for the issuing threads, held back by DRAM (all SMs fill their pipelines at once),
   // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
   const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
-  StepCursor load_at(p, first, KS{});
-  for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p, KS{})) {  // every CTA has a step 0
+  StepCursor load_at(p, first, Split{});
+  for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p, Split{})) {  // every CTA has a step 0
     copy_weights(s, load_at, issues(s));
     if (!Cfg::kActsByIssuer || issues(s)) copy_activations(s, load_at);
     if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
@@ -971,7 +971,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   __syncthreads();  // tables complete
 
   float acc[Cfg::kFrags][4] = {};
-  StepCursor c(p, first, KS{});
+  StepCursor c(p, first, Split{});
   int slot = 0;         // stage of this step
   uint32_t phase = 0;   // parity of this step's use of its stage
   for (int step = first; step < last;) {
@@ -1015,9 +1015,10 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
         if (!Cfg::kActsByIssuer) wait_refill_empty();
         copy_activations(refill, load_at);
       }
-      if (more) load_at.advance(p, KS{});
+      if (more) load_at.advance(p, Split{});
       if (++slot == S) slot = 0, phase ^= 1u;
-      if (Cfg::kKSplit > 1 && step + 1 < tile_end) c.kstep++;  // the warps' k-groups (whole tiles: next_tile below)
+      // The math cursor's k step gives the warps their k-groups (KS > 1); the tile's end moves it (next_tile).
+      if (Cfg::kKSplit > 1 && step + 1 < tile_end) c.kstep++;
     }
     if (Cfg::kKSplit == 1 || warp == 0) finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
 #pragma unroll
