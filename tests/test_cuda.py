@@ -470,32 +470,24 @@ def test_gemm_big_shape(k):
 WS_MS = (1, 5, 17, 32, 33, 64, 65, 100, 128, 129, 256, 300)
 WS_SHAPES = ((4096, 4096), (1000, 4128), (256, 40), (130, 4104), (1536, 2048), (72, 100), (14336, 4096))
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                                  reason="the warp-specialized GEMM runs on compute capability 9.x")
-
-
-@needs_hopper
-@pytest.mark.parametrize("N,K", WS_SHAPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("k", BITS)
-def test_gemm_warp_specialized(k, N, K, monkeypatch):
-    monkeypatch.setenv("KBIT_GEMM_PATH", "ws")
-    seed = seed_for("gemm-ws", k, N, K)
-    qw = quantized_weight(N, K, k, seed)
-    _gemm_sweep(qw, seed, WS_MS, grid_override=1000, path="ws")
+                                  reason="the warp-specialized GEMM and the k split are tested on compute capability 9.x")
 
 
 # gemm.cuh with the warps splitting 32-row tiles' k-groups, forced with KBIT_GEMM_PATH=k_split up to 8 tokens
 # (a k range that ends inside a step, tiles past N, one CTA per tile or a forced grid that splits tiles across CTAs).
 K_SPLIT_MS = (1, 2, 3, 5, 8)
+FORCED_PATH_CASES = ([("ws", WS_MS, N, K) for N, K in WS_SHAPES] +
+                     [("k_split", K_SPLIT_MS, N, K) for N, K in SMALL_SHAPES + MODEL_SHAPES])
 
 
 @needs_hopper
-@pytest.mark.parametrize("N,K", SMALL_SHAPES + MODEL_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("path,ms,N,K", FORCED_PATH_CASES, ids=lambda v: "ms" if isinstance(v, tuple) else str(v))
 @pytest.mark.parametrize("k", BITS)
-def test_gemm_k_split(k, N, K, monkeypatch):
-    monkeypatch.setenv("KBIT_GEMM_PATH", "k_split")
-    seed = seed_for("gemm-k-split", k, N, K)
+def test_gemm_forced_path(k, path, ms, N, K, monkeypatch):
+    monkeypatch.setenv("KBIT_GEMM_PATH", path)
+    seed = seed_for("gemm-" + path, k, N, K)
     qw = quantized_weight(N, K, k, seed)
-    _gemm_sweep(qw, seed, K_SPLIT_MS, grid_override=1000, path="k_split")
+    _gemm_sweep(qw, seed, ms, grid_override=1000, path=path)
 
 
 @needs_hopper

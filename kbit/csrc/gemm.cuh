@@ -504,7 +504,7 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
 #else
   constexpr int RT = Cfg::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (warp_kgroup<Cfg>(c, warp) >= p.k_groups) return;
+  if (Cfg::kKSplit > 1 && warp_kgroup<Cfg>(c, warp) >= p.k_groups) return;
   const int64_t piece = warp_piece<Cfg>(p, c, warp);
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
