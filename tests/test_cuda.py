@@ -815,10 +815,13 @@ def test_sanitize_gemm(k, monkeypatch):
         W = torch.randn(N, K, generator=g) * 0.02
         qw = kbit.quantize(W.half().cuda(), k)
         for dtype in ((torch.float16, torch.bfloat16) if k == 4 else (torch.float16,)):
-            # the planner's choice, then up to 8 tokens the k split forced (where it is built)
-            for path in ("", "k_split") if hopper else ("",):
+            # the planner's choice, then (where they are built) up to 8 tokens the k split forced, and the
+            # warp-specialized kernel on forced grids (split-K: one CTA reduces up to 16 others' partials)
+            cases = {"": ((1, 0), (17, 0), (1, 7), (33, 1000), (0, 0)), "k_split": ((1, 0), (5, 0), (1, 7)),
+                     "ws": ((17, 1000), (40, 7), (100, 3))}
+            for path in ("", "k_split", "ws") if hopper else ("",):
                 monkeypatch.setenv("KBIT_GEMM_PATH", path)
-                for M, grid in ((1, 0), (17, 0), (1, 7), (33, 1000), (0, 0)) if not path else ((1, 0), (5, 0), (1, 7)):
+                for M, grid in cases[path]:
                     x = torch.randn(M, K, generator=g).to(dtype).cuda()
                     bias = torch.randn(N, generator=g).to(dtype).cuda() if M in (5, 17) else None
                     out = kbit.matmul(x, qw, bias, grid_override=grid)

@@ -5,7 +5,8 @@
 //   WsConfig            compile-time sizes of one configuration (bits K, tokens per tile NT)
 //   ws_producer         one thread: per step, TMA copies of the activations and bulk copies of the weights into
 //                       the next free stage of the ring
-//   ws_finish           stores a finished tile, or reduces it with the other CTAs that hold parts of it
+//   ws_contribute       a finished tile: stored, or its partial handed to the CTA that reduces it
+//   ws_reduce           that CTA: the tile's partials added, then stored
 //   ws_consumer         a consumer warpgroup's main loop: dequantize block t + 1 while block t's wgmmas run
 //                       (block_fragments of gemm.cuh, block scales applied in 16 bits)
 //   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
@@ -152,71 +153,100 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
   }
 }
 
-// holds_first / holds_last: this CTA holds the tile's first / last k-group (its own range starts / ends inside
-// the tile otherwise). Same protocol as finish_tile: contributors store their partial and go on; the reducer
-// polls each word until it is no longer kPartialEmpty, adds the partials in CTA order, puts kPartialEmpty back.
-// (One flag per contributor warp, written after a __threadfence, so that the reducer loads the words unchecked,
-// measured slower: the fence waits for the SM's copies in flight; docs/PERFORMANCE.md#instructive-failures.)
+// The 8 consumer warps meet (named barrier 1; __syncthreads is barrier 0, and the producer warpgroup is not there).
+__device__ __forceinline__ void consumer_barrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kWsThreads - 128) : "memory"); }
+
+// A tile split between CTAs (stream-K), same protocol as finish_tile in gemm.cuh, which says why the waits cannot
+// deadlock: the CTAs holding its later k-groups store their partials and go on (ws_contribute); the CTA holding
+// its first k-group polls each word until it is no longer kPartialEmpty, adds the partials in CTA order and puts
+// kPartialEmpty back (ws_reduce). Partials: per CTA kPartialFloats, per consumer warp its 2 * F fragments of 32
+// lanes x 4 floats (16-byte accesses, contiguous per warp). Only the fragments of real tokens move (at M = 17 on a
+// 32-token tile, about half the lanes). (One flag per contributor warp, written after a __threadfence, so that the
+// reducer loads the words unchecked, measured slower: the fence waits for the SM's copies in flight;
+// docs/PERFORMANCE.md#instructive-failures.)
+template <class Cfg>
+struct WsPartials {
+  const GemmParams& p;
+  int cwarp, lane, lane_token;
+  __device__ WsPartials(const GemmParams& params, const StepCursor& c)
+      : p(params), cwarp((threadIdx.x >> 5) - 4), lane(threadIdx.x & 31),
+        lane_token(c.mpass * Cfg::kTokens + 2 * (threadIdx.x & 3)) {}
+  // Fragment f = b * F + j: m64 block b, tokens 8j ..
+  __device__ float* at(int cta, int f) const {
+    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (cwarp * 2 * Cfg::kFrags + f) * 128 + lane * 4;
+  }
+  __device__ bool live(int f) const { return lane_token + 8 * (f % Cfg::kFrags) < p.M; }
+};
+
+template <class Cfg>
+__device__ __forceinline__ void ws_contribute(const GemmParams& p, const StepCursor& c,
+                                              const float (&acc)[2][Cfg::kFrags][4]) {
+  const WsPartials<Cfg> part(p, c);
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int j = 0; j < Cfg::kFrags; ++j)
+      if (part.live(b * Cfg::kFrags + j))
+        st_relaxed_gpu(part.at(blockIdx.x, b * Cfg::kFrags + j),
+                       make_float4(acc[b][j][0], acc[b][j][1], acc[b][j][2], acc[b][j][3]));
+}
+
+// The reducer's tile is the last of its CTA's range (the tile's first k-group is there, its last is not), so it
+// runs after the consumer loop, and once both consumer warpgroups are past that step no stage is read or filled
+// again: each warp parks its accumulators in the stages, and the registers they free hold kInFlight partial
+// fragments per L2 round trip, whichever contributors they come from. The fragments are taken contributor by
+// contributor, so each sum still adds its partials in CTA order. (One contributor's fragments per round trip, next
+// to the accumulators, made the hand-off most of the call on N = 4096, whose tiles are split ~8 ways.)
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_finish(const GemmParams& p, const StepCursor& c, bool holds_first, bool holds_last,
-                                          const int (&tile16s)[2], float out_scale, float (&acc)[2][Cfg::kFrags][4]) {
-  constexpr int F = Cfg::kFrags;
-  const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
-  if (holds_first && holds_last) {
-    ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
-    return;
-  }
-  const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
-  auto partial = [&](int cta, int b, int j) {
-    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + ((cwarp * 2 + b) * F + j) * 128 + lane * 4;
-  };
-  // Only the fragments of real tokens move (at M = 17 on a 32-token tile, about half the lanes).
-  const int lane_token = c.mpass * Cfg::kTokens + 2 * (lane & 3);
-  auto live = [&](int j) { return lane_token + 8 * j < p.M; };
-  if (!holds_first) {
+__device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor& c, const int (&tile16s)[2],
+                                          float out_scale, float (&acc)[2][Cfg::kFrags][4], uint8_t* stages) {
+  constexpr int F = Cfg::kFrags, kInFlight = 16;
+  static_assert(Cfg::kConsumerWarps * 2 * F * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes, "parked sums fit the stages");
+  const WsPartials<Cfg> part(p, c);
+  consumer_barrier();
+  float4* parked = reinterpret_cast<float4*>(stages) + part.cwarp * 2 * F * 32 + part.lane;  // [warp][f][lane]
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < 2; ++b)
 #pragma unroll
-      for (int j = 0; j < F; ++j)
-        if (live(j)) st_relaxed_gpu(partial(blockIdx.x, b, j), make_float4(acc[b][j][0], acc[b][j][1], acc[b][j][2], acc[b][j][3]));
-    return;
-  }
-  // The reducer: each later contributor in CTA order, kBatch fragments in flight per L2 round trip (next to the
-  // accumulators: 4 at 128 tokens).
-  constexpr int kBatch = F <= 4 ? F : 4;
+    for (int j = 0; j < F; ++j) parked[(b * F + j) * 32] = make_float4(acc[b][j][0], acc[b][j][1], acc[b][j][2], acc[b][j][3]);
   const float empty = __uint_as_float(kPartialEmpty);
-  const int others = cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x);
-  for (int o = 1; o <= others; ++o) {
+  const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
+  const int items = (cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x)) * 2 * F;  // (contributor, fragment)
+  for (int i0 = 0; i0 < items; i0 += kInFlight) {
+    float4 v[kInFlight];
+    // Item i0 + i: fragment (i0 + i) % 2F of CTA blockIdx.x + 1 + (i0 + i) / 2F.
+    auto wanted = [&](int i) { return i0 + i < items && part.live((i0 + i) % (2 * F)); };
+    auto word = [&](int i) { return part.at(blockIdx.x + 1 + (i0 + i) / (2 * F), (i0 + i) % (2 * F)); };
+    bool landed;
+    do {
+      landed = true;
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
+      for (int i = 0; i < kInFlight; ++i)
+        if (wanted(i)) v[i] = ld_relaxed_gpu(word(i));
 #pragma unroll
-      for (int j0 = 0; j0 < F; j0 += kBatch) {
-        float4 v[kBatch];
-        bool landed;
-        do {
-          landed = true;
-#pragma unroll
-          for (int j = 0; j < kBatch; ++j)
-            if (live(j0 + j)) v[j] = ld_relaxed_gpu(partial(blockIdx.x + o, b, j0 + j));
-#pragma unroll
-          for (int j = 0; j < kBatch; ++j) {
-            const uint32_t e = kPartialEmpty;
-            if (live(j0 + j))
-              landed &= __float_as_uint(v[j].x) != e && __float_as_uint(v[j].y) != e &&
-                        __float_as_uint(v[j].z) != e && __float_as_uint(v[j].w) != e;
-          }
-          if (!landed) __nanosleep(128);
-        } while (!landed);
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          if (!live(j0 + j)) continue;
-          float (&d)[4] = acc[b][j0 + j];
-          d[0] += v[j].x, d[1] += v[j].y, d[2] += v[j].z, d[3] += v[j].w;
-          st_relaxed_gpu(partial(blockIdx.x + o, b, j0 + j), make_float4(empty, empty, empty, empty));
-        }
+      for (int i = 0; i < kInFlight; ++i) {
+        const uint32_t e = kPartialEmpty;
+        if (wanted(i))
+          landed &= __float_as_uint(v[i].x) != e && __float_as_uint(v[i].y) != e && __float_as_uint(v[i].z) != e &&
+                    __float_as_uint(v[i].w) != e;
       }
+      if (!landed) __nanosleep(128);
+    } while (!landed);
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      if (!wanted(i)) continue;
+      float4& d = parked[((i0 + i) % (2 * F)) * 32];
+      d.x += v[i].x, d.y += v[i].y, d.z += v[i].z, d.w += v[i].w;
+      st_relaxed_gpu(word(i), make_float4(empty, empty, empty, empty));
     }
   }
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int j = 0; j < F; ++j) {
+      const float4 d = parked[(b * F + j) * 32];
+      acc[b][j][0] = d.x, acc[b][j][1] = d.y, acc[b][j][2] = d.z, acc[b][j][3] = d.w;
+    }
   ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
 }
 
@@ -231,7 +261,7 @@ __device__ __forceinline__ void ws_finish(const GemmParams& p, const StepCursor&
 // tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
 // across the step loop; ptxas then serializes every wgmma, C7518.)
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* stages, uint64_t* full, uint64_t* empty,
+__device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty,
                                             int first, int last) {
   constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags;
   const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4, wg = cwarp >> 2;
@@ -250,6 +280,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* 
   int slot = 0;
   uint32_t phase = 0;
   bool from_start = c.kstep == 0;
+  bool reduce_last = false;
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
     const uint8_t* stage = stages + slot * Cfg::kStageBytes;
@@ -294,7 +325,14 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* 
     if (lane == 0) mbarrier_arrive(&empty[slot]);
     const bool holds_last = c.kstep == p.k_groups - 1;
     if (holds_last || remaining == 1) {
-      ws_finish<Cfg, T>(p, c, from_start, holds_last, tile16s, out_scale, acc);
+      if (!holds_last && from_start) {  // the reducer: its tile is the range's last (ws_reduce)
+        reduce_last = true;
+        break;
+      }
+      if (holds_last && from_start)
+        ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
+      else
+        ws_contribute<Cfg>(p, c, acc);
 #pragma unroll
       for (int b = 0; b < 2; ++b)
 #pragma unroll
@@ -303,6 +341,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const uint8_t* 
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
+  if (reduce_last) ws_reduce<Cfg, T>(p, c, tile16s, out_scale, acc, stages);
 }
 #endif  // KBIT_WGMMA
 
