@@ -142,6 +142,10 @@ H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
 H200_TUNED = Measured("H200", "a512329", "2026-11-23",
                       "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
                       "--tokens 32,48,64,96,128,192,256; docs/PERFORMANCE.md, H200, dispatch")
+H200_TUNED_REDUCER = Measured("H200", "1dd6f08", "2026-11-23",
+                              "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
+                              "--tokens 32,48,64,96,128,192,256 (the warp-specialized split-K reducer polling 16 "
+                              "fragments per round trip); docs/PERFORMANCE.md, H200, dispatch")
 H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "bench_gemm.py --m 1,4,8 --k 2,3,4,5, eleven shapes, KBIT_GEMM_PATH=mma_sync against k_split; "
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
@@ -195,11 +199,12 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_WARP_SPECIALIZED, bits=(2, 3, 4), min_weights=1 << 27),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 512, H200_WARP_SPECIALIZED, bits=(5,), min_weights=1 << 27),
     # The warp-specialized kernel: from 17 tokens on >= 48M weights with N >= 8192 (8192->28672, M = 32: 63.6 vs
-    # 72.1 us), from 65 on >= 32M with N >= 8192, from 129 on >= 32M, from 513 everywhere. With N = 4096, each 256-row tile is
-    # split over many CTAs and its split-K hand-off (256 x 128 partials) costs more than the kernel saves.
+    # 72.1 us), from 33 on >= 32M with N >= 8192 (4096->11008, M = 48 / 64: 25.3 / 27.3 vs 29.4 / 30.2 us), from 129
+    # on >= 32M, from 513 everywhere. With N = 4096, each 256-row tile is split over ~8 CTAs, and mma.sync's 32-token
+    # passes tie with it through 128 tokens (14336->4096, M = 64: 36.8 vs 39.7 us; M = 128: 62.4 vs 70.4).
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 129, H200_WARP_SPECIALIZED, min_weights=1 << 25),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 65, H200_WARP_SPECIALIZED, min_weights=1 << 25,
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 33, H200_TUNED_REDUCER, min_weights=1 << 25,
               min_out_features=8192),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_TUNED, min_weights=48 << 20, min_out_features=8192),
     # gemm.cuh's wgmma from 65 tokens, and from 33 where every SM has >= 16 steps of 64 tokens: below that
