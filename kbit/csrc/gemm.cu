@@ -98,7 +98,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   plan.ws_tokens = ws_tokens;
   plan.smem_bytes = info.smem_bytes;
   plan.built = plan.cc_major >= info.cc_major_min && plan.cc_major <= info.cc_major_max;
-  const int k_steps = (static_cast<int>(layout_k_groups(K_w)) + k_split - 1) / k_split;
+  const int k_steps = gemm_k_steps(K_w, k_split);
   plan.m_passes = (M + mb * 8 - 1) / (mb * 8);
   const int tiles = plan.m_passes * ((N + tile_rows - 1) / tile_rows);
   plan.total_steps = tiles * k_steps;
@@ -118,7 +118,7 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   const int rows = plan.ws_tokens ? kWsTileRows : gemm_tile_rows(p.k, plan.mb, plan.wgmma_tiles, plan.k_split);
   p.n_tiles = (N + rows - 1) / rows;
   p.k_groups = static_cast<int>(layout_k_groups(K_w));
-  p.k_steps = (p.k_groups + plan.k_split - 1) / plan.k_split;
+  p.k_steps = gemm_k_steps(K_w, plan.k_split);
   p.mb = plan.mb;
   p.wgmma_tiles = plan.wgmma_tiles;
   p.k_split = plan.k_split;

@@ -31,6 +31,10 @@ constexpr int64_t layout_tiles16(int64_t N) {
   return (N + kLayoutNAlign - 1) / kLayoutNAlign * kLayoutBlockTiles;
 }
 constexpr int64_t layout_k_groups(int64_t K_w) { return (K_w + kKGroup - 1) / kKGroup; }
+// Pipeline steps per CTA tile: one k-group each, or k_split of them (the warps splitting k; GemmParams::k_split).
+constexpr int gemm_k_steps(int64_t K_w, int k_split) {
+  return static_cast<int>((layout_k_groups(K_w) + k_split - 1) / k_split);
+}
 // Piece number of 16-row tile `tile16`, k-group `kgroup`: codes at piece * k*512 bytes, scales at piece * 128.
 __host__ __device__ constexpr int64_t layout_piece(int64_t tile16, int kgroup, int k_groups) {
   return (tile16 / kLayoutBlockTiles * k_groups + kgroup) * kLayoutBlockTiles + tile16 % kLayoutBlockTiles;
