@@ -530,6 +530,17 @@ def test_gemm_custom_codebook(k, N, K):
     _gemm_sweep(qw, seed, (1, 3, 16, 33, 100), codebook="custom")
 
 
+@needs_hopper
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_custom_codebook_forced_ws(k, monkeypatch):
+    """The warp-specialized kernel with a random asymmetric codebook (its own pair tables), every tile width."""
+    monkeypatch.setenv("KBIT_GEMM_PATH", "ws")
+    for N, K in ((1000, 4128), (1536, 2048)):
+        seed = seed_for("gemm-custom-ws", k, N, K)
+        qw = quantized_weight(N, K, k, seed, cb_kind="custom")
+        _gemm_sweep(qw, seed, (17, 33, 64, 100, 129), codebook="custom")
+
+
 @pytest.mark.parametrize("k", BITS)
 def test_gemm_tensor_scale(k):
     """Weights far outside E4M4's range: the per-tensor scale goes into the GEMM."""

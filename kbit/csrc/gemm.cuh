@@ -294,15 +294,13 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
 }
 
 #if KBIT_WGMMA
-// The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights times each row's E4M4 block scale
-// in 16 bits (rounded once, like the dequantized weights cuBLAS would read), into h; then, once the wgmma group that
-// last read a register set is done, h as the A registers of the block's two k16 slices.
-template <class Cfg, typename T>
-__device__ __forceinline__ void scaled_block_fragments(const uint32_t (&w)[4 * Cfg::kBits], uint2 scales_lo,
-                                                       uint2 scales_hi, int t, uint32_t sel, uint32_t (&h)[2][4]) {
+// The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights h times each row's E4M4 block scale
+// in 16 bits (rounded once, like the dequantized weights cuBLAS would read); then, once the wgmma group that last
+// read a register set is done, h as the A registers of the block's two k16 slices.
+template <typename T>
+__device__ __forceinline__ void apply_block_scales(uint2 scales_lo, uint2 scales_hi, int t, uint32_t (&h)[2][4]) {
   const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
   const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
-  block_fragments<Cfg>(w, t, sel, h);
 #pragma unroll
   for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
 }
@@ -681,7 +679,8 @@ __device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, c
     for (int t = 0; t < 8; ++t) {
       const int group = r * 8 + t;
       uint32_t h[2][4];
-      scaled_block_fragments<Cfg, T>(w, scales_lo, scales_hi, t, sel, h);
+      block_fragments<Cfg>(w, t, sel, h);
+      apply_block_scales<T>(scales_lo, scales_hi, t, h);
       if (group >= 2) wgmma_wait<1>();  // group - 2 is done with a[group % 2]
       uint32_t (&ag)[2][4] = a[group % 2];
       wgmma_a_fragments(h, ag);

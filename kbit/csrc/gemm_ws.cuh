@@ -305,7 +305,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
       for (int t = 0; t < 8; ++t) {
         const int group = b * 8 + t;
         uint32_t h[2][4];
-        scaled_block_fragments<Cfg, T>(w, scales_lo, scales_hi, t, sel, h);
+        block_fragments<Cfg>(w, t, sel, h);
+        apply_block_scales<T>(scales_lo, scales_hi, t, h);
         if (group >= 2) wgmma_wait<1>();  // group - 2 is done with a[group % 2]
         uint32_t (&ag)[2][4] = a[group % 2];
         wgmma_a_fragments(h, ag);
