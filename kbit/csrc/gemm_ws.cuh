@@ -12,12 +12,13 @@
 //   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
 //   launch_gemm_ws      host side: the activations' tensor map, the launch
 //
-// Roles. A CTA is three warpgroups. Warpgroup 0 is the producer: one thread issues every copy, the warpgroup
-// gives its registers back (setmaxnreg) and does nothing else. Warpgroups 1 and 2 are consumers: each owns 128
-// weight rows of the CTA's 256-row tile (two m64 blocks, i.e. two 16-row tiles per warp), turns their codes into
+// Roles. A CTA is three or five warpgroups. Warpgroup 0 is the producer: one thread issues every copy, the
+// warpgroup gives its registers back (setmaxnreg) and does nothing else. The others are consumers: each owns 64 (four
+// consumer warpgroups, up to 64 tokens per tile) or 128 (two, at 128 tokens) weight rows of the CTA's 256-row tile,
+// i.e. one or two m64 blocks, one 16-row tile of each per warp; it turns their codes into
 // wgmma's register-sourced A operand (swap-AB: weights are A, tokens are wgmma's N), and multiplies them by
 // the NT tokens the tensor cores read from shared memory. Nothing but the mbarriers of the stage ring ties the
-// consumers to the producer, so copies, dequantization and tensor-core work overlap; the two consumer
+// consumers to the producer, so copies, dequantization and tensor-core work overlap; the consumer
 // warpgroups interleave on the tensor cores. Compared with gemm.cuh's wgmma path (every warp copies and
 // dequantizes, 8 warps at 255 registers, activations by per-thread cp.async: issue slots 25-36% busy at
 // M = 64-128, docs/PERFORMANCE.md), the copies cost the consumers nothing and the activations arrive as whole
@@ -36,22 +37,33 @@
 
 namespace kbit {
 
-constexpr int kWsThreads = 384;                    // warpgroup 0: producer; 1 and 2: consumers
-constexpr int kWsTileRows = 256;                   // weight rows per CTA tile: 2 consumer warpgroups x 128
+constexpr int kWsTileRows = 256;                   // weight rows per CTA tile: 4 m64 blocks
 constexpr int kWsTile16s = kWsTileRows / 16;       // 16-row tiles of the GEMM layout per CTA tile
 constexpr int kWsSmemBudget = 227 * 1024;          // static + dynamic shared memory per CTA (sm_90 opt-in)
-constexpr int kWsProducerRegisters = 40;           // setmaxnreg: 128 x 40 + 256 x 232 <= 64K registers
-constexpr int kWsConsumerRegisters = 232;
 
 // Tokens per tile NT: 32, 64 or 128 (the host picks the smallest that holds M, 128 past that: more passes).
 template <int K, int NT>
 struct WsConfig {
   static constexpr int kBits = K, kTokens = NT;
-  static constexpr int kThreads = kWsThreads;
+  // Consumer warpgroups: four of 64 rows (4 warps per scheduler to hide the dequantization's latency) where
+  // the accumulators allow it, two of 128 rows at 128 tokens (an m64 block's 64 accumulator registers per thread
+  // and its A fragments would not fit the 112 registers four consumer warpgroups get).
+  static constexpr int kConsumerGroups = NT <= 64 ? 4 : 2;
+  static constexpr int kBlocks = 4 / kConsumerGroups;  // m64 blocks (16-row tiles) per consumer warp
+  static constexpr int kConsumerWarps = 4 * kConsumerGroups;
+  static constexpr int kThreads = 128 * (1 + kConsumerGroups);  // warpgroup 0: the producer
   static constexpr int kTileRows = kWsTileRows;
   static constexpr bool kGrouped = false;
-  static constexpr int kConsumerWarps = 8;
   static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per m64 block and warp
+  // setmaxnreg: the registers allocated at launch (per thread, a multiple of 8, for kThreads threads in 64K) are
+  // shared out again: the producer keeps 24 (40 where 2 consumer warpgroups get 232, the most setmaxnreg allows
+  // below 240 with the producer's loop state), the consumers the rest.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = kConsumerGroups == 2 ? 40 : 24;
+  static constexpr int kConsumerRegisters =
+      (kLaunchRegisters + (kLaunchRegisters - kProducerRegisters) / kConsumerGroups) / 8 * 8;
+  static_assert(kConsumerRegisters <= 240 && 128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=
+                                                 kThreads * kLaunchRegisters, "setmaxnreg shares out the launch's registers");
   // One stage = one step: the activations (NT tokens x 256 k, four TMA boxes of 64 k, 128-byte swizzled rows),
   // then the tile's codes (K * 512 B per 16-row tile) and its E4M4 block scales (128 B per tile), two bulk copies. Every piece
   // starts 1024-byte aligned (the swizzle atoms) when the stage does.
@@ -116,20 +128,20 @@ __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_m
 
 // ---------------------------------------------------------------------------- the end of a tile
 // acc[b][j] is the D fragment of m64 block b (this warp's 16-row tile `tile16s[b]`), tokens 8j ..: rows g and g + 8,
-// tokens 2q and 2q + 1 (common.cuh). Partials: per CTA kPartialFloats, per consumer warp its 2 * F fragments of
-// 32 lanes x 4 floats (16-byte accesses, contiguous per warp). Who reduces, and why the waits cannot deadlock:
+// tokens 2q and 2q + 1 (common.cuh). Partials: per CTA kPartialFloats, per consumer warp its kBlocks * F fragments
+// of 32 lanes x 4 floats (16-byte accesses, contiguous per warp). Who reduces, and why the waits cannot deadlock:
 // finish_tile in gemm.cuh.
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& c, const int (&tile16s)[2], float s,
-                                         const float (&acc)[2][Cfg::kFrags][4]) {
-  constexpr int F = Cfg::kFrags;
+__device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& c, const int (&tile16s)[Cfg::kBlocks],
+                                         float s, const float (&acc)[Cfg::kBlocks][Cfg::kFrags][4]) {
+  constexpr int F = Cfg::kFrags, B = Cfg::kBlocks;
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
-  int n[2][2];  // [m64 block][row g, row g + 8]
-  float bn[2][2];
+  int n[B][2];  // [m64 block][row g, row g + 8]
+  float bn[B][2];
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < B; ++b)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       n[b][half] = c.ntile * kWsTileRows + tile16s[b] * 16 + g + 8 * half;
@@ -145,7 +157,7 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
       if (m >= p.M) continue;
       T* row = y + static_cast<int64_t>(m) * p.N;
 #pragma unroll
-      for (int b = 0; b < 2; ++b)
+      for (int b = 0; b < B; ++b)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
           if (n[b][half] < p.N) row[n[b][half]] = from_float<T>(acc[b][j][2 * half + e] * s + bn[b][half]);
@@ -153,13 +165,16 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
   }
 }
 
-// The 8 consumer warps meet (named barrier 1; __syncthreads is barrier 0, and the producer warpgroup is not there).
-__device__ __forceinline__ void consumer_barrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kWsThreads - 128) : "memory"); }
+// The consumer warps meet (named barrier 1; __syncthreads is barrier 0, and the producer warpgroup is not there).
+template <class Cfg>
+__device__ __forceinline__ void consumer_barrier() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kThreads - 128) : "memory");
+}
 
 // A tile split between CTAs (stream-K), same protocol as finish_tile in gemm.cuh, which says why the waits cannot
 // deadlock: the CTAs holding its later k-groups store their partials and go on (ws_contribute); the CTA holding
 // its first k-group polls each word until it is no longer kPartialEmpty, adds the partials in CTA order and puts
-// kPartialEmpty back (ws_reduce). Partials: per CTA kPartialFloats, per consumer warp its 2 * F fragments of 32
+// kPartialEmpty back (ws_reduce). Partials: per CTA kPartialFloats, per consumer warp its kBlocks * F fragments of 32
 // lanes x 4 floats (16-byte accesses, contiguous per warp). Only the fragments of real tokens move (at M = 17 on a
 // 32-token tile, about half the lanes). (One flag per contributor warp, written after a __threadfence, so that the
 // reducer loads the words unchecked, measured slower: the fence waits for the SM's copies in flight;
@@ -171,19 +186,20 @@ struct WsPartials {
   __device__ WsPartials(const GemmParams& params, const StepCursor& c)
       : p(params), cwarp((threadIdx.x >> 5) - 4), lane(threadIdx.x & 31),
         lane_token(c.mpass * Cfg::kTokens + 2 * (threadIdx.x & 3)) {}
+  static constexpr int kWarpFrags = Cfg::kBlocks * Cfg::kFrags;
   // Fragment f = b * F + j: m64 block b, tokens 8j ..
   __device__ float* at(int cta, int f) const {
-    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (cwarp * 2 * Cfg::kFrags + f) * 128 + lane * 4;
+    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (cwarp * kWarpFrags + f) * 128 + lane * 4;
   }
   __device__ bool live(int f) const { return lane_token + 8 * (f % Cfg::kFrags) < p.M; }
 };
 
 template <class Cfg>
 __device__ __forceinline__ void ws_contribute(const GemmParams& p, const StepCursor& c,
-                                              const float (&acc)[2][Cfg::kFrags][4]) {
+                                              const float (&acc)[Cfg::kBlocks][Cfg::kFrags][4]) {
   const WsPartials<Cfg> part(p, c);
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < Cfg::kBlocks; ++b)
 #pragma unroll
     for (int j = 0; j < Cfg::kFrags; ++j)
       if (part.live(b * Cfg::kFrags + j))
@@ -198,25 +214,25 @@ __device__ __forceinline__ void ws_contribute(const GemmParams& p, const StepCur
 // contributor, so each sum still adds its partials in CTA order. (One contributor's fragments per round trip, next
 // to the accumulators, made the hand-off most of the call on N = 4096, whose tiles are split ~8 ways.)
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor& c, const int (&tile16s)[2],
-                                          float out_scale, float (&acc)[2][Cfg::kFrags][4], uint8_t* stages) {
-  constexpr int F = Cfg::kFrags, kInFlight = 16;
-  static_assert(Cfg::kConsumerWarps * 2 * F * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes, "parked sums fit the stages");
+__device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor& c, const int (&tile16s)[Cfg::kBlocks],
+                                          float out_scale, float (&acc)[Cfg::kBlocks][Cfg::kFrags][4], uint8_t* stages) {
+  constexpr int F = Cfg::kFrags, B = Cfg::kBlocks, WF = WsPartials<Cfg>::kWarpFrags, kInFlight = 16;
+  static_assert(Cfg::kConsumerWarps * WF * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes, "parked sums fit the stages");
   const WsPartials<Cfg> part(p, c);
-  consumer_barrier();
-  float4* parked = reinterpret_cast<float4*>(stages) + part.cwarp * 2 * F * 32 + part.lane;  // [warp][f][lane]
+  consumer_barrier<Cfg>();
+  float4* parked = reinterpret_cast<float4*>(stages) + part.cwarp * WF * 32 + part.lane;  // [warp][f][lane]
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < B; ++b)
 #pragma unroll
     for (int j = 0; j < F; ++j) parked[(b * F + j) * 32] = make_float4(acc[b][j][0], acc[b][j][1], acc[b][j][2], acc[b][j][3]);
   const float empty = __uint_as_float(kPartialEmpty);
   const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
-  const int items = (cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x)) * 2 * F;  // (contributor, fragment)
+  const int items = (cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x)) * WF;  // (contributor, fragment)
   for (int i0 = 0; i0 < items; i0 += kInFlight) {
     float4 v[kInFlight];
-    // Item i0 + i: fragment (i0 + i) % 2F of CTA blockIdx.x + 1 + (i0 + i) / 2F.
-    auto wanted = [&](int i) { return i0 + i < items && part.live((i0 + i) % (2 * F)); };
-    auto word = [&](int i) { return part.at(blockIdx.x + 1 + (i0 + i) / (2 * F), (i0 + i) % (2 * F)); };
+    // Item i0 + i: fragment (i0 + i) % WF of CTA blockIdx.x + 1 + (i0 + i) / WF.
+    auto wanted = [&](int i) { return i0 + i < items && part.live((i0 + i) % WF); };
+    auto word = [&](int i) { return part.at(blockIdx.x + 1 + (i0 + i) / WF, (i0 + i) % WF); };
     bool landed;
     do {
       landed = true;
@@ -235,13 +251,13 @@ __device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor&
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) {
       if (!wanted(i)) continue;
-      float4& d = parked[((i0 + i) % (2 * F)) * 32];
+      float4& d = parked[((i0 + i) % WF) * 32];
       d.x += v[i].x, d.y += v[i].y, d.z += v[i].z, d.w += v[i].w;
       st_relaxed_gpu(word(i), make_float4(empty, empty, empty, empty));
     }
   }
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < B; ++b)
 #pragma unroll
     for (int j = 0; j < F; ++j) {
       const float4 d = parked[(b * F + j) * 32];
@@ -263,15 +279,17 @@ __device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor&
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty,
                                             int first, int last) {
-  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags;
+  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags, B = Cfg::kBlocks;
   const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4, wg = cwarp >> 2;
-  const int tile16s[2] = {wg * 8 + (cwarp & 3), wg * 8 + 4 + (cwarp & 3)};  // m64 block b = 4 warps' tiles
+  int tile16s[B];  // this warp's 16-row tile of m64 block b of its warpgroup (the warpgroup's blocks are adjacent)
+#pragma unroll
+  for (int b = 0; b < B; ++b) tile16s[b] = (wg * B + b) * 4 + (cwarp & 3);
   const uint32_t sel = lane_select<Cfg>(Cfg::kTableAddress, lane);
   const float out_scale = *p.scale;
 
-  float acc[2][F][4];
+  float acc[B][F][4];
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < B; ++b)
 #pragma unroll
     for (int j = 0; j < F; ++j) acc[b][j][0] = acc[b][j][1] = acc[b][j][2] = acc[b][j][3] = 0.0f;
   // Loop state kept small (at 128 tokens the accumulators leave ~100 registers): a step count, the cursor, and
@@ -287,11 +305,11 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
     // The stage's activation descriptor; each wgmma's is this plus its slice's offset, added right before it
     // (volatile asm): computed ahead, the 16 descriptors of a step held 32 registers and the 128-token build spilled.
     const uint64_t x_desc = wgmma_descriptor_sw128(shared_address(stage));
-    fence_accumulators(acc[0]);
-    fence_accumulators(acc[1]);
+#pragma unroll
+    for (int b = 0; b < B; ++b) fence_accumulators(acc[b]);
     uint32_t a[2][2][4];  // [group % 2][k16 slice]
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < B; ++b) {
       uint32_t w[4 * K];
       const uint4* codes = reinterpret_cast<const uint4*>(stage + Cfg::kCodesOffset + tile16s[b] * Cfg::kCodeBytes) + lane;
 #pragma unroll
@@ -320,8 +338,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
       }
     }
     wgmma_wait<0>();
-    fence_accumulators(acc[0]);
-    fence_accumulators(acc[1]);
+#pragma unroll
+    for (int b = 0; b < B; ++b) fence_accumulators(acc[b]);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[slot]);
     const bool holds_last = c.kstep == p.k_groups - 1;
@@ -335,7 +353,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
       else
         ws_contribute<Cfg>(p, c, acc);
 #pragma unroll
-      for (int b = 0; b < 2; ++b)
+      for (int b = 0; b < B; ++b)
 #pragma unroll
         for (int j = 0; j < F; ++j) acc[b][j][0] = acc[b][j][1] = acc[b][j][2] = acc[b][j][3] = 0.0f;
       from_start = true;  // the next tile starts at its k-group 0
@@ -348,7 +366,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
 
 // ---------------------------------------------------------------------------- the kernel
 template <class Cfg, typename T>
-__global__ void __launch_bounds__(kWsThreads, 1) gemm_ws_kernel(const __grid_constant__ GemmParams p,
+__global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_constant__ GemmParams p,
                                                                  const __grid_constant__ CUtensorMap x_map) {
 #if KBIT_WGMMA
   constexpr int K = Cfg::kBits, S = Cfg::kStages;
@@ -387,10 +405,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemm_ws_kernel(const __grid_con
   build_tables<Cfg, T>(code_value, table);
   __syncthreads();  // tables complete; from here on the roles never meet at a CTA-wide barrier
   if (warp < 4) {
-    warpgroup_registers_dec<kWsProducerRegisters>();
+    warpgroup_registers_dec<Cfg::kProducerRegisters>();
     if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, stages, full, empty, first, last);
   } else {
-    warpgroup_registers_inc<kWsConsumerRegisters>();
+    warpgroup_registers_inc<Cfg::kConsumerRegisters>();
     ws_consumer<Cfg, T>(p, stages, full, empty, first, last);
   }
 #else
@@ -448,7 +466,7 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.grid);
-  config.blockDim = dim3(kWsThreads);
+  config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
