@@ -77,8 +77,11 @@ struct WsConfig {
   // a constant shared address aligned to its size, just below the top of the shared window: a lookup address is
   // then one LOP3 (the pair's bits, the table and the lane's copy offset OR-ed: block_fragments in gemm.cuh).
   // The stages fill the space from the dynamic base (after at most kStaticSmemMax of static shared memory) up to
-  // the table. As many stages as fit (at most 4) first, then as many lane copies as fit next to them (at most 32,
-  // and 32 KB).
+  // the table. 32 lane copies (one per bank: every lookup one shared-memory wavefront; with 16, two lanes share a
+  // bank and a lookup takes 1.5 wavefronts on average; at most 32 KB of table) where 4 stages fit next to them, or
+  // from 64 tokens on 2 (there the kernel is bound by shared memory: k = 4, 64 tokens, 3 stages and 16 copies to 2
+  // and 32 is 4-5% faster on the 235M shapes; at 32 tokens 4 stages and 16 copies to 3 and 32 is 0-5% slower); else
+  // as many stages as fit (at most 4), then as many copies as fit next to them.
   static constexpr bool kByteRows = false;
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
@@ -86,7 +89,8 @@ struct WsConfig {
   static constexpr int stages_with(int copies) {
     return (table_address(kPairs * copies * 4) - kStagesFrom) / kStageBytes;
   }
-  static constexpr int kMostStages = stages_with(1) < 4 ? stages_with(1) : 4;
+  static constexpr bool kAllCopies = kPairs * 32 * 4 <= 32768 && stages_with(32) >= (NT >= 64 ? 2 : 4);
+  static constexpr int kMostStages = stages_with(kAllCopies ? 32 : 1) < 4 ? stages_with(kAllCopies ? 32 : 1) : 4;
   static constexpr int pick_copies(int c) {
     return c == 1 || (kPairs * c * 4 <= 32768 && stages_with(c) >= kMostStages) ? c : pick_copies(c / 2);
   }
