@@ -212,7 +212,7 @@ __device__ __forceinline__ void ws_contribute(const GemmParams& p, const StepCur
 }
 
 // The reducer's tile is the last of its CTA's range (the tile's first k-group is there, its last is not), so it
-// runs after the consumer loop, and once both consumer warpgroups are past that step no stage is read or filled
+// runs after the consumer loop, and once all consumer warpgroups are past that step no stage is read or filled
 // again: each warp parks its accumulators in the stages, and the registers they free hold kInFlight partial
 // fragments per L2 round trip, whichever contributors they come from. The fragments are taken contributor by
 // contributor, so each sum still adds its partials in CTA order. (One contributor's fragments per round trip, next
@@ -277,7 +277,7 @@ __device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor&
 // group's A fragments are built while the previous group runs: two register sets, set i % 2 rewritten once
 // `wgmma_wait<1>` says group i - 2 is done (8 registers each; with both tiles per group, or one tile's codes
 // kept for the other's groups, the 128-token build spills). The stage goes back to the producer once its last
-// group is done: one drain per step and warpgroup, which the other consumer warpgroup's groups cover on the
+// group is done: one drain per step and warpgroup, which the other consumer warpgroups' groups cover on the
 // tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
 // across the step loop; ptxas then serializes every wgmma, C7518.)
 template <class Cfg, typename T>
