@@ -12,10 +12,9 @@
 //   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
 //   launch_gemm_ws      host side: the activations' tensor map, the launch
 //
-// Roles. A CTA is three or five warpgroups. Warpgroup 0 is the producer: one thread issues every copy, the
-// warpgroup gives its registers back (setmaxnreg) and does nothing else. The others are consumers: each owns 64 (four
-// consumer warpgroups, up to 64 tokens per tile) or 128 (two, at 128 tokens) weight rows of the CTA's 256-row tile,
-// i.e. one or two m64 blocks, one 16-row tile of each per warp; it turns their codes into
+// Roles. A CTA is five warpgroups. Warpgroup 0 is the producer: one thread issues every copy, the warpgroup gives
+// its registers back (setmaxnreg) and does nothing else. The other four are consumers: each owns 64 weight rows of
+// the CTA's 256-row tile (an m64 block, one 16-row tile per warp), turns their codes into
 // wgmma's register-sourced A operand (swap-AB: weights are A, tokens are wgmma's N), and multiplies them by
 // the NT tokens the tensor cores read from shared memory. Nothing but the mbarriers of the stage ring ties the
 // consumers to the producer, so copies, dequantization and tensor-core work overlap; the consumer
@@ -45,21 +44,19 @@ constexpr int kWsSmemBudget = 227 * 1024;          // static + dynamic shared me
 template <int K, int NT>
 struct WsConfig {
   static constexpr int kBits = K, kTokens = NT;
-  // Consumer warpgroups: four of 64 rows (4 warps per scheduler to hide the dequantization's latency) where
-  // the accumulators allow it, two of 128 rows at 128 tokens (an m64 block's 64 accumulator registers per thread
-  // and its A fragments would not fit the 112 registers four consumer warpgroups get).
-  static constexpr int kConsumerGroups = NT <= 64 ? 4 : 2;
-  static constexpr int kBlocks = 4 / kConsumerGroups;  // m64 blocks (16-row tiles) per consumer warp
+  // Four consumer warpgroups of one m64 block each: four consumer warps per scheduler hide the dequantization's
+  // latencies (two warpgroups of two blocks each, at 232 registers, were 2-30% slower from 17 to 1024 tokens and
+  // equal at 4096; H200, docs/PERFORMANCE.md).
+  static constexpr int kConsumerGroups = 4;
   static constexpr int kConsumerWarps = 4 * kConsumerGroups;
   static constexpr int kThreads = 128 * (1 + kConsumerGroups);  // warpgroup 0: the producer
   static constexpr int kTileRows = kWsTileRows;
   static constexpr bool kGrouped = false;
-  static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per m64 block and warp
+  static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per consumer warp
   // setmaxnreg: the registers allocated at launch (per thread, a multiple of 8, for kThreads threads in 64K) are
-  // shared out again: the producer keeps 24 (40 where 2 consumer warpgroups get 232, the most setmaxnreg allows
-  // below 240 with the producer's loop state), the consumers the rest.
+  // shared out again: the producer keeps setmaxnreg's least, 24, the consumers the rest (112).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kConsumerGroups == 2 ? 40 : 24;
+  static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters =
       (kLaunchRegisters + (kLaunchRegisters - kProducerRegisters) / kConsumerGroups) / 8 * 8;
   static_assert(kConsumerRegisters <= 240 && 128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=
@@ -131,26 +128,23 @@ __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_m
 }
 
 // ---------------------------------------------------------------------------- the end of a tile
-// acc[b][j] is the D fragment of m64 block b (this warp's 16-row tile `tile16s[b]`), tokens 8j ..: rows g and g + 8,
-// tokens 2q and 2q + 1 (common.cuh). Partials: per CTA kPartialFloats, per consumer warp its kBlocks * F fragments
-// of 32 lanes x 4 floats (16-byte accesses, contiguous per warp). Who reduces, and why the waits cannot deadlock:
-// finish_tile in gemm.cuh.
+// acc[j] is the D fragment of this warp's 16-row tile `tile16`, tokens 8j ..: rows g and g + 8, tokens 2q and 2q + 1
+// (common.cuh). Partials: per CTA kPartialFloats, per consumer warp its F fragments of 32 lanes x 4 floats (16-byte
+// accesses, contiguous per warp). Who reduces, and why the waits cannot deadlock: finish_tile in gemm.cuh.
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& c, const int (&tile16s)[Cfg::kBlocks],
-                                         float s, const float (&acc)[Cfg::kBlocks][Cfg::kFrags][4]) {
-  constexpr int F = Cfg::kFrags, B = Cfg::kBlocks;
+__device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& c, int tile16, float s,
+                                         const float (&acc)[Cfg::kFrags][4]) {
+  constexpr int F = Cfg::kFrags;
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
-  int n[B][2];  // [m64 block][row g, row g + 8]
-  float bn[B][2];
+  int n[2];  // rows g, g + 8
+  float bn[2];
 #pragma unroll
-  for (int b = 0; b < B; ++b)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      n[b][half] = c.ntile * kWsTileRows + tile16s[b] * 16 + g + 8 * half;
-      bn[b][half] = bias && n[b][half] < p.N ? to_float(bias[n[b][half]]) : 0.0f;
-    }
+  for (int half = 0; half < 2; ++half) {
+    n[half] = c.ntile * kWsTileRows + tile16 * 16 + g + 8 * half;
+    bn[half] = bias && n[half] < p.N ? to_float(bias[n[half]]) : 0.0f;
+  }
   // Token rows outermost: one row address live at a time (all 2F of them at once, 64-bit each, spilled at 128
   // tokens next to the accumulators).
 #pragma unroll
@@ -161,10 +155,8 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
       if (m >= p.M) continue;
       T* row = y + static_cast<int64_t>(m) * p.N;
 #pragma unroll
-      for (int b = 0; b < B; ++b)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          if (n[b][half] < p.N) row[n[b][half]] = from_float<T>(acc[b][j][2 * half + e] * s + bn[b][half]);
+      for (int half = 0; half < 2; ++half)
+        if (n[half] < p.N) row[n[half]] = from_float<T>(acc[j][2 * half + e] * s + bn[half]);
     }
   }
 }
@@ -178,7 +170,7 @@ __device__ __forceinline__ void consumer_barrier() {
 // A tile split between CTAs (stream-K), same protocol as finish_tile in gemm.cuh, which says why the waits cannot
 // deadlock: the CTAs holding its later k-groups store their partials and go on (ws_contribute); the CTA holding
 // its first k-group polls each word until it is no longer kPartialEmpty, adds the partials in CTA order and puts
-// kPartialEmpty back (ws_reduce). Partials: per CTA kPartialFloats, per consumer warp its kBlocks * F fragments of 32
+// kPartialEmpty back (ws_reduce). Partials: per CTA kPartialFloats, per consumer warp its F fragments of 32
 // lanes x 4 floats (16-byte accesses, contiguous per warp). Only the fragments of real tokens move (at M = 17 on a
 // 32-token tile, about half the lanes). (One flag per contributor warp, written after a __threadfence, so that the
 // reducer loads the words unchecked, measured slower: the fence waits for the SM's copies in flight;
@@ -190,25 +182,20 @@ struct WsPartials {
   __device__ WsPartials(const GemmParams& params, const StepCursor& c)
       : p(params), cwarp((threadIdx.x >> 5) - 4), lane(threadIdx.x & 31),
         lane_token(c.mpass * Cfg::kTokens + 2 * (threadIdx.x & 3)) {}
-  static constexpr int kWarpFrags = Cfg::kBlocks * Cfg::kFrags;
-  // Fragment f = b * F + j: m64 block b, tokens 8j ..
-  __device__ float* at(int cta, int f) const {
-    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (cwarp * kWarpFrags + f) * 128 + lane * 4;
+  // Fragment j: tokens 8j ..
+  __device__ float* at(int cta, int j) const {
+    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (cwarp * Cfg::kFrags + j) * 128 + lane * 4;
   }
-  __device__ bool live(int f) const { return lane_token + 8 * (f % Cfg::kFrags) < p.M; }
+  __device__ bool live(int j) const { return lane_token + 8 * j < p.M; }
 };
 
 template <class Cfg>
 __device__ __forceinline__ void ws_contribute(const GemmParams& p, const StepCursor& c,
-                                              const float (&acc)[Cfg::kBlocks][Cfg::kFrags][4]) {
+                                              const float (&acc)[Cfg::kFrags][4]) {
   const WsPartials<Cfg> part(p, c);
 #pragma unroll
-  for (int b = 0; b < Cfg::kBlocks; ++b)
-#pragma unroll
-    for (int j = 0; j < Cfg::kFrags; ++j)
-      if (part.live(b * Cfg::kFrags + j))
-        st_relaxed_gpu(part.at(blockIdx.x, b * Cfg::kFrags + j),
-                       make_float4(acc[b][j][0], acc[b][j][1], acc[b][j][2], acc[b][j][3]));
+  for (int j = 0; j < Cfg::kFrags; ++j)
+    if (part.live(j)) st_relaxed_gpu(part.at(blockIdx.x, j), make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
 }
 
 // The reducer's tile is the last of its CTA's range (the tile's first k-group is there, its last is not), so it
@@ -216,27 +203,26 @@ __device__ __forceinline__ void ws_contribute(const GemmParams& p, const StepCur
 // again: each warp parks its accumulators in the stages, and the registers they free hold kInFlight partial
 // fragments per L2 round trip, whichever contributors they come from. The fragments are taken contributor by
 // contributor, so each sum still adds its partials in CTA order. (One contributor's fragments per round trip, next
-// to the accumulators, made the hand-off most of the call on N = 4096, whose tiles are split ~8 ways.)
+// to the accumulators, made the hand-off most of the call on N = 4096, whose tiles are split ~8 ways.) 16 fragments
+// per round trip, 8 at 128 tokens (16 spilled there at 112 registers).
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor& c, const int (&tile16s)[Cfg::kBlocks],
-                                          float out_scale, float (&acc)[Cfg::kBlocks][Cfg::kFrags][4], uint8_t* stages) {
-  constexpr int F = Cfg::kFrags, B = Cfg::kBlocks, WF = WsPartials<Cfg>::kWarpFrags, kInFlight = 16;
-  static_assert(Cfg::kConsumerWarps * WF * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes, "parked sums fit the stages");
+__device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor& c, int tile16, float out_scale,
+                                          float (&acc)[Cfg::kFrags][4], uint8_t* stages) {
+  constexpr int F = Cfg::kFrags, kInFlight = F == 16 ? 8 : 16;
+  static_assert(Cfg::kConsumerWarps * F * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes, "parked sums fit the stages");
   const WsPartials<Cfg> part(p, c);
   consumer_barrier<Cfg>();
-  float4* parked = reinterpret_cast<float4*>(stages) + part.cwarp * WF * 32 + part.lane;  // [warp][f][lane]
+  float4* parked = reinterpret_cast<float4*>(stages) + part.cwarp * F * 32 + part.lane;  // [warp][fragment][lane]
 #pragma unroll
-  for (int b = 0; b < B; ++b)
-#pragma unroll
-    for (int j = 0; j < F; ++j) parked[(b * F + j) * 32] = make_float4(acc[b][j][0], acc[b][j][1], acc[b][j][2], acc[b][j][3]);
+  for (int j = 0; j < F; ++j) parked[j * 32] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
   const float empty = __uint_as_float(kPartialEmpty);
   const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
-  const int items = (cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x)) * WF;  // (contributor, fragment)
+  const int items = (cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x)) * F;  // (contributor, fragment)
   for (int i0 = 0; i0 < items; i0 += kInFlight) {
     float4 v[kInFlight];
-    // Item i0 + i: fragment (i0 + i) % WF of CTA blockIdx.x + 1 + (i0 + i) / WF.
-    auto wanted = [&](int i) { return i0 + i < items && part.live((i0 + i) % WF); };
-    auto word = [&](int i) { return part.at(blockIdx.x + 1 + (i0 + i) / WF, (i0 + i) % WF); };
+    // Item i0 + i: fragment (i0 + i) % F of CTA blockIdx.x + 1 + (i0 + i) / F.
+    auto wanted = [&](int i) { return i0 + i < items && part.live((i0 + i) % F); };
+    auto word = [&](int i) { return part.at(blockIdx.x + 1 + (i0 + i) / F, (i0 + i) % F); };
     bool landed;
     do {
       landed = true;
@@ -255,48 +241,41 @@ __device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor&
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) {
       if (!wanted(i)) continue;
-      float4& d = parked[((i0 + i) % WF) * 32];
+      float4& d = parked[((i0 + i) % F) * 32];
       d.x += v[i].x, d.y += v[i].y, d.z += v[i].z, d.w += v[i].w;
       st_relaxed_gpu(word(i), make_float4(empty, empty, empty, empty));
     }
   }
 #pragma unroll
-  for (int b = 0; b < B; ++b)
-#pragma unroll
-    for (int j = 0; j < F; ++j) {
-      const float4 d = parked[(b * F + j) * 32];
-      acc[b][j][0] = d.x, acc[b][j][1] = d.y, acc[b][j][2] = d.z, acc[b][j][3] = d.w;
-    }
-  ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
+  for (int j = 0; j < F; ++j) {
+    const float4 d = parked[j * 32];
+    acc[j][0] = d.x, acc[j][1] = d.y, acc[j][2] = d.z, acc[j][3] = d.w;
+  }
+  ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
 }
 
 #if KBIT_WGMMA
 // ---------------------------------------------------------------------------- a consumer warpgroup
-// Per step: wait for the stage, then per 16-row tile b of this warp (m64 block b of the warpgroup) its codes and
-// scales, and per block t of 32 columns one wgmma group: 2 wgmmas (k16 slices) of 64 rows x NT tokens x 16. A
-// group's A fragments are built while the previous group runs: two register sets, set i % 2 rewritten once
-// `wgmma_wait<1>` says group i - 2 is done (8 registers each; with both tiles per group, or one tile's codes
-// kept for the other's groups, the 128-token build spills). The stage goes back to the producer once its last
-// group is done: one drain per step and warpgroup, which the other consumer warpgroups' groups cover on the
-// tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
-// across the step loop; ptxas then serializes every wgmma, C7518.)
+// Per step: wait for the stage, then this warp's 16-row tile of the warpgroup's m64 block: its codes and scales, and
+// per block t of 32 columns one wgmma group: 2 wgmmas (k16 slices) of 64 rows x NT tokens x 16. A group's A fragments
+// are built while the previous group runs: two register sets, set t % 2 rewritten once `wgmma_wait<1>` says group
+// t - 2 is done (8 registers each). The stage goes back to the producer once its last group is done: one drain per
+// step and warpgroup, which the other consumer warpgroups' groups cover on the tensor cores. (Handing the stage back
+// after the next step's first group instead keeps wgmmas in flight across the step loop; ptxas then serializes
+// every wgmma, C7518.)
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty,
                                             int first, int last) {
-  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags, B = Cfg::kBlocks;
-  const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4, wg = cwarp >> 2;
-  int tile16s[B];  // this warp's 16-row tile of m64 block b of its warpgroup (the warpgroup's blocks are adjacent)
-#pragma unroll
-  for (int b = 0; b < B; ++b) tile16s[b] = (wg * B + b) * 4 + (cwarp & 3);
+  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags;
+  const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4;
+  const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
   const uint32_t sel = lane_select<Cfg>(Cfg::kTableAddress, lane);
   const float out_scale = *p.scale;
 
-  float acc[B][F][4];
+  float acc[F][4];
 #pragma unroll
-  for (int b = 0; b < B; ++b)
-#pragma unroll
-    for (int j = 0; j < F; ++j) acc[b][j][0] = acc[b][j][1] = acc[b][j][2] = acc[b][j][3] = 0.0f;
-  // Loop state kept small (at 128 tokens the accumulators leave ~100 registers): a step count, the cursor, and
+  for (int j = 0; j < F; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  // Loop state kept small (at 128 tokens the accumulators take 64 of 112 registers): a step count, the cursor, and
   // whether the current tile started in this CTA's range, in place of the step index and the range's ends.
   StepCursor c(p, first);
   int slot = 0;
@@ -309,41 +288,38 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
     // The stage's activation descriptor; each wgmma's is this plus its slice's offset, added right before it
     // (volatile asm): computed ahead, the 16 descriptors of a step held 32 registers and the 128-token build spilled.
     const uint64_t x_desc = wgmma_descriptor_sw128(shared_address(stage));
-#pragma unroll
-    for (int b = 0; b < B; ++b) fence_accumulators(acc[b]);
+    fence_accumulators(acc);
     uint32_t a[2][2][4];  // [group % 2][k16 slice]
+    uint32_t w[4 * K];
+    const uint4* codes = reinterpret_cast<const uint4*>(stage + Cfg::kCodesOffset + tile16 * Cfg::kCodeBytes) + lane;
+    const uint8_t* sc = stage + Cfg::kScalesOffset + tile16 * 128 + (lane >> 2) * 8;
+    const uint2 scales_lo = *reinterpret_cast<const uint2*>(sc), scales_hi = *reinterpret_cast<const uint2*>(sc + 64);
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      uint32_t w[4 * K];
-      const uint4* codes = reinterpret_cast<const uint4*>(stage + Cfg::kCodesOffset + tile16s[b] * Cfg::kCodeBytes) + lane;
+    for (int t = 0; t < 8; ++t) {
+      // The lane's code words as block t first needs them (its bits 16Kt .. 16K(t + 1) - 1; 16 bytes per load): all
+      // of them live from the step's start, the 128-token kernel ran out of registers and ptxas serialized every
+      // wgmma (C7512).
 #pragma unroll
       for (int v = 0; v < K; ++v) {
+        if (8 * v / K != t) continue;
         const uint4 u = codes[v * 32];
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       }
-      const uint8_t* sc = stage + Cfg::kScalesOffset + tile16s[b] * 128 + (lane >> 2) * 8;
-      const uint2 scales_lo = *reinterpret_cast<const uint2*>(sc), scales_hi = *reinterpret_cast<const uint2*>(sc + 64);
+      if (t >= 2) wgmma_wait<1>();  // group t - 2 is done with a[t % 2]
+      uint32_t h[2][4];
+      block_fragments<Cfg>(w, t, sel, h);
+      apply_block_scales<T>(scales_lo, scales_hi, t, h);
+      uint32_t (&ag)[2][4] = a[t % 2];
+      wgmma_a_fragments(h, ag);
+      wgmma_fence();
+      // Block t: columns 32t .. 32t + 31 = box t / 2, bytes 64 (t % 2) + 32 s of each 128-byte row.
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        const int group = b * 8 + t;
-        uint32_t h[2][4];
-        block_fragments<Cfg>(w, t, sel, h);
-        apply_block_scales<T>(scales_lo, scales_hi, t, h);
-        if (group >= 2) wgmma_wait<1>();  // group - 2 is done with a[group % 2]
-        uint32_t (&ag)[2][4] = a[group % 2];
-        wgmma_a_fragments(h, ag);
-        wgmma_fence();
-        // Block t: columns 32t .. 32t + 31 = box t / 2, bytes 64 (t % 2) + 32 s of each 128-byte row.
-#pragma unroll
-        for (int s = 0; s < 2; ++s)
-          Wgmma<NT>::template run<T>(acc[b], ag[s],
-                                     descriptor_plus(x_desc, ((t >> 1) * Cfg::kXBox + (t & 1) * 64 + s * 32) / 16));
-        wgmma_commit();
-      }
+      for (int s = 0; s < 2; ++s)
+        Wgmma<NT>::template run<T>(acc, ag[s], descriptor_plus(x_desc, ((t >> 1) * Cfg::kXBox + (t & 1) * 64 + s * 32) / 16));
+      wgmma_commit();
     }
     wgmma_wait<0>();
-#pragma unroll
-    for (int b = 0; b < B; ++b) fence_accumulators(acc[b]);
+    fence_accumulators(acc);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[slot]);
     const bool holds_last = c.kstep == p.k_groups - 1;
@@ -353,18 +329,16 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
         break;
       }
       if (holds_last && from_start)
-        ws_store<Cfg, T>(p, c, tile16s, out_scale, acc);
+        ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
       else
         ws_contribute<Cfg>(p, c, acc);
 #pragma unroll
-      for (int b = 0; b < B; ++b)
-#pragma unroll
-        for (int j = 0; j < F; ++j) acc[b][j][0] = acc[b][j][1] = acc[b][j][2] = acc[b][j][3] = 0.0f;
+      for (int j = 0; j < F; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
       from_start = true;  // the next tile starts at its k-group 0
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
-  if (reduce_last) ws_reduce<Cfg, T>(p, c, tile16s, out_scale, acc, stages);
+  if (reduce_last) ws_reduce<Cfg, T>(p, c, tile16, out_scale, acc, stages);
 }
 #endif  // KBIT_WGMMA
 
