@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile the framework-free CUDA core for sm_80 and sm_90 with nvcc (no GPU needed) and fail on any
-# compile error or on any register spill / stack frame in ptxas' report. CI runs this.
+# compile error, on any register spill / stack frame in ptxas' report, or on wgmmas ptxas serialized. CI runs this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
@@ -32,6 +32,12 @@ if [ -n "$spills" ]; then
   echo "compile_check: FAILED: register spills or stack frames:"; echo "$spills"
   grep -B2 -E "[1-9][0-9]* bytes (spill|stack)" "$out"/*.log | grep -E "Compiling entry" || true
   exit 1
+fi
+# ptxas serializing wgmmas (C7512: too few registers; C7518: groups in flight across a loop) leaves a kernel correct
+# but slow.
+serialized=$(cat "$out"/*.log | grep -E "wgmma.mma_async instructions are serialized" || true)
+if [ -n "$serialized" ]; then
+  echo "compile_check: FAILED: wgmma serialized:"; echo "$serialized" | sort -u; exit 1
 fi
 # The PyTorch binding: a syntax and type check against torch's headers (CPU wheels ship them without the CMake-made
 # c10/cuda macro header, which only names build options, so an empty one stands in).
