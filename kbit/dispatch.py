@@ -146,6 +146,10 @@ H200_TUNED_REDUCER = Measured("H200", "1dd6f08", "2026-11-23",
                               "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
                               "--tokens 32,48,64,96,128,192,256 (the warp-specialized split-K reducer polling 16 "
                               "fragments per round trip); docs/PERFORMANCE.md, H200, dispatch")
+H200_TUNED_FOUR_WG = Measured("H200", "ac2e918", "2026-11-23",
+                              "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
+                              "--tokens 17,24,32,48,64,96,128,192,256 (the warp-specialized kernel with four consumer "
+                              "warpgroups); docs/PERFORMANCE.md, H200, dispatch")
 H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "bench_gemm.py --m 1,4,8 --k 2,3,4,5, eleven shapes, KBIT_GEMM_PATH=mma_sync against k_split; "
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
@@ -201,9 +205,12 @@ CROSSOVERS = (
     # The warp-specialized kernel: from 17 tokens on >= 48M weights with N >= 8192 (8192->28672, M = 32: 63.6 vs
     # 72.1 us), from 33 on >= 32M with N >= 8192 (4096->11008, M = 48 / 64: 25.3 / 27.3 vs 29.4 / 30.2 us), from 129
     # on >= 32M, from 513 everywhere. With N = 4096, each 256-row tile is split over ~8 CTAs, and mma.sync's 32-token
-    # passes tie with it through 128 tokens (14336->4096, M = 64: 36.8 vs 39.7 us; M = 128: 62.4 vs 70.4).
+    # passes tie with it through 64 tokens (14336->4096, M = 64: 36.8 vs 37.2 us), through 128 below 48M weights
+    # (11008->4096, M = 128: 50.1 vs 53.2); from 65 on >= 48M it wins (14336->4096, M = 96 / 128: 49.1 / 56.9 vs
+    # 50.4 / 62.7).
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 129, H200_WARP_SPECIALIZED, min_weights=1 << 25),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 65, H200_TUNED_FOUR_WG, min_weights=48 << 20),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 33, H200_TUNED_REDUCER, min_weights=1 << 25,
               min_out_features=8192),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_TUNED, min_weights=48 << 20, min_out_features=8192),

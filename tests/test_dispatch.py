@@ -58,7 +58,7 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
         if cublas:
             return CUBLAS
     tokens = 32 if M <= 32 else 64 if M <= 64 else 128
-    faster = (M > 512 or (M > 128 and W >= 1 << 25) or (M > 32 and N >= 8192 and W >= 1 << 25)
+    faster = (M > 512 or (M > 128 and W >= 1 << 25) or (M > 64 and W >= 48 << 20) or (M > 32 and N >= 8192 and W >= 1 << 25)
               or (M > 32 and W >= 1 << 27) or (M > 16 and N >= 8192 and W >= 48 << 20))
     if path == "ws" or (path != "classic" and faster):
         return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
