@@ -38,7 +38,6 @@ namespace kbit {
 
 constexpr int kWsTileRows = 256;                   // weight rows per CTA tile: 4 m64 blocks
 constexpr int kWsTile16s = kWsTileRows / 16;       // 16-row tiles of the GEMM layout per CTA tile
-constexpr int kWsSmemBudget = 227 * 1024;          // static + dynamic shared memory per CTA (sm_90 opt-in)
 
 // Tokens per tile NT: 32, 64 or 128 (the host picks the smallest that holds M, 128 past that: more passes).
 template <int K, int NT>
@@ -86,10 +85,12 @@ struct WsConfig {
   static constexpr int stages_with(int copies) {
     return (table_address(kPairs * copies * 4) - kStagesFrom) / kStageBytes;
   }
-  static constexpr bool kAllCopies = kPairs * 32 * 4 <= 32768 && stages_with(32) >= (NT >= 64 ? 2 : 4);
-  static constexpr int kMostStages = stages_with(kAllCopies ? 32 : 1) < 4 ? stages_with(kAllCopies ? 32 : 1) : 4;
+  static constexpr int kMaxTableBytes = 32768;
+  static constexpr bool kAllCopies = kPairs * 32 * 4 <= kMaxTableBytes && stages_with(32) >= (NT >= 64 ? 2 : 4);
+  static constexpr int kFitStages = stages_with(kAllCopies ? 32 : 1);
+  static constexpr int kMostStages = kFitStages < 4 ? kFitStages : 4;
   static constexpr int pick_copies(int c) {
-    return c == 1 || (kPairs * c * 4 <= 32768 && stages_with(c) >= kMostStages) ? c : pick_copies(c / 2);
+    return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && stages_with(c) >= kMostStages) ? c : pick_copies(c / 2);
   }
   static constexpr int kCopies = pick_copies(32);
   static constexpr int kStages = kMostStages;
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   if (p.dependent_launch && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
-      prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), kWsTile16s * K * 512);
+      prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), kWsTile16s * Cfg::kCodeBytes);
     }
   }
   grid_dependency_wait();
