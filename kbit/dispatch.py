@@ -4,7 +4,8 @@
 ones, the configuration the binding runs:
 
 - ``mma_sync``: gemm.cuh's kernel with mma.sync, 8, 16 or 32 tokens per pass (every GPU);
-- ``k_split``: the same with up to 8 tokens, the CTA's 8 warps splitting the k-groups of 32-row tiles (sm_90 on):
+- ``k_split``: the same with up to 16 tokens, the CTA's 8 warps splitting the k-groups of 32-row tiles (16-row at 9-16
+  tokens; sm_90 on):
   small shapes without split-K across CTAs;
 - ``wgmma``: gemm.cuh's kernel with wgmma, 64 or 128 tokens per pass, 128- or 256-row tiles (sm_90a);
 - ``warp_specialized``: gemm_ws.cuh's kernel, 32, 64 or 128 tokens per tile (sm_90a);
@@ -74,7 +75,7 @@ class GemmConfig(NamedTuple):
     mb: int  # 8-token MMA tiles per pass
     wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp
     ws_tokens: int  # > 0: the warp-specialized kernel with that many tokens per tile
-    k_split: int  # 1, or 8: the warps split the k-groups of one 32-row tile
+    k_split: int  # 1, or 8: the warps split the k-groups of one 32-row tile (16-row at mb = 2)
     smem_bytes: int  # per CTA, static included
     cc_major_min: int  # the compute capabilities (major) its code is built for
     cc_major_max: int
@@ -160,7 +161,7 @@ class Rule(str, enum.Enum):
     WARP_SPECIALIZED_FROM = "gemm_ws.cuh's kernel beats gemm.cuh's from m tokens"
     WGMMA_FROM = "gemm.cuh's wgmma beats its mma.sync from m tokens"
     WIDE_TILES_FROM = "256-row wgmma tiles beat 128-row ones from m tokens"
-    K_SPLIT_FROM = "the warps splitting 32-row tiles' k-groups beat 256-row tiles from m tokens (built up to 8)"
+    K_SPLIT_FROM = "the warps splitting 32- or 16-row tiles' k-groups beat 256-row tiles from m tokens (built up to 16)"
 
 
 class Gpus(str, enum.Enum):
@@ -229,6 +230,10 @@ CROSSOVERS = (
     # steps (1 at K = 3): there each 256-row tile is split over several CTAs, and their hand-off is a quarter of the
     # call (K = 4, M = 1: 2048->1536 4.87 -> 3.86 us, 4096->4096 8.27 -> 6.76; K = 3 on 4096->4096 7.87 -> 7.96).
     # From 2.4 steps per SM on, the 256-row tiles win (2048->10240 8.46 vs 8.86; 14336->4096 14.4 vs 15.9).
+    # At 9-16 tokens (16-row tiles; steps still counted in 8-token passes) the same bounds hold (H200, M = 8-16,
+    # KBIT_GEMM_PATH=mma_sync against k_split, nine shapes): the 2048-column shapes below 2 steps per SM are 1.2-2.2x
+    # faster split (K = 4, M = 16: 2048->1408 8.49 -> 6.23 us, 2048->768 8.13 -> 5.04), 4096->4096 (4 steps per SM at
+    # M = 9-16) 0.80-0.98x, larger shapes 0.3-0.8x.
     Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(2, 4, 5), max_steps_per_sm=2),
     Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(3,), max_steps_per_sm=1),
 )
@@ -289,7 +294,7 @@ def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:
     if path is Path.MMA_SYNC:
         return p.built.get((1 if M <= 8 else 2 if M <= 16 else 4, 0, 0, 1))
     if path is Path.K_SPLIT:
-        return p.built.get((1, 0, 0, 8)) if M <= 8 else None
+        return p.built.get((1 if M <= 8 else 2, 0, 0, 8)) if M <= 16 else None
     if path is Path.WARP_SPECIALIZED:
         tokens = 32 if M <= 32 else 64 if M <= 64 else 128
         return p.built.get((tokens // 8, 0, tokens, 1))

@@ -473,9 +473,10 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
                                   reason="the warp-specialized GEMM and the k split are tested on compute capability 9.x")
 
 
-# gemm.cuh with the warps splitting 32-row tiles' k-groups, forced with KBIT_GEMM_PATH=k_split up to 8 tokens
-# (a k range that ends inside a step, tiles past N, one CTA per tile or a forced grid that splits tiles across CTAs).
-K_SPLIT_MS = (1, 2, 3, 5, 8)
+# gemm.cuh with the warps splitting 32-row (16-row at 9-16 tokens) tiles' k-groups, forced with KBIT_GEMM_PATH=k_split
+# up to 16 tokens (a k range that ends inside a step, tiles past N, one CTA per tile or a forced grid that splits tiles
+# across CTAs).
+K_SPLIT_MS = (1, 2, 3, 5, 8, 9, 13, 16)
 FORCED_PATH_CASES = ([("ws", WS_MS, N, K) for N, K in WS_SHAPES] +
                      [("k_split", K_SPLIT_MS, N, K) for N, K in SMALL_SHAPES + MODEL_SHAPES])
 
@@ -491,7 +492,7 @@ def test_gemm_forced_path(k, path, ms, N, K, monkeypatch):
 
 
 @needs_hopper
-@pytest.mark.parametrize("path,ms", (("ws", (17, 100, 200)), ("k_split", (1, 5, 8))), ids=lambda v: str(v))
+@pytest.mark.parametrize("path,ms", (("ws", (17, 100, 200)), ("k_split", (1, 5, 8, 16))), ids=lambda v: str(v))
 @pytest.mark.parametrize("k,dtype", [(k, torch.float16) for k in BITS] + [(4, torch.bfloat16)], ids=lambda v: _name(v))
 def test_split_k_deterministic_forced_path(k, dtype, path, ms, monkeypatch):
     """Forced grids on the warp-specialized kernel and on the k split: within tolerance, bitwise identical over
@@ -826,9 +827,10 @@ def test_sanitize_gemm(k, monkeypatch):
         W = torch.randn(N, K, generator=g) * 0.02
         qw = kbit.quantize(W.half().cuda(), k)
         for dtype in ((torch.float16, torch.bfloat16) if k == 4 else (torch.float16,)):
-            # the planner's choice, then (where they are built) up to 8 tokens the k split forced, and the
+            # the planner's choice, then (where they are built) up to 16 tokens the k split forced, and the
             # warp-specialized kernel on forced grids (split-K: one CTA reduces up to 16 others' partials)
-            cases = {"": ((1, 0), (17, 0), (1, 7), (33, 1000), (0, 0)), "k_split": ((1, 0), (5, 0), (1, 7)),
+            cases = {"": ((1, 0), (17, 0), (1, 7), (33, 1000), (0, 0)),
+                     "k_split": ((1, 0), (5, 0), (1, 7), (12, 0), (16, 5)),
                      "ws": ((17, 1000), (40, 7), (100, 3))}
             for path in ("", "k_split", "ws") if hopper else ("",):
                 monkeypatch.setenv("KBIT_GEMM_PATH", path)

@@ -67,8 +67,8 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     def steps(mb):
         return -(-M // (mb * 8)) * -(-N // 256) * kg
 
-    if path != "ws" and 1 <= M <= 8 and steps(1) < (1 if bits == 3 else 2) * sms:
-        return Plan(Path.K_SPLIT, 1, 0, 0, 8)
+    if path != "ws" and 1 <= M <= 16 and steps(1) < (1 if bits == 3 else 2) * sms:
+        return Plan(Path.K_SPLIT, 1 if M <= 8 else 2, 0, 0, 8)
 
     wgmma = (M > 64 and N >= 8192) or M > 256 or (M > 32 and steps(8) >= 16 * sms)
     mb = 1 if M <= 8 else 2 if M <= 16 else 4 if not wgmma else 8 if M <= 64 else 16
@@ -107,7 +107,8 @@ def test_hopper_fused_only_and_forced_paths_unchanged(bits):
                 forced = dispatch.plan(H100, CONFIGS, N, K, M, bits, fused_only=True, force=dispatch.FORCED_PATHS[env])
                 assert forced == hopper_rules(M, N, K, bits, H100.sms, path=path), f"{where} {env}"
             split = dispatch.plan(H100, CONFIGS, N, K, M, bits, fused_only=True, force=dispatch.FORCED_PATHS["k_split"])
-            assert split == (Plan(Path.K_SPLIT, 1, 0, 0, 8) if M <= 8 else fused), f"{where} k_split"
+            want = Plan(Path.K_SPLIT, 1 if M <= 8 else 2, 0, 0, 8) if M <= 16 else fused
+            assert split == want, f"{where} k_split"
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -185,14 +186,14 @@ def test_configurations_report():
                           Path.K_SPLIT if c.k_split > 1 else Path.MMA_SYNC)
         assert c.ws_tokens in (0, c.mb * 8) and c.k_split in (1, 8)
         if c.k_split > 1:
-            assert (c.mb, c.wgmma_tiles, c.ws_tokens, c.cc_major_min) == (1, 0, 0, 9)
+            assert c.mb in (1, 2) and (c.wgmma_tiles, c.ws_tokens, c.cc_major_min) == (0, 0, 9)
         if c.path in (Path.WGMMA, Path.WARP_SPECIALIZED):
             assert (c.cc_major_min, c.cc_major_max) == (9, 9)  # sm_90a code
         assert c.smem_bytes <= H100.smem_per_block
     for bits in BITS:  # every bit width has each pass size the planner names
         built = {c.key for c in CONFIGS if c.bits == bits}
         assert {(1, 0, 0, 1), (2, 0, 0, 1), (4, 0, 0, 1), (8, 2, 0, 1), (16, 1, 0, 1), (4, 0, 32, 1), (8, 0, 64, 1),
-                (16, 0, 128, 1), (1, 0, 0, 8)} <= built
+                (16, 0, 128, 1), (1, 0, 0, 8), (2, 0, 0, 8)} <= built
     text = json.dumps([c._asdict() for c in CONFIGS])
     assert dispatch.parse_configs(text) == CONFIGS
 

@@ -34,7 +34,8 @@
 //     of up to 128 tokens costs one table lookup per weight pair and no FFMA per token.
 //
 // Work: a step is (token pass, CTA row tile, 256-column k-group). With the warps splitting k (GemmConfig::kKSplit,
-// small shapes), a CTA tile is 32 rows and a step 8 k-groups, one per warp, summed in shared memory at the tile's end.
+// small shapes), a CTA tile is 32 rows (16 at 16 tokens) and a step 8 k-groups, one per warp, summed in shared memory
+// at the tile's end.
 // The total step range is cut into
 // `grid` contiguous pieces (stream-K), one per CTA, so every SM streams weights whatever the shape.
 // A tile whose k-groups span several CTAs is reduced deterministically by the CTA that holds its first
@@ -68,12 +69,14 @@ constexpr int kStaticSmemMax = 2048;
 // for 8192 -> 28672, K = 4). But half the tiles means more split-K and 2x larger partials: on small shapes
 // (4096 -> 4096: 107 vs 31 us) one is faster. K = 5 at 128 tokens has one only: two would not fit two stages.
 constexpr int kGemmWarps = 8;
+// The k split at 16 tokens: one row tile (16-row CTA tiles), as two would not leave room for two stages of 16 token
+// rows x 2048 k of activations.
 // wgmma_tiles: 0 for mma.sync, else the wgmma path's row tiles per warp (the host picks them per shape).
-__host__ __device__ constexpr int gemm_row_tiles(int k, int mb, int wgmma_tiles) {
-  return wgmma_tiles ? wgmma_tiles : k != 5 || mb == 1 ? 2 : 1;
+__host__ __device__ constexpr int gemm_row_tiles(int k, int mb, int wgmma_tiles, int k_split) {
+  return wgmma_tiles ? wgmma_tiles : k_split > 1 && mb > 1 ? 1 : k != 5 || mb == 1 ? 2 : 1;
 }
 __host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles, int k_split) {
-  return kGemmWarps / k_split * gemm_row_tiles(k, mb, wgmma_tiles) * 16;
+  return kGemmWarps / k_split * gemm_row_tiles(k, mb, wgmma_tiles, k_split) * 16;
 }
 
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
@@ -90,14 +93,14 @@ struct GemmConfig {
   static constexpr GroupedEpilogue kEpilogue = static_cast<GroupedEpilogue>(G);
   using Params = std::conditional_t<kGrouped, GroupedGemmParams, GemmParams>;  // what the kernel receives
   static constexpr int kWarps = kGemmWarps;
-  // KS = 1: each warp owns its row tiles of the CTA tile, and a step is one k-group. KS = kWarps (mma.sync, up to 8
-  // tokens): every warp the same 32 rows, a step KS k-groups, warp w the step's w-th; at the tile's end the warps'
-  // sums meet in shared memory (gather_k_split). Small shapes then need no split-K across CTAs: 4096 -> 4096 is 128
+  // KS = 1: each warp owns its row tiles of the CTA tile, and a step is one k-group. KS = kWarps (mma.sync, up to 16
+  // tokens): every warp the same 32 rows (16 at MB = 2), a step KS k-groups, warp w the step's w-th; at the tile's end
+  // the warps' sums meet in shared memory (gather_k_split). Small shapes then need no split-K across CTAs: 4096 -> 4096 is 128
   // tiles of 32 rows, one per CTA, where 256-row tiles were 16, each split over ~8 CTAs whose hand-off through L2
   // cost the call 1.5-3 us (docs/PERFORMANCE.md, fixed cost per call).
   static constexpr int kKSplit = KS;
-  static_assert(KS == 1 || (KS == kGemmWarps && WG == 0 && G == 0 && MB == 1), "k split across warps: mma.sync, MB = 1");
-  static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG);
+  static_assert(KS == 1 || (KS == kGemmWarps && WG == 0 && G == 0 && MB <= 2), "k split across warps: mma.sync, MB <= 2");
+  static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG, KS);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileRows = gemm_tile_rows(K, MB, WG, KS);        // weight rows per CTA tile
@@ -132,8 +135,10 @@ struct GemmConfig {
   //          4 lanes share each, 3 wavefronts per lookup on average; 16 copies, 2.
   //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
+  //   k split at MB = 2: compact pair tables too (32 copies up to K = 4, 8 at K = 5), beside stages of 16 token
+  //          rows x 2048 k.
   // The E4M4 block scales need no table (e4m4_byte_to_float).
-  static constexpr bool kByteRows = !kWgmma && (K == 2 || K == 4);  // table rows addressed by one byte (PRMT)
+  static constexpr bool kByteRows = !kWgmma && (KS == 1 || MB == 1) && (K == 2 || K == 4);  // rows addressed by one byte (PRMT)
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 && KS == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
@@ -450,7 +455,7 @@ struct Barriers {
 };
 
 // The first layout piece (kbit.h) of step c's CTA tile in k-group `kgroup`: the tile's kTileRows / 16 pieces of that
-// k-group follow it, codes and scales each one contiguous range (the tile is 32, 128 or 256 rows, aligned to the
+// k-group follow it, codes and scales each one contiguous range (the tile is 16, 32, 128 or 256 rows, aligned to the
 // layout's blocks of 256).
 template <class Cfg>
 __device__ __forceinline__ int64_t tile_piece(const GemmParams& p, const StepCursor& c, int kgroup) {
@@ -462,7 +467,7 @@ __device__ __forceinline__ int64_t tile_piece(const GemmParams& p, const StepCur
 }
 // The piece of warp w's first row tile in step c: its kRowTiles pieces follow it, and in shared memory they sit at
 // w * kRowTiles. KS = 1: the step's k-group, rows w * kRowTiles * 16 .. of the tile (so the whole tile is one range
-// from warp 0's); KS > 1: the tile's 32 rows in k-group KS * kstep + w.
+// from warp 0's); KS > 1: the tile's rows in k-group KS * kstep + w.
 template <class Cfg>
 __device__ __forceinline__ int64_t warp_piece(const GemmParams& p, const StepCursor& c, int w) {
   if constexpr (Cfg::kKSplit == 1) return tile_piece<Cfg>(p, c, c.kstep) + w * Cfg::kRowTiles;
@@ -1077,8 +1082,8 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, static_cast<const typename Cfg::Params&>(p));
 }
 
-// The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 tokens
-// the warps splitting 32-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens and 128- or
+// The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 or 16
+// tokens the warps splitting 32- or 16-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens and 128- or
 // 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them: gemm_configs).
 constexpr int gemm_config_key(int mb, int wgmma_tiles, int k_split = 1) {
   return (k_split > 1 ? 1024 : 0) + wgmma_tiles * 32 + mb;
@@ -1092,6 +1097,7 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
     case gemm_config_key(1, 0): f(GemmConfig<K, 1, 0>{}); return true;
     case gemm_config_key(1, 0, kGemmWarps): f(GemmConfig<K, 1, 0, 0, kGemmWarps>{}); return true;
     case gemm_config_key(2, 0): f(GemmConfig<K, 2, 0>{}); return true;
+    case gemm_config_key(2, 0, kGemmWarps): f(GemmConfig<K, 2, 0, 0, kGemmWarps>{}); return true;
     case gemm_config_key(4, 0): f(GemmConfig<K, 4, 0>{}); return true;
     case gemm_config_key(8, 2): f(GemmConfig<K, 8, 2>{}); return true;
     case gemm_config_key(16, 1): f(GemmConfig<K, 16, 1>{}); return true;

@@ -98,8 +98,8 @@ struct GemmParams {
   int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
-  uint8_t k_split;          // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb = 1): the CTA's 8 warps split
-                            // the k-groups of one 32-row tile (gemm.cuh, GemmConfig::kKSplit)
+  uint8_t k_split;          // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb <= 2): the CTA's 8 warps split
+                            // the k-groups of one 32-row (mb = 2: 16-row) tile (gemm.cuh, GemmConfig::kKSplit)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
 // 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
