@@ -212,11 +212,15 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
       for (int j = 0; j < 8; ++j) half_row[(i + j) & 7] = v;
     }
   } else {
-    uint32_t* pairs = reinterpret_cast<uint32_t*>(tables);
-    for (int e = tid; e < Cfg::kPairs; e += Cfg::kThreads) {
+    // Consecutive threads store consecutive 16-byte vectors (4 copies of one pair), or words with fewer than 4
+    // copies: each warp's store is as few wavefronts as its bytes need. One thread storing all copies of one pair
+    // put a warp's 32 stores in one or two banks (k = 4, 32 copies: 8192 wavefronts, ~4 us per CTA).
+    constexpr int kWords = Cfg::kCopies >= 4 ? 4 : 1;  // per store
+    for (int i = tid; i < Cfg::kPairs * Cfg::kCopies / kWords; i += Cfg::kThreads) {
+      const int e = i / (Cfg::kCopies / kWords);
       const uint32_t v = pack_pair<T>(codebook[e & ((1 << K) - 1)], codebook[e >> K]);
-#pragma unroll
-      for (int c = 0; c < Cfg::kCopies; ++c) pairs[e * Cfg::kCopies + c] = v;
+      if constexpr (kWords == 4) reinterpret_cast<uint4*>(tables)[i] = make_uint4(v, v, v, v);
+      else reinterpret_cast<uint32_t*>(tables)[i] = v;
     }
   }
 }
