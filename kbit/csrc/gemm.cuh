@@ -94,12 +94,13 @@ struct GemmConfig {
   using Params = std::conditional_t<kGrouped, GroupedGemmParams, GemmParams>;  // what the kernel receives
   static constexpr int kWarps = kGemmWarps;
   // KS = 1: each warp owns its row tiles of the CTA tile, and a step is one k-group. KS = kWarps (mma.sync, up to 16
-  // tokens): every warp the same 32 rows (16 at MB = 2), a step KS k-groups, warp w the step's w-th; at the tile's end
-  // the warps' sums meet in shared memory (gather_k_split). Small shapes then need no split-K across CTAs: 4096 -> 4096 is 128
-  // tiles of 32 rows, one per CTA, where 256-row tiles were 16, each split over ~8 CTAs whose hand-off through L2
-  // cost the call 1.5-3 us (docs/PERFORMANCE.md, fixed cost per call).
+  // tokens): every warp the same 32 rows (16 at MB = 2), a step KS k-groups, warp w the step's w-th; at the tile's
+  // end the warps' sums meet in shared memory (gather_k_split). Small shapes then need no split-K across CTAs:
+  // 4096 -> 4096 is 128 tiles of 32 rows, one per CTA, where 256-row tiles were 16, each split over ~8 CTAs whose
+  // hand-off through L2 cost the call 1.5-3 us (docs/PERFORMANCE.md, fixed cost per call).
   static constexpr int kKSplit = KS;
-  static_assert(KS == 1 || (KS == kGemmWarps && WG == 0 && G == 0 && MB <= 2), "k split across warps: mma.sync, MB <= 2");
+  static_assert(KS == 1 || (KS == kGemmWarps && WG == 0 && G == 0 && MB <= 2),
+                "k split across warps: mma.sync, MB <= 2");
   static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG, KS);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
@@ -138,7 +139,8 @@ struct GemmConfig {
   //   k split at MB = 2: compact pair tables too (32 copies up to K = 4, 8 at K = 5), beside stages of 16 token
   //          rows x 2048 k.
   // The E4M4 block scales need no table (e4m4_byte_to_float).
-  static constexpr bool kByteRows = !kWgmma && (KS == 1 || MB == 1) && (K == 2 || K == 4);  // rows addressed by one byte (PRMT)
+  // Table rows addressed by one byte (PRMT).
+  static constexpr bool kByteRows = !kWgmma && (KS == 1 || MB == 1) && (K == 2 || K == 4);
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 && KS == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
@@ -213,8 +215,8 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
     }
   } else {
     // Consecutive threads store consecutive 16-byte vectors (4 copies of one pair), or words with fewer than 4
-    // copies: each warp's store is as few wavefronts as its bytes need. One thread storing all copies of one pair
-    // put a warp's 32 stores in one or two banks (k = 4, 32 copies: 8192 wavefronts, ~4 us per CTA).
+    // copies: each warp's store is as few wavefronts as its bytes need. One thread storing all copies of one pair put
+    // a warp's 32 stores in one or two banks: the k split at 16 tokens was 0.6 us slower per call at k = 4 (H200).
     constexpr int kWords = Cfg::kCopies >= 4 ? 4 : 1;  // per store
     for (int i = tid; i < Cfg::kPairs * Cfg::kCopies / kWords; i += Cfg::kThreads) {
       const int e = i / (Cfg::kCopies / kWords);
@@ -1087,8 +1089,8 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
 }
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 or 16
-// tokens the warps splitting 32- or 16-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens and 128- or
-// 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them: gemm_configs).
+// tokens the warps splitting 32- or 16-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens
+// and 128- or 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them: gemm_configs).
 constexpr int gemm_config_key(int mb, int wgmma_tiles, int k_split = 1) {
   return (k_split > 1 ? 1024 : 0) + wgmma_tiles * 32 + mb;
 }
