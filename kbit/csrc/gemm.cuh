@@ -136,34 +136,45 @@ struct GemmConfig {
   //          4 lanes share each, 3 wavefronts per lookup on average; 16 copies, 2.
   //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
-  //   k split at MB = 2: compact pair tables too (32 copies up to K = 4, 8 at K = 5), beside stages of 16 token
-  //          rows x 2048 k.
+  //   byte-row tables (K = 2, 4) only where two stages fit beside their 64 KB: not the k split at MB = 2, whose
+  //          stages hold 16 token rows x 2048 k; it takes the compact pair table (32 copies up to K = 4, 8 at K = 5).
   // The E4M4 block scales need no table (e4m4_byte_to_float).
-  // Table rows addressed by one byte (PRMT).
-  static constexpr bool kByteRows = !kWgmma && (KS == 1 || MB == 1) && (K == 2 || K == 4);
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 && KS == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
-  static constexpr int kTables = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
 
-  // Shared memory (see "Shared memory layout" below). The pair table starts at a shared address aligned to
-  // kTableAlign, its size rounded up to a power of two; the stages' pieces fill the space below it
-  // ("low", after the reserved and static shared memory) and above it ("high"). A stage is two pieces: the
+  // Shared memory (see "Shared memory layout" below), for a table of `table` bytes. The table starts at a shared
+  // address aligned to table_align(table), its size rounded up to a power of two; the stages' pieces fill the space
+  // below it ("low", after the reserved and static shared memory) and above it ("high"). A stage is two pieces: the
   // warps' codes (kBStage) and the "small" piece, scales then activations (kAbsStage + kXStage).
-  static constexpr int kTableAlign = kTables <= 8192 ? 8192 : kTables <= 32768 ? 32768 : 65536;
+  static constexpr int table_align(int table) { return table <= 8192 ? 8192 : table <= 32768 ? 32768 : 65536; }
   static constexpr int kSmall = kAbsStage + kXStage;
-  static constexpr int kLowBudget = kTableAlign > kReservedSmem + kStaticSmemMax ? kTableAlign - kReservedSmem - kStaticSmemMax : 0;
-  static constexpr int kHighBudget = kSharedTop - kTableAlign - kTables;
-  static constexpr int small_low(int s) { return s < kLowBudget / kSmall ? s : kLowBudget / kSmall; }
-  static constexpr int codes_low(int s) {
-    return s < (kLowBudget - small_low(s) * kSmall) / kBStage ? s : (kLowBudget - small_low(s) * kSmall) / kBStage;
+  static constexpr int low_budget(int table) {
+    return table_align(table) > kReservedSmem + kStaticSmemMax ? table_align(table) - kReservedSmem - kStaticSmemMax : 0;
   }
-  static constexpr int high_bytes(int s) { return (s - codes_low(s)) * kBStage + (s - small_low(s)) * kSmall; }
-  static constexpr int kStages = high_bytes(4) <= kHighBudget ? 4 : high_bytes(3) <= kHighBudget ? 3 : 2;
-  static_assert(high_bytes(kStages) <= kHighBudget, "configuration does not fit in shared memory");
-  static constexpr int kSmallLow = small_low(kStages), kCodesLow = codes_low(kStages);  // pieces below the table
+  static constexpr int high_budget(int table) { return kSharedTop - table_align(table) - table; }
+  static constexpr int small_low(int table, int s) {
+    return s < low_budget(table) / kSmall ? s : low_budget(table) / kSmall;
+  }
+  static constexpr int codes_low(int table, int s) {
+    const int room = low_budget(table) - small_low(table, s) * kSmall;
+    return s < room / kBStage ? s : room / kBStage;
+  }
+  static constexpr int high_bytes(int table, int s) {
+    return (s - codes_low(table, s)) * kBStage + (s - small_low(table, s)) * kSmall;
+  }
+  static constexpr int stages_beside(int table) {  // the most stages that fit (at most 4), 0 below two
+    return high_bytes(table, 4) <= high_budget(table) ? 4 : high_bytes(table, 3) <= high_budget(table) ? 3
+         : high_bytes(table, 2) <= high_budget(table) ? 2 : 0;
+  }
+  static constexpr bool kByteRows = !kWgmma && (K == 2 || K == 4) && stages_beside(256 * 256) >= 2;
+  static constexpr int kTables = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
+  static constexpr int kTableAlign = table_align(kTables);
+  static constexpr int kStages = stages_beside(kTables);
+  static_assert(kStages >= 2, "configuration does not fit in shared memory");
+  static constexpr int kSmallLow = small_low(kTables, kStages), kCodesLow = codes_low(kTables, kStages);  // below the table
   static constexpr int kLowBytes = kSmallLow * kSmall + kCodesLow * kBStage;
-  static constexpr int kHighBytes = high_bytes(kStages);
+  static constexpr int kHighBytes = high_bytes(kTables, kStages);
   // Per-CTA total (static + dynamic) when the dynamic base is below kTableAlign: what the plan checks.
   static constexpr int kSmemTotal = kTableAlign - kReservedSmem + kTables + kHighBytes;
   // Built for sm_80-class GPUs: what fits their shared memory. The host refuses the rest.
@@ -1090,7 +1101,8 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 or 16
 // tokens the warps splitting 32- or 16-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens
-// and 128- or 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them: gemm_configs).
+// and 128- or 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them:
+// gemm_configs).
 constexpr int gemm_config_key(int mb, int wgmma_tiles, int k_split = 1) {
   return (k_split > 1 ? 1024 : 0) + wgmma_tiles * 32 + mb;
 }
