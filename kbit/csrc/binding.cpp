@@ -143,9 +143,9 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
   return {b, a};
 }
 
-// Split-K workspace: one partial output tile per CTA, every word kbit::kPartialEmpty between GEMMs (the
-// kernel restores what it used), so a buffer filled once serves every later GEMM of its stream: no fill
-// kernel per call. One buffer per (device, stream), since GEMMs on different streams may overlap. Buffers are
+// Split-K workspace: the CTAs' partial output tiles (GemmPlan::partial_floats), every word kbit::kPartialEmpty
+// between GEMMs (the kernel restores what it used), so a buffer filled once serves every later GEMM of its stream:
+// no fill kernel per call. One buffer per (device, stream), since GEMMs on different streams may overlap. Buffers are
 // kept for the life of the process (a captured CUDA graph holds their address); a larger need adds a larger
 // one. They come from cudaMalloc, not the caching allocator: during the warm-up runs of torch.compile's CUDA
 // graph trees the caching allocator hands out the graph's private pool, where a buffer kept past the call is

@@ -90,7 +90,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   with_config(k, mb, wgmma_tiles, k_split, ws_tokens, [&](auto cfg) {
     using Cfg = decltype(cfg);
     tile_rows = Cfg::kTileRows;
-    partial_per_cta = Cfg::kPartialFloats;  // one partial tile per CTA: a CTA publishes at most one (finish_tile)
+    partial_per_cta = Cfg::kPartialFloats;  // gemm.cuh: one partial tile (finish_tile); gemm_ws.cuh: two slots
   });
   plan.mb = mb;
   plan.wgmma_tiles = wgmma_tiles;
@@ -102,7 +102,8 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   plan.m_passes = (M + mb * 8 - 1) / (mb * 8);
   const int tiles = plan.m_passes * ((N + tile_rows - 1) / tile_rows);
   plan.total_steps = tiles * k_steps;
-  // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile).
+  // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile),
+  // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
   // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
   // that no tile is shared across CTAs.
   const int want = forced_grid > 0 ? std::min(forced_grid, num_sms) : k_split > 1 && tiles <= num_sms ? tiles : num_sms;

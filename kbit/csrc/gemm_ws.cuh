@@ -5,8 +5,9 @@
 //   WsConfig            compile-time sizes of one configuration (bits K, tokens per tile NT)
 //   ws_producer         one thread: per step, TMA copies of the activations and bulk copies of the weights into
 //                       the next free stage of the ring
-//   ws_contribute       a finished tile: stored, or its partial handed to the CTA that reduces it
-//   ws_reduce           that CTA: the tile's partials added, then stored
+//   ws_publish          a tile other CTAs hold k-groups of: this CTA's partial sum, published
+//   ws_lead_reduce      a tile split few ways: the CTA holding its first k-group adds the others' partials
+//   ws_reduce_slice     a tile split many ways: each of its CTAs adds every partial of one slice of it
 //   ws_consumer         a consumer warpgroup's main loop: dequantize block t + 1 while block t's wgmmas run
 //                       (block_fragments of gemm.cuh, block scales applied in 16 bits)
 //   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
@@ -24,8 +25,8 @@
 // 128-byte rows.
 //
 // Work: as in gemm.cuh, a step is (token pass, 256-row tile, 256-column k-group); the total step range is cut
-// into `grid` contiguous pieces (stream-K), and a tile split between CTAs is reduced by the CTA holding its
-// first k-group, through the same kPartialEmpty protocol (finish_tile in gemm.cuh says why it cannot deadlock).
+// into `grid` contiguous pieces (stream-K). A tile split between CTAs is summed by the CTA holding its first
+// k-group, or, split many ways, in slices by all of them (the end of a tile, below).
 
 #pragma once
 
@@ -99,7 +100,9 @@ struct WsConfig {
   static_assert(kStages >= 2, "a ring needs two stages");
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables - kReservedSmem;
-  static constexpr int kPartialFloats = kWsTileRows * NT;  // one CTA's partial output tile (split-K)
+  // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
+  static constexpr int kTilePartialFloats = kWsTileRows * NT;
+  static constexpr int kPartialFloats = 2 * kTilePartialFloats;
 };
 
 // ---------------------------------------------------------------------------- the producer
@@ -129,16 +132,30 @@ __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_m
 }
 
 // ---------------------------------------------------------------------------- the end of a tile
-// acc[j] is the D fragment of this warp's 16-row tile `tile16`, tokens 8j ..: rows g and g + 8, tokens 2q and 2q + 1
-// (common.cuh). Partials: per CTA kPartialFloats, per consumer warp its F fragments of 32 lanes x 4 floats (16-byte
-// accesses, contiguous per warp). Who reduces, and why the waits cannot deadlock: finish_tile in gemm.cuh.
+// One D fragment's four sums (rows n[0], n[1] = g, g + 8 of a 16-row tile, tokens m, m + 1: common.cuh) into y,
+// scaled and biased, where they lie inside it.
+template <typename T>
+__device__ __forceinline__ void ws_store_fragment(const GemmParams& p, const int (&n)[2], const float (&bn)[2], int m,
+                                                  float s, const float (&v)[4]) {
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (m + e >= p.M) continue;
+    T* row = y + static_cast<int64_t>(m + e) * p.N;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      if (n[half] < p.N) row[n[half]] = from_float<T>(v[2 * half + e] * s + bn[half]);
+  }
+}
+
+// acc[j] is the D fragment of this warp's 16-row tile `tile16`, tokens 8j ..: rows g and g + 8, tokens 2q and 2q + 1.
+// Token rows outermost: one row address live at a time (all 2F of them at once, 64-bit each, spilled at 128
+// tokens next to the accumulators).
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& c, int tile16, float s,
                                          const float (&acc)[Cfg::kFrags][4]) {
-  constexpr int F = Cfg::kFrags;
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
-  T* y = static_cast<T*>(p.y);
   int n[2];  // rows g, g + 8
   float bn[2];
 #pragma unroll
@@ -146,20 +163,52 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
     n[half] = c.ntile * kWsTileRows + tile16 * 16 + g + 8 * half;
     bn[half] = bias && n[half] < p.N ? to_float(bias[n[half]]) : 0.0f;
   }
-  // Token rows outermost: one row address live at a time (all 2F of them at once, 64-bit each, spilled at 128
-  // tokens next to the accumulators).
 #pragma unroll
-  for (int j = 0; j < F; ++j) {
+  for (int j = 0; j < Cfg::kFrags; ++j) ws_store_fragment<T>(p, n, bn, c.mpass * Cfg::kTokens + 8 * j + 2 * q, s, acc[j]);
+}
+
+// A tile whose k-groups several CTAs hold (stream-K). The CTAs not holding its first k-group publish their partial
+// sums (ws_publish). Then either the lead, the CTA holding that k-group, adds them to its own accumulators
+// (ws_lead_reduce), or, where the tile is split kSlicedFrom ways or more, the lead publishes too and each of the
+// CTAs adds one contiguous slice of every partial after its main loop (ws_reduce_slice). The lead alone reads
+// (n - 1) partials through one SM, ~2 L2 round trips each at 128 tokens; in slices each CTA publishes one and reads
+// two tiles' worth, ~5 round trips whatever n (H200, k = 4: n ~ 8 0.38-0.72x the time, n = 5-6 0.88-0.96x, n <= 4
+// 1.05-1.16x; docs/PERFORMANCE.md).
+// Two partial slots per CTA: slot 1 for the tile whose first k-group it holds (only the last tile of a range can
+// be split and begin in it), slot 0 for the other (the first tile of its range). Layout per slot: [consumer warp]
+// [fragment][lane] float4, an "item" being one float4. Only the items of real tokens move (at M = 17 on a 32-token
+// tile, about half the lanes).
+// No counters and no fences, as in finish_tile (gemm.cuh): the workspace holds kPartialEmpty in every word before
+// the launch, a partial's words are results of arithmetic (never that NaN), so each word the reader loads says
+// whether it has landed; the reader puts kPartialEmpty back for the next launch. Every CTA publishes all its
+// partials inside its main loop, before it waits for any, and all CTAs are resident at once (one per SM, at most as
+// many as SMs: the host's grid), so the waits end. (One flag per contributor warp, written after a __threadfence,
+// so that the reader loads the words unchecked, measured slower: the fence waits for the SM's copies in flight;
+// docs/PERFORMANCE.md#instructive-failures.)
+constexpr int kSlicedFrom = 5;
+
+template <class Cfg>
+__device__ __forceinline__ float* ws_partial(const GemmParams& p, int cta, bool lead) {
+  return p.partials + (2 * static_cast<int64_t>(cta) + (lead ? 1 : 0)) * Cfg::kTilePartialFloats;
+}
+
+// The CTAs holding k-groups of tile `tile`: lead .. lead + n - 1.
+struct TileCtas {
+  int lead, n;
+  __device__ TileCtas(const GemmParams& p, int tile)
+      : lead(cta_of_step(p, tile * p.k_groups)), n(cta_of_step(p, tile * p.k_groups + p.k_groups - 1) - lead + 1) {}
+};
+
+template <class Cfg>
+__device__ __forceinline__ void ws_publish(const GemmParams& p, const StepCursor& c, bool lead,
+                                           const float (&acc)[Cfg::kFrags][4]) {
+  constexpr int F = Cfg::kFrags;
+  const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
+  const int lane_tokens = p.M - c.mpass * Cfg::kTokens - 2 * (lane & 3);  // tokens from the lane's first
+  float* mine = ws_partial<Cfg>(p, blockIdx.x, lead) + cwarp * F * 128 + lane * 4;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int m = c.mpass * Cfg::kTokens + 8 * j + 2 * q + e;
-      if (m >= p.M) continue;
-      T* row = y + static_cast<int64_t>(m) * p.N;
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        if (n[half] < p.N) row[n[half]] = from_float<T>(acc[j][2 * half + e] * s + bn[half]);
-    }
-  }
+  for (int j = 0; j < F; ++j)
+    if (8 * j < lane_tokens) st_relaxed_gpu(mine + j * 128, make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
 }
 
 // The consumer warps meet (named barrier 1; __syncthreads is barrier 0, and the producer warpgroup is not there).
@@ -168,62 +217,44 @@ __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(Cfg::kThreads - 128) : "memory");
 }
 
-// A tile split between CTAs (stream-K), same protocol as finish_tile in gemm.cuh, which says why the waits cannot
-// deadlock: the CTAs holding its later k-groups store their partials and go on (ws_contribute); the CTA holding
-// its first k-group polls each word until it is no longer kPartialEmpty, adds the partials in CTA order and puts
-// kPartialEmpty back (ws_reduce). Partials: per CTA kPartialFloats, per consumer warp its F fragments of 32
-// lanes x 4 floats (16-byte accesses, contiguous per warp). Only the fragments of real tokens move (at M = 17 on a
-// 32-token tile, about half the lanes). (One flag per contributor warp, written after a __threadfence, so that the
-// reducer loads the words unchecked, measured slower: the fence waits for the SM's copies in flight;
-// docs/PERFORMANCE.md#instructive-failures.)
+// The lead's tile is the last of its range, so this runs after the main loop, and once all consumer warpgroups are
+// past it no stage is read or filled again: each warp parks its accumulators in the stages (ws_park, before the
+// slices of the range's first tile, which need the registers), and the registers they free hold kInFlight partial
+// fragments per L2 round trip, whichever contributors they come from, taken contributor by contributor, so each sum
+// adds its partials in CTA order. 16 fragments per round trip, 8 at 128 tokens (16 spilled there at 112 registers),
+// 12 at 32 (all of a tile split 4 ways; 16 spilled).
 template <class Cfg>
-struct WsPartials {
-  const GemmParams& p;
-  int cwarp, lane, lane_token;
-  __device__ WsPartials(const GemmParams& params, const StepCursor& c)
-      : p(params), cwarp((threadIdx.x >> 5) - 4), lane(threadIdx.x & 31),
-        lane_token(c.mpass * Cfg::kTokens + 2 * (threadIdx.x & 3)) {}
-  // Fragment j: tokens 8j ..
-  __device__ float* at(int cta, int j) const {
-    return p.partials + static_cast<int64_t>(cta) * Cfg::kPartialFloats + (cwarp * Cfg::kFrags + j) * 128 + lane * 4;
-  }
-  __device__ bool live(int j) const { return lane_token + 8 * j < p.M; }
-};
-
+__device__ __forceinline__ float4* ws_parked(uint8_t* stages) {  // [warp][fragment][lane]: this lane's first
+  return reinterpret_cast<float4*>(stages) + ((threadIdx.x >> 5) - 4) * Cfg::kFrags * 32 + (threadIdx.x & 31);
+}
 template <class Cfg>
-__device__ __forceinline__ void ws_contribute(const GemmParams& p, const StepCursor& c,
-                                              const float (&acc)[Cfg::kFrags][4]) {
-  const WsPartials<Cfg> part(p, c);
+__device__ __forceinline__ void ws_park(const float (&acc)[Cfg::kFrags][4], uint8_t* stages) {
+  static_assert(Cfg::kConsumerWarps * Cfg::kFrags * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes,
+                "parked sums fit the stages");
+  consumer_barrier<Cfg>();
+  float4* parked = ws_parked<Cfg>(stages);
 #pragma unroll
-  for (int j = 0; j < Cfg::kFrags; ++j)
-    if (part.live(j)) st_relaxed_gpu(part.at(blockIdx.x, j), make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+  for (int j = 0; j < Cfg::kFrags; ++j) parked[j * 32] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
 }
 
-// The reducer's tile is the last of its CTA's range (the tile's first k-group is there, its last is not), so it
-// runs after the consumer loop, and once all consumer warpgroups are past that step no stage is read or filled
-// again: each warp parks its accumulators in the stages, and the registers they free hold kInFlight partial
-// fragments per L2 round trip, whichever contributors they come from. The fragments are taken contributor by
-// contributor, so each sum still adds its partials in CTA order. (One contributor's fragments per round trip, next
-// to the accumulators, made the hand-off most of the call on N = 4096, whose tiles are split ~8 ways.) 16 fragments
-// per round trip, 8 at 128 tokens (16 spilled there at 112 registers).
+// Nothing live across the slices but the parked sums and the output scale: the tile (the range's last) and the
+// warp's rows are found again here.
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor& c, int tile16, float out_scale,
-                                          float (&acc)[Cfg::kFrags][4], uint8_t* stages) {
-  constexpr int F = Cfg::kFrags, kInFlight = F == 16 ? 8 : 16;
-  static_assert(Cfg::kConsumerWarps * F * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes, "parked sums fit the stages");
-  const WsPartials<Cfg> part(p, c);
-  consumer_barrier<Cfg>();
-  float4* parked = reinterpret_cast<float4*>(stages) + part.cwarp * F * 32 + part.lane;  // [warp][fragment][lane]
-#pragma unroll
-  for (int j = 0; j < F; ++j) parked[j * 32] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+__device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_scale, uint8_t* stages) {
+  constexpr int F = Cfg::kFrags, kInFlight = F == 16 ? 8 : F == 8 ? 16 : 12;
+  const StepCursor c(p, first_step_of(p, blockIdx.x + 1) - 1);
+  const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
+  const int lane_tokens = p.M - c.mpass * Cfg::kTokens - 2 * (lane & 3);
+  float4* parked = ws_parked<Cfg>(stages);
   const float empty = __uint_as_float(kPartialEmpty);
-  const int tile_last = c.tile(p) * p.k_groups + p.k_groups - 1;
-  const int items = (cta_of_step(p, tile_last) - static_cast<int>(blockIdx.x)) * F;  // (contributor, fragment)
+  const int items = (TileCtas(p, c.tile(p)).n - 1) * F;  // (contributor, fragment)
   for (int i0 = 0; i0 < items; i0 += kInFlight) {
     float4 v[kInFlight];
     // Item i0 + i: fragment (i0 + i) % F of CTA blockIdx.x + 1 + (i0 + i) / F.
-    auto wanted = [&](int i) { return i0 + i < items && part.live((i0 + i) % F); };
-    auto word = [&](int i) { return part.at(blockIdx.x + 1 + (i0 + i) / F, (i0 + i) % F); };
+    auto wanted = [&](int i) { return i0 + i < items && 8 * ((i0 + i) % F) < lane_tokens; };
+    auto word = [&](int i) {
+      return ws_partial<Cfg>(p, blockIdx.x + 1 + (i0 + i) / F, false) + (cwarp * F + (i0 + i) % F) * 128 + lane * 4;
+    };
     bool landed;
     do {
       landed = true;
@@ -247,12 +278,106 @@ __device__ __forceinline__ void ws_reduce(const GemmParams& p, const StepCursor&
       st_relaxed_gpu(word(i), make_float4(empty, empty, empty, empty));
     }
   }
+  float acc[F][4];
 #pragma unroll
   for (int j = 0; j < F; ++j) {
     const float4 d = parked[j * 32];
     acc[j][0] = d.x, acc[j][1] = d.y, acc[j][2] = d.z, acc[j][3] = d.w;
   }
-  ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
+  ws_store<Cfg, T>(p, c, cwarp, out_scale, acc);
+}
+
+// This CTA's slice of split tile `tile`: items [kItems * i / n, kItems * (i + 1) / n) for the i-th of its n CTAs,
+// every kConsumers-th one per consumer thread. A thread's (item, contributor) pairs in order, contributors
+// fastest, kAtOnce per L2 round trip whatever n (at 128 tokens two round trips per thread, from 2 to 8 CTAs per
+// tile); each item's sum adds its partials in CTA order, as the lead's accumulators would.
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, float out_scale) {
+  constexpr int F = Cfg::kFrags, kItems = Cfg::kTilePartialFloats / 4, kConsumers = 128 * Cfg::kConsumerGroups;
+  constexpr int kAtOnce = 8;
+  const TileCtas ctas(p, tile);
+  const int lead = ctas.lead, n = ctas.n, i = static_cast<int>(blockIdx.x) - lead;
+  const int end = kItems * (i + 1) / n, first_item = kItems * i / n + static_cast<int>(threadIdx.x) - 128;
+  const int pairs = first_item < end ? (end - first_item + kConsumers - 1) / kConsumers * n : 0;
+  const int mpass = tile / p.n_tiles, ntile = tile - mpass * p.n_tiles;
+  const int pass_tokens = p.M - mpass * Cfg::kTokens;
+  const T* bias = static_cast<const T*>(p.bias);
+  const float empty = __uint_as_float(kPartialEmpty);
+  // Item `item` of contributor lead + c (c = 0, the lead, in slot 1), in floats from the lead's slot 0. The slots are
+  // a power of two floats, so the offset gives the item back.
+  constexpr int kSlot = Cfg::kTilePartialFloats;
+  static_assert((kSlot & (kSlot - 1)) == 0, "the item is an offset's low bits");
+  float* const base = p.partials + 2 * static_cast<int64_t>(lead) * kSlot;
+  float sum[4];
+  for (int q0 = 0; q0 < pairs; q0 += kAtOnce) {
+    // This round trip's pairs: their offsets, and bit masks of those to load, of first and of last contributors.
+    int offset[kAtOnce];
+    uint32_t wanted = 0, firsts = 0, lasts = 0;
+    {
+      int u = q0 / n, c = q0 - u * n;
+#pragma unroll
+      for (int a = 0; a < kAtOnce; ++a) {
+        const uint32_t item = first_item + u * kConsumers;  // >= 0: first_item < end here
+        offset[a] = (2 * c + (c == 0 ? 1 : 0)) * kSlot + static_cast<int>(item) * 4;
+        const bool live = static_cast<int>(8 * ((item >> 5) % F) + 2 * (item & 3)) < pass_tokens;
+        wanted |= (q0 + a < pairs && live ? 1u : 0u) << a;
+        firsts |= (c == 0 ? 1u : 0u) << a;
+        lasts |= (c == n - 1 ? 1u : 0u) << a;
+        if (++c == n) c = 0, ++u;
+      }
+    }
+    float4 v[kAtOnce];
+    bool landed;
+    do {
+      landed = true;
+#pragma unroll
+      for (int a = 0; a < kAtOnce; ++a)
+        if (wanted >> a & 1u) v[a] = ld_relaxed_gpu(base + offset[a]);
+#pragma unroll
+      for (int a = 0; a < kAtOnce; ++a) {
+        const uint32_t e = kPartialEmpty;
+        if (wanted >> a & 1u)
+          landed &= __float_as_uint(v[a].x) != e && __float_as_uint(v[a].y) != e && __float_as_uint(v[a].z) != e &&
+                    __float_as_uint(v[a].w) != e;
+      }
+      if (!landed) __nanosleep(128);
+    } while (!landed);
+#pragma unroll
+    for (int a = 0; a < kAtOnce; ++a) {
+      if (!(wanted >> a & 1u)) continue;
+      if (firsts >> a & 1u)
+        sum[0] = v[a].x, sum[1] = v[a].y, sum[2] = v[a].z, sum[3] = v[a].w;
+      else
+        sum[0] += v[a].x, sum[1] += v[a].y, sum[2] += v[a].z, sum[3] += v[a].w;
+      st_relaxed_gpu(base + offset[a], make_float4(empty, empty, empty, empty));
+      if (lasts >> a & 1u) {  // the item's last partial: its sums to y
+        const uint32_t item = (offset[a] & (kSlot - 1)) >> 2, lane = item & 31, tile16 = (item >> 5) / F;
+        int rows[2];
+        float bn[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          rows[half] = ntile * kWsTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
+          bn[half] = bias && rows[half] < p.N ? to_float(bias[rows[half]]) : 0.0f;
+        }
+        ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + 8 * ((item >> 5) % F) + 2 * (lane & 3), out_scale,
+                             sum);
+      }
+    }
+  }
+}
+
+// After the main loop: this CTA's slices of the tiles of its range split kSlicedFrom ways or more, its last tile
+// first (the other CTAs of that one published their partials as their ranges began; the first tile's lead
+// publishes at its range's end).
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_scale) {
+  // A tile reaches kSlicedFrom CTAs only across kSlicedFrom - 2 whole ranges and parts of two more.
+  if (p.k_groups < (kSlicedFrom - 2) * p.steps_per_cta + 2) return;
+  const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
+  const int head = first / p.k_groups, tail = (last - 1) / p.k_groups;
+#pragma unroll 1
+  for (int tile = tail; tile >= head; --tile)  // one copy of the code (two spilled); tiles between are whole
+    if (TileCtas(p, tile).n >= kSlicedFrom) ws_reduce_slice<Cfg, T>(p, tile, out_scale);
 }
 
 #if KBIT_WGMMA
@@ -282,7 +407,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
   int slot = 0;
   uint32_t phase = 0;
   bool from_start = c.kstep == 0;
-  bool reduce_last = false;
+  bool lead_reduces = false;
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
     const uint8_t* stage = stages + slot * Cfg::kStageBytes;
@@ -325,21 +450,23 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
     if (lane == 0) mbarrier_arrive(&empty[slot]);
     const bool holds_last = c.kstep == p.k_groups - 1;
     if (holds_last || remaining == 1) {
-      if (!holds_last && from_start) {  // the reducer: its tile is the range's last (ws_reduce)
-        reduce_last = true;
-        break;
-      }
-      if (holds_last && from_start)
+      if (holds_last && from_start) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
-      else
-        ws_contribute<Cfg>(p, c, acc);
+      } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
+        lead_reduces = true;
+        break;
+      } else {
+        ws_publish<Cfg>(p, c, from_start, acc);
+      }
 #pragma unroll
       for (int j = 0; j < F; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
       from_start = true;  // the next tile starts at its k-group 0
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
-  if (reduce_last) ws_reduce<Cfg, T>(p, c, tile16, out_scale, acc, stages);
+  if (lead_reduces) ws_park<Cfg>(acc, stages);
+  ws_reduce_slices<Cfg, T>(p, out_scale);
+  if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, stages);
 }
 #endif  // KBIT_WGMMA
 
