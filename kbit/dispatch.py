@@ -140,17 +140,10 @@ H100_WGMMA = Measured("H100 80GB HBM3", "776473c", "2026-11-21",
                       "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m32_64.md and _m128_256.md, as of 776473c")
 H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
                                  "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, H200, GEMM 32 to 4096 tokens")
-H200_TUNED = Measured("H200", "a512329", "2026-11-23",
-                      "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
-                      "--tokens 32,48,64,96,128,192,256; docs/PERFORMANCE.md, H200, dispatch")
-H200_TUNED_REDUCER = Measured("H200", "1dd6f08", "2026-11-23",
-                              "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
-                              "--tokens 32,48,64,96,128,192,256 (the warp-specialized split-K reducer polling 16 "
-                              "fragments per round trip); docs/PERFORMANCE.md, H200, dispatch")
-H200_TUNED_FOUR_WG = Measured("H200", "ac2e918", "2026-11-23",
-                              "python -m kbit tune --bits 4 --shapes 14336->4096,11008->4096,4096->11008,4096->14336 "
-                              "--tokens 17,24,32,48,64,96,128,192,256 (the warp-specialized kernel with four consumer "
-                              "warpgroups); docs/PERFORMANCE.md, H200, dispatch")
+H200_SLICES = Measured("H200", "85c754f", "2026-11-23",
+                       "python -m kbit tune --bits 4 --shapes <the nine seed shapes>,2048->1408,2048->768 --tokens "
+                       "17,32,48,64,96,128,192,256,384,512,1024 (split tiles summed in slices); "
+                       "benchmarks/results/tune_NVIDIA_H200.json, docs/PERFORMANCE.md, H200, dispatch")
 H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "bench_gemm.py --m 1,4,8 --k 2,3,4,5, eleven shapes, KBIT_GEMM_PATH=mma_sync against k_split; "
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
@@ -176,7 +169,7 @@ class Crossover(NamedTuple):
     """``rule`` at ``m`` tokens, for weights of at least ``min_weights`` elements (out_features x in_features padded
     to 32) and ``min_out_features`` rows, where each SM has at least ``min_steps_per_sm`` and fewer than
     ``max_steps_per_sm`` steps (token passes x 256-row tiles x 256-column k-groups) in the configuration the rule
-    would pick."""
+    would pick, up to ``through`` tokens."""
 
     gpus: Gpus
     rule: Rule
@@ -187,6 +180,7 @@ class Crossover(NamedTuple):
     min_out_features: int = 0
     min_steps_per_sm: int = 0
     max_steps_per_sm: float = math.inf
+    through: float = math.inf
 
 
 # Of several rows that hold, FUSED_THROUGH takes the largest m, the *_FROM rules the smallest.
@@ -196,34 +190,32 @@ CROSSOVERS = (
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 159, H100_MMA_SYNC, bits=(2, 3)),
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 191, H100_MMA_SYNC, bits=(4,)),
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 127, H100_MMA_SYNC, bits=(5,)),
-    # One wgmma pass holds 128 tokens; below 32M weights it loses from 65 on (4096->4096, M = 128: 31 vs 27 us);
-    # the warp-specialized kernel keeps >= 32M weights through 256 (4096->14336, M = 256: 65 vs 89 us) and >= 128M
-    # through 1024 (8192->28672, K = 4, M = 1024: 730 vs 878 us), K = 5 through 512.
+    # Fused from 65 tokens where it beats dequantize + cuBLAS (H200, K = 4): >= 16M weights through 128 tokens
+    # (4096->4096: warp-specialized 20.4 against 26.6 us; 30.4 against 30.5 at 192), >= 32M through 1024 (11008->4096
+    # 146 against 150 us, 4096->11008 153 against 154) at K = 2..4, through 256 at K = 5 (its lookups conflict at 128
+    # tokens), and at K = 5 >= 128M through 512 (8192->28672: 370 against 484 us at K = 4).
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 64, H100_WGMMA),
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 128, H200_SLICES, min_weights=1 << 24),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 256, H200_WARP_SPECIALIZED, min_weights=1 << 25),
-    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_WARP_SPECIALIZED, bits=(2, 3, 4), min_weights=1 << 27),
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_SLICES, bits=(2, 3, 4), min_weights=1 << 25),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 512, H200_WARP_SPECIALIZED, bits=(5,), min_weights=1 << 27),
-    # The warp-specialized kernel: from 17 tokens on >= 48M weights with N >= 8192 (8192->28672, M = 32: 63.6 vs
-    # 72.1 us), from 33 on >= 32M with N >= 8192 (4096->11008, M = 48 / 64: 25.3 / 27.3 vs 29.4 / 30.2 us), from 129
-    # on >= 32M, from 513 everywhere. With N = 4096, each 256-row tile is split over ~8 CTAs, and mma.sync's 32-token
-    # passes tie with it through 64 tokens (14336->4096, M = 64: 36.8 vs 37.2 us), through 128 below 48M weights
-    # (11008->4096, M = 128: 50.1 vs 53.2); from 65 on >= 48M it wins (14336->4096, M = 96 / 128: 49.1 / 56.9 vs
-    # 50.4 / 62.7).
+    # The warp-specialized kernel (steps counted in its tiles of 32, 64 or 128 tokens): from 17 tokens on >= 48M
+    # weights (14336->4096, M = 17: 23.2 against mma.sync's 24.8 us), from 33 on >= 32M (4096->11008, M = 48: 23.8
+    # against 29.6; at 32 mma.sync's 19.6 against 20.3), from 193 on >= 16M (2048->10240, M = 192: 33.8 against 36.9),
+    # from 513 everywhere; and from 17 through 128 tokens where its tiles leave each SM fewer than 2 steps, each
+    # tile summed in slices by the 5 or more CTAs that share it (4096->4096, M = 17 / 128: 13.9 / 20.4 against
+    # 21.2 / 22.6; 2048->1536: 7.0 / 12.9 against 10.4 / 12.2). 2048->10240's tiles (2.4 steps per SM) are split
+    # about 4 ways: mma.sync through 128 tokens (26.2 against 30.8 us).
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 129, H200_WARP_SPECIALIZED, min_weights=1 << 25),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 65, H200_TUNED_FOUR_WG, min_weights=48 << 20),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 33, H200_TUNED_REDUCER, min_weights=1 << 25,
-              min_out_features=8192),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_TUNED, min_weights=48 << 20, min_out_features=8192),
-    # gemm.cuh's wgmma from 65 tokens, and from 33 where every SM has >= 16 steps of 64 tokens: below that
-    # mma.sync's 32-token passes are faster (8192->28672 M = 32: 90.4 vs 70.9 us; 14336->4096 M = 64: 44.1 vs 41.4).
-    # 256-row tiles halve the activations' traffic from L2 where every SM has >= 16 steps; elsewhere the extra
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 193, H200_SLICES, min_weights=1 << 24),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 33, H200_SLICES, min_weights=1 << 25),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_SLICES, min_weights=48 << 20),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_SLICES, max_steps_per_sm=2, through=128),
+    # gemm.cuh's wgmma from 33 tokens where every SM has >= 16 steps of 64 tokens (and the warp-specialized kernel
+    # is not taken): below that mma.sync's 32-token passes are faster (8192->28672 M = 32: 90.4 vs 70.9 us;
+    # 14336->4096 M = 64: 44.1 vs 41.4; H200, K = 4, 2048->10240 M = 96: 27.5 vs 20.4; 2048->1536 M = 384: 22.8 vs
+    # 16.0). 256-row tiles halve the activations' traffic from L2 where every SM has >= 16 steps; elsewhere the extra
     # split-K costs more (4096->4096: 107 vs 31 us).
-    # With out_features < 8192, mma.sync's 32-token passes stay faster through 128 tokens (H200, K = 4, M = 64 / 128:
-    # 14336->4096 41.6 / 72.0 us against wgmma's 45.4 / 75.9 and the warp-specialized kernel's 56.9 / 99.1;
-    # 11008->4096 34.3 / 57.1 against 40.4 / 62.8 and 52.0 / 90.1), and tie with wgmma at 192-256 tokens.
-    Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 65, H200_TUNED, min_out_features=8192),
-    Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 257, H200_TUNED),
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
     # Up to 8 tokens, 32-row tiles with the warps splitting k where the 256-row tiles leave each SM fewer than 2
@@ -279,12 +271,17 @@ def _holding(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> list:
     return [c.m for c in CROSSOVERS
             if c.gpus is gpus and c.rule is rule and p.bits in c.bits and p.weights >= c.min_weights
             and p.out_features >= c.min_out_features and steps >= c.min_steps_per_sm * p.device.sms
-            and steps < c.max_steps_per_sm * p.device.sms]
+            and steps < c.max_steps_per_sm * p.device.sms and p.tokens <= c.through]
 
 
 def _starts(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> bool:
     """Whether ``rule`` holds at p.tokens: one of its crossovers lies at or below them."""
     return any(p.tokens >= m for m in _holding(p, rule, tokens_per_pass))
+
+
+def _ws_tokens(M: int) -> int:
+    """The warp-specialized kernel's tokens per tile: the smallest that holds M, 128 past that."""
+    return 32 if M <= 32 else 64 if M <= 64 else 128
 
 
 def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:
@@ -296,7 +293,7 @@ def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:
     if path is Path.K_SPLIT:
         return p.built.get((1 if M <= 8 else 2, 0, 0, 8)) if M <= 16 else None
     if path is Path.WARP_SPECIALIZED:
-        tokens = 32 if M <= 32 else 64 if M <= 64 else 128
+        tokens = _ws_tokens(M)
         return p.built.get((tokens // 8, 0, tokens, 1))
     mb = 8 if M <= 64 else 16
     tiles = (2, 1) if _starts(p, Rule.WIDE_TILES_FROM, mb * 8) else (1, 2)
@@ -307,7 +304,7 @@ def _table_config(p: _Problem, paths: frozenset) -> Optional[GemmConfig]:
     """The fused configuration the crossover table picks among ``paths`` (built; it may not run here)."""
     if p.gpus is Gpus.WGMMA:
         if Path.WARP_SPECIALIZED in paths and (
-                paths == {Path.WARP_SPECIALIZED} or _starts(p, Rule.WARP_SPECIALIZED_FROM)):
+                paths == {Path.WARP_SPECIALIZED} or _starts(p, Rule.WARP_SPECIALIZED_FROM, _ws_tokens(p.tokens))):
             return _config_for(p, Path.WARP_SPECIALIZED)
         if Path.WGMMA in paths and (
                 Path.MMA_SYNC not in paths or _starts(p, Rule.WGMMA_FROM, 64)):  # steps as 64-token passes

@@ -49,28 +49,31 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     K = -(-K // 32) * 32
     W = N * K
     if path == "auto":
-        if M <= 128:
-            cublas = M > 64 and W < 1 << 25
-        elif W < 1 << 27:
-            cublas = M > 256 or W < 1 << 25
+        if W < 1 << 24:
+            through = 64
+        elif W < 1 << 25:
+            through = 128
+        elif bits != 5:
+            through = 1024
         else:
-            cublas = M > 1024 or (M > 512 and bits == 5)
-        if cublas:
+            through = 512 if W >= 1 << 27 else 256
+        if M > through:
             return CUBLAS
-    tokens = 32 if M <= 32 else 64 if M <= 64 else 128
-    faster = (M > 512 or (M > 128 and W >= 1 << 25) or (M > 64 and W >= 48 << 20) or (M > 32 and N >= 8192 and W >= 1 << 25)
-              or (M > 32 and W >= 1 << 27) or (M > 16 and N >= 8192 and W >= 48 << 20))
-    if path == "ws" or (path != "classic" and faster):
-        return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
     kg = -(-K // 256)
 
     def steps(mb):
         return -(-M // (mb * 8)) * -(-N // 256) * kg
 
+    tokens = 32 if M <= 32 else 64 if M <= 64 else 128
+    faster = (M > 512 or (M > 192 and W >= 1 << 24) or (M > 32 and W >= 1 << 25) or (M > 16 and W >= 48 << 20)
+              or (16 < M <= 128 and steps(tokens // 8) < 2 * sms))
+    if path == "ws" or (path != "classic" and faster):
+        return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
+
     if path != "ws" and 1 <= M <= 16 and steps(1) < (1 if bits == 3 else 2) * sms:
         return Plan(Path.K_SPLIT, 1 if M <= 8 else 2, 0, 0, 8)
 
-    wgmma = (M > 64 and N >= 8192) or M > 256 or (M > 32 and steps(8) >= 16 * sms)
+    wgmma = M > 32 and steps(8) >= 16 * sms
     mb = 1 if M <= 8 else 2 if M <= 16 else 4 if not wgmma else 8 if M <= 64 else 16
     tiles = 0 if not wgmma else 2 if mb == 8 or (bits != 5 and steps(16) >= 16 * sms) else 1
     return Plan(Path.WGMMA if tiles else Path.MMA_SYNC, mb, tiles, 0)
@@ -245,14 +248,15 @@ def test_planner_honours_the_cache(cache_dir):
     def chosen(M, N=4096, K=4096, **kw):
         return dispatch.plan(H100, CONFIGS, N, K, M, 4, tuned=tuned, **kw)
 
-    assert dispatch.plan(H100, CONFIGS, 4096, 4096, 32, 4) == mma(4)  # the table
+    ws32 = Plan(Path.WARP_SPECIALIZED, 4, 0, 32)
+    assert dispatch.plan(H100, CONFIGS, 4096, 4096, 32, 4) == ws32  # the table
     assert chosen(32) == chosen(17) == Plan(Path.WGMMA, 8, 2, 0)  # measured faster at 32: from 17 to 32 tokens
     assert chosen(100) == CUBLAS  # the first tuned count >= 100 is 128, where cuBLAS was fastest
     assert chosen(100, fused_only=True) == Plan(Path.WGMMA, 16, 1, 0)
     assert chosen(5000) == CUBLAS  # past the last tuned count: its measurements
     assert chosen(32, force=dispatch.FORCED_PATHS["ws"], fused_only=True).path is Path.WARP_SPECIALIZED
-    assert dispatch.plan(H100, CONFIGS, 1024, 4096, 32, 4, tuned=tuned) == mma(4)  # an untuned shape: the table
-    assert dispatch.plan(H100, CONFIGS, 4096, 4096, 32, 3, tuned=tuned) == mma(4)  # an untuned bit width too
+    assert dispatch.plan(H100, CONFIGS, 1024, 4096, 32, 4, tuned=tuned) == ws32  # an untuned shape: the table
+    assert dispatch.plan(H100, CONFIGS, 4096, 4096, 32, 3, tuned=tuned) == ws32  # an untuned bit width too
 
 
 def test_tuned_path_that_cannot_run_falls_back(cache_dir):
