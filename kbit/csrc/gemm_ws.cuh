@@ -289,8 +289,8 @@ __device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_sc
 
 // This CTA's slice of split tile `tile`: items [kItems * i / n, kItems * (i + 1) / n) for the i-th of its n CTAs,
 // every kConsumers-th one per consumer thread. A thread's (item, contributor) pairs in order, contributors
-// fastest, kAtOnce per L2 round trip whatever n (at 128 tokens two round trips per thread, from 2 to 8 CTAs per
-// tile); each item's sum adds its partials in CTA order, as the lead's accumulators would.
+// fastest, kAtOnce per L2 round trip whatever n (at 128 tokens two round trips per thread); each item's sum adds
+// its partials in CTA order, as the lead's accumulators would.
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, float out_scale) {
   constexpr int F = Cfg::kFrags, kItems = Cfg::kTilePartialFloats / 4, kConsumers = 128 * Cfg::kConsumerGroups;
