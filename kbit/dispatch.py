@@ -140,7 +140,7 @@ H100_WGMMA = Measured("H100 80GB HBM3", "776473c", "2026-11-21",
                       "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m32_64.md and _m128_256.md, as of 776473c")
 H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
                                  "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, H200, GEMM 32 to 4096 tokens")
-H200_SLICES = Measured("H200", "85c754f", "2026-11-23",
+H200_SLICES = Measured("H200", "10a3fee", "2026-11-23",
                        "python -m kbit tune --bits 4 --shapes <the nine seed shapes>,2048->1408,2048->768 --tokens "
                        "17,32,48,64,96,128,192,256,384,512,1024 (split tiles summed in slices); "
                        "benchmarks/results/tune_NVIDIA_H200.json, docs/PERFORMANCE.md, H200, dispatch")
@@ -191,21 +191,21 @@ CROSSOVERS = (
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 191, H100_MMA_SYNC, bits=(4,)),
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 127, H100_MMA_SYNC, bits=(5,)),
     # Fused from 65 tokens where it beats dequantize + cuBLAS (H200, K = 4): >= 16M weights through 128 tokens
-    # (4096->4096: warp-specialized 20.4 against 26.6 us; 30.4 against 30.5 at 192), >= 32M through 1024 (11008->4096
-    # 146 against 150 us, 4096->11008 153 against 154) at K = 2..4, through 256 at K = 5 (its lookups conflict at 128
-    # tokens), and at K = 5 >= 128M through 512 (8192->28672: 370 against 484 us at K = 4).
+    # (4096->4096: warp-specialized 20.7 against 27.3 us; 30.6 against 31.5 at 192), >= 32M through 1024 (11008->4096
+    # 144 against 150 us, 4096->11008 150 against 152) at K = 2..4, through 256 at K = 5 (its lookups conflict at 128
+    # tokens), and at K = 5 >= 128M through 512 (8192->28672: 362 against 467 us at K = 4).
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 64, H100_WGMMA),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 128, H200_SLICES, min_weights=1 << 24),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 256, H200_WARP_SPECIALIZED, min_weights=1 << 25),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_SLICES, bits=(2, 3, 4), min_weights=1 << 25),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 512, H200_WARP_SPECIALIZED, bits=(5,), min_weights=1 << 27),
     # The warp-specialized kernel (steps counted in its tiles of 32, 64 or 128 tokens): from 17 tokens on >= 48M
-    # weights (14336->4096, M = 17: 23.2 against mma.sync's 24.8 us), from 33 on >= 32M (4096->11008, M = 48: 23.8
-    # against 29.6; at 32 mma.sync's 19.6 against 20.3), from 193 on >= 16M (2048->10240, M = 192: 33.8 against 36.9),
+    # weights (14336->4096, M = 17: 23.9 against mma.sync's 25.0 us), from 33 on >= 32M (4096->11008, M = 48: 23.3
+    # against 29.5; at 32 a tie, 19.9 against 20.0), from 193 on >= 16M (2048->10240, M = 192: 33.2 against 37.1),
     # from 513 everywhere; and from 17 through 128 tokens where its tiles leave each SM fewer than 2 steps, each
-    # tile summed in slices by the 5 or more CTAs that share it (4096->4096, M = 17 / 128: 13.9 / 20.4 against
-    # 21.2 / 22.6; 2048->1536: 7.0 / 12.9 against 10.4 / 12.2). 2048->10240's tiles (2.4 steps per SM) are split
-    # about 4 ways: mma.sync through 128 tokens (26.2 against 30.8 us).
+    # tile summed in slices by the 5 or more CTAs that share it (4096->4096, M = 17 / 128: 11.2 / 20.7 against
+    # 16.5 / 22.4; 2048->1536: 7.1 / 12.9 against 10.4 / 12.3). 2048->10240's tiles (2.4 steps per SM) are split
+    # about 4 ways: mma.sync through 128 tokens (26.5 against 31.0 us).
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 193, H200_SLICES, min_weights=1 << 24),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 33, H200_SLICES, min_weights=1 << 25),
@@ -213,8 +213,8 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_SLICES, max_steps_per_sm=2, through=128),
     # gemm.cuh's wgmma from 33 tokens where every SM has >= 16 steps of 64 tokens (and the warp-specialized kernel
     # is not taken): below that mma.sync's 32-token passes are faster (8192->28672 M = 32: 90.4 vs 70.9 us;
-    # 14336->4096 M = 64: 44.1 vs 41.4; H200, K = 4, 2048->10240 M = 96: 27.5 vs 20.4; 2048->1536 M = 384: 22.8 vs
-    # 16.0). 256-row tiles halve the activations' traffic from L2 where every SM has >= 16 steps; elsewhere the extra
+    # 14336->4096 M = 64: 44.1 vs 41.4; H200, K = 4, 2048->10240 M = 96: 26.9 vs 20.5; 2048->1536 M = 384: 22.9 vs
+    # 16.1). 256-row tiles halve the activations' traffic from L2 where every SM has >= 16 steps; elsewhere the extra
     # split-K costs more (4096->4096: 107 vs 31 us).
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
