@@ -191,6 +191,26 @@ __device__ __forceinline__ float4 ld_relaxed_gpu(const float* p) {
                : "memory");
   return v;
 }
+// One L2 round trip of split-K partials, repeated until none of the wanted words is kPartialEmpty (not landed yet):
+// v[i] = *word(i) for each i with wanted(i).
+template <int N, typename Wanted, typename Word>
+__device__ __forceinline__ void ld_landed_gpu(float4 (&v)[N], Wanted wanted, Word word) {
+  bool landed;
+  do {
+    landed = true;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (wanted(i)) v[i] = ld_relaxed_gpu(word(i));
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const uint32_t e = kPartialEmpty;
+      if (wanted(i))
+        landed &= __float_as_uint(v[i].x) != e && __float_as_uint(v[i].y) != e && __float_as_uint(v[i].z) != e &&
+                  __float_as_uint(v[i].w) != e;
+    }
+    if (!landed) __nanosleep(128);  // not yet: wait a little before asking L2 again
+  } while (!landed);
+}
 
 // ---------------------------------------------------------------------------- programmatic dependent launch
 // Launched with programmatic stream serialization (sm_90), a kernel may start while the previous kernel

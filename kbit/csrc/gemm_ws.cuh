@@ -255,21 +255,7 @@ __device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_sc
     auto word = [&](int i) {
       return ws_partial<Cfg>(p, blockIdx.x + 1 + (i0 + i) / F, false) + (cwarp * F + (i0 + i) % F) * 128 + lane * 4;
     };
-    bool landed;
-    do {
-      landed = true;
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i)
-        if (wanted(i)) v[i] = ld_relaxed_gpu(word(i));
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {
-        const uint32_t e = kPartialEmpty;
-        if (wanted(i))
-          landed &= __float_as_uint(v[i].x) != e && __float_as_uint(v[i].y) != e && __float_as_uint(v[i].z) != e &&
-                    __float_as_uint(v[i].w) != e;
-      }
-      if (!landed) __nanosleep(128);
-    } while (!landed);
+    ld_landed_gpu(v, wanted, word);
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) {
       if (!wanted(i)) continue;
@@ -327,21 +313,7 @@ __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, f
       }
     }
     float4 v[kAtOnce];
-    bool landed;
-    do {
-      landed = true;
-#pragma unroll
-      for (int a = 0; a < kAtOnce; ++a)
-        if (wanted >> a & 1u) v[a] = ld_relaxed_gpu(base + offset[a]);
-#pragma unroll
-      for (int a = 0; a < kAtOnce; ++a) {
-        const uint32_t e = kPartialEmpty;
-        if (wanted >> a & 1u)
-          landed &= __float_as_uint(v[a].x) != e && __float_as_uint(v[a].y) != e && __float_as_uint(v[a].z) != e &&
-                    __float_as_uint(v[a].w) != e;
-      }
-      if (!landed) __nanosleep(128);
-    } while (!landed);
+    ld_landed_gpu(v, [&](int a) { return (wanted >> a & 1u) != 0; }, [&](int a) { return base + offset[a]; });
 #pragma unroll
     for (int a = 0; a < kAtOnce; ++a) {
       if (!(wanted >> a & 1u)) continue;
@@ -374,9 +346,9 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
   // A tile reaches kSlicedFrom CTAs only across kSlicedFrom - 2 whole ranges and parts of two more.
   if (p.k_groups < (kSlicedFrom - 2) * p.steps_per_cta + 2) return;
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
-  const int head = first / p.k_groups, tail = (last - 1) / p.k_groups;
+  const int head = first / p.k_groups, tail = (last - 1) / p.k_groups;  // the tiles between are whole
 #pragma unroll 1
-  for (int tile = tail; tile >= head; --tile)  // one copy of the code (two spilled); tiles between are whole
+  for (int tile = tail; tile >= head; tile = tile > head ? head : head - 1)  // one copy of the code (two spilled)
     if (TileCtas(p, tile).n >= kSlicedFrom) ws_reduce_slice<Cfg, T>(p, tile, out_scale);
 }
 
