@@ -24,10 +24,17 @@ Exact memory shapes (``k`` = bits, ``N`` = out_features, ``K_pad`` = in_features
     lane ``l = 4*g + q`` owns a string of ``128 * k`` bits held in ``k`` 16-byte vectors
     (bit ``o`` of the string is bit ``o % 32`` of word ``(o % 128) // 32`` of vec ``o // 128``).
     The code of row ``16*tile + g + 8*r``, column ``256*kgroup + 32*t + 8*p + 2*q + e``
-    (``t`` in 0..7 = block within the group, ``r`` in 0..1, ``p`` in 0..3, ``e`` in 0..1) occupies
-    bits ``[(2 * P + e) * k, ... + k)`` with pair number ``P = 8*t + 2*p + r``. So the two codes of
-    pair ``P`` form the ``2k``-bit index that the kernel looks up; for k = 4 each pair is one byte,
-    for k = 2 each byte is pair ``p`` of both rows.
+    (``t`` in 0..7 = block within the group, ``r`` in 0..1, ``p`` in 0..3, ``e`` in 0..1) is bits
+    ``e*k .. e*k + k - 1`` of the ``2k``-bit index of pair number ``P = 8*t + 2*p + r``, the index the
+    kernel looks up (code ``e = 0`` in its low bits). Bit ``n`` of pair ``P``'s index sits at string bit
+    ``pair_bit_offsets(k)[P, n]``:
+      k = 2, 4, 5: ``2*k*P + n`` (the pairs back to back). For k = 4 each pair is one byte, for k = 2
+        each byte is pair ``p`` of both rows.
+      k = 3: pairs ``P = 16*u + 4*s + i`` (two blocks per 3 words ``3u .. 3u + 2``): for ``s`` < 3 bits
+        0..5 of byte ``i`` of word ``3u + s``; for ``s`` = 3 bits 6..7 of byte ``i`` of the three words
+        (index bits ``2v, 2v + 1`` in word ``3u + v``). So every pair's index is one byte's low 6 bits or
+        gathered from three bytes' top 2 bits at once (shifts and bit selects on whole words), and the
+        kernel can address a 256-byte table row per byte with one PRMT, as at k = 4.
 ``absmax_gemm``: uint8 ``[N_pad / 256, KG, 16, 2, 8, 8]`` — indexed ``[block, kgroup, i, r, g, t]``: the
     E4M4 code of row ``16*tile + g + 8*r``, block ``8*kgroup + t``, ``tile = 16*block + i``.
 
@@ -53,6 +60,19 @@ BLOCK_TILES = N_ALIGN // TILE_ROWS  # 16-row tiles per block of the layout (cont
 K_GROUP = 256  # columns per pipeline step: 8 quantization blocks
 LANES = 32
 X_ALIGN = 8  # activation columns per 16-byte read of the GEMM
+PAIRS = 64  # code pairs per lane and k-group: 8 blocks x 8
+
+
+def pair_bit_offsets(bits: int) -> torch.Tensor:
+    """[PAIRS, 2 * bits] int64: the string bit that holds bit n of pair P's table index (module docstring)."""
+    P = torch.arange(PAIRS, dtype=torch.int64)[:, None]
+    n = torch.arange(2 * bits, dtype=torch.int64)[None, :]
+    if bits != 3:
+        return 2 * bits * P + n
+    u, s, i = P // 16, P // 4 % 4, P % 4
+    in_byte = 96 * u + 32 * s + 8 * i + n
+    gathered = 96 * u + 32 * (n // 2) + 8 * i + 6 + n % 2
+    return torch.where(s < 3, in_byte, gathered)
 
 
 def gemm_shapes(bits: int, out_features: int, in_features_padded: int):
@@ -75,7 +95,10 @@ def repack_reference(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_
     c = codes.reshape(nt, 2, 8, kg, 8, 4, 4, 2).permute(0, 3, 2, 6, 4, 5, 1, 7)  # T j g q t p r e
     c = c.reshape(nt, kg, LANES, 128)
     shifts = torch.arange(bits, device=c.device, dtype=torch.int64)
-    string = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, bits, 4, 32)  # 128 * bits bits per lane
+    index_bits = ((c[..., None] >> shifts) & 1).reshape(nt, kg, LANES, PAIRS, 2 * bits)  # bit n = e*k + b
+    string = torch.empty_like(index_bits).reshape(nt, kg, LANES, 128 * bits)
+    string[..., pair_bit_offsets(bits).flatten()] = index_bits.reshape(nt, kg, LANES, 128 * bits)
+    string = string.reshape(nt, kg, LANES, bits, 4, 32)
     words = (string << torch.arange(32, device=c.device, dtype=torch.int64)).sum(-1)
     b_gemm = to_int32_bits(words).permute(0, 1, 3, 2, 4)  # T j v lane w
     b_gemm = b_gemm.reshape(nb, BLOCK_TILES, kg, bits, LANES, 4).transpose(1, 2).contiguous()  # block j i v lane w
@@ -97,8 +120,9 @@ def unrepack_reference(b_gemm: torch.Tensor, a_gemm: torch.Tensor, bits: int, ou
     a_gemm = a_gemm.transpose(1, 2).reshape(nt, kg, 2, 8, 8)  # T j r g t
     words = b_gemm.permute(0, 1, 3, 2, 4).to(torch.int64) & 0xFFFFFFFF  # T j lane v w
     string = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int64)) & 1
-    string = string.reshape(nt, kg, LANES, 128, bits)
-    codes = (string << torch.arange(bits, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t p r e)
+    string = string.reshape(nt, kg, LANES, 128 * bits)
+    index_bits = string[..., pair_bit_offsets(bits).flatten()].reshape(nt, kg, LANES, 128, bits)
+    codes = (index_bits << torch.arange(bits, device=words.device, dtype=torch.int64)).sum(-1)  # T j lane (t p r e)
     codes = codes.reshape(nt, kg, 8, 4, 8, 4, 2, 2).permute(0, 6, 2, 1, 4, 5, 3, 7)  # T r g j t p q e
     codes = codes.reshape(nt * TILE_ROWS, kg * K_GROUP)[:N, :K]
     packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), bits)

@@ -144,12 +144,12 @@ def mma(mb):
 
 @pytest.mark.parametrize("device", (A100_40, A100_80), ids=lambda d: d.name)
 def test_a100(device):
-    """163 KB per block: K = 4 has no mma.sync configuration that fits (223 KB), K = 2 only 8-token passes, K = 3 8
-    and 16, K = 5 16. Smaller passes read the weights more often: dequantize + cuBLAS takes over that much sooner."""
+    """163 KB per block: K = 4 has no mma.sync configuration that fits (223 KB), K = 2 only 8-token passes, K = 3
+    and K = 5 16. Smaller passes read the weights more often: dequantize + cuBLAS takes over that much sooner."""
     N, K = 14336, 4096
     expect = {
         2: {1: mma(1), 8: mma(1), 9: mma(1), 16: mma(1), 17: mma(1), 39: mma(1), 40: CUBLAS, 159: CUBLAS},
-        3: {1: mma(1), 9: mma(2), 16: mma(2), 17: mma(2), 79: mma(2), 80: CUBLAS, 159: CUBLAS},
+        3: {1: mma(2), 9: mma(2), 16: mma(2), 17: mma(2), 79: mma(2), 80: CUBLAS, 159: CUBLAS},
         4: {0: CUBLAS, 1: CUBLAS, 16: CUBLAS, 64: CUBLAS, 191: CUBLAS},
         5: {1: mma(2), 16: mma(2), 17: mma(2), 63: mma(2), 64: CUBLAS, 127: CUBLAS},
     }
@@ -172,7 +172,7 @@ def test_99_kb_gpus_take_dequantize_cublas(device):
 
 def test_forced_path_that_cannot_run_is_ignored():
     ws = dispatch.FORCED_PATHS["ws"]
-    assert dispatch.plan(A100_80, CONFIGS, 4096, 4096, 1, 3, fused_only=True, force=ws) == mma(1)
+    assert dispatch.plan(A100_80, CONFIGS, 4096, 4096, 1, 3, fused_only=True, force=ws) == mma(2)
     forced = dispatch.plan(H100, CONFIGS, 4096, 4096, 1, 3, fused_only=True, force=ws)
     assert forced == Plan(Path.WARP_SPECIALIZED, 4, 0, 32)
     wgmma = dispatch.plan(H100, CONFIGS, 4096, 4096, 1, 5, fused_only=True, force=dispatch.FORCED_PATHS["wgmma"])

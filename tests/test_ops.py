@@ -99,10 +99,10 @@ def _documented_code(b_gemm, k, row, col):
     p, qe = divmod(c32, 8)  # column 8p + 2q + e of the block: code s = 2p + e of lane 4g + q
     q, e = divmod(qe, 2)
     lane = 4 * g + q
-    o = (2 * (8 * t + 2 * p + r) + e) * k
+    offsets = layout.pair_bit_offsets(k)[8 * t + 2 * p + r]
     code = 0
     for i in range(k):
-        bit = o + i
+        bit = int(offsets[e * k + i])
         vec, w, j = bit // 128, (bit % 128) // 32, bit % 32
         word = int(b_gemm[block, kgroup, i_tile, vec, lane, w]) & 0xFFFFFFFF
         code |= ((word >> j) & 1) << i
@@ -149,6 +149,29 @@ def test_layout_k4_pairs_are_bytes():
     byte = (word >> (o % 32)) & 0xFF
     row, col = g + 8 * r, 32 * t + 8 * p + 2 * q
     assert byte == int(codes[row, col]) | (int(codes[row, col + 1]) << 4)
+
+
+def test_layout_k3_pairs_are_byte_aligned():
+    # For k = 3 the documented index of pair P = 16u + 4s + i is the low 6 bits of byte i of word 3u + s (s < 3),
+    # or for s = 3 bits 6..7 of byte i of words 3u, 3u + 1, 3u + 2 (the index's bits 0-1, 2-3, 4-5).
+    k, N, K_dim = 3, 16, 256
+    codes = torch.randint(0, 8, (N, K_dim))
+    packed = formats.pack_bitplanes(codes.reshape(-1, 32), k)
+    b, _ = layout.repack_reference(packed, torch.ones(N * K_dim // 32, dtype=torch.uint8), k, N, K_dim)
+    for lane in (0, 13, 31):
+        g, q = divmod(lane, 4)
+        string = [int(b[0, 0, 0, v, lane, w]) & 0xFFFFFFFF for v in range(k) for w in range(4)]
+        for pair in range(64):
+            t, pr = divmod(pair, 8)
+            p, r = divmod(pr, 2)
+            row, col = g + 8 * r, 32 * t + 8 * p + 2 * q
+            want = int(codes[row, col]) | (int(codes[row, col + 1]) << k)
+            u, s, i = pair // 16, pair // 4 % 4, pair % 4
+            if s < 3:
+                got = (string[3 * u + s] >> (8 * i)) & 0x3F
+            else:
+                got = sum(((string[3 * u + v] >> (8 * i + 6)) & 3) << (2 * v) for v in range(3))
+            assert got == want, f"lane {lane} pair {pair}"
 
 
 def test_layout_bad_shapes():  # the references trust their arguments: the functional API checks them

@@ -130,14 +130,17 @@ struct GemmConfig {
   //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
   //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l (bytes
   //          128..255 of each row unused: the PRMT address needs the 256 B stride);
-  //   K = 3, 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies), one copy per
-  //          lane, fewer at K = 5, where 32 copies would take 128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at
+  //   K = 3: the same rows, row = a byte whose low 6 bits are a pair (rows repeat every 64: the top 2 bits are
+  //          another pair's, kbit/layout.py);
+  //   K = 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies), one copy per
+  //          lane where 32 copies fit, fewer here, where 32 copies would take 128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at
   //          larger MB or KS, which need the room for activations (and to fit sm_80's 163 KB). 8 copies means
   //          4 lanes share each, 3 wavefronts per lookup on average; 16 copies, 2.
   //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
-  //   byte-row tables (K = 2, 4) only where two stages fit beside their 64 KB: not the k split at MB = 2, whose
+  //   byte-row tables (K = 2..4) only where two stages fit beside their 64 KB: not the k split at MB = 2, whose
   //          stages hold 16 token rows x 2048 k; it takes the compact pair table (32 copies up to K = 4, 8 at K = 5).
+  //          Nor K = 3 at MB = 2 (kA100KeepsCompact).
   // The E4M4 block scales need no table (e4m4_byte_to_float).
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 && KS == 1 ? 65536 : 32768;  // the most a compact table may take
@@ -167,7 +170,10 @@ struct GemmConfig {
     return high_bytes(table, 4) <= high_budget(table) ? 4 : high_bytes(table, 3) <= high_budget(table) ? 3
          : high_bytes(table, 2) <= high_budget(table) ? 2 : 0;
   }
-  static constexpr bool kByteRows = !kWgmma && (K == 2 || K == 4) && stages_beside(256 * 256) >= 2;
+  // K = 3 at MB = 2 keeps the compact table: that is the configuration an A100 (163 KB) runs k = 3 decode with
+  // (byte rows would take it to 223 KB, and MB = 1 to 199 KB, past it).
+  static constexpr bool kA100KeepsCompact = K == 3 && MB == 2;
+  static constexpr bool kByteRows = !kWgmma && K <= 4 && !kA100KeepsCompact && stages_beside(256 * 256) >= 2;
   static constexpr int kTables = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
   static constexpr int kTableAlign = table_align(kTables);
   static constexpr int kStages = stages_beside(kTables);
@@ -188,10 +194,11 @@ struct GemmConfig {
 // Every CTA builds its table once, in shared memory, from the codebook. Entries are duplicated per lane so
 // that 32 lanes reading 32 different entries hit 32 different banks.
 //
-// Why two kinds. At K = 4 a pair of codes is exactly one byte of a lane's bit string, and at K = 2 so is a
-// quad; one PRMT then places that byte at bits 8..15 and the lane's copy offset at bits 0..7: a whole table
-// address in one instruction (the generic path needs a shift, a mask and an OR). That needs rows of 256 B,
-// 64 KB per table. K = 3 and 5 keep compact tables and the shift-and-mask path.
+// Why two kinds. At K = 4 a pair of codes is exactly one byte of a lane's bit string, at K = 3 a byte's low 6
+// bits (or a word gathered from three bytes' top bits), and at K = 2 a byte is a quad; one PRMT then places that
+// byte at bits 8..15 and the lane's copy offset at bits 0..7: a whole table address in one instruction (the
+// generic path needs a shift, a mask and an OR). That needs rows of 256 B, 64 KB per table. K = 5 keeps compact
+// tables and the shift-and-mask path.
 // `code_value` is codebook[threadIdx.x] for the first 2^K threads, loaded by the caller before it issued
 // the pipeline's first copies: loaded here, behind ~100 KB of weight copies from the same SM, it arrived
 // after 3-6 us (clock64 trace, H100), and the whole CTA waited for it.
@@ -206,7 +213,7 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
     // Row e is 16 vectors of 16 B; thread i computes the value of half-row i once and stores its 8 vectors,
     // rotated by i so that the 8 threads of one store wavefront hit 8 different bank groups.
     //   K = 2: half-row i is half i % 2 of row i / 2; both halves hold lane copies of the 4 values of quad e;
-    //   K = 4: half-row i is the first half of row i, lane copies of pair i.
+    //   K = 3, 4: half-row i is the first half of row i, lane copies of the pair in its low 2K bits.
     constexpr int kHalfRows = K == 2 ? 512 : 256;
     uint4* rows = reinterpret_cast<uint4*>(tables);
     for (int i = tid; i < kHalfRows; i += Cfg::kThreads) {
@@ -217,7 +224,8 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
         const uint32_t hi = pack_pair<T>(codebook[(e >> 4) & 3], codebook[e >> 6]);
         v = make_uint4(lo, hi, lo, hi);
       } else {
-        const uint32_t w = pack_pair<T>(codebook[e & 15], codebook[e >> 4]);
+        constexpr int kCode = (1 << K) - 1;
+        const uint32_t w = pack_pair<T>(codebook[e & kCode], codebook[(e >> K) & kCode]);
         v = make_uint4(w, w, w, w);
       }
       uint4* half_row = rows + e * 16 + (K == 2 ? (i & 1) * 8 : 0);
@@ -245,9 +253,9 @@ template <class Cfg>
 __device__ __forceinline__ uint32_t lane_select(uint32_t table, int lane) {
   constexpr int K = Cfg::kBits;
   uint32_t sel = table | (Cfg::kByteRows && K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u);
-  // Opaque to the compiler: otherwise it re-derives the offset from the thread index inside every lookup.
-  asm volatile("" : "+r"(sel));
-  return sel;
+  // Opaque to the compiler, ptxas included (an empty asm is not: ptxas saw through it): otherwise it re-derives the
+  // offset from the thread index, or splits off a constant table address, inside every lookup. Every lane calls this.
+  return __shfl_sync(0xffffffffu, sel, lane);
 }
 
 // Byte b of `codes` at bits 8..15, bytes 0, 2 and 3 of `sel` (lane offset, table address) around it: the
@@ -282,15 +290,44 @@ __device__ __forceinline__ void lds128_if(bool active, uint32_t address, uint4& 
       : "r"(address), "r"(static_cast<int>(active)));
 }
 
+// (a & mask) | (b & ~mask) in one LOP3. Inline PTX: as C++ the compiler re-associates a gather of three words' bits
+// into a separate extraction per pair, ~6 instructions per pair instead of ~1.
+__device__ __forceinline__ uint32_t bit_select(uint32_t mask, uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xCA;" : "=r"(r) : "r"(mask), "r"(a), "r"(b));
+  return r;
+}
+
+// K = 3, 4: the word whose byte pair % 4 holds pair `pair` in its low 2K bits (kbit/layout.py, pair_bit_offset).
+// K = 4: word pair / 4. K = 3: word 3u + s of the two-block triple u = pair / 16 (s = pair / 4 % 4), or for s = 3
+// the triple's top bits gathered: byte i's bits 0-1, 2-3, 4-5 from bits 6-7 of byte i of words 3u, 3u + 1, 3u + 2
+// (two bit_selects over three shifts; bits 6-7 are the next byte's, which the table ignores). The loops
+// calling this are unrolled and the words unchanged between calls, so the gather is computed once per triple.
+template <int K>
+__device__ __forceinline__ uint32_t byte_pair_word(const uint32_t (&w)[4 * K], int pair) {
+  static_assert(K == 3 || K == 4, "pairs byte-aligned at K = 3 and 4 only");
+  if constexpr (K == 4) {
+    return w[pair / 4];
+  } else {
+    const int u = pair / 16, s = pair / 4 % 4;
+    if (s < 3) return w[3 * u + s];
+    return bit_select(0x0F0F0F0Fu, bit_select(0x03030303u, w[3 * u] >> 6, w[3 * u + 1] >> 4), w[3 * u + 2] >> 2);
+  }
+}
+
 // A-fragment registers of block t: h[r][j] = codebook values of columns 8j + 2q, 8j + 2q + 1 of row g + 8r,
 // as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; pair
-// P = 8t + 2j + r (its two codes) sits at bits 2PK .. 2PK + 2K - 1: in the order the MMA's A registers take
-// the pairs, so at K = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers (with rows as the
+// P = 8t + 2j + r (its two codes) sits at bits 2PK .. 2PK + 2K - 1 (K = 3: byte_pair_word): in the order the MMA's
+// A registers take the pairs, so at K = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers (with rows as the
 // inner index the quads held both pairs of one row: ~4 register moves per MMA, 125 per step, SASS).
 template <class Cfg>
 __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBits], int t,
                                                 uint32_t sel, uint32_t (&h)[2][4]) {
   constexpr int K = Cfg::kBits;
+  constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 :
+                         Cfg::kCopies == 4 ? 4 : Cfg::kCopies == 2 ? 3 : 2;
+  static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
+  constexpr uint32_t kPairMask = ((1u << (2 * K)) - 1u) << kShift;  // compact tables: the pair's entry offset
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     if constexpr (Cfg::kByteRows && K == 2) {  // pairs 8t + 2j, 8t + 2j + 1: byte j of word t
@@ -300,15 +337,19 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
     } else {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if constexpr (Cfg::kByteRows) {  // K = 4: pair 8t + 2j + r is byte (2j + r) % 4 of word 2t + j / 2
-          h[r][j] = lds32(byte_row_address(w[2 * t + (j >> 1)], 2 * (j & 1) + r, sel));
+        const int pair = 8 * t + 2 * j + r;
+        if constexpr (K == 3 || K == 4) {  // the pair is (the low 2K bits of) byte pair % 4 of one word
+          const uint32_t word = byte_pair_word<K>(w, pair);
+          if constexpr (Cfg::kByteRows) {
+            h[r][j] = lds32(byte_row_address(word, pair % 4, sel));
+          } else {  // one shift moves byte pair % 4 to the entry offset's bits (two would not fold)
+            const int down = 8 * (pair % 4) - kShift;
+            h[r][j] = lds32(((down >= 0 ? word >> down : word << -down) & kPairMask) | sel);
+          }
         } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
-          constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 :
-                                 Cfg::kCopies == 4 ? 4 : Cfg::kCopies == 2 ? 3 : 2;
-          static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
-          const int o = (8 * t + 2 * j + r) * 2 * K, wi = o >> 5, bi = o & 31;
+          const int o = pair * 2 * K, wi = o >> 5, bi = o & 31;
           const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
-          h[r][j] = lds32(((v << kShift) & (((1u << (2 * K)) - 1u) << kShift)) | sel);
+          h[r][j] = lds32(((v << kShift) & kPairMask) | sel);
         }
       }
     }

@@ -35,6 +35,14 @@ constexpr int64_t layout_k_groups(int64_t K_w) { return (K_w + kKGroup - 1) / kK
 constexpr int gemm_k_steps(int64_t K_w, int k_split) {
   return static_cast<int>((layout_k_groups(K_w) + k_split - 1) / k_split);
 }
+// A lane's bit string (kbit/layout.py, pair_bit_offsets): the string bit that holds bit n (0 .. 2k-1) of the table
+// index of pair P (0..63; code e = 0 in the low k bits). k = 3 puts 12 of every 16 pairs in the low 6 bits of a byte
+// and gathers the other 4 from those bytes' top 2 bits, so every pair is addressed byte-wise.
+__host__ __device__ constexpr int pair_bit_offset(int k, int P, int n) {
+  if (k != 3) return 2 * k * P + n;
+  const int u = P / 16, s = P / 4 % 4, i = P % 4;
+  return s < 3 ? 96 * u + 32 * s + 8 * i + n : 96 * u + 32 * (n / 2) + 8 * i + 6 + n % 2;
+}
 // Piece number of 16-row tile `tile16`, k-group `kgroup`: codes at piece * k*512 bytes, scales at piece * 128.
 __host__ __device__ constexpr int64_t layout_piece(int64_t tile16, int kgroup, int k_groups) {
   return (tile16 / kLayoutBlockTiles * k_groups + kgroup) * kLayoutBlockTiles + tile16 % kLayoutBlockTiles;

@@ -1,7 +1,7 @@
 // Storage format -> GEMM layout (kbit/layout.py documents the layout; repack_reference is the reference).
 // Runs once per weight at load time. One thread builds one lane's bit string for one (tile, k-group):
-// 16 runs of 8 codes (four column pairs), each cut from one storage block, placed at the bit offsets the fused
-// kernel reads.
+// 16 runs of 8 codes (four column pairs), each cut from one storage block, every bit placed at the offset the fused
+// kernel reads it from (pair_bit_offset).
 #include "common.cuh"
 
 namespace kbit {
@@ -37,12 +37,12 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
       for (int b = 0; b < K; ++b) planes[b] = inside ? packed[blk * K + b] >> (2 * q) : 0u;
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
-        uint32_t code = 0;
+        const int pair = 8 * t + 2 * (s >> 1) + r, e = s & 1;  // column 8p + 2q + e
 #pragma unroll
-        for (int b = 0; b < K; ++b) code |= ((planes[b] >> (8 * (s >> 1) + (s & 1))) & 1u) << b;  // column 8p + 2q + e
-        const int o = ((8 * t + 2 * (s >> 1) + r) * 2 + (s & 1)) * K, wi = o >> 5, bi = o & 31;  // pair 8t + 2p + r
-        words[wi] |= code << bi;
-        if (bi + K > 32) words[wi + 1] |= code >> (32 - bi);
+        for (int b = 0; b < K; ++b) {
+          const int o = pair_bit_offset(K, pair, e * K + b);
+          words[o >> 5] |= ((planes[b] >> (8 * (s >> 1) + e)) & 1u) << (o & 31);
+        }
       }
       if (q == 0) a_gemm[((piece * 2 + r) * 8 + g) * 8 + t] = inside ? absmax[blk] : 0;
     }
