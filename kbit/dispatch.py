@@ -147,6 +147,9 @@ H200_SLICES = Measured("H200", "10a3fee", "2026-11-23",
 H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "bench_gemm.py --m 1,4,8 --k 2,3,4,5, eleven shapes, KBIT_GEMM_PATH=mma_sync against k_split; "
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
+H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
+                              "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
+                              "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
 
 
 class Rule(str, enum.Enum):
@@ -219,15 +222,16 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
     # Up to 8 tokens, 32-row tiles with the warps splitting k where the 256-row tiles leave each SM fewer than 2
-    # steps (1 at K = 3): there each 256-row tile is split over several CTAs, and their hand-off is a quarter of the
-    # call (K = 4, M = 1: 2048->1536 4.87 -> 3.86 us, 4096->4096 8.27 -> 6.76; K = 3 on 4096->4096 7.87 -> 7.96).
+    # steps: there each 256-row tile is split over several CTAs, and their hand-off is a quarter of the call (K = 4,
+    # M = 1: 2048->1536 4.87 -> 3.86 us, 4096->4096 8.27 -> 6.76; K = 3 since its byte-row tables, H100: 4096->4096
+    # 7.82 -> 6.48, M = 8 8.83 -> 7.43; 2048->10240 7.73 -> 8.44).
     # From 2.4 steps per SM on, the 256-row tiles win (2048->10240 8.46 vs 8.86; 14336->4096 14.4 vs 15.9).
     # At 9-16 tokens (16-row tiles; steps still counted in 8-token passes) the same bounds hold (H200, M = 8-16,
     # KBIT_GEMM_PATH=mma_sync against k_split, nine shapes): the 2048-column shapes below 2 steps per SM are 1.2-2.2x
     # faster split (K = 4, M = 16: 2048->1408 8.49 -> 6.23 us, 2048->768 8.13 -> 5.04), 4096->4096 (4 steps per SM at
     # M = 9-16) 0.80-0.98x, larger shapes 0.3-0.8x.
     Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(2, 4, 5), max_steps_per_sm=2),
-    Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(3,), max_steps_per_sm=1),
+    Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H100_K3_BYTE_PAIRS, bits=(3,), max_steps_per_sm=2),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps

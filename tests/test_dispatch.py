@@ -70,7 +70,7 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     if path == "ws" or (path != "classic" and faster):
         return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
 
-    if path != "ws" and 1 <= M <= 16 and steps(1) < (1 if bits == 3 else 2) * sms:
+    if path != "ws" and 1 <= M <= 16 and steps(1) < 2 * sms:
         return Plan(Path.K_SPLIT, 1 if M <= 8 else 2, 0, 0, 8)
 
     wgmma = M > 32 and steps(8) >= 16 * sms
