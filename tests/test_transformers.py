@@ -222,7 +222,10 @@ def test_moe_save_pretrained_roundtrip_sharded(moe_loaded, tmp_path):
     assert set(qs) == set(ls) and all(torch.equal(qs[k], ls[k]) for k in qs)
     assert all(m.weight_dtype == torch.float32 for m in again.modules() if isinstance(m, kbit.KbitExperts))
     ids = torch.randint(0, COMMON["vocab_size"], (2, 5))
-    assert torch.equal(logits(again, ids), logits(q, ids))
+    # The state dicts are bitwise equal; the logits only to an ulp: a plain nn.Linear read from a shard (128 -> 1
+    # shared_expert_gate) sits at another alignment (12 against 32 bytes mod 64), and the CPU GEMM then sums in
+    # another order.
+    torch.testing.assert_close(logits(again, ids), logits(q, ids), rtol=1e-6, atol=1e-6)
     gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     out = again.generate(ids, **gen)
     assert out.shape == (2, 9) and torch.equal(out, q.generate(ids, **gen))
