@@ -132,10 +132,9 @@ struct GemmConfig {
   //          128..255 of each row unused: the PRMT address needs the 256 B stride);
   //   K = 3: the same rows, row = a byte whose low 6 bits are a pair (rows repeat every 64: the top 2 bits are
   //          another pair's, kbit/layout.py);
-  //   K = 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies), one copy per
-  //          lane where 32 copies fit, fewer here, where 32 copies would take 128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at
-  //          larger MB or KS, which need the room for activations (and to fit sm_80's 163 KB). 8 copies means
-  //          4 lanes share each, 3 wavefronts per lookup on average; 16 copies, 2.
+  //   K = 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies); 32 copies would take
+  //          128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at larger MB or KS, which need the room for activations (and to
+  //          fit sm_80's 163 KB). 8 copies means 4 lanes share each, 3 wavefronts per lookup on average; 16, 2.
   //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
   //   byte-row tables (K = 2..4) only where two stages fit beside their 64 KB: not the k split at MB = 2, whose
@@ -317,9 +316,9 @@ __device__ __forceinline__ uint32_t byte_pair_word(const uint32_t (&w)[4 * K], i
 
 // A-fragment registers of block t: h[r][j] = codebook values of columns 8j + 2q, 8j + 2q + 1 of row g + 8r,
 // as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; pair
-// P = 8t + 2j + r (its two codes) sits at bits 2PK .. 2PK + 2K - 1 (K = 3: byte_pair_word): in the order the MMA's
-// A registers take the pairs, so at K = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers (with rows as the
-// inner index the quads held both pairs of one row: ~4 register moves per MMA, 125 per step, SASS).
+// P = 8t + 2j + r (its two codes) sits at bits 2PK .. 2PK + 2K - 1 (K = 3: byte_pair_word): in the order the
+// MMA's A registers take the pairs, so at K = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers
+// (with rows as the inner index the quads held both pairs of one row: ~4 register moves per MMA, 125 per step, SASS).
 template <class Cfg>
 __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBits], int t,
                                                 uint32_t sel, uint32_t (&h)[2][4]) {
@@ -342,7 +341,7 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
           const uint32_t word = byte_pair_word<K>(w, pair);
           if constexpr (Cfg::kByteRows) {
             h[r][j] = lds32(byte_row_address(word, pair % 4, sel));
-          } else {  // one shift moves byte pair % 4 to the entry offset's bits (two would not fold)
+          } else {  // one shift moves byte pair % 4 to the entry offset's bits, one LOP3 masks and ORs
             const int down = 8 * (pair % 4) - kShift;
             h[r][j] = lds32(((down >= 0 ? word >> down : word << -down) & kPairMask) | sel);
           }
