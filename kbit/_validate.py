@@ -115,7 +115,9 @@ def check_codebook(codebook, bits: int, name: str = "codebook") -> Tensor:
         raise ValueError(f"{name} for bits={bits} must be 1-D with {2**bits} entries, got shape "
                          f"{tuple(codebook.shape)}")
     check_not_meta(codebook, name)
-    cb = codebook.detach().to(torch.float32)
+    # The caller's tensor itself where it already is float32 without autograd: the GEMM tells a codebook it has
+    # read before by its identity (kbit.ops.weights_settled).
+    cb = (codebook.detach() if codebook.requires_grad else codebook).to(torch.float32)
     if not bool(torch.isfinite(cb).all()):
         raise ValueError(f"{name} contains NaN or Inf")
     if not bool((cb[1:] > cb[:-1]).all()):

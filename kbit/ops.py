@@ -8,6 +8,7 @@ functions (``kbit._validate``) check arguments before calling them.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -86,6 +87,36 @@ def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
     return b_gemm.new_empty(blocks * bits, dtype=torch.int32), absmax_gemm.new_empty(blocks, dtype=torch.uint8)
 
 
+# ----------------------------------------------------------------------------- settled weights
+EARLY_WEIGHTS_ENV = "KBIT_EARLY_WEIGHTS"
+_SEEN = "_kbit_gemm_seen"  # the (version, address) at which a GEMM last read a tensor
+
+
+def weights_settled(*tensors: Tensor) -> bool:
+    """Whether a GEMM may read these weight tensors before the previous kernel of the stream has finished.
+
+    Launched with programmatic dependent launch (sm_90), the fused GEMM starts while the kernel before it drains and,
+    if this returns True, fetches its weights and codebook then, before waiting for that kernel. That is safe for
+    a tensor that an earlier GEMM has already read at its current version and address: a write since then
+    (``copy_``, ``load_state_dict``, a new ``.data``) changes one of them, and a tensor the kernel just before this
+    one wrote is either new, or was written since that read. So the first call after a weight is made or changed
+    waits, and marks it for the next. Inference tensors, which keep no version, always wait, and so does every call
+    with ``KBIT_EARLY_WEIGHTS=0`` (for weights written behind torch's back, through raw pointers).
+    """
+    if os.environ.get(EARLY_WEIGHTS_ENV, "1") == "0":
+        return False
+    settled = True
+    for t in tensors:
+        try:
+            now = (t._version, t.data_ptr())
+        except RuntimeError:  # an inference tensor: no version counter
+            return False
+        if getattr(t, _SEEN, None) != now:
+            setattr(t, _SEEN, now)
+            settled = False
+    return settled
+
+
 # ----------------------------------------------------------------------------- fused GEMM
 @torch.library.custom_op("kbit::gemm", mutates_args=())
 def gemm(
@@ -124,7 +155,8 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
 def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
     chosen = dispatch.gemm_plan(x.device, out_features, in_features_padded, x.shape[0], bits, fused_only=True)
     return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded,
-                           grid_override, chosen.mb, chosen.wgmma_tiles, chosen.k_split, chosen.ws_tokens)
+                           grid_override, chosen.mb, chosen.wgmma_tiles, chosen.k_split, chosen.ws_tokens,
+                           weights_settled(b_gemm, absmax_gemm, codebook))
 
 
 # Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside
@@ -213,7 +245,8 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_
 def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits, out_features,
       in_features_padded, rows_per_pass, silu_gate, grid_override):
     return cuda_ext().moe_gemm(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits,
-                               out_features, in_features_padded, rows_per_pass, silu_gate, grid_override)
+                               out_features, in_features_padded, rows_per_pass, silu_gate, grid_override,
+                               weights_settled(b_gemm, absmax_gemm, codebook))
 
 
 @torch.library.custom_op("kbit::moe_combine", mutates_args=())

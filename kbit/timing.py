@@ -19,14 +19,15 @@ def capture_cuda_graph(calls: Sequence[Callable[[], object]], warmup_calls: int 
                        warmup_first: int = 4) -> torch.cuda.CUDAGraph:
     """``calls`` captured in order into one CUDA graph, replayed once (so its first timed replay is warm).
 
-    The first ``warmup_first`` callables each run ``warmup_calls`` times on the capture stream before capture
-    (more would only repeat the same kernels).
+    Before capture, on the capture stream, the first ``warmup_first`` callables each run ``warmup_calls`` times (more
+    would only repeat the same kernels) and every other one once: as in a model, where every weight has been read
+    by the time a graph is captured, so each GEMM is captured reading its weights early (``kbit.ops.weights_settled``).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for call in calls[: max(1, min(len(calls), warmup_first))]:
-            for _ in range(warmup_calls):
+        for i, call in enumerate(calls):
+            for _ in range(warmup_calls if i < warmup_first else 1):
                 call()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()

@@ -72,6 +72,7 @@ def _time_us(call, operands, repeats: int) -> float:
 def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: list, dtype, repeats: int, log) -> dict:
     """The cache entry of one shape: each path's microseconds per call at each token count (None: not timed)."""
     from . import dispatch
+    from . import ops
     from ._build import cuda_ext
     from .formats import padded_in_features
     from .weight import QuantizedWeight, quantize
@@ -104,7 +105,7 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
             if config is not None:
                 def fused(lay, x=x, c=config):
                     return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features, kp, 0, c.mb,
-                                    c.wgmma_tiles, c.k_split, c.ws_tokens)
+                                    c.wgmma_tiles, c.k_split, c.ws_tokens, ops.weights_settled(*lay, qw.codebook))
 
                 error = float((fused(layouts[0]).float() - reference).norm() / reference.norm().clamp_min(1e-30))
                 if error <= AGREEMENT:

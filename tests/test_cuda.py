@@ -554,6 +554,35 @@ def test_gemm_tensor_scale(k):
         _gemm_sweep(qw, seed, (1, 16, 33), factor=factor)
 
 
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_weights_written_in_place(k, monkeypatch):
+    """Weights a GEMM has read are fetched early by the next call (before the previous kernel finishes, kbit/ops.py);
+    written in place right before a call, they are not: every path reads the new values, bitwise what a GEMM on
+    those weights from the start returns, and the call after that (early again) too."""
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    seed = seed_for("gemm-in-place", k)
+    g = gen(seed + 1, "cuda")
+    N, K = 1536, 2048
+    new = quantized_weight(N, K, k, seed + 7, cb_kind="custom")
+    failures = []
+    for path, ms in (("", (1, 16, 64)),) + ((("k_split", (1, 16)), ("ws", (17, 100))) if hopper else ()):
+        monkeypatch.setenv("KBIT_GEMM_PATH", path)
+        for M in ms:
+            x = torch.randn(M, K, generator=g, device="cuda").half()
+            target = quantized_weight(N, K, k, seed, cb_kind="custom")  # another codebook too
+            want = _bits(kbit.matmul(x, new, grid_override=1000))  # the fused kernel on its natural grid
+            for _ in range(2):
+                kbit.matmul(x, target, grid_override=1000)  # read twice: settled
+            for mine, theirs in zip(target.gemm_layout() + (target.codebook,), new.gemm_layout() + (new.codebook,)):
+                mine.copy_(theirs)
+            got = {"right after the write": kbit.matmul(x, target, grid_override=1000),  # the copy: the kernel before
+                   "settled again": run_matmul(x, target, grid_override=1000)}
+            for call, y in got.items():
+                if not torch.equal(_bits(y), want):
+                    failures.append(f"path={path or 'planner'} M={M}: {call}, not the new weights' result")
+    assert not failures, tag(seed, op="gemm-in-place", bits=k) + "\n  " + "\n  ".join(failures)
+
+
 @pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=_name)
 @pytest.mark.parametrize("k", BITS)
 def test_matmul_shapes(k, dtype):
@@ -856,7 +885,7 @@ def _malformed_cases():
     cb, s, x = qw.codebook, qw.scale, torch.randn(3, K_dim, device="cuda").half()
     n = N * K_dim
     as_u8 = qw.packed.to(torch.uint8)  # same element count, a quarter of the bytes
-    config = (1, 0, 1, 0)  # mb, wgmma_tiles, k_split, ws_tokens: built (the tensor checks come first)
+    config = (1, 0, 1, 0, False)  # mb, wgmma_tiles, k_split, ws_tokens (built: the tensor checks come first), settled
     return [
         ("dequantize packed uint8", lambda: ext.dequantize(as_u8, qw.absmax, cb, k, n, torch.float16, s)),
         ("dequantize packed float32", lambda: ext.dequantize(qw.packed.float(), qw.absmax, cb, k, n, torch.float16, s)),
@@ -887,7 +916,7 @@ def _malformed_cases():
         ("gemm x too wide", lambda: ext.gemm(torch.randn(3, K_dim + 8, device="cuda").half(), b, a, cb, s, None, k, N,
                                              K_dim, 0, *config)),
         ("gemm k mismatch", lambda: ext.gemm(x, b, a, cb, s, None, 3, N, K_dim, 0, *config)),
-        ("gemm configuration not built", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim, 0, 3, 0, 1, 0)),
+        ("gemm configuration not built", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim, 0, 3, 0, 1, 0, False)),
         ("quantize short codebook", lambda: ext.quantize(W, cb[:4], k, s)),
         ("quantize codebook float16", lambda: ext.quantize(W, cb.half(), k, s)),
     ]

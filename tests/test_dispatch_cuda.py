@@ -67,7 +67,7 @@ def test_binding_refuses_configurations_it_cannot_run():
 
     def run(mb, wgmma_tiles, ws_tokens, k_split=1, bits=4):
         return cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, None, bits, 256, 256, 0, mb, wgmma_tiles, k_split,
-                               ws_tokens)
+                               ws_tokens, False)
 
     for bogus in ((3, 0, 0), (16, 2, 16), (0, 0, 0), (4, 0, 64), (8, 1, 0), (4, 0, 0, 8), (1, 0, 0, 4), (1, 1, 0, 8),
                   (4, 0, 32, 8)):

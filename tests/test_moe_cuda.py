@@ -386,7 +386,7 @@ def _malformed_moe_cases():
         args.update(over)
         return lambda: ext.moe_gemm(args["x"], args["b"], args["a"], args["cb"], args["s"], args["rows"], args["rw"],
                                     args["passes"], args["num"], args["bits"], args["N"], args["K"], args["R"],
-                                    args["silu"], 0)
+                                    args["silu"], 0, False)
 
     idx = torch.zeros(3, 2, dtype=torch.long, device="cuda")
     return [

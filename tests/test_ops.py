@@ -183,6 +183,34 @@ def test_layout_bad_shapes():  # the references trust their arguments: the funct
                                         32)
 
 
+def test_weights_settled_once_read_at_their_version_and_address(monkeypatch):
+    """The GEMM reads weights before the previous kernel has finished only where an earlier GEMM read them as they
+    are now (kbit/ops.py): a new tensor, an in-place write or a new .data makes the next call wait."""
+    monkeypatch.delenv(ops.EARLY_WEIGHTS_ENV, raising=False)
+    b, a, cb = torch.zeros(8, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8), torch.linspace(-1, 1, 16)
+    assert not ops.weights_settled(b, a, cb)  # first read: waits
+    assert ops.weights_settled(b, a, cb)
+    assert ops.weights_settled(b, a, cb)
+    b.add_(1)  # written in place: the version moves
+    assert not ops.weights_settled(b, a, cb)
+    assert ops.weights_settled(b, a, cb)
+    a.data = torch.ones(4, dtype=torch.uint8)  # new storage under the same tensor
+    assert not ops.weights_settled(b, a, cb)
+    assert ops.weights_settled(b, a, cb)
+    assert not ops.weights_settled(b.clone(), a, cb)  # a new tensor
+    assert not ops.weights_settled(b, a, cb[:])  # a view: another tensor object, read the first time
+    cb.copy_(torch.linspace(-1, 1, 16))  # same values, still a write
+    assert not ops.weights_settled(b, a, cb)
+    assert ops.weights_settled(b, a, cb)
+    monkeypatch.setenv(ops.EARLY_WEIGHTS_ENV, "0")
+    assert not ops.weights_settled(b, a, cb)
+    monkeypatch.delenv(ops.EARLY_WEIGHTS_ENV)
+    with torch.inference_mode():
+        frozen = torch.zeros(8, dtype=torch.int32)  # an inference tensor keeps no version: never settled
+    assert not ops.weights_settled(frozen, a, cb)
+    assert not ops.weights_settled(frozen, a, cb)
+
+
 # ----------------------------------------------------------------------------- torch.compile on CPU
 def test_compile_matmul_fullgraph():
     torch._dynamo.reset()

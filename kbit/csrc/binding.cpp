@@ -188,7 +188,7 @@ bool dependent_launch_enabled() {
 // The parameters the single and the grouped GEMM fill alike (GroupedGemmParams extends GemmParams).
 void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor& b, const at::Tensor& absmax,
                       const at::Tensor& codebook, const float* scale, const at::Tensor& y, const kbit::GemmPlan& plan,
-                      int64_t M, int64_t k, cudaStream_t stream) {
+                      int64_t M, int64_t k, bool weights_settled, cudaStream_t stream) {
   p.x = x.data_ptr();
   p.b = reinterpret_cast<const uint4*>(b.data_ptr());
   p.absmax = absmax.data_ptr<uint8_t>();
@@ -197,6 +197,7 @@ void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor
   p.y = y.data_ptr();
   p.partials = plan.partial_floats > 0 ? split_k_partials(plan.partial_floats, x, stream) : nullptr;
   p.dependent_launch = dependent_launch_enabled() && plan.cc_major >= 9;
+  p.weights_settled = weights_settled;
   p.M = static_cast<int>(M);
   p.K_x = static_cast<int>(x.size(1));
   p.lda = static_cast<int>(x.size(1));
@@ -206,7 +207,8 @@ void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
-                int64_t num_blocks, int64_t mb, int64_t wgmma_tiles, int64_t k_split, int64_t ws_tokens) {
+                int64_t num_blocks, int64_t mb, int64_t wgmma_tiles, int64_t k_split, int64_t ws_tokens,
+                bool weights_settled) {
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(K_w, "K_dim", kbit::kBlock);
@@ -253,7 +255,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   if (M == 0) return y;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kbit::GemmParams p{};
-  fill_gemm_inputs(p, x, b, absmax, codebook, scale_ptr, y, plan, M, k, stream);
+  fill_gemm_inputs(p, x, b, absmax, codebook, scale_ptr, y, plan, M, k, weights_settled, stream);
   p.bias = bias ? bias->data_ptr() : nullptr;
   kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
   check_launch(kbit::gemm(p, stream), "gemm");
@@ -355,7 +357,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
                     const at::Tensor& scale, const std::optional<at::Tensor>& x_rows,
                     const std::optional<at::Tensor>& row_weights, const at::Tensor& passes,
                     const at::Tensor& num_passes, int64_t k, int64_t N, int64_t K_w, int64_t rows_per_pass,
-                    bool silu_gate, int64_t num_blocks) {
+                    bool silu_gate, int64_t num_blocks, bool weights_settled) {
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(K_w, "K_dim", kbit::kBlock);
@@ -411,7 +413,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
               " rows per pass is not built for this GPU's architecture");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kbit::GroupedGemmParams p{};
-  fill_gemm_inputs(p, x, b, absmax, codebook, scale.data_ptr<float>(), y, plan, M, k, stream);
+  fill_gemm_inputs(p, x, b, absmax, codebook, scale.data_ptr<float>(), y, plan, M, k, weights_settled, stream);
   kbit::grouped_gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
   p.passes = reinterpret_cast<const int4*>(passes.data_ptr());
   p.num_passes = num_passes.data_ptr<int>();
@@ -455,14 +457,14 @@ TORCH_LIBRARY(kbit_cuda, m) {
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor scale) -> Tensor");
   m.def("repack(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
-        "int K_dim, int num_blocks, int mb, int wgmma_tiles, int k_split, int ws_tokens) -> Tensor");
+        "int K_dim, int num_blocks, int mb, int wgmma_tiles, int k_split, int ws_tokens, bool weights_settled) -> Tensor");
   m.def("gemm_configs() -> str", &gemm_configs);  // no tensors: any backend
   m.def("shared_memory_per_block_optin(int device) -> int", &shared_memory_per_block_optin);
   m.def("moe_route(Tensor expert_ids, Tensor weights, int num_experts, int rows_per_pass) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? x_rows, "
         "Tensor? row_weights, Tensor passes, Tensor num_passes, int k, int N, int K_dim, int rows_per_pass, "
-        "bool silu_gate, int num_blocks) -> Tensor");
+        "bool silu_gate, int num_blocks, bool weights_settled) -> Tensor");
   m.def("moe_combine(Tensor y, Tensor position) -> Tensor");
   m.def("moe_rows_per_pass_supported(int k) -> int[]", &moe_rows_per_pass_supported);  // no tensors: any backend
 }

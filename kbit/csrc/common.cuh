@@ -214,8 +214,9 @@ __device__ __forceinline__ void ld_landed_gpu(float4 (&v)[N], Wanted wanted, Wor
 
 // ---------------------------------------------------------------------------- programmatic dependent launch
 // Launched with programmatic stream serialization (sm_90), a kernel may start while the previous kernel
-// of the stream drains. It must not touch global memory, other than prefetches, before
-// grid_dependency_wait(): that waits until the previous kernel has finished and its writes are visible.
+// of the stream drains. Before grid_dependency_wait(), which waits until the previous kernel has finished and its
+// writes are visible, it may read only what that kernel cannot be writing (the GEMM: its weights, when the host
+// says they are settled) and prefetch into L2.
 // allow_dependent_launch() lets the next kernel start the same way. Both are no-ops in a normal launch.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

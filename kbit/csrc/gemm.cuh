@@ -977,11 +977,38 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   asm volatile("" : "+r"(full0), "+r"(empty0));
   auto full = [&](int s) { return full0 + 8u * s; };
   auto empty = [&](int s) { return empty0 + 8u * s; };
+  // One step's copies into stage s. Its weights: on sm_90 two bulk copies by lane 0 of the issuing warp (the
+  // warps take turns step by step), on sm_80 every thread copies its warp's share, into its warp's own region.
+  // Its activations: the issuing warp (kActsByIssuer) or every warp. Every thread that copied arrives on full[s]
+  // once, after its last copy.
+  static_assert((Cfg::kWarps & (Cfg::kWarps - 1)) == 0, "the issuing warp is a step number modulo kWarps");
+  auto issues = [&](int step) { return warp == (step & (Cfg::kWarps - 1)); };
+  auto copy_weights = [&](int s, const StepCursor& at, bool issuer) {
+    if (!KBIT_BULK_COPY || (issuer && lane == 0)) load_weights<Cfg>(p, layout.codes(s), layout.small(s), full(s), at);
+    if (!KBIT_BULK_COPY && Cfg::kActsByIssuer && !issuer) mbarrier_arrive_after_cp_async(full(s));  // done copying
+  };
+  auto copy_activations = [&](int s, const StepCursor& at) {
+    load_activations<Cfg, T>(p, layout.small(s), at);
+    mbarrier_arrive_after_cp_async(full(s));
+  };
+  auto load_codebook = [&] { return threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f; };
+
+  // Launched early (programmatic dependent launch), the CTA fetches while the previous kernel drains what that kernel
+  // cannot be writing. Settled weights (GemmParams): the codebook, and with the k split the first S - 1 steps' weights
+  // into their stages (a CTA's one tile is then the whole call: 0.6-0.8 us less; on 256-row tiles the same copies were
+  // up to 5% slower at k = 2 than prefetches into L2, docs/PERFORMANCE.md). Otherwise those weights go into L2 only,
+  // which needs no settling. A grouped GEMM's steps are not known before the wait. In a normal launch nothing
+  // overlaps, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
+  const bool early_weights = KBIT_BULK_COPY && p.dependent_launch && p.weights_settled;
+  const bool weights_copied = early_weights && Cfg::kKSplit > 1 && !Cfg::kGrouped;
+  float code_value = 0.0f;
+  if (early_weights) code_value = load_codebook();
+  if (weights_copied) {
+    StepCursor at(p, first, Split{});
+    for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, Split{})) copy_weights(s, at, issues(s));
+  }
 #if KBIT_BULK_COPY
-  // Launched early (programmatic dependent launch), the CTA warms L2 with the weights of its first
-  // steps while the previous kernel drains; everything else waits for that kernel. In a normal launch
-  // there is nothing to overlap, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
-  if (!Cfg::kGrouped && p.dependent_launch && threadIdx.x == 0) {  // a grouped GEMM's passes are not written yet
+  if (!Cfg::kGrouped && !weights_copied && p.dependent_launch && threadIdx.x == 0) {
     StepCursor at(p, first, Split{});
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, Split{})) {
       for (int j = 0; j < weight_ranges<Cfg>(p, at); ++j) {
@@ -1002,29 +1029,14 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   // Loaded now, not in the epilogue: there it would add a global round trip to the kernel's last ~2 us.
   const float out_scale = *p.scale * Cfg::kAccScale;
 
-  // One step's copies into stage s. Its weights: on sm_90 two bulk copies by lane 0 of the issuing warp (the
-  // warps take turns step by step), on sm_80 every thread copies its warp's share, into its warp's own region.
-  // Its activations: the issuing warp (kActsByIssuer) or every warp. Every thread that copied arrives on full[s]
-  // once, after its last copy.
-  static_assert((Cfg::kWarps & (Cfg::kWarps - 1)) == 0, "the issuing warp is a step number modulo kWarps");
-  auto issues = [&](int step) { return warp == (step & (Cfg::kWarps - 1)); };
-  auto copy_weights = [&](int s, const StepCursor& at, bool issuer) {
-    if (!KBIT_BULK_COPY || (issuer && lane == 0)) load_weights<Cfg>(p, layout.codes(s), layout.small(s), full(s), at);
-    if (!KBIT_BULK_COPY && Cfg::kActsByIssuer && !issuer) mbarrier_arrive_after_cp_async(full(s));  // done copying
-  };
-  auto copy_activations = [&](int s, const StepCursor& at) {
-    load_activations<Cfg, T>(p, layout.small(s), at);
-    mbarrier_arrive_after_cp_async(full(s));
-  };
-
   // The codebook first (see build_tables), then the first step's copies, then the tables while those
   // land, then the rest of the pipeline's copies. With all S - 1 copies issued before the tables, the
   // tables waited ~3 us for the issuing threads, held back by DRAM (all SMs fill their pipelines at once),
   // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
-  const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
+  if (!early_weights) code_value = load_codebook();
   StepCursor load_at(p, first, Split{});
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p, Split{})) {  // every CTA has a step 0
-    copy_weights(s, load_at, issues(s));
+    if (!weights_copied) copy_weights(s, load_at, issues(s));
     if (!Cfg::kActsByIssuer || issues(s)) copy_activations(s, load_at);
     if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
   }

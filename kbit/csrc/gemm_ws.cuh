@@ -469,18 +469,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
     }
   }
   mbarrier_init_fence();
-  // Launched early (programmatic dependent launch), warm L2 with the first steps' weights while the previous
-  // kernel drains (gemm.cuh does the same); nothing else may touch global memory before the wait.
+  // Launched early (programmatic dependent launch), the CTA warms L2 with the first steps' weights while the
+  // previous kernel drains (gemm.cuh does the same), and with settled weights (GemmParams) it builds the tables
+  // then too: the producer starts after them either way. The activations wait for that kernel.
   if (p.dependent_launch && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
       prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), kWsTile16s * Cfg::kCodeBytes);
     }
   }
+  const bool early_tables = p.dependent_launch && p.weights_settled;
+  auto build = [&] { build_tables<Cfg, T>(threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f, table); };
+  if (early_tables) build();
   grid_dependency_wait();
   allow_dependent_launch();
-  const float code_value = threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f;
-  build_tables<Cfg, T>(code_value, table);
+  if (!early_tables) build();
   __syncthreads();  // tables complete; from here on the roles never meet at a CTA-wide barrier
   if (warp < 4) {
     warpgroup_registers_dec<Cfg::kProducerRegisters>();

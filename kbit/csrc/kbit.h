@@ -106,6 +106,8 @@ struct GemmParams {
   int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
+  bool weights_settled;     // with dependent_launch: b, absmax and codebook are not being written by the previous
+                            // kernel (the host knows, kbit/ops.py), so the kernel reads them before the wait
   uint8_t k_split;          // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb <= 2): the CTA's 8 warps split
                             // the k-groups of one 32-row (mb = 2: 16-row) tile (gemm.cuh, GemmConfig::kKSplit)
 };
