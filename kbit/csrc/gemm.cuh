@@ -994,13 +994,14 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   auto load_codebook = [&] { return threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f; };
 
   // Launched early (programmatic dependent launch), the CTA fetches while the previous kernel drains what that kernel
-  // cannot be writing. Settled weights (GemmParams): the codebook, and with the k split the first S - 1 steps' weights
-  // into their stages (a CTA's one tile is then the whole call: 0.6-0.8 us less; on 256-row tiles the same copies were
-  // up to 5% slower at k = 2 than prefetches into L2, docs/PERFORMANCE.md). Otherwise those weights go into L2 only,
-  // which needs no settling. A grouped GEMM's steps are not known before the wait. In a normal launch nothing
-  // overlaps, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
+  // cannot be writing. Settled weights (GemmParams): the codebook, and where the grid leaves SMs idle the first S - 1
+  // steps' weights into their stages: those CTAs start while the previous kernel still runs (k split, H100: 0.6-0.8 us
+  // less per call). Where every SM is taken they start in that kernel's tail, and the same copies made the calls up
+  // to 5% (k = 2) slower than prefetches into L2 (docs/PERFORMANCE.md). Otherwise the weights go into L2 only, which
+  // needs no settling. A grouped GEMM's steps are not known before the wait. In a normal launch nothing overlaps, and
+  // the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
   const bool early_weights = KBIT_BULK_COPY && p.dependent_launch && p.weights_settled;
-  const bool weights_copied = early_weights && Cfg::kKSplit > 1 && !Cfg::kGrouped;
+  const bool weights_copied = early_weights && p.grid_below_sms && !Cfg::kGrouped;
   float code_value = 0.0f;
   if (early_weights) code_value = load_codebook();
   if (weights_copied) {

@@ -110,6 +110,8 @@ struct GemmParams {
                             // kernel (the host knows, kbit/ops.py), so the kernel reads them before the wait
   uint8_t k_split;          // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb <= 2): the CTA's 8 warps split
                             // the k-groups of one 32-row (mb = 2: 16-row) tile (gemm.cuh, GemmConfig::kKSplit)
+  bool grid_below_sms;      // fewer CTAs than SMs: launched early, they start on idle SMs while the previous kernel
+                            // runs, with time to copy settled weights into their stages (gemm.cuh, gemm_main)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
 // 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
