@@ -106,9 +106,6 @@ struct WsConfig {
 };
 
 // ---------------------------------------------------------------------------- the producer
-// Stage s is free again once all 8 consumer warps have arrived on empty[s]; full[s] completes when its bytes
-// (kStageBytes, boxes partly or wholly outside x included: those arrive as zeros) have landed. The n-th use of
-// a stage waits for the (n-1)-th completion of its empty barrier.
 // A step's weights into its stage; the stage's bytes were announced on its full barrier first (kStageBytes: the
 // stage completes once its activations have landed too).
 template <class Cfg>
@@ -127,7 +124,7 @@ __device__ __forceinline__ void ws_copy_weights(const GemmParams& p, uint8_t* st
 template <class Cfg>
 __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, uint8_t* stages, uint64_t* full, int first,
                                                      int last) {
-  const int copied = p.grid_below_sms ? min(Cfg::kStages, last - first) : 0;
+  const int copied = min(Cfg::kStages, last - first);
   StepCursor c(p, first);
   for (int s = 0; s < copied; ++s, c.advance(p)) {
     mbarrier_arrive_expect_bytes(&full[s], Cfg::kStageBytes);
@@ -136,9 +133,11 @@ __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, uint8_
   return copied;
 }
 
-// The producer thread; the first `copied` steps' weights are in flight already (ws_copy_first_weights). A step's
-// activations go before its weights: its bytes are announced first on its full barrier (kStageBytes: it completes
-// once both have landed).
+// The producer thread. Stage s is free again once all 8 consumer warps have arrived on empty[s]; full[s] completes
+// when its bytes (kStageBytes, boxes partly or wholly outside x included: those arrive as zeros) have landed. The n-th
+// use of a stage waits for the (n-1)-th completion of its empty barrier. A step's bytes are announced first, then its
+// activations and its weights are copied; the first `copied` steps' weights are in flight already
+// (ws_copy_first_weights).
 template <class Cfg>
 __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, uint8_t* stages, uint64_t* full,
                                             uint64_t* empty, int first, int last, int copied) {
@@ -500,8 +499,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   mbarrier_init_fence();
   // Launched early (programmatic dependent launch), the CTA warms L2 with its first steps' weights while the previous
   // kernel drains, as gemm.cuh does (settled ones go into their stages instead where it can: ws_copy_first_weights).
-  const bool settled = p.dependent_launch && p.weights_settled;
-  if (p.dependent_launch && !(settled && p.grid_below_sms) && threadIdx.x == 0) {
+  const bool settled = p.dependent_launch && p.weights_settled, copy_first = settled && p.grid_below_sms;
+  if (p.dependent_launch && !copy_first && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
       prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), kWsTile16s * Cfg::kCodeBytes);
@@ -514,7 +513,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   build_tables<Cfg, T>(threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f, table);
   __syncthreads();  // tables complete; from here on the roles never meet at a CTA-wide barrier
   if (warp < 4) {
-    const int copied = settled && threadIdx.x == 0 ? ws_copy_first_weights<Cfg>(p, stages, full, first, last) : 0;
+    const int copied = copy_first && threadIdx.x == 0 ? ws_copy_first_weights<Cfg>(p, stages, full, first, last) : 0;
     if (settled) wait_previous_kernel();
     warpgroup_registers_dec<Cfg::kProducerRegisters>();
     if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, stages, full, empty, first, last, copied);
