@@ -558,14 +558,16 @@ def test_gemm_tensor_scale(k):
 def test_gemm_weights_written_in_place(k, monkeypatch):
     """Weights a GEMM has read are fetched early by the next call (before the previous kernel finishes, kbit/ops.py);
     written in place right before a call, they are not: every path reads the new values, bitwise what a GEMM on
-    those weights from the start returns, and the call after that (early again) too."""
+    those weights from the start returns, and the call after that (early again) too. 1024 x 4096: the k split's 32
+    CTAs (16-row tiles: 64) take at most half the SMs with 2 steps each, so every stage is copied early (GridRoom)."""
     hopper = torch.cuda.get_device_capability()[0] == 9
     seed = seed_for("gemm-in-place", k)
     g = gen(seed + 1, "cuda")
-    N, K = 1536, 2048
+    N, K = 1024, 4096
     new = quantized_weight(N, K, k, seed + 7, cb_kind="custom")
     failures = []
-    for path, ms in (("", (1, 16, 64)),) + ((("k_split", (1, 16)), ("ws", (17, 100))) if hopper else ()):
+    for path, ms in (("", (1, 16, 64)),) + ((("k_split", (1, 16)), ("mma_sync", (1,)), ("ws", (17, 100))) if hopper
+                                            else ()):
         monkeypatch.setenv("KBIT_GEMM_PATH", path)
         for M in ms:
             x = torch.randn(M, K, generator=g, device="cuda").half()

@@ -258,7 +258,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   fill_gemm_inputs(p, x, b, absmax, codebook, scale_ptr, y, plan, M, k, weights_settled, stream);
   p.bias = bias ? bias->data_ptr() : nullptr;
   kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
-  p.grid_below_sms = plan.grid < sms;
+  p.grid_room = 2 * plan.grid <= sms ? kbit::GridRoom::kHalfOrLess
+              : plan.grid < sms    ? kbit::GridRoom::kBelowSms
+                                   : kbit::GridRoom::kFull;
   check_launch(kbit::gemm(p, stream), "gemm");
   return y;
 }

@@ -994,22 +994,25 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   auto load_codebook = [&] { return threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f; };
 
   // Launched early (programmatic dependent launch), the CTA fetches while the previous kernel drains what that kernel
-  // cannot be writing. Settled weights (GemmParams): the codebook, and where the grid leaves SMs idle the first S - 1
-  // steps' weights into their stages: those CTAs start while the previous kernel still runs (k split, H100: 0.6-0.8 us
-  // less per call). Where every SM is taken they start in that kernel's tail, and the same copies made the calls up
-  // to 5% (k = 2) slower than prefetches into L2 (docs/PERFORMANCE.md). Otherwise the weights go into L2 only, which
-  // needs no settling. A grouped GEMM's steps are not known before the wait. In a normal launch nothing overlaps, and
-  // the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
+  // cannot be writing. Settled weights (GemmParams): the codebook, and where the grid leaves SMs idle (GridRoom) the
+  // first steps' weights into their stages: those CTAs start while the previous kernel still runs (k split, H100:
+  // 0.6-0.8 us less per call). S - 1 steps below the SM count; every stage (S steps, the loop's first refill included)
+  // where the grid takes at most half the SMs, as every CTA then starts early (4096 -> 1024: 5-9% less; on 128 CTAs the
+  // S-th copy made k = 5 6-10% slower). Where every SM is taken they start in that kernel's tail, and the same copies
+  // made the calls up to 5% (k = 2) slower than prefetches into L2 (docs/PERFORMANCE.md). Otherwise the weights go
+  // into L2 only, which needs no settling. A grouped GEMM's steps are not known before the wait. In a normal launch
+  // nothing overlaps, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
   const bool early_weights = KBIT_BULK_COPY && p.dependent_launch && p.weights_settled;
-  const bool weights_copied = early_weights && p.grid_below_sms && !Cfg::kGrouped;
+  const int copied_early = !early_weights || p.grid_room == GridRoom::kFull || Cfg::kGrouped ? 0
+                           : p.grid_room == GridRoom::kHalfOrLess ? S : S - 1;  // steps whose weights go before the wait
   float code_value = 0.0f;
   if (early_weights) code_value = load_codebook();
-  if (weights_copied) {
+  {
     StepCursor at(p, first, Split{});
-    for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, Split{})) copy_weights(s, at, issues(s));
+    for (int s = 0; s < copied_early && first + s < last; ++s, at.advance(p, Split{})) copy_weights(s, at, issues(s));
   }
 #if KBIT_BULK_COPY
-  if (!Cfg::kGrouped && !weights_copied && p.dependent_launch && threadIdx.x == 0) {
+  if (!Cfg::kGrouped && copied_early == 0 && p.dependent_launch && threadIdx.x == 0) {
     StepCursor at(p, first, Split{});
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, Split{})) {
       for (int j = 0; j < weight_ranges<Cfg>(p, at); ++j) {
@@ -1037,7 +1040,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (!early_weights) code_value = load_codebook();
   StepCursor load_at(p, first, Split{});
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p, Split{})) {  // every CTA has a step 0
-    if (!weights_copied) copy_weights(s, load_at, issues(s));
+    if (s >= copied_early) copy_weights(s, load_at, issues(s));
     if (!Cfg::kActsByIssuer || issues(s)) copy_activations(s, load_at);
     if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
   }
@@ -1064,7 +1067,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
       };
       if (more) {
         if (issuer) wait_refill_empty();
-        copy_weights(refill, load_at, issuer);
+        if (step + S - 1 >= first + copied_early) copy_weights(refill, load_at, issuer);
         if (!Cfg::kActsByIssuer && S == 2) wait_refill_empty(), copy_activations(refill, load_at);
       }
 

@@ -499,7 +499,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   mbarrier_init_fence();
   // Launched early (programmatic dependent launch), the CTA warms L2 with its first steps' weights while the previous
   // kernel drains, as gemm.cuh does (settled ones go into their stages instead where it can: ws_copy_first_weights).
-  const bool settled = p.dependent_launch && p.weights_settled, copy_first = settled && p.grid_below_sms;
+  const bool settled = p.dependent_launch && p.weights_settled, copy_first = settled && p.grid_room != GridRoom::kFull;
   if (p.dependent_launch && !copy_first && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {

@@ -81,6 +81,14 @@ cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, 
 
 // ---------------------------------------------------------------------------- fused GEMM
 // y[M, N] = (x[M, K_x] @ W_hat[N, K_w]^T) * scale + bias, with W_hat from the GEMM layout.
+// The SMs a grid leaves idle. Launched early (programmatic dependent launch), CTAs start on idle SMs while the previous
+// kernel runs, so they have time to copy settled weights into their stages; on a full grid they start in its tail.
+enum class GridRoom : uint8_t {
+  kFull,        // a CTA on every SM
+  kBelowSms,    // fewer CTAs than SMs
+  kHalfOrLess,  // at most half the SMs: the whole grid starts beside a previous grid of its size
+};
+
 // One struct carries everything from host to kernel (flash-attention style).
 struct GemmParams {
   const void* x;            // [M, lda] fp16/bf16, 16-byte aligned rows; columns >= K_x read as 0
@@ -110,8 +118,8 @@ struct GemmParams {
                             // kernel (the host knows, kbit/ops.py), so the kernel reads them before the wait
   uint8_t k_split;          // 1: each warp owns its rows of a CTA tile; 8 (mma.sync, mb <= 2): the CTA's 8 warps split
                             // the k-groups of one 32-row (mb = 2: 16-row) tile (gemm.cuh, GemmConfig::kKSplit)
-  bool grid_below_sms;      // fewer CTAs than SMs: launched early, they start on idle SMs while the previous kernel
-                            // runs, with time to copy settled weights into their stages (gemm.cuh, gemm_main)
+  GridRoom grid_room;       // the SMs the grid leaves idle: how much of its settled weights a CTA copies into its
+                            // stages before the wait (gemm.cuh, gemm_main)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
 // 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
