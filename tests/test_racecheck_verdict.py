@@ -1,0 +1,49 @@
+"""scripts/racecheck_verdict.py: which racecheck logs pass (clean, or only bulk-copy hazards) and which fail."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "racecheck_verdict", Path(__file__).resolve().parent.parent / "scripts" / "racecheck_verdict.py")
+rv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rv)
+
+BULK = "Write access at kbit::bulk_copy_to_shared(void *, const void *, unsigned int, unsigned int)+0x6160 in common.cuh:168"
+READ = "Read access at void kbit::load_tile_codes<kbit::GemmConfig<(int)2>>(const unsigned char *)+0x8130 in gemm.cuh:652"
+OTHER_WRITE = "Write access at void kbit::build_tables<kbit::GemmConfig<(int)4>>(float, unsigned char *)+0x120 in gemm.cuh:300"
+
+
+def report(first: str, *others: str) -> str:
+    lines = [f"========= Error: Race reported between {first}"]
+    lines += [f"=========     and {o} [64 hazards]" for o in others]
+    return "\n".join(lines + ["========= "])
+
+
+def log(*reports: str, displayed=None, errors=None) -> str:
+    n = len(reports)
+    displayed = n if displayed is None else displayed
+    errors = n if errors is None else errors
+    return "\n".join(["========= COMPUTE-SANITIZER", *reports, "... 18 passed in 12.3s",
+                      f"========= RACECHECK SUMMARY: {displayed} hazards displayed ({errors} errors, 0 warnings)"])
+
+
+def test_clean_log_passes():
+    assert rv.verdict(log())[0]
+
+
+def test_bulk_copy_hazards_pass_either_way_round():
+    ok, why = rv.verdict(log(report(BULK, READ, READ), report(READ, BULK)))
+    assert ok and why.startswith("2 hazards")
+
+
+def test_any_other_hazard_fails():
+    ok, why = rv.verdict(log(report(BULK, READ), report(OTHER_WRITE, READ)))
+    assert not ok and "build_tables" in why
+    assert not rv.verdict(log(report(BULK, READ, OTHER_WRITE)))[0]  # one pair of three is not a bulk copy's
+    assert not rv.verdict(log(report(BULK)))[0]  # a report without the access it races with
+
+
+def test_undisplayed_or_unparsed_hazards_fail():
+    assert not rv.verdict(log(report(BULK, READ), errors=146))[0]  # print limit hid some
+    assert not rv.verdict(log(report(BULK, READ), displayed=2, errors=2))[0]  # one report not parsed
+    assert not rv.verdict("========= COMPUTE-SANITIZER\n")[0]  # the run died before its summary
