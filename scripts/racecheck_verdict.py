@@ -6,10 +6,9 @@ Racecheck attributes the shared-memory write of a raw-address bulk copy (`cp.asy
 `bulk_copy_to_shared`) to the thread that issued it, and does not take the stage's mbarrier (the copy's
 `complete_tx`, the readers' `try_wait`, their `arrive` on the empty barrier before the next copy is issued) as an
 order between warps: every read of a stage another warp's lane filled, and every refill of a stage another warp
-read, is reported. Those orders are what the pipeline is built on (docs/DESIGN.md, work) and what the GPU tests
-check bitwise; the same protocol with descriptor copies (`cp.async.bulk.tensor`) reports nothing, since racecheck
-attributes those writes to no thread. Every other hazard (a plain write against a bulk copy included), and a log that
-does not display all its hazards, fails.
+read, is reported. Those orders are what the pipeline is built on (docs/DESIGN.md, classic kernel) and what the
+GPU tests check bitwise. Every other hazard (a plain write against a bulk copy included), and a log that does not
+display all its hazards, fails.
 """
 
 from __future__ import annotations
