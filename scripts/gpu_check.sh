@@ -144,8 +144,8 @@ if [[ $ONLY_BENCH == 0 ]]; then
     clean=0
     if [[ $tool == memcheck ]] && grep -q "ERROR SUMMARY: 0 errors" "$log"; then clean=1; fi
     if [[ $tool == racecheck ]]; then  # clean, or only the bulk copies' hazards racecheck cannot order
-      summary="$summary $("$PY" scripts/racecheck_verdict.py "$log" | head -n 1)"
-      "$PY" scripts/racecheck_verdict.py "$log" > /dev/null && clean=1 && [[ $rc == 86 ]] && rc=0
+      verdict=$("$PY" scripts/racecheck_verdict.py "$log") && clean=1 && [[ $rc == 86 ]] && rc=0
+      summary="$summary $(head -n 1 <<<"$verdict")"
     fi
     if [[ $rc == 0 && $clean == 1 ]] && grep -qE "[0-9]+ passed" "$log"; then
       record "sanitizer $tool" PASS "$summary $tests_line, $(( $(now) - t0 ))s"
