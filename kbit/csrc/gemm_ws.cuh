@@ -61,59 +61,96 @@ struct WsConfig {
       (kLaunchRegisters + (kLaunchRegisters - kProducerRegisters) / kConsumerGroups) / 8 * 8;
   static_assert(kConsumerRegisters <= 240 && 128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=
                                                  kThreads * kLaunchRegisters, "setmaxnreg shares out the launch's registers");
-  // One stage = one step: the activations (NT tokens x 256 k, four TMA boxes of 64 k, 128-byte swizzled rows),
-  // then the tile's codes (K * 512 B per 16-row tile) and its E4M4 block scales (128 B per tile), two bulk copies. Every piece
-  // starts 1024-byte aligned (the swizzle atoms) when the stage does.
+  // One stage = one step, two pieces: the activations (NT tokens x 256 k, four TMA boxes of 64 k, 128-byte swizzled
+  // rows) and the weights (the tile's codes, K * 512 B per 16-row tile, then its E4M4 block scales, 128 B per tile: two
+  // bulk copies). Every piece starts 1024-byte aligned (the swizzle atoms).
   static constexpr int kXBox = NT * 128;
+  static constexpr int kXBytes = 4 * kXBox;
   static constexpr int kCodeBytes = K * 512;
-  static constexpr int kCodesOffset = 4 * kXBox;
-  static constexpr int kScalesOffset = kCodesOffset + kWsTile16s * kCodeBytes;
-  static constexpr int kStageBytes = kScalesOffset + kWsTile16s * 128;
-  static_assert(kXBox % 1024 == 0 && kStageBytes % 1024 == 0, "stage pieces must stay 1024-byte aligned");
-  // The pair table (build_tables' compact form: kCopies lane copies of each pair's two codebook values) sits at
-  // a constant shared address aligned to its size, just below the top of the shared window: a lookup address is
-  // then one LOP3 (the pair's bits, the table and the lane's copy offset OR-ed: block_fragments in gemm.cuh).
-  // The stages fill the space from the dynamic base (after at most kStaticSmemMax of static shared memory) up to
-  // the table. 32 lane copies (one per bank: every lookup one shared-memory wavefront; with 16, two lanes share a
-  // bank and a lookup takes 1.5 wavefronts on average; at most 32 KB of table) where 4 stages fit next to them, or
-  // from 64 tokens on 2 (there the kernel is bound by shared memory: k = 4, 64 tokens, 3 stages and 16 copies to 2
-  // and 32 is 4-5% faster on the 235M shapes; at 32 tokens 4 stages and 16 copies to 3 and 32 is 0-5% slower); else
-  // as many stages as fit (at most 4), then as many copies as fit next to them.
-  static constexpr bool kByteRows = false;
+  static constexpr int kScalesOffset = kWsTile16s * kCodeBytes;  // in the weights piece
+  static constexpr int kWeightBytes = kScalesOffset + kWsTile16s * 128;
+  static constexpr int kStageBytes = kXBytes + kWeightBytes;  // what a stage's full barrier waits for
+  static_assert(kXBox % 1024 == 0 && kWeightBytes % 1024 == 0, "stage pieces must stay 1024-byte aligned");
+  // The lookup table sits at a constant shared address aligned to its size, as high in the shared window as that
+  // allows; a lookup address is then one instruction (block_fragments in gemm.cuh). The pieces fill the space from
+  // the dynamic base (after at most kStaticSmemMax of static shared memory) up to the table: every stage's
+  // activations, then the weights of as many stages as fit there; the other stages' weights lie above the table.
+  //   Byte rows (K = 2..4, 64 KB at 128 KB; build_tables): a table address is one PRMT of a code byte, every lookup one
+  //     wavefront. Where two stages fit beside them: at 32 and 64 tokens (H200, 17-32 tokens: k = 4 up to 17%, k = 2
+  //     up to 12% faster than the compact table with a stage more; docs/PERFORMANCE.md).
+  //   Otherwise the compact pair table (kCopies lane copies of each pair's two codebook values, just below the top):
+  //     a table address is a shift and a LOP3. 32 lane copies (one per bank: every lookup one shared-memory
+  //     wavefront; with 16, two lanes share a bank and a lookup takes 1.5 wavefronts on average; at most 32 KB of
+  //     table) where 4 stages fit next to them, or from 64 tokens on 2 (there the kernel is bound by shared memory:
+  //     k = 4, 64 tokens, 3 stages and 16 copies to 2 and 32 is 4-5% faster on the 235M shapes; at 32 tokens 4
+  //     stages and 16 copies to 3 and 32 is 0-5% slower); else as many stages as fit (at most 4), then as many
+  //     copies as fit next to them.
   static constexpr int kPairs = 1 << (2 * K);
+  static constexpr int kByteRowBytes = 256 * 256;
   static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
   static constexpr int table_address(int bytes) { return (kSharedTop - bytes) / bytes * bytes; }
-  static constexpr int stages_with(int copies) {
-    return (table_address(kPairs * copies * 4) - kStagesFrom) / kStageBytes;
+  static constexpr int weights_below(int table, int stages) {  // stages whose weights fit below a table of `table` B
+    const int room = (table_address(table) - kStagesFrom - stages * kXBytes) / kWeightBytes;
+    return room < stages ? room : stages;
   }
+  static constexpr bool fits(int table, int stages) {
+    return stages * kXBytes <= table_address(table) - kStagesFrom &&
+           (stages - weights_below(table, stages)) * kWeightBytes <= kSharedTop - table_address(table) - table;
+  }
+  static constexpr int stages_with(int table) {  // the most stages that fit beside a table (at most 4)
+    return fits(table, 4) ? 4 : fits(table, 3) ? 3 : fits(table, 2) ? 2 : fits(table, 1) ? 1 : 0;
+  }
+  static constexpr bool kByteRows = K <= 4 && stages_with(kByteRowBytes) >= 2;
   static constexpr int kMaxTableBytes = 32768;
-  static constexpr bool kAllCopies = kPairs * 32 * 4 <= kMaxTableBytes && stages_with(32) >= (NT >= 64 ? 2 : 4);
-  static constexpr int kFitStages = stages_with(kAllCopies ? 32 : 1);
+  static constexpr bool kAllCopies =
+      kPairs * 32 * 4 <= kMaxTableBytes && stages_with(kPairs * 32 * 4) >= (NT >= 64 ? 2 : 4);
+  static constexpr int kFitStages = stages_with(kPairs * (kAllCopies ? 32 : 1) * 4);
   static constexpr int kMostStages = kFitStages < 4 ? kFitStages : 4;
   static constexpr int pick_copies(int c) {
-    return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && stages_with(c) >= kMostStages) ? c : pick_copies(c / 2);
+    return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && stages_with(kPairs * c * 4) >= kMostStages) ? c
+                                                                                                    : pick_copies(c / 2);
   }
-  static constexpr int kCopies = pick_copies(32);
-  static constexpr int kStages = kMostStages;
-  static constexpr int kTables = kPairs * kCopies * 4;
+  static constexpr int kCopies = kByteRows ? 32 : pick_copies(32);  // byte rows: a lane's word in a row (lane_select)
+  static constexpr int kTables = kByteRows ? kByteRowBytes : kPairs * kCopies * 4;
+  static constexpr int kStages = kByteRows ? stages_with(kTables) : kMostStages;
   static constexpr int kTableAddress = table_address(kTables);
+  static constexpr int kWeightsBelow = weights_below(kTables, kStages);
+  static constexpr int kBelowBytes = kStages * kXBytes + kWeightsBelow * kWeightBytes;  // from the ring's base
+  static constexpr int kAboveBytes = (kStages - kWeightsBelow) * kWeightBytes;         // from the table's end
   static_assert(kStages >= 2, "a ring needs two stages");
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
-  static constexpr int kSmemTotal = kTableAddress + kTables - kReservedSmem;
+  static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
   static constexpr int kTilePartialFloats = kWsTileRows * NT;
   static constexpr int kPartialFloats = 2 * kTilePartialFloats;
 };
 
-// ---------------------------------------------------------------------------- the producer
-// A step's weights into its stage; the stage's bytes were announced on its full barrier first (kStageBytes: the
-// stage completes once its activations have landed too).
+// ---------------------------------------------------------------------------- the stage ring
+// Where stage s's pieces lie (WsConfig): every stage's activations from the ring's base, then the weights of the first
+// kWeightsBelow stages; the other stages' weights from the table's end, kept as a 32-bit offset from the base (a
+// second pointer live in the consumers' loop would take registers the 128-token build does not have).
 template <class Cfg>
-__device__ __forceinline__ void ws_copy_weights(const GemmParams& p, uint8_t* stage, uint64_t* bar,
+struct WsRing {
+  uint8_t* base;   // 1024-byte aligned, below the table
+  uint32_t above;  // the table's end, from base
+  __device__ uint8_t* x(int s) const { return base + s * Cfg::kXBytes; }
+  __device__ uint8_t* weights(int s) const {
+    constexpr int kBelowFrom = Cfg::kStages * Cfg::kXBytes;
+    if constexpr (Cfg::kWeightsBelow == Cfg::kStages) return base + kBelowFrom + s * Cfg::kWeightBytes;
+    return base + (s < Cfg::kWeightsBelow ? kBelowFrom + s * Cfg::kWeightBytes
+                                          : above + (s - Cfg::kWeightsBelow) * Cfg::kWeightBytes);
+  }
+};
+
+// ---------------------------------------------------------------------------- the producer
+// A step's weights into their piece of its stage; the stage's bytes were announced on its full barrier first
+// (kStageBytes: the stage completes once its activations have landed too).
+template <class Cfg>
+__device__ __forceinline__ void ws_copy_weights(const GemmParams& p, uint8_t* weights, uint64_t* bar,
                                                 const StepCursor& c) {
   const int64_t piece = tile_piece<Cfg>(p, c, c.kstep);
-  bulk_copy_to_shared(stage + Cfg::kCodesOffset, p.b + piece * (Cfg::kBits * 32), kWsTile16s * Cfg::kCodeBytes, bar);
-  bulk_copy_to_shared(stage + Cfg::kScalesOffset, p.absmax + piece * 128, kWsTile16s * 128, bar);
+  bulk_copy_to_shared(weights, p.b + piece * (Cfg::kBits * 32), kWsTile16s * Cfg::kCodeBytes, bar);
+  bulk_copy_to_shared(weights + Cfg::kScalesOffset, p.absmax + piece * 128, kWsTile16s * 128, bar);
 }
 
 // Settled weights (GemmParams) where the grid leaves SMs idle: the first steps' bytes announced on their full
@@ -122,13 +159,13 @@ __device__ __forceinline__ void ws_copy_weights(const GemmParams& p, uint8_t* st
 // compile the consumers' loop with 92 more instructions (858 -> 950 at k = 2, 32 tokens); inside ws_producer, past
 // the registers it gives back, they spilled. Returns how many steps it copied.
 template <class Cfg>
-__device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, uint8_t* stages, uint64_t* full, int first,
-                                                     int last) {
+__device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
+                                                     int first, int last) {
   const int copied = min(Cfg::kStages, last - first);
   StepCursor c(p, first);
   for (int s = 0; s < copied; ++s, c.advance(p)) {
     mbarrier_arrive_expect_bytes(&full[s], Cfg::kStageBytes);
-    ws_copy_weights<Cfg>(p, stages + s * Cfg::kStageBytes, &full[s], c);
+    ws_copy_weights<Cfg>(p, ring.weights(s), &full[s], c);
   }
   return copied;
 }
@@ -139,22 +176,22 @@ __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, uint8_
 // activations and its weights are copied; the first `copied` steps' weights are in flight already
 // (ws_copy_first_weights).
 template <class Cfg>
-__device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, uint8_t* stages, uint64_t* full,
-                                            uint64_t* empty, int first, int last, int copied) {
+__device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, const WsRing<Cfg>& ring,
+                                            uint64_t* full, uint64_t* empty, int first, int last, int copied) {
   constexpr int S = Cfg::kStages;
   StepCursor c(p, first);
   int slot = 0;
   uint32_t phase = 0;
   for (int step = first; step < last; ++step, c.advance(p)) {
     if (step - first >= S) mbarrier_wait(&empty[slot], phase ^ 1u);
-    uint8_t* stage = stages + slot * Cfg::kStageBytes;
+    uint8_t* x = ring.x(slot);
     uint64_t* bar = &full[slot];
     const bool weights_copied = step - first < copied;
     if (!weights_copied) mbarrier_arrive_expect_bytes(bar, Cfg::kStageBytes);
     const int k0 = c.kstep * kKGroup, m0 = c.mpass * Cfg::kTokens;
 #pragma unroll
-    for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(stage + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
-    if (!weights_copied) ws_copy_weights<Cfg>(p, stage, bar, c);
+    for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(x + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
+    if (!weights_copied) ws_copy_weights<Cfg>(p, ring.weights(slot), bar, c);
     if (++slot == S) slot = 0, phase ^= 1u;
   }
 }
@@ -246,7 +283,7 @@ __device__ __forceinline__ void consumer_barrier() {
 }
 
 // The lead's tile is the last of its range, so this runs after the main loop, and once all consumer warpgroups are
-// past it no stage is read or filled again: each warp parks its accumulators in the stages (ws_park, before the
+// past it no stage is read or filled again: each warp parks its accumulators below the table (ws_park, before the
 // slices of the range's first tile, which need the registers), and the registers they free hold kInFlight partial
 // fragments per L2 round trip, whichever contributors they come from, taken contributor by contributor, so each sum
 // adds its partials in CTA order. 16 fragments per round trip, 8 at 128 tokens (16 spilled there at 112 registers),
@@ -257,8 +294,7 @@ __device__ __forceinline__ float4* ws_parked(uint8_t* stages) {  // [warp][fragm
 }
 template <class Cfg>
 __device__ __forceinline__ void ws_park(const float (&acc)[Cfg::kFrags][4], uint8_t* stages) {
-  static_assert(Cfg::kConsumerWarps * Cfg::kFrags * 32 * 16 <= Cfg::kStages * Cfg::kStageBytes,
-                "parked sums fit the stages");
+  static_assert(Cfg::kConsumerWarps * Cfg::kFrags * 32 * 16 <= Cfg::kBelowBytes, "parked sums fit the stages");
   consumer_barrier<Cfg>();
   float4* parked = ws_parked<Cfg>(stages);
 #pragma unroll
@@ -390,8 +426,8 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // after the next step's first group instead keeps wgmmas in flight across the step loop; ptxas then serializes
 // every wgmma, C7518.)
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty,
-                                            int first, int last) {
+__device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
+                                            uint64_t* empty, int first, int last) {
   constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags;
   const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4;
   const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
@@ -410,15 +446,15 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
   bool lead_reduces = false;
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
-    const uint8_t* stage = stages + slot * Cfg::kStageBytes;
+    const uint8_t* weights = ring.weights(slot);
     // The stage's activation descriptor; each wgmma's is this plus its slice's offset, added right before it
     // (volatile asm): computed ahead, the 16 descriptors of a step held 32 registers and the 128-token build spilled.
-    const uint64_t x_desc = wgmma_descriptor_sw128(shared_address(stage));
+    const uint64_t x_desc = wgmma_descriptor_sw128(shared_address(ring.x(slot)));
     fence_accumulators(acc);
     uint32_t a[2][2][4];  // [group % 2][k16 slice]
     uint32_t w[4 * K];
-    const uint4* codes = reinterpret_cast<const uint4*>(stage + Cfg::kCodesOffset + tile16 * Cfg::kCodeBytes) + lane;
-    const uint8_t* sc = stage + Cfg::kScalesOffset + tile16 * 128 + (lane >> 2) * 8;
+    const uint4* codes = reinterpret_cast<const uint4*>(weights + tile16 * Cfg::kCodeBytes) + lane;
+    const uint8_t* sc = weights + Cfg::kScalesOffset + tile16 * 128 + (lane >> 2) * 8;
     const uint2 scales_lo = *reinterpret_cast<const uint2*>(sc), scales_hi = *reinterpret_cast<const uint2*>(sc + 64);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
@@ -464,9 +500,9 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, uint8_t* stages
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
-  if (lead_reduces) ws_park<Cfg>(acc, stages);
+  if (lead_reduces) ws_park<Cfg>(acc, ring.base);
   ws_reduce_slices<Cfg, T>(p, out_scale);
-  if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, stages);
+  if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, ring.base);
 }
 #endif  // KBIT_WGMMA
 
@@ -479,13 +515,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ uint64_t full[S], empty[S];
   const uint32_t base = shared_address(smem);
-  uint8_t* stages = smem + (1024 - base % 1024) % 1024;  // the swizzle atoms need 1024-byte alignment
   uint8_t* table = smem + (Cfg::kTableAddress - base);
+  uint8_t* const ring_base = smem + (1024 - base % 1024) % 1024;  // the swizzle atoms need 1024-byte alignment
+  const WsRing<Cfg> ring{ring_base, Cfg::kTableAddress + Cfg::kTables - shared_address(ring_base)};
   if (threadIdx.x == 0) {  // host and kernel disagree on the layout: a bug
     uint32_t dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic_bytes));
-    if (shared_address(stages) + S * Cfg::kStageBytes > Cfg::kTableAddress ||
-        base + dynamic_bytes < Cfg::kTableAddress + Cfg::kTables)
+    if (shared_address(ring.base) + Cfg::kBelowBytes > Cfg::kTableAddress ||
+        base + dynamic_bytes < Cfg::kTableAddress + Cfg::kTables + Cfg::kAboveBytes)
       __trap();
   }
   const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
@@ -513,14 +550,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   build_tables<Cfg, T>(threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f, table);
   __syncthreads();  // tables complete; from here on the roles never meet at a CTA-wide barrier
   if (warp < 4) {
-    const int copied = copy_first && threadIdx.x == 0 ? ws_copy_first_weights<Cfg>(p, stages, full, first, last) : 0;
+    const int copied = copy_first && threadIdx.x == 0 ? ws_copy_first_weights<Cfg>(p, ring, full, first, last) : 0;
     if (settled) wait_previous_kernel();
     warpgroup_registers_dec<Cfg::kProducerRegisters>();
-    if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, stages, full, empty, first, last, copied);
+    if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, ring, full, empty, first, last, copied);
   } else {
     warpgroup_registers_inc<Cfg::kConsumerRegisters>();
     if (settled) wait_previous_kernel();
-    ws_consumer<Cfg, T>(p, stages, full, empty, first, last);
+    ws_consumer<Cfg, T>(p, ring, full, empty, first, last);
   }
 #else
   __trap();  // wgmma, setmaxnreg: sm_90a only; the host picks this kernel only on compute capability 9.x
@@ -551,8 +588,8 @@ inline cudaError_t ws_activation_map(const GemmParams& p, int tokens, CUtensorMa
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Dynamic shared memory of a launch: from the dynamic base (after the reserved and static shared memory) to the
-// table's end.
+// Dynamic shared memory of a launch: from the dynamic base (after the reserved and static shared memory) to the end
+// of the weights above the table.
 template <class Cfg, typename T>
 cudaError_t gemm_ws_dynamic_smem(int& bytes) {
   cudaFuncAttributes attr{};
@@ -563,7 +600,7 @@ cudaError_t gemm_ws_dynamic_smem(int& bytes) {
   if (err != cudaSuccess) return err;
   const int base = reserved + static_cast<int>(attr.sharedSizeBytes);
   if (base > kReservedSmem + kStaticSmemMax) return cudaErrorInvalidConfiguration;
-  bytes = Cfg::kTableAddress + Cfg::kTables - base;
+  bytes = Cfg::kTableAddress + Cfg::kTables + Cfg::kAboveBytes - base;
   return cudaFuncSetAttribute(gemm_ws_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
