@@ -147,6 +147,8 @@ H200_SLICES = Measured("H200", "10a3fee", "2026-11-23",
 H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "bench_gemm.py --m 1,4,8 --k 2,3,4,5, eleven shapes, KBIT_GEMM_PATH=mma_sync against k_split; "
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
+H200_WS_TILES = Measured("H200", "feea81a", "2026-11-26",
+                         "benchmarks/bench_ws_tiles.py (benchmarks/results/ws_tiles_NVIDIA_H200.md)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
@@ -158,6 +160,7 @@ class Rule(str, enum.Enum):
     WGMMA_FROM = "gemm.cuh's wgmma beats its mma.sync from m tokens"
     WIDE_TILES_FROM = "256-row wgmma tiles beat 128-row ones from m tokens"
     K_SPLIT_FROM = "the warps splitting 32- or 16-row tiles' k-groups beat 256-row tiles from m tokens (built up to 16)"
+    WS_64_TOKEN_TILES_FROM = "gemm_ws.cuh's 64-token tiles beat its 128-token ones from m tokens (steps counted in 128)"
 
 
 class Gpus(str, enum.Enum):
@@ -232,6 +235,15 @@ CROSSOVERS = (
     # M = 9-16) 0.80-0.98x, larger shapes 0.3-0.8x.
     Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(2, 4, 5), max_steps_per_sm=2),
     Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H100_K3_BYTE_PAIRS, bits=(3,), max_steps_per_sm=2),
+    # Past 64 tokens the warp-specialized kernel's 64-token tiles (byte-row tables) beat its 128-token ones where
+    # 128-token tiles leave each SM fewer than 12 steps, through 512 tokens (K = 4: 4096->11008 M = 128 31.5 against
+    # 38.5 us, 11008->4096 M = 256 50.2 against 60.4, 4096->4096 M = 256 / 512 24.7 / 36.6 against 31.7 / 40.4; at
+    # 13.6 steps, 14336->4096 and 4096->14336 M = 256, 1.04-1.09x), and at 129-192 tokens everywhere, three 64-token
+    # passes against two of 128 (0.72-0.94x the time; K = 2, 3 alike: 0.71-0.97x). Not at K = 5, whose 64-token pair
+    # table has 8 lane copies (1.00-1.07x on the large shapes at 160-192 tokens).
+    Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 65, H200_WS_TILES, bits=(2, 3, 4), max_steps_per_sm=12,
+              through=512),
+    Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(2, 3, 4), through=192),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps
@@ -283,9 +295,17 @@ def _starts(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> bool:
     return any(p.tokens >= m for m in _holding(p, rule, tokens_per_pass))
 
 
-def _ws_tokens(M: int) -> int:
-    """The warp-specialized kernel's tokens per tile: the smallest that holds M, 128 past that."""
+def _ws_measured_tokens(M: int) -> int:
+    """The warp-specialized kernel's tokens per tile as its path crossovers count steps: the smallest that holds M,
+    128 past that."""
     return 32 if M <= 32 else 64 if M <= 64 else 128
+
+
+def _ws_tokens(p: _Problem) -> int:
+    """The warp-specialized kernel's tokens per tile: as measured for its path, or 64 past 64 tokens where that
+    crossover holds."""
+    tokens = _ws_measured_tokens(p.tokens)
+    return 64 if tokens == 128 and _starts(p, Rule.WS_64_TOKEN_TILES_FROM, 128) else tokens
 
 
 def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:
@@ -297,7 +317,7 @@ def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:
     if path is Path.K_SPLIT:
         return p.built.get((1 if M <= 8 else 2, 0, 0, 8)) if M <= 16 else None
     if path is Path.WARP_SPECIALIZED:
-        tokens = _ws_tokens(M)
+        tokens = _ws_tokens(p)
         return p.built.get((tokens // 8, 0, tokens, 1))
     mb = 8 if M <= 64 else 16
     tiles = (2, 1) if _starts(p, Rule.WIDE_TILES_FROM, mb * 8) else (1, 2)
@@ -308,7 +328,8 @@ def _table_config(p: _Problem, paths: frozenset) -> Optional[GemmConfig]:
     """The fused configuration the crossover table picks among ``paths`` (built; it may not run here)."""
     if p.gpus is Gpus.WGMMA:
         if Path.WARP_SPECIALIZED in paths and (
-                paths == {Path.WARP_SPECIALIZED} or _starts(p, Rule.WARP_SPECIALIZED_FROM, _ws_tokens(p.tokens))):
+                paths == {Path.WARP_SPECIALIZED}
+                or _starts(p, Rule.WARP_SPECIALIZED_FROM, _ws_measured_tokens(p.tokens))):
             return _config_for(p, Path.WARP_SPECIALIZED)
         if Path.WGMMA in paths and (
                 Path.MMA_SYNC not in paths or _starts(p, Rule.WGMMA_FROM, 64)):  # steps as 64-token passes

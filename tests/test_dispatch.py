@@ -68,6 +68,8 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     faster = (M > 512 or (M > 192 and W >= 1 << 24) or (M > 32 and W >= 1 << 25) or (M > 16 and W >= 48 << 20)
               or (16 < M <= 128 and steps(tokens // 8) < 2 * sms))
     if path == "ws" or (path != "classic" and faster):
+        if tokens == 128 and bits != 5 and ((M <= 512 and steps(16) < 12 * sms) or 129 <= M <= 192):
+            tokens = 64  # 64-token tiles past 64 tokens
         return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
 
     if path != "ws" and 1 <= M <= 16 and steps(1) < 2 * sms:

@@ -40,7 +40,7 @@ namespace kbit {
 constexpr int kWsTileRows = 256;                   // weight rows per CTA tile: 4 m64 blocks
 constexpr int kWsTile16s = kWsTileRows / 16;       // 16-row tiles of the GEMM layout per CTA tile
 
-// Tokens per tile NT: 32, 64 or 128 (the host picks the smallest that holds M, 128 past that: more passes).
+// Tokens per tile NT: 32, 64 or 128 (the planner picks, kbit/dispatch.py; past NT tokens, more passes).
 template <int K, int NT>
 struct WsConfig {
   static constexpr int kBits = K, kTokens = NT;
