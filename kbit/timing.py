@@ -10,18 +10,23 @@ GEMM layouts and split-K workspaces, allocator pools), then the list is captured
 
 from __future__ import annotations
 
+import time
 from typing import Callable, List, Sequence
 
 import torch
 
 
 def capture_cuda_graph(calls: Sequence[Callable[[], object]], warmup_calls: int = 2,
-                       warmup_first: int = 4) -> torch.cuda.CUDAGraph:
-    """``calls`` captured in order into one CUDA graph, replayed once (so its first timed replay is warm).
+                       warmup_first: int = 4, warm_seconds: float = 0.03) -> torch.cuda.CUDAGraph:
+    """``calls`` captured in order into one CUDA graph, then replayed for at least ``warm_seconds`` (so its first
+    timed replay is warm).
 
     Before capture, on the capture stream, the first ``warmup_first`` callables each run ``warmup_calls`` times (more
     would only repeat the same kernels) and every other one once: as in a model, where every weight has been read
     by the time a graph is captured, so each GEMM is captured reading its weights early (``kbit.ops.weights_settled``).
+    The replays after capture: the first ~20 ms of a process's first graph of a shape ran up to 15% slower than the
+    rest (H100, k = 4, M = 1, 28672->8192: 54 against 47 us, whatever the stream, early weights or dependent launch;
+    the same graph 46.8 us from its second 20 replays on), which a few replays alone would time.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -35,9 +40,12 @@ def capture_cuda_graph(calls: Sequence[Callable[[], object]], warmup_calls: int 
     with torch.cuda.graph(graph, stream=stream):
         for call in calls:
             call()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
+    start = time.perf_counter()
+    while True:
+        graph.replay()
+        torch.cuda.synchronize()
+        if time.perf_counter() - start >= warm_seconds:
+            return graph
 
 
 def replay_seconds(graph: torch.cuda.CUDAGraph, timings: int = 5, replays_per_timing: int = 1) -> List[float]:
