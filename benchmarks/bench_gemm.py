@@ -6,8 +6,8 @@
 
 Method: first the device-to-device copy bandwidth is measured (bytes read + written per second).
 Every timing is a CUDA graph of R calls, each call on a different copy of its weights, the copies
-together exceeding twice the L2 cache; the graph is replayed several times and the median replay
-time / R is the per-call time. Reported per (shape, M, K): µs, % of the roofline (floor = (k-bit
+together exceeding twice the L2 cache; after 30 ms of untimed replays the graph is replayed several
+times and the median replay time / R is the per-call time. Reported per (shape, M, K): µs, % of the roofline (floor = (k-bit
 weight bytes + x bytes + y bytes) / copy bandwidth; 100% = at the floor), the time of a device-to-device
 copy moving the same bytes (half read, half written; timed the same way: what a memory-only kernel of
 that size reaches in this harness, launch and tail included), and speedup over cuBLAS
