@@ -26,7 +26,8 @@ def capture_cuda_graph(calls: Sequence[Callable[[], object]], warmup_calls: int 
     by the time a graph is captured, so each GEMM is captured reading its weights early (``kbit.ops.weights_settled``).
     The replays after capture: the first ~20 ms of a process's first graph of a shape ran up to 15% slower than the
     rest (H100, k = 4, M = 1, 28672->8192: 54 against 47 us, whatever the stream, early weights or dependent launch;
-    the same graph 46.8 us from its second 20 replays on), which a few replays alone would time.
+    the same graph 46.8 us from its second 20 replays on; H200 37.5 against 35.8), which a few replays alone would
+    time.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
