@@ -239,11 +239,14 @@ CROSSOVERS = (
     # 128-token tiles leave each SM fewer than 12 steps, through 512 tokens (K = 4: 4096->11008 M = 128 31.5 against
     # 38.5 us, 11008->4096 M = 256 50.2 against 60.4, 4096->4096 M = 256 / 512 24.7 / 36.6 against 31.7 / 40.4; at
     # 13.6 steps, 14336->4096 and 4096->14336 M = 256, 1.04-1.09x), and at 129-192 tokens everywhere, three 64-token
-    # passes against two of 128 (0.72-0.94x the time; K = 2, 3 alike: 0.71-0.97x). Not at K = 5, whose 64-token pair
-    # table has 8 lane copies (1.00-1.07x on the large shapes at 160-192 tokens).
+    # passes against two of 128 (0.72-0.94x the time; K = 2, 3 alike: 0.71-0.97x). K = 5, whose 64-token pair table
+    # has 8 lane copies, only at 129-192 tokens below 12 steps per SM (11008->4096, 4096->11008, 4096->4096 at M = 160
+    # and 192: 0.83-0.88x; the large shapes there 1.00-1.07x, and at 128 or 256 tokens 0.90-1.16x by shape).
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 65, H200_WS_TILES, bits=(2, 3, 4), max_steps_per_sm=12,
               through=512),
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(2, 3, 4), through=192),
+    Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(5,), max_steps_per_sm=12,
+              through=192),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps

@@ -68,7 +68,9 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     faster = (M > 512 or (M > 192 and W >= 1 << 24) or (M > 32 and W >= 1 << 25) or (M > 16 and W >= 48 << 20)
               or (16 < M <= 128 and steps(tokens // 8) < 2 * sms))
     if path == "ws" or (path != "classic" and faster):
-        if tokens == 128 and bits != 5 and ((M <= 512 and steps(16) < 12 * sms) or 129 <= M <= 192):
+        few_steps = steps(16) < 12 * sms
+        if tokens == 128 and ((bits != 5 and ((M <= 512 and few_steps) or 129 <= M <= 192))
+                              or (bits == 5 and 129 <= M <= 192 and few_steps)):
             tokens = 64  # 64-token tiles past 64 tokens
         return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
 
