@@ -27,14 +27,11 @@ L2 = common.l2_bytes()
 
 
 def rotation(make, nbytes):
-    n = common.copies_for(nbytes, L2)
-    first = make()
-    return [first] + [tuple(t.clone() for t in first) if isinstance(first, tuple) else first.clone() for _ in range(n - 1)]
+    return common.rotated_copies(make(), L2, nbytes)
 
 
 def timed(fn_for, ws):
-    calls = [(lambda w=ws[i % len(ws)]: fn_for(w)) for i in range(max(CALLS, len(ws)))]
-    return common.time_graph(calls, replays=REPLAYS)["us"]
+    return common.time_rotated(fn_for, ws, CALLS, REPLAYS)
 
 
 def main():

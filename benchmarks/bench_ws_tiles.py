@@ -55,16 +55,14 @@ def main() -> int:
                 warnings.simplefilter("ignore")
                 qw = quantize(torch.randn(n_out, k_in, device="cuda", dtype=torch.float16) * 0.02, bits)
             kp = padded_in_features(k_in)
-            first = qw.gemm_layout()
-            n = common.copies_for(sum(t.numel() * t.element_size() for t in first), l2)
-            layouts = [first] + [tuple(t.clone() for t in first) for _ in range(n - 1)]
-            settled = ops.weights_settled(*first, qw.codebook)
+            first = tuple(qw.gemm_layout())
+            layouts = common.rotated_copies(first, l2)
             for M in tokens:
                 x = torch.randn(M, k_in, device="cuda", dtype=torch.float16)
 
                 def run(lay, tile, x=x):
                     return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, n_out, kp, 0, tile // 8, 0, 1,
-                                    tile, settled)
+                                    tile, ops.weights_settled(*lay, qw.codebook))
 
                 ys = [run(first, tile).float() for tile in TILES]
                 error = float((ys[0] - ys[1]).norm() / ys[1].norm().clamp_min(1e-30))
@@ -73,8 +71,7 @@ def main() -> int:
                                      f"relative difference {error:.2g}")
                 us = {}
                 for tile in TILES:
-                    calls = [(lambda w=layouts[i % n], t=tile: run(w, t)) for i in range(max(args.calls, n))]
-                    us[tile] = common.time_graph(calls, replays=args.replays)["us"]
+                    us[tile] = common.time_rotated(lambda w, t=tile: run(w, t), layouts, args.calls, args.replays)
                 steps = -(-M // 128) * -(-n_out // 256) * -(-kp // 256) / sms
                 row = {"bits": bits, "shape": f"{k_in}->{n_out}", "M": M, "us_64": us[64], "us_128": us[128],
                        "ratio": us[64] / us[128], "steps_per_sm_128": steps}

@@ -98,6 +98,15 @@ def copies_for(bytes_per_copy: float, l2_bytes: int, factor: float = 2.0, min_co
     return int(min(max(min_copies, need), max_copies))
 
 
+def rotated_copies(first, l2_bytes: int, nbytes: Optional[int] = None) -> list:
+    """``first`` (a tensor or a tuple of tensors) and clones of it, enough that one pass over them moves more than twice
+    the L2 cache (``nbytes`` per copy: all of first's bytes unless given)."""
+    tensors = first if isinstance(first, tuple) else (first,)
+    n = copies_for(nbytes if nbytes is not None else sum(t.numel() * t.element_size() for t in tensors), l2_bytes)
+    return [first] + [tuple(t.clone() for t in tensors) if isinstance(first, tuple) else first.clone()
+                      for _ in range(n - 1)]
+
+
 def fmt_us(v) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "n/a"
@@ -196,6 +205,12 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 5, warmup_c
     times = [t * 1e6 / len(calls) for t in replay_seconds(graph, timings=replays)]
     del graph
     return {"us": statistics.median(times), "min_us": min(times), "replays": replays, "calls": len(calls)}
+
+
+def time_rotated(fn: Callable[[object], object], copies: Sequence, calls: int, replays: int) -> float:
+    """Median µs per call of ``fn`` over ``copies`` in turn, one CUDA graph of at least ``calls`` calls."""
+    graph_calls = [(lambda w=copies[i % len(copies)]: fn(w)) for i in range(max(calls, len(copies)))]
+    return time_graph(graph_calls, replays=replays)["us"]
 
 
 def time_eager(fn: Callable[[], object], iters: int = 10, warmup: int = 2) -> float:
