@@ -11,7 +11,7 @@
 //   load_weights    one step's weights (two bulk copies on sm_90, cp.async per warp on sm_80)
 //   load_activations a warp's share (at MB = 1: all) of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
-//                   32 columns and applies each block's scale to the fp32 result (mma.sync)
+//                   32 columns and applies each block's scale to the fp32 result (mma.sync; one token: once per step)
 //   compute_step_wgmma the same for 64 rows per warpgroup and 64 or 128 tokens, block scales applied to the
 //                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
@@ -84,8 +84,8 @@ constexpr int kSm80SmemMax = 163 * 1024;
 
 // WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp. G: 0 for one weight, else the
 // grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue. KS: warps splitting one tile's
-// k-groups (kKSplit).
-template <int K, int MB, int WG, int G = 0, int KS = 1>
+// k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns).
+template <int K, int MB, int WG, int G = 0, int KS = 1, bool BC = false>
 struct GemmConfig {
   static constexpr int kBits = K, kMB = MB;
   static constexpr bool kWgmma = WG > 0;
@@ -124,6 +124,19 @@ struct GemmConfig {
   //     of one matrix hit 8 different 16-byte bank groups. Transposing there costs 4x the copy instructions
   //     (docs/PERFORMANCE.md#instructive-failures).
   static constexpr bool kXPairsTransposed = !kWgmma && MB == 1;
+  // One token (M = 1, K = 2..4; launch_gemm_mb picks it): the MMA's 8 columns are a step's 8 blocks, not 8 tokens.
+  // For block t the lanes of column t load the token's activations and the others zeros (token row 1 of the stage,
+  // which one token leaves free: clear_block_columns), so each MMA adds block t's sums to column t only and the
+  // accumulators hold a step's 8 blocks apart. Each lane then scales its two columns (blocks 2q, 2q + 1) once per
+  // step, where with tokens in the columns every block's result took one FFMA per accumulator and its scale decoded
+  // per block (~85 of the step loop's instructions, SASS); the quad's four lanes meet at the tile's end
+  // (sum_block_columns). Even and odd blocks accumulate apart (kSumChains), 8 MMAs each: with all 16 MMAs of a row
+  // tile in one accumulator k = 4 was no faster, with four accumulators 4-6% slower on the 45-59M shapes (H200).
+  // Not with the k split, whose one step per CTA leaves nothing to save. Same shared memory as MB = 1.
+  static constexpr bool kBlockColumns = BC;
+  static constexpr int kSumChains = 2;
+  static_assert(!BC || (MB == 1 && WG == 0 && G == 0 && KS == 1 && K <= 4),
+                "block columns: mma.sync, one token, no k split, K <= 4");
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
@@ -287,6 +300,14 @@ __device__ __forceinline__ void lds128_if(bool active, uint32_t address, uint4& 
   asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t@p ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n\t}\n"
       : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
       : "r"(address), "r"(static_cast<int>(active)));
+}
+
+// A 16-byte shared load from a pipeline stage. Volatile, as lds128_if: it must stay after the wait for the stage.
+__device__ __forceinline__ uint4 lds128_stage(uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
 }
 
 // (a & mask) | (b & ~mask) in one LOP3. Inline PTX: as C++ the compiler re-associates a gather of three words' bits
@@ -638,6 +659,16 @@ __device__ __forceinline__ void load_activations(const GemmParams& p, uint8_t* s
   }
 }
 
+// Block columns (GemmConfig::kBlockColumns): the first 128 bytes of every stage's token row 1 zero, the activations
+// of the lanes whose column is not the block's (compute_step). Once per CTA; with one token nothing else writes there.
+template <class Cfg>
+__device__ __forceinline__ void clear_block_columns(const SmemLayout<Cfg>& layout) {
+  const int s = threadIdx.x / 8, v = threadIdx.x % 8;
+  static_assert(Cfg::kStages * 8 <= Cfg::kThreads, "one 16-byte store per thread");
+  if (s < Cfg::kStages)
+    reinterpret_cast<uint4*>(layout.small(s) + Cfg::kAbsStage + Cfg::kXRow * 2)[v] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // One warp's codes (its bit string, kbit/layout.py) and E4M4 block scales of one step's row tile r:
 // scales_lo = row g's 8 blocks, scales_hi = row g + 8's.
 template <class Cfg>
@@ -659,8 +690,9 @@ __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, cons
 // One warp, one step: its row tiles (16 weight rows each) x 256 k against MB*8 tokens, accumulated into acc
 // (fragment r * MB + mb). Token rows at or past x_rows (the rows this pass has) are stale: they reach only
 // their own output columns (the MMA's columns are independent), and those are never stored. With transposed
-// pairs (MB = 1) those rows are not even loaded: at M = 1 only lanes 0..3 load activations, one wavefront
-// per 16-byte load instead of four. Otherwise one ldmatrix per token tile and block: lane l points at token
+// pairs (MB = 1) those rows are not even loaded: at M = 1 only lanes 0..3 load activations, one wavefront per 16-byte
+// load instead of four (with block columns the others load zeros, still one wavefront, and the step's scales follow
+// its 16 MMAs). Otherwise one ldmatrix per token tile and block: lane l points at token
 // l % 8, columns 8 * (l / 8) .. + 7 of the block, so register i is the B fragment of k-step i / 2, half i % 2.
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
@@ -674,44 +706,82 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
   for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r]);
   constexpr int XR = Cfg::kXRow;
   const int xk = Cfg::kKSplit > 1 ? (threadIdx.x >> 5) * kKGroup : 0;  // the warp's k-group in the token rows
+  const int x_row = Cfg::kBlockColumns ? 0 : g;  // block columns: row 0 or 1 per block (below)
   const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) +
-                      (xk + (Cfg::kXPairsTransposed ? g * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3))) * 2;
+                      (xk + (Cfg::kXPairsTransposed ? x_row * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3))) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
   float2 block_scales_lo[RT], block_scales_hi[RT];
+  constexpr int C = Cfg::kSumChains;
+  float block_sums[RT][C][4] = {};  // block columns: a step's sums, column n = block n, block t in accumulator t % C
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
       const uint32_t at = xs + (mb * 8 * XR + t * 32) * 2;
-      if constexpr (Cfg::kXPairsTransposed) lds128_if(mb * 8 + g < x_rows, at, xv[mb]);
+      // Block columns: the lanes of column t the token's activations (row 0), the others 64 zero bytes of row 1 in the
+      // other bank half (64 bytes apart modulo 128): the warp's load is one wavefront.
+      if constexpr (Cfg::kBlockColumns) xv[mb] = lds128_stage(xs + (g == t ? t * 32 : XR + 32 * (t & 1)) * 2);
+      else if constexpr (Cfg::kXPairsTransposed) lds128_if(mb * 8 + g < x_rows, at, xv[mb]);
       else ldmatrix_x4(at, xv[mb]);
     }
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      if (t % 2 == 0) {  // blocks t and t + 1 of rows g and g + 8, in sixteenths (GemmConfig::kAccScale)
-        block_scales_lo[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
-        block_scales_hi[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
-      }
-      const float s_lo = t % 2 ? block_scales_lo[r].y : block_scales_lo[r].x;
-      const float s_hi = t % 2 ? block_scales_hi[r].y : block_scales_hi[r].x;
       uint32_t h[2][4];
       block_fragments<Cfg>(w[r], t, sel, h);
       const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
       const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
+      if constexpr (Cfg::kBlockColumns) {  // block t's sums into column t (the other columns' activations are 0)
+        mma_16816<T>(block_sums[r][t % C], a0, xv[0].x, xv[0].y);
+        mma_16816<T>(block_sums[r][t % C], a1, xv[0].z, xv[0].w);
+      } else {
+        if (t % 2 == 0) {  // blocks t and t + 1 of rows g and g + 8, in sixteenths (GemmConfig::kAccScale)
+          block_scales_lo[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
+          block_scales_hi[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
+        }
+        const float s_lo = t % 2 ? block_scales_lo[r].y : block_scales_lo[r].x;
+        const float s_hi = t % 2 ? block_scales_hi[r].y : block_scales_hi[r].x;
 #pragma unroll
-      for (int mb = 0; mb < MB; ++mb) {
-        // One block of 32 columns in unit scale, then its E4M4 scale in fp32: accumulator rows are weight
-        // rows (g: d0, d1; g + 8: d2, d3), so each row takes its own block scale, rounded exactly once.
-        float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_16816<T>(blk, a0, xv[mb].x, xv[mb].y);
-        mma_16816<T>(blk, a1, xv[mb].z, xv[mb].w);
-        float (&d)[4] = acc[r * MB + mb];
-        d[0] = fmaf(blk[0], s_lo, d[0]);
-        d[1] = fmaf(blk[1], s_lo, d[1]);
-        d[2] = fmaf(blk[2], s_hi, d[2]);
-        d[3] = fmaf(blk[3], s_hi, d[3]);
+        for (int mb = 0; mb < MB; ++mb) {
+          // One block of 32 columns in unit scale, then its E4M4 scale in fp32: accumulator rows are weight
+          // rows (g: d0, d1; g + 8: d2, d3), so each row takes its own block scale, rounded exactly once.
+          float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_16816<T>(blk, a0, xv[mb].x, xv[mb].y);
+          mma_16816<T>(blk, a1, xv[mb].z, xv[mb].w);
+          float (&d)[4] = acc[r * MB + mb];
+          d[0] = fmaf(blk[0], s_lo, d[0]);
+          d[1] = fmaf(blk[1], s_lo, d[1]);
+          d[2] = fmaf(blk[2], s_hi, d[2]);
+          d[3] = fmaf(blk[3], s_hi, d[3]);
+        }
       }
+    }
+  }
+  if constexpr (Cfg::kBlockColumns) {
+    // Lane q's columns are blocks 2q, 2q + 1 of rows g (sums 0, 1) and g + 8 (2, 3); even blocks in accumulator 0.
+    static_assert(C == 2, "columns 2q and 2q + 1 in accumulators 0 and 1");
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const float2 s_lo = e4m4_pair_to_float_sixteenths(q < 2 ? scales_lo[r].x : scales_lo[r].y, 2 * (q & 1));
+      const float2 s_hi = e4m4_pair_to_float_sixteenths(q < 2 ? scales_hi[r].x : scales_hi[r].y, 2 * (q & 1));
+      const float(&u)[C][4] = block_sums[r];
+      float (&d)[4] = acc[r];
+      d[0] = fmaf(u[1][1], s_lo.y, fmaf(u[0][0], s_lo.x, d[0]));
+      d[2] = fmaf(u[1][3], s_hi.y, fmaf(u[0][2], s_hi.x, d[2]));
+    }
+  }
+}
+
+// Block columns: each lane's row sums (accumulators 0 and 2: token 0 of rows g and g + 8) over its two blocks per
+// step, added across the quad's lanes, so that every lane holds the tile's token column as an 8-token tile would.
+template <class Cfg>
+__device__ __forceinline__ void sum_block_columns(float (&acc)[Cfg::kFrags][4]) {
+#pragma unroll
+  for (int f = 0; f < Cfg::kFrags; ++f) {
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+      acc[f][i] += __shfl_xor_sync(0xffffffffu, acc[f][i], 1);
+      acc[f][i] += __shfl_xor_sync(0xffffffffu, acc[f][i], 2);
     }
   }
 }
@@ -1023,6 +1093,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     }
   }
 #endif
+  if constexpr (Cfg::kBlockColumns) clear_block_columns<Cfg>(layout);  // seen by every warp after the tables' barrier
   grid_dependency_wait();
   allow_dependent_launch();
   if constexpr (Cfg::kGrouped) {  // the routing kernel has written the passes: the step range is known now
@@ -1097,7 +1168,10 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
       // The math cursor's k step gives the warps their k-groups (KS > 1); the tile's end moves it (next_tile).
       if (Cfg::kKSplit > 1 && step + 1 < tile_end) c.kstep++;
     }
-    if (Cfg::kKSplit == 1 || warp == 0) finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
+    if (Cfg::kKSplit == 1 || warp == 0) {
+      if constexpr (Cfg::kBlockColumns) sum_block_columns<Cfg>(acc);
+      finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
+    }
 #pragma unroll
     for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
     c.next_tile(p);
@@ -1184,10 +1258,23 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
     default: return false;
   }
 }
+// One token on 8-token tiles without the k split runs with block columns (GemmConfig::kBlockColumns): the same plan
+// and shared memory. Not K = 5: 1-2% slower with them on the 235M shapes (H200), where K = 2..4 were 2-7% faster.
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
-  with_gemm_config<K>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) { err = launch_gemm<decltype(cfg), T>(p, stream); });
+  with_gemm_config<K>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) {
+    using Cfg = decltype(cfg);
+    if constexpr (Cfg::kMB == 1 && !Cfg::kWgmma && Cfg::kKSplit == 1 && K <= 4) {
+      using OneToken = GemmConfig<Cfg::kBits, 1, 0, 0, 1, true>;
+      static_assert(OneToken::kSmemTotal == Cfg::kSmemTotal && OneToken::kStages == Cfg::kStages, "one plan for both");
+      if (p.M == 1) {
+        err = launch_gemm<OneToken, T>(p, stream);
+        return;
+      }
+    }
+    err = launch_gemm<Cfg, T>(p, stream);
+  });
   return err;
 }
 
