@@ -5,16 +5,15 @@
     python benchmarks/bench_gemm.py --shapes 4096->14336,8192->28672 --m 1,16 --k 4 --dtypes fp16,bf16
 
 Method: first the device-to-device copy bandwidth is measured (bytes read + written per second).
-Every timing is a CUDA graph of R calls, each call on a different copy of its weights, the copies
-together exceeding twice the L2 cache; after 30 ms of untimed replays the graph is replayed several
-times and the median replay time / R is the per-call time. Reported per (shape, M, K): µs, % of the roofline (floor = (k-bit
-weight bytes + x bytes + y bytes) / copy bandwidth; 100% = at the floor), the time of a device-to-device
-copy moving the same bytes (half read, half written; timed the same way: what a memory-only kernel of
-that size reaches in this harness, launch and tail included), and speedup over cuBLAS
-``F.linear`` in the same dtype (fp16 by default) timed the same way. Peers, when available:
-dequantize + cuBLAS (``kbit.dequantize`` then ``F.linear``), torch int4
-(``aten._weight_int4pack_mm``, group size 128; it may only accept bf16 activations), bitsandbytes
-NF4 and gemlite int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and
+Every timing is a CUDA graph of R calls, each call on a different copy of its weights, the copies together
+exceeding twice the L2 cache; after 30 ms of untimed replays the graph is replayed several times and the
+median replay time / R is the per-call time. Reported per (shape, M, K): µs, % of the roofline (floor = (k-bit
+weight bytes + x bytes + y bytes) / copy bandwidth; 100% = at the floor), the time of a device-to-device copy
+moving the same bytes (half read, half written; timed the same way: what a memory-only kernel of that size
+reaches in this harness, launch and tail included), and speedup over cuBLAS ``F.linear`` in the same dtype
+(fp16 by default) timed the same way. Peers, when available: dequantize + cuBLAS (``kbit.dequantize`` then
+``F.linear``), torch int4 (``aten._weight_int4pack_mm``, group size 128; it may only accept bf16 activations),
+bitsandbytes NF4 and gemlite int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and
 ``gemm_<device>_summary.txt`` under ``--out`` (default benchmarks/results).
 
 Shapes are written K_in->N_out (nn.Linear(in_features=K_in, out_features=N_out)).

@@ -130,11 +130,10 @@ struct GemmConfig {
   // accumulators hold a step's 8 blocks apart. Each lane then scales its two columns (blocks 2q, 2q + 1) once per
   // step, where with tokens in the columns every block's result took one FFMA per accumulator and its scale decoded
   // per block (~85 of the step loop's instructions, SASS); the quad's four lanes meet at the tile's end
-  // (sum_block_columns). Even and odd blocks accumulate apart (kSumChains), 8 MMAs each: with all 16 MMAs of a row
-  // tile in one accumulator k = 4 was no faster, with four accumulators 4-6% slower on the 45-59M shapes (H200).
-  // Not with the k split, whose one step per CTA leaves nothing to save. Same shared memory as MB = 1.
+  // (sum_block_columns). Even and odd blocks accumulate apart, 8 MMAs each: with all 16 MMAs of a row tile in one
+  // accumulator k = 4 was no faster, with four accumulators 4-6% slower on the 45-59M shapes (H200). Not with the
+  // k split, whose one step per CTA leaves nothing to save. Same shared memory as MB = 1.
   static constexpr bool kBlockColumns = BC;
-  static constexpr int kSumChains = 2;
   static_assert(!BC || (MB == 1 && WG == 0 && G == 0 && KS == 1 && K <= 4),
                 "block columns: mma.sync, one token, no k split, K <= 4");
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
@@ -711,8 +710,7 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
                       (xk + (Cfg::kXPairsTransposed ? x_row * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3))) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
   float2 block_scales_lo[RT], block_scales_hi[RT];
-  constexpr int C = Cfg::kSumChains;
-  float block_sums[RT][C][4] = {};  // block columns: a step's sums, column n = block n, block t in accumulator t % C
+  float block_sums[RT][2][4] = {};  // block columns: a step's sums, column n = block n, block t in accumulator t % 2
 
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
@@ -732,8 +730,8 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
       const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
       const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
       if constexpr (Cfg::kBlockColumns) {  // block t's sums into column t (the other columns' activations are 0)
-        mma_16816<T>(block_sums[r][t % C], a0, xv[0].x, xv[0].y);
-        mma_16816<T>(block_sums[r][t % C], a1, xv[0].z, xv[0].w);
+        mma_16816<T>(block_sums[r][t % 2], a0, xv[0].x, xv[0].y);
+        mma_16816<T>(block_sums[r][t % 2], a1, xv[0].z, xv[0].w);
       } else {
         if (t % 2 == 0) {  // blocks t and t + 1 of rows g and g + 8, in sixteenths (GemmConfig::kAccScale)
           block_scales_lo[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
@@ -758,13 +756,12 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
     }
   }
   if constexpr (Cfg::kBlockColumns) {
-    // Lane q's columns are blocks 2q, 2q + 1 of rows g (sums 0, 1) and g + 8 (2, 3); even blocks in accumulator 0.
-    static_assert(C == 2, "columns 2q and 2q + 1 in accumulators 0 and 1");
+    // Lane q's columns are blocks 2q (even: accumulator 0) and 2q + 1 (odd: 1), of rows g (sums 0, 1) and g + 8 (2, 3).
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
       const float2 s_lo = e4m4_pair_to_float_sixteenths(q < 2 ? scales_lo[r].x : scales_lo[r].y, 2 * (q & 1));
       const float2 s_hi = e4m4_pair_to_float_sixteenths(q < 2 ? scales_hi[r].x : scales_hi[r].y, 2 * (q & 1));
-      const float(&u)[C][4] = block_sums[r];
+      const float(&u)[2][4] = block_sums[r];
       float (&d)[4] = acc[r];
       d[0] = fmaf(u[1][1], s_lo.y, fmaf(u[0][0], s_lo.x, d[0]));
       d[2] = fmaf(u[1][3], s_hi.y, fmaf(u[0][2], s_hi.x, d[2]));
