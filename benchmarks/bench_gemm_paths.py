@@ -26,14 +26,6 @@ CALLS, REPLAYS = 10, 5
 L2 = common.l2_bytes()
 
 
-def rotation(make, nbytes):
-    return common.rotated_copies(make(), L2, nbytes)
-
-
-def timed(fn_for, ws):
-    return common.time_rotated(fn_for, ws, CALLS, REPLAYS)
-
-
 def main():
     cases = []  # (shape, k, [M...])
     big = ["8192->28672", "28672->8192", "14336->4096", "4096->14336", "11008->4096", "4096->11008"]
@@ -62,9 +54,9 @@ def main():
         qw = kbit.quantize(W, k)
         kp = padded_in_features(k_in)
         lay = qw.gemm_layout()
-        kb = rotation(lambda: tuple(lay), sum(t.numel() * t.element_size() for t in lay))
-        fp = rotation(lambda: W.clone(), W.numel() * 2)
-        st = rotation(lambda: (qw.packed, qw.absmax), qw.packed.numel() * 4)
+        kb = common.rotated_copies(tuple(lay), L2)
+        fp = common.rotated_copies(W.clone(), L2)
+        st = common.rotated_copies((qw.packed, qw.absmax), L2, qw.packed.numel() * 4)
         for M in ms:
             x = torch.randn(M, k_in, device="cuda", dtype=torch.float16)
             res = {"shape": sh, "k": k, "M": M}
@@ -75,7 +67,7 @@ def main():
             for path in ("classic", "ws"):
                 os.environ["KBIT_GEMM_PATH"] = path
                 try:
-                    res[path] = timed(kb_call, kb)
+                    res[path] = common.time_rotated(kb_call, kb, CALLS, REPLAYS)
                 except Exception as e:  # noqa: BLE001
                     res[path] = None
                     print(f"# {sh} k={k} M={M} {path}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
@@ -90,12 +82,12 @@ def main():
                 res["rel_diff"] = None
                 print(f"# {sh} k={k} M={M} compare: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
             os.environ.pop("KBIT_GEMM_PATH", None)
-            res["cublas"] = timed(lambda w, x=x: torch.nn.functional.linear(x, w), fp)
+            res["cublas"] = common.time_rotated(lambda w, x=x: torch.nn.functional.linear(x, w), fp, CALLS, REPLAYS)
             if M >= 128 and k_in * n_out >= (32 << 20):
                 def dq_call(w, x=x):
                     wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.bits, n_out * kp, torch.float16, qw.scale)
                     return torch.nn.functional.linear(x, wh.view(n_out, kp)[:, :k_in])
-                res["dequant"] = timed(dq_call, st)
+                res["dequant"] = common.time_rotated(dq_call, st, CALLS, REPLAYS)
             out.append(res)
             c, w_, cb = res["classic"], res["ws"], res["cublas"]
             line = (f"{sh:>12} k={k} M={M:>5}  cuBLAS {cb:8.1f}  classic {c if c is None else round(c, 1)!s:>8} "

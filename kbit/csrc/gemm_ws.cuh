@@ -104,8 +104,7 @@ struct WsConfig {
   static constexpr int kMaxTableBytes = 32768;
   static constexpr bool kAllCopies =
       kPairs * 32 * 4 <= kMaxTableBytes && stages_with(kPairs * 32 * 4) >= (NT >= 64 ? 2 : 4);
-  static constexpr int kFitStages = stages_with(kPairs * (kAllCopies ? 32 : 1) * 4);
-  static constexpr int kMostStages = kFitStages < 4 ? kFitStages : 4;
+  static constexpr int kMostStages = stages_with(kPairs * (kAllCopies ? 32 : 1) * 4);
   static constexpr int pick_copies(int c) {
     return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && stages_with(kPairs * c * 4) >= kMostStages) ? c
                                                                                                     : pick_copies(c / 2);
