@@ -79,10 +79,11 @@ bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
                    int forced_grid) {
   GemmPlan plan{};
-  int dev = 0;
+  int dev = 0, l2_bytes = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) {
     cudaDeviceGetAttribute(&plan.smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     cudaDeviceGetAttribute(&plan.cc_major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev);
   }
   GemmConfigInfo info{};
   if (!gemm_config_info(k, mb, wgmma_tiles, k_split, ws_tokens, &info)) return plan;  // not built: plan.built stays false
@@ -102,6 +103,10 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   plan.m_passes = (M + mb * 8 - 1) / (mb * 8);
   const int tiles = plan.m_passes * ((N + tile_rows - 1) / tile_rows);
   plan.total_steps = tiles * k_steps;
+  // Read once by one token pass and more than L2 holds: the one-token kernel streams them evict-first
+  // (GemmConfig::kWeightsStreamed). Codes and E4M4 block scales.
+  const int64_t weight_bytes = static_cast<int64_t>(N) * K_w * k / 8 + static_cast<int64_t>(N) * K_w / 32;
+  plan.weights_stream = plan.m_passes == 1 && l2_bytes > 0 && weight_bytes > l2_bytes;
   // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile),
   // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
   // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
@@ -127,6 +132,7 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.grid = plan.grid;
   p.steps_per_cta = plan.total_steps / plan.grid;
   p.extra_steps = plan.total_steps % plan.grid;
+  p.weights_stream = plan.weights_stream;
 }
 
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {

@@ -84,8 +84,9 @@ constexpr int kSm80SmemMax = 163 * 1024;
 
 // WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp. G: 0 for one weight, else the
 // grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue. KS: warps splitting one tile's
-// k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns).
-template <int K, int MB, int WG, int G = 0, int KS = 1, bool BC = false>
+// k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns). ST: with BC, the weights
+// streamed through L2 evict-first (kWeightsStreamed).
+template <int K, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false>
 struct GemmConfig {
   static constexpr int kBits = K, kMB = MB;
   static constexpr bool kWgmma = WG > 0;
@@ -136,6 +137,13 @@ struct GemmConfig {
   static constexpr bool kBlockColumns = BC;
   static_assert(!BC || (MB == 1 && WG == 0 && G == 0 && KS == 1 && K <= 4),
                 "block columns: mma.sync, one token, no k split, K <= 4");
+  // One token over more weight bytes than L2 holds (GemmParams::weights_stream): the step's bulk copies carry an L2
+  // evict-first policy, so that the weights streaming past do not push out the split-K partials published early and
+  // polled at the kernel's end (one poll took a reducer 1.2 us median, 0.8 us with the weights evict-first;
+  // %globaltimer trace, H200, 8192 -> 28672). A configuration of its own: the copy chosen at run time (a branch
+  // between the two copies) made the 45-59M shapes, whose weights fit in L2, 4-8% slower (H200, docs/PERFORMANCE.md).
+  static constexpr bool kWeightsStreamed = ST;
+  static_assert(!ST || BC, "weights streamed evict-first: the one-token configuration");
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
@@ -578,8 +586,14 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
   mbarrier_arrive_expect_bytes(full, ranges * (R::kCodes + R::kScales));
   for (int j = 0; j < ranges; ++j) {
     const int64_t piece = warp_piece<Cfg>(p, c, j);
-    bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full);
-    bulk_copy_to_shared(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full);
+    if constexpr (Cfg::kWeightsStreamed) {
+      const uint64_t policy = l2_evict_first_policy();
+      bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full, policy);
+      bulk_copy_to_shared(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full, policy);
+    } else {
+      bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full);
+      bulk_copy_to_shared(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full);
+    }
   }
 #else
   constexpr int RT = Cfg::kRowTiles;
@@ -1256,7 +1270,8 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
   }
 }
 // One token on 8-token tiles without the k split runs with block columns (GemmConfig::kBlockColumns): the same plan
-// and shared memory. Not K = 5: 1-2% slower with them on the 235M shapes (H200), where K = 2..4 were 2-7% faster.
+// and shared memory; over weights larger than L2, streamed evict-first (GemmConfig::kWeightsStreamed). Not K = 5:
+// 1-2% slower with block columns on the 235M shapes (H200), where K = 2..4 were 2-7% faster.
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
@@ -1266,7 +1281,8 @@ cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
       using OneToken = GemmConfig<Cfg::kBits, 1, 0, 0, 1, true>;
       static_assert(OneToken::kSmemTotal == Cfg::kSmemTotal && OneToken::kStages == Cfg::kStages, "one plan for both");
       if (p.M == 1) {
-        err = launch_gemm<OneToken, T>(p, stream);
+        err = p.weights_stream ? launch_gemm<GemmConfig<Cfg::kBits, 1, 0, 0, 1, true, true>, T>(p, stream)
+                               : launch_gemm<OneToken, T>(p, stream);
         return;
       }
     }

@@ -120,6 +120,8 @@ struct GemmParams {
                             // the k-groups of one 32-row (mb = 2: 16-row) tile (gemm.cuh, GemmConfig::kKSplit)
   GridRoom grid_room;       // the SMs the grid leaves idle: how much of its settled weights a CTA copies into its
                             // stages before the wait (gemm.cuh, gemm_main)
+  bool weights_stream;      // the weights are read once and exceed L2: with one token, copied evict-first
+                            // (gemm.cuh, GemmConfig::kWeightsStreamed)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
 // 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
@@ -154,6 +156,7 @@ struct GemmPlan {
   int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
   int cc_major;             // the device's compute capability, major (0 if unknown)
   bool built;               // whether the configuration is built for the device's architecture
+  bool weights_stream;      // one token pass over more weight bytes than L2 holds (GemmParams)
 };
 
 // The launch of the configuration (k, mb, wgmma_tiles, k_split, ws_tokens) for M tokens; chooses nothing. num_sms:
