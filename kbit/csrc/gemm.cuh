@@ -84,7 +84,7 @@ constexpr int kSm80SmemMax = 163 * 1024;
 
 // WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp. G: 0 for one weight, else the
 // grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue. KS: warps splitting one tile's
-// k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns). ST: one token, the
+// k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns). ST: up to 16 tokens, the
 // weights streamed through L2 evict-first (kWeightsStreamed).
 template <int K, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false>
 struct GemmConfig {
@@ -137,13 +137,14 @@ struct GemmConfig {
   static constexpr bool kBlockColumns = BC;
   static_assert(!BC || (MB == 1 && WG == 0 && G == 0 && KS == 1 && K <= 4),
                 "block columns: mma.sync, one token, no k split, K <= 4");
-  // One token over more weight bytes than L2 holds (GemmParams::weights_stream): the step's bulk copies carry an L2
-  // evict-first policy, so that the weights streaming past do not push out the split-K partials published early and
-  // polled at the kernel's end (one poll took a reducer 1.2 us median, 0.8 us with the weights evict-first;
-  // %globaltimer trace, H200, 8192 -> 28672). A configuration of its own: the copy chosen at run time (a branch
-  // between the two copies) made the 45-59M shapes, whose weights fit in L2, 4-8% slower (H200, docs/PERFORMANCE.md).
+  // One pass of up to 16 tokens over more weight bytes than L2 holds (GemmParams::weights_stream): the step's bulk
+  // copies carry an L2 evict-first policy, so that the weights streaming past do not push out the split-K partials
+  // published early and polled at the kernel's end (one poll took a reducer 1.2 us median, 0.8 us with the weights
+  // evict-first; %globaltimer trace, H200, 8192 -> 28672). A configuration of its own: the copy chosen at run time (a
+  // branch between the two copies) made the 45-59M shapes, whose weights fit in L2, 4-8% slower (H200,
+  // docs/PERFORMANCE.md).
   static constexpr bool kWeightsStreamed = ST;
-  static_assert(!ST || (MB == 1 && WG == 0 && G == 0 && KS == 1), "weights streamed evict-first: one token");
+  static_assert(!ST || (MB <= 2 && WG == 0 && G == 0 && KS == 1), "weights streamed evict-first: up to 16 tokens");
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
@@ -1269,21 +1270,29 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
     default: return false;
   }
 }
-// One token on 8-token tiles without the k split runs with block columns (GemmConfig::kBlockColumns), and over
-// weights larger than L2 streams them evict-first (GemmConfig::kWeightsStreamed): the same plan and shared memory.
-// Not block columns at K = 5: 1-2% slower with them on the 235M shapes (H200), where K = 2..4 were 2-7% faster.
+// Up to 16 tokens without the k split: weights larger than L2 stream evict-first (GemmConfig::kWeightsStreamed), and
+// one token on 8-token tiles runs with block columns (GemmConfig::kBlockColumns); the same plan and shared memory as
+// the configuration the host chose. Not block columns at K = 5: 1-2% slower with them on the 235M shapes (H200),
+// where K = 2..4 were 2-7% faster.
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   with_gemm_config<K>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    if constexpr (Cfg::kMB == 1 && !Cfg::kWgmma && Cfg::kKSplit == 1) {
-      using OneToken = GemmConfig<K, 1, 0, 0, 1, K <= 4>;
-      using Streamed = GemmConfig<K, 1, 0, 0, 1, K <= 4, true>;
-      static_assert(OneToken::kSmemTotal == Cfg::kSmemTotal && OneToken::kStages == Cfg::kStages &&
-                    Streamed::kSmemTotal == Cfg::kSmemTotal && Streamed::kStages == Cfg::kStages, "one plan for all");
-      if (p.M == 1) {
-        err = p.weights_stream ? launch_gemm<Streamed, T>(p, stream) : launch_gemm<OneToken, T>(p, stream);
+    if constexpr (!Cfg::kWgmma && Cfg::kKSplit == 1 && Cfg::kMB <= 2) {
+      using Streamed = GemmConfig<Cfg::kBits, Cfg::kMB, 0, 0, 1, false, true>;
+      static_assert(Streamed::kSmemTotal == Cfg::kSmemTotal && Streamed::kStages == Cfg::kStages, "one plan");
+      if constexpr (Cfg::kMB == 1 && K <= 4) {
+        using OneToken = GemmConfig<Cfg::kBits, 1, 0, 0, 1, true>;
+        using OneTokenStreamed = GemmConfig<Cfg::kBits, 1, 0, 0, 1, true, true>;
+        static_assert(OneToken::kSmemTotal == Cfg::kSmemTotal && OneToken::kStages == Cfg::kStages, "one plan");
+        if (p.M == 1) {
+          err = p.weights_stream ? launch_gemm<OneTokenStreamed, T>(p, stream) : launch_gemm<OneToken, T>(p, stream);
+          return;
+        }
+      }
+      if (p.weights_stream) {
+        err = launch_gemm<Streamed, T>(p, stream);
         return;
       }
     }
