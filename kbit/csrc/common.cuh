@@ -171,19 +171,19 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem
 __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
   bulk_copy_to_shared(smem, gmem, bytes, shared_address(bar));
 }
-// The same with an L2 cache policy (createpolicy).
-__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint32_t bar,
-                                                    uint64_t policy) {
+// The same for data read once: its lines leave L2 first (an evict-first policy), so that streaming it does not push
+// out what is read again soon (a split-K partial, published early and polled at the kernel's end).
+__device__ __forceinline__ void bulk_copy_to_shared_evict_first(void* smem, const void* gmem, uint32_t bytes,
+                                                                uint32_t bar) {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
                ::"r"(shared_address(smem)), "l"(gmem), "r"(bytes), "r"(bar), "l"(policy)
                : "memory");
 }
-// An L2 policy for data read once: its lines go first, so that streaming it does not push out of L2 what is read again
-// soon (a split-K partial, published early and polled at the kernel's end).
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
+__device__ __forceinline__ void bulk_copy_to_shared_evict_first(void* smem, const void* gmem, uint32_t bytes,
+                                                                uint64_t* bar) {
+  bulk_copy_to_shared_evict_first(smem, gmem, bytes, shared_address(bar));
 }
 // Prefetch into L2 only: no effect on results, so it may run before grid_dependency_wait(). L2 is where
 // the GPU's writes meet, so a prefetched line is never older than what a later load would read.
