@@ -459,8 +459,9 @@ def test_gemm_big_shape(k):
     N, K = BIG_SHAPE
     seed = seed_for("gemm-big", k)
     qw = quantized_weight(N, K, k, seed)
-    # On H100/H200, 64 and 100 take wgmma's 256-row tiles; the weights (66-154 MB) exceed L2 there, so up to 16
-    # tokens (1, 5, 16) the kernel copies them evict-first (GemmConfig::kWeightsStreamed).
+    # On H100/H200, 64 and 100 take wgmma's 256-row tiles. The weights (66-154 MB) exceed L2 there: up to 16 tokens
+    # they are copied evict-first (GemmConfig::kWeightsStreamed), past that too where the warp-specialized kernel
+    # runs one token pass (ws_copy_weights).
     _gemm_sweep(qw, seed, (1, 5, 16, 31, 64, 100))
     del qw
     torch.cuda.empty_cache()

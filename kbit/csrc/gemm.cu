@@ -103,8 +103,8 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   plan.m_passes = (M + mb * 8 - 1) / (mb * 8);
   const int tiles = plan.m_passes * ((N + tile_rows - 1) / tile_rows);
   plan.total_steps = tiles * k_steps;
-  // Read once by one token pass and more than L2 holds: up to 16 tokens the kernel streams them evict-first
-  // (GemmConfig::kWeightsStreamed). Codes and E4M4 block scales.
+  // Read once by one token pass and more than L2 holds: the kernels stream them evict-first
+  // (GemmConfig::kWeightsStreamed up to 16 tokens, ws_copy_weights past). Codes and E4M4 block scales.
   const int64_t weight_bytes = static_cast<int64_t>(N) * K_w * k / 8 + static_cast<int64_t>(N) * K_w / 32;
   plan.weights_stream = plan.m_passes == 1 && l2_bytes > 0 && weight_bytes > l2_bytes;
   // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile),

@@ -120,8 +120,8 @@ struct GemmParams {
                             // the k-groups of one 32-row (mb = 2: 16-row) tile (gemm.cuh, GemmConfig::kKSplit)
   GridRoom grid_room;       // the SMs the grid leaves idle: how much of its settled weights a CTA copies into its
                             // stages before the wait (gemm.cuh, gemm_main)
-  bool weights_stream;      // the weights are read once and exceed L2: up to 16 tokens, copied evict-first
-                            // (gemm.cuh, GemmConfig::kWeightsStreamed)
+  bool weights_stream;      // the weights are read once and exceed L2: copied evict-first (gemm.cuh up to 16
+                            // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
 // 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
