@@ -162,28 +162,26 @@ __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint3
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
   mbarrier_arrive_expect_bytes(shared_address(bar), bytes);
 }
-__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   shared_address(smem)),
-               "l"(gmem), "r"(bytes), "r"(bar)
-               : "memory");
+// evict_first: for data read once, whose lines then leave L2 first, so that streaming it does not push out what is
+// read again soon (a split-K partial, published early and polled at the kernel's end).
+__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint32_t bar,
+                                                    bool evict_first = false) {
+  if (evict_first) {
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+                 ::"r"(shared_address(smem)), "l"(gmem), "r"(bytes), "r"(bar), "l"(policy)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     shared_address(smem)),
+                 "l"(gmem), "r"(bytes), "r"(bar)
+                 : "memory");
+  }
 }
-__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-  bulk_copy_to_shared(smem, gmem, bytes, shared_address(bar));
-}
-// The same for data read once: its lines leave L2 first (an evict-first policy), so that streaming it does not push
-// out what is read again soon (a split-K partial, published early and polled at the kernel's end).
-__device__ __forceinline__ void bulk_copy_to_shared_evict_first(void* smem, const void* gmem, uint32_t bytes,
-                                                                uint32_t bar) {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
-               ::"r"(shared_address(smem)), "l"(gmem), "r"(bytes), "r"(bar), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_copy_to_shared_evict_first(void* smem, const void* gmem, uint32_t bytes,
-                                                                uint64_t* bar) {
-  bulk_copy_to_shared_evict_first(smem, gmem, bytes, shared_address(bar));
+__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar,
+                                                    bool evict_first = false) {
+  bulk_copy_to_shared(smem, gmem, bytes, shared_address(bar), evict_first);
 }
 // Prefetch into L2 only: no effect on results, so it may run before grid_dependency_wait(). L2 is where
 // the GPU's writes meet, so a prefetched line is never older than what a later load would read.

@@ -587,13 +587,8 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
   mbarrier_arrive_expect_bytes(full, ranges * (R::kCodes + R::kScales));
   for (int j = 0; j < ranges; ++j) {
     const int64_t piece = warp_piece<Cfg>(p, c, j);
-    if constexpr (Cfg::kWeightsStreamed) {
-      bulk_copy_to_shared_evict_first(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full);
-      bulk_copy_to_shared_evict_first(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full);
-    } else {
-      bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full);
-      bulk_copy_to_shared(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full);
-    }
+    bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full, Cfg::kWeightsStreamed);
+    bulk_copy_to_shared(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full, Cfg::kWeightsStreamed);
   }
 #else
   constexpr int RT = Cfg::kRowTiles;

@@ -145,21 +145,13 @@ struct WsRing {
 // A step's weights into their piece of its stage; the stage's bytes were announced on its full barrier first
 // (kStageBytes: the stage completes once its activations have landed too).
 // Weights read once and larger than L2 (GemmParams::weights_stream) go evict-first, as in gemm.cuh
-// (GemmConfig::kWeightsStreamed): the split tiles' partials, published early, then stay in L2 for the CTAs that sum
-// them. Chosen at run time: only the producer thread's code has the branch.
+// (GemmConfig::kWeightsStreamed), chosen at run time: only the producer thread's code has the branch.
 template <class Cfg>
 __device__ __forceinline__ void ws_copy_weights(const GemmParams& p, uint8_t* weights, uint64_t* bar,
                                                 const StepCursor& c) {
   const int64_t piece = tile_piece<Cfg>(p, c, c.kstep);
-  const uint4* codes = p.b + piece * (Cfg::kBits * 32);
-  const uint8_t* scales = p.absmax + piece * 128;
-  if (p.weights_stream) {
-    bulk_copy_to_shared_evict_first(weights, codes, kWsTile16s * Cfg::kCodeBytes, bar);
-    bulk_copy_to_shared_evict_first(weights + Cfg::kScalesOffset, scales, kWsTile16s * 128, bar);
-  } else {
-    bulk_copy_to_shared(weights, codes, kWsTile16s * Cfg::kCodeBytes, bar);
-    bulk_copy_to_shared(weights + Cfg::kScalesOffset, scales, kWsTile16s * 128, bar);
-  }
+  bulk_copy_to_shared(weights, p.b + piece * (Cfg::kBits * 32), kWsTile16s * Cfg::kCodeBytes, bar, p.weights_stream);
+  bulk_copy_to_shared(weights + Cfg::kScalesOffset, p.absmax + piece * 128, kWsTile16s * 128, bar, p.weights_stream);
 }
 
 // Settled weights (GemmParams) where the grid leaves SMs idle: the first steps' bytes announced on their full
