@@ -1,13 +1,16 @@
-"""The warp-specialized kernel's tile sizes past 64 tokens: 64 against 128 tokens per tile, in one process.
+"""The warp-specialized kernel's tile sizes past 64 tokens: two of its tokens per tile (64 against 128 by default;
+128 against 256 with --tiles 128,256), in one process.
 
     python benchmarks/bench_ws_tiles.py                               # H100/H200, ~2 min
     python benchmarks/bench_ws_tiles.py --bits 4 --m 128,192 --shapes 4096->4096
+    python benchmarks/bench_ws_tiles.py --tiles 128,256 --m 256,512,1024,4096 --out results
 
 Where kbit/dispatch.py's WS_64_TOKEN_TILES_FROM crossovers come from. Both configurations are run explicitly
 through the extension (the planner is bypassed), on weight copies rotated past twice the L2 cache, each timed as a
 CUDA graph of calls (median of replays, as bench_gemm.py); their outputs are checked against each other. Prints one
-line per (bits, shape, M): both times, their ratio and the steps per SM 128-token tiles leave (token passes x
-256-row tiles x 256-column k-groups / SMs), a summary last; writes bench_ws_tiles.md and .json under --out.
+line per (bits, shape, M): both times, their ratio (first tile's time over the second's) and the steps per SM the
+second leaves (token passes x row tiles x 256-column k-groups / SMs), a summary last; writes bench_ws_tiles.md and
+.json under --out.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from kbit.formats import padded_in_features  # noqa: E402
 from kbit.weight import quantize  # noqa: E402
 
 SHAPES = "8192->28672,14336->4096,4096->14336,11008->4096,4096->11008,4096->4096"
-TILES = (64, 128)
+TILES = "64,128"
+ROWS = {32: 256, 64: 256, 128: 256, 256: 128}  # weight rows per CTA tile (gemm_ws.cuh, WsConfig::kTileRows)
 
 
 def main() -> int:
@@ -37,15 +41,20 @@ def main() -> int:
     p.add_argument("--bits", default="2,3,4,5")
     p.add_argument("--calls", type=int, default=10, help="calls per CUDA graph, at least (default 10)")
     p.add_argument("--replays", type=int, default=5)
+    p.add_argument("--tiles", default=TILES, help=f"two tokens per tile of 32, 64, 128, 256 (default {TILES})")
     p.add_argument("--out", default=".", help="folder of bench_ws_tiles.json (default: here)")
     args = p.parse_args()
+    tiles = tuple(common.parse_int_list(args.tiles, "--tiles", allowed=ROWS))
+    if len(tiles) != 2 or tiles[0] == tiles[1]:
+        p.error("--tiles: two different tokens per tile")
+    first_tile, second_tile = tiles
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("bench_ws_tiles.py: needs a compute capability 9.x GPU (the warp-specialized kernel)", file=sys.stderr)
         return 2
     shapes = [common.parse_shape(s) for s in args.shapes.split(",")]
     tokens = common.parse_int_list(args.m, "--m")
-    if min(tokens) <= 64:
-        p.error("--m: 64 tokens and fewer take 32- or 64-token tiles whatever the rule")
+    if min(tokens) <= min(tiles):
+        p.error(f"--m: {min(tiles)} tokens and fewer fit the smaller tile in one pass whatever the rule")
     bits_list = common.parse_int_list(args.bits, "--bits", allowed=range(2, 6))
     ext, l2, sms = cuda_ext(), common.l2_bytes(), torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -64,28 +73,31 @@ def main() -> int:
                     return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, n_out, kp, 0, tile // 8, 0, 1,
                                     tile, ops.weights_settled(*lay, qw.codebook))
 
-                ys = [run(first, tile).float() for tile in TILES]
+                ys = [run(first, tile).float() for tile in tiles]
                 error = float((ys[0] - ys[1]).norm() / ys[1].norm().clamp_min(1e-30))
                 if error > 1e-3:
                     raise SystemExit(f"bench_ws_tiles.py: the tiles disagree at bits={bits} {k_in}->{n_out} M={M}: "
                                      f"relative difference {error:.2g}")
                 us = {}
-                for tile in TILES:
+                for tile in tiles:
                     us[tile] = common.time_rotated(lambda w, t=tile: run(w, t), layouts, args.calls, args.replays)
-                steps = -(-M // 128) * -(-n_out // 256) * -(-kp // 256) / sms
-                row = {"bits": bits, "shape": f"{k_in}->{n_out}", "M": M, "us_64": us[64], "us_128": us[128],
-                       "ratio": us[64] / us[128], "steps_per_sm_128": steps}
+                steps = -(-M // second_tile) * -(-n_out // ROWS[second_tile]) * -(-kp // 256) / sms
+                row = {"bits": bits, "shape": f"{k_in}->{n_out}", "M": M, f"us_{first_tile}": us[first_tile],
+                       f"us_{second_tile}": us[second_tile], "ratio": us[first_tile] / us[second_tile],
+                       f"steps_per_sm_{second_tile}": steps}
                 rows.append(row)
-                print(f"bits={bits} {k_in}->{n_out} M={M}: 64 tokens {us[64]:.1f} us, 128 tokens {us[128]:.1f} us, "
-                      f"ratio {row['ratio']:.2f}, {steps:.1f} steps per SM at 128", flush=True)
+                print(f"bits={bits} {k_in}->{n_out} M={M}: {first_tile} tokens {us[first_tile]:.1f} us, "
+                      f"{second_tile} tokens {us[second_tile]:.1f} us, ratio {row['ratio']:.2f}, "
+                      f"{steps:.1f} steps per SM at {second_tile}", flush=True)
             del layouts, first, qw
             torch.cuda.empty_cache()
     table = common.markdown_table(
-        ["bits", "shape", "M", "64 tokens (us)", "128 tokens (us)", "ratio", "steps per SM at 128"],
-        [[r["bits"], r["shape"], r["M"], f"{r['us_64']:.1f}", f"{r['us_128']:.1f}", f"{r['ratio']:.2f}",
-          f"{r['steps_per_sm_128']:.1f}"] for r in rows])
+        ["bits", "shape", "M", f"{first_tile} tokens (us)", f"{second_tile} tokens (us)", "ratio",
+         f"steps per SM at {second_tile}"],
+        [[r["bits"], r["shape"], r["M"], f"{r[f'us_{first_tile}']:.1f}", f"{r[f'us_{second_tile}']:.1f}",
+          f"{r['ratio']:.2f}", f"{r[f'steps_per_sm_{second_tile}']:.1f}"] for r in rows])
     common.write_outputs(Path(args.out), "bench_ws_tiles", table + "\n", {"env": common.env_info(), "rows": rows})
-    print("summary: 64-token tiles faster (ratio < 0.97) in "
+    print(f"summary: {first_tile}-token tiles faster (ratio < 0.97) in "
           f"{sum(r['ratio'] < 0.97 for r in rows)} of {len(rows)} cases; slower (> 1.03) in "
           f"{sum(r['ratio'] > 1.03 for r in rows)}")
     return 0

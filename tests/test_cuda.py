@@ -495,6 +495,35 @@ def test_gemm_forced_path(k, path, ms, N, K, monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_ws_256_token_tiles(k):
+    """The warp-specialized kernel's 256-token tiles (128-row CTA tiles, the activations' own ring of boxes), called
+    through the extension whatever the planner picks: tiles past N and M, several passes, forced grids that split
+    tiles across CTAs (the lead's sum and the slices), fp16 and bf16, bias on every other call."""
+    from kbit._build import cuda_ext
+
+    ext = cuda_ext()
+    failures = []
+    for N, K in ((4096, 4096), (1000, 4128), (130, 4104), (1536, 2048), (72, 100)):
+        seed = seed_for("gemm-ws256", k, N, K)
+        qw = quantized_weight(N, K, k, seed)
+        b, a = qw.gemm_layout()
+        kp = formats.padded_in_features(K)
+        chk = GemmChecker(qw)
+        g = gen(seed + 1, "cuda")
+        for i, (M, grid) in enumerate(((1, 0), (17, 7), (256, 0), (300, 3), (600, 64), (257, 1000))):
+            dtype = torch.bfloat16 if i % 3 == 2 else torch.float16
+            x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+            bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 else None
+            settled = ops.weights_settled(b, a, qw.codebook)
+            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, kp, grid, 32, 0, 1, 256, settled)
+            st = chk.stats(x, bias, y)
+            if not st["ok"]:
+                failures.append(f"N={N} K={K} M={M} grid={grid} {_name(dtype)}: {chk.describe(st)}")
+    assert not failures, tag(seed_for("gemm-ws256", k), op="gemm ws_tokens=256", bits=k) + "\n  " + "\n  ".join(failures)
+
+
+@needs_hopper
 @pytest.mark.parametrize("path,ms", (("ws", (17, 100, 200)), ("k_split", (1, 5, 8, 16))), ids=lambda v: str(v))
 @pytest.mark.parametrize("k,dtype", [(k, torch.float16) for k in BITS] + [(4, torch.bfloat16)], ids=lambda v: _name(v))
 def test_split_k_deterministic_forced_path(k, dtype, path, ms, monkeypatch):

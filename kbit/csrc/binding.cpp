@@ -237,8 +237,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   const std::string config = "k=" + num(k) + ", mb=" + num(mb) + ", wgmma_tiles=" + num(wgmma_tiles) +
                              ", k_split=" + num(k_split) + ", ws_tokens=" + num(ws_tokens);
   kbit::GemmConfigInfo info{};
-  TORCH_CHECK(mb >= 1 && mb <= 16 && wgmma_tiles >= 0 && wgmma_tiles <= 2 && k_split >= 1 && k_split <= 8 &&
-                  ws_tokens >= 0 && ws_tokens <= 128 &&
+  TORCH_CHECK(mb >= 1 && mb <= 32 && wgmma_tiles >= 0 && wgmma_tiles <= 2 && k_split >= 1 && k_split <= 8 &&
+                  ws_tokens >= 0 && ws_tokens <= 256 &&
                   kbit::gemm_config_info(static_cast<int>(k), static_cast<int>(mb), static_cast<int>(wgmma_tiles),
                                          static_cast<int>(k_split), static_cast<int>(ws_tokens), &info),
               "kbit: the fused GEMM has no configuration ", config);

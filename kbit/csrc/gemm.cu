@@ -60,8 +60,10 @@ std::vector<GemmConfigInfo> gemm_configs() {
           if (gemm_config_info(k, mb, wgmma_tiles, k_split, 0, &info)) all.push_back(info);
         }
       }
+    }
+    for (int ws_tokens : {32, 64, 128, 256}) {
       GemmConfigInfo info{};
-      if (gemm_config_info(k, mb, 0, 1, mb * 8, &info)) all.push_back(info);
+      if (gemm_config_info(k, ws_tokens / 8, 0, 1, ws_tokens, &info)) all.push_back(info);
     }
   }
   return all;
@@ -97,6 +99,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   plan.wgmma_tiles = wgmma_tiles;
   plan.k_split = k_split;
   plan.ws_tokens = ws_tokens;
+  plan.tile_rows = tile_rows;
   plan.smem_bytes = info.smem_bytes;
   plan.built = plan.cc_major >= info.cc_major_min && plan.cc_major <= info.cc_major_max;
   const int k_steps = gemm_k_steps(K_w, k_split);
@@ -121,8 +124,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
 
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.N = N;
-  const int rows = plan.ws_tokens ? kWsTileRows : gemm_tile_rows(p.k, plan.mb, plan.wgmma_tiles, plan.k_split);
-  p.n_tiles = (N + rows - 1) / rows;
+  p.n_tiles = (N + plan.tile_rows - 1) / plan.tile_rows;
   p.k_groups = static_cast<int>(layout_k_groups(K_w));
   p.k_steps = gemm_k_steps(K_w, plan.k_split);
   p.mb = plan.mb;

@@ -13,9 +13,9 @@
 //   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
 //   launch_gemm_ws      host side: the activations' tensor map, the launch
 //
-// Roles. A CTA is five warpgroups. Warpgroup 0 is the producer: one thread issues every copy, the warpgroup gives
-// its registers back (setmaxnreg) and does nothing else. The other four are consumers: each owns 64 weight rows of
-// the CTA's 256-row tile (an m64 block, one 16-row tile per warp), turns their codes into
+// Roles. Warpgroup 0 is the producer: one thread issues every copy, the warpgroup gives its registers back
+// (setmaxnreg) and does nothing else. The others are consumers, four (two at 256 tokens): each owns 64 weight rows of
+// the CTA's tile (an m64 block, one 16-row tile per warp), turns their codes into
 // wgmma's register-sourced A operand (swap-AB: weights are A, tokens are wgmma's N), and multiplies them by
 // the NT tokens the tensor cores read from shared memory. Nothing but the mbarriers of the stage ring ties the
 // consumers to the producer, so copies, dequantization and tensor-core work overlap; the consumer
@@ -24,7 +24,8 @@
 // M = 64-128, docs/PERFORMANCE.md), the copies cost the consumers nothing and the activations arrive as whole
 // 128-byte rows.
 //
-// Work: as in gemm.cuh, a step is (token pass, 256-row tile, 256-column k-group); the total step range is cut
+// Work: as in gemm.cuh, a step is (token pass, CTA tile of 256 rows, 128 at 256 tokens, 256-column k-group); the
+// total step range is cut
 // into `grid` contiguous pieces (stream-K). A tile split between CTAs is summed by the CTA holding its first
 // k-group, or, split many ways, in slices by all of them (the end of a tile, below).
 
@@ -37,20 +38,19 @@
 
 namespace kbit {
 
-constexpr int kWsTileRows = 256;                   // weight rows per CTA tile: 4 m64 blocks
-constexpr int kWsTile16s = kWsTileRows / 16;       // 16-row tiles of the GEMM layout per CTA tile
-
-// Tokens per tile NT: 32, 64 or 128 (the planner picks, kbit/dispatch.py; past NT tokens, more passes).
+// Tokens per tile NT: 32, 64, 128 or 256 (the planner picks, kbit/dispatch.py; past NT tokens, more passes).
 template <int K, int NT>
 struct WsConfig {
   static constexpr int kBits = K, kTokens = NT;
-  // Four consumer warpgroups of one m64 block each: four consumer warps per scheduler hide the dequantization's
+  // Consumer warpgroups of one m64 block each. Four: four consumer warps per scheduler hide the dequantization's
   // latencies (two warpgroups of two blocks each, at 232 registers, were 2-30% slower from 17 to 1024 tokens and
-  // equal at 4096; H200, docs/PERFORMANCE.md).
-  static constexpr int kConsumerGroups = 4;
+  // equal at 4096; H200, docs/PERFORMANCE.md). At 256 tokens a warpgroup's accumulators are 128 registers per
+  // thread, so two, at 240: a looked-up weight then serves twice the tokens.
+  static constexpr int kConsumerGroups = NT == 256 ? 2 : 4;
   static constexpr int kConsumerWarps = 4 * kConsumerGroups;
   static constexpr int kThreads = 128 * (1 + kConsumerGroups);  // warpgroup 0: the producer
-  static constexpr int kTileRows = kWsTileRows;
+  static constexpr int kTileRows = 64 * kConsumerGroups;        // weight rows per CTA tile
+  static constexpr int kTile16s = kTileRows / 16;               // 16-row tiles of the GEMM layout per CTA tile
   static constexpr bool kGrouped = false;
   static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per consumer warp
   // setmaxnreg: the registers allocated at launch (per thread, a multiple of 8, for kThreads threads in 64K) are
@@ -64,11 +64,14 @@ struct WsConfig {
   // One stage = one step, two pieces: the activations (NT tokens x 256 k, four TMA boxes of 64 k, 128-byte swizzled
   // rows) and the weights (the tile's codes, K * 512 B per 16-row tile, then its E4M4 block scales, 128 B per tile: two
   // bulk copies). Every piece starts 1024-byte aligned (the swizzle atoms).
+  // At 256 tokens (kBoxRing) a step's activations are 128 KB, two stages do not fit: the boxes have a ring of their
+  // own (kBoxes slots of one box, each with its barriers), and a stage is the step's weights.
+  static constexpr bool kBoxRing = NT == 256;
   static constexpr int kXBox = NT * 128;
-  static constexpr int kXBytes = 4 * kXBox;
+  static constexpr int kXBytes = kBoxRing ? 0 : 4 * kXBox;  // a stage's activations
   static constexpr int kCodeBytes = K * 512;
-  static constexpr int kScalesOffset = kWsTile16s * kCodeBytes;  // in the weights piece
-  static constexpr int kWeightBytes = kScalesOffset + kWsTile16s * 128;
+  static constexpr int kScalesOffset = kTile16s * kCodeBytes;  // in the weights piece
+  static constexpr int kWeightBytes = kScalesOffset + kTile16s * 128;
   static constexpr int kStageBytes = kXBytes + kWeightBytes;  // what a stage's full barrier waits for
   static_assert(kXBox % 1024 == 0 && kWeightBytes % 1024 == 0, "stage pieces must stay 1024-byte aligned");
   // The lookup table sits at a constant shared address aligned to its size, as high in the shared window as that
@@ -85,6 +88,8 @@ struct WsConfig {
   //     k = 4, 64 tokens, 3 stages and 16 copies to 2 and 32 is 4-5% faster on the 235M shapes; at 32 tokens 4
   //     stages and 16 copies to 3 and 32 is 0-5% slower); else as many stages as fit (at most 4), then as many
   //     copies as fit next to them.
+  //   At 256 tokens the compact pair table, below the top, with as many lane copies as leave room for 5 boxes and two
+  //     stages of weights beneath it (k = 2, 3: 32 copies, 6 and 5 boxes; k = 4: 16, k = 5: 4, 5 boxes).
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kByteRowBytes = 256 * 256;
   static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
@@ -100,7 +105,12 @@ struct WsConfig {
   static constexpr int stages_with(int table) {  // the most stages that fit beside a table (at most 4)
     return fits(table, 4) ? 4 : fits(table, 3) ? 3 : fits(table, 2) ? 2 : fits(table, 1) ? 1 : 0;
   }
-  static constexpr bool kByteRows = K <= 4 && stages_with(kByteRowBytes) >= 2;
+  static constexpr int kRingStages = 2;  // kBoxRing: stages of weights
+  static constexpr int boxes_with(int table) {  // kBoxRing: the boxes that fit below a table (at most 8)
+    const int room = (table_address(table) - kStagesFrom - kRingStages * kWeightBytes) / kXBox;
+    return room < 8 ? room : 8;
+  }
+  static constexpr bool kByteRows = !kBoxRing && K <= 4 && stages_with(kByteRowBytes) >= 2;
   static constexpr int kMaxTableBytes = 32768;
   static constexpr bool kAllCopies =
       kPairs * 32 * 4 <= kMaxTableBytes && stages_with(kPairs * 32 * 4) >= (NT >= 64 ? 2 : 4);
@@ -109,18 +119,24 @@ struct WsConfig {
     return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && stages_with(kPairs * c * 4) >= kMostStages) ? c
                                                                                                     : pick_copies(c / 2);
   }
-  static constexpr int kCopies = kByteRows ? 32 : pick_copies(32);  // byte rows: a lane's word in a row (lane_select)
+  static constexpr int pick_box_copies(int c) {
+    return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && boxes_with(kPairs * c * 4) >= 5) ? c : pick_box_copies(c / 2);
+  }
+  // byte rows: a lane's word in a row (lane_select)
+  static constexpr int kCopies = kByteRows ? 32 : kBoxRing ? pick_box_copies(32) : pick_copies(32);
   static constexpr int kTables = kByteRows ? kByteRowBytes : kPairs * kCopies * 4;
-  static constexpr int kStages = kByteRows ? stages_with(kTables) : kMostStages;
+  static constexpr int kStages = kBoxRing ? kRingStages : kByteRows ? stages_with(kTables) : kMostStages;
   static constexpr int kTableAddress = table_address(kTables);
-  static constexpr int kWeightsBelow = weights_below(kTables, kStages);
-  static constexpr int kBelowBytes = kStages * kXBytes + kWeightsBelow * kWeightBytes;  // from the ring's base
-  static constexpr int kAboveBytes = (kStages - kWeightsBelow) * kWeightBytes;         // from the table's end
-  static_assert(kStages >= 2, "a ring needs two stages");
+  static constexpr int kBoxes = kBoxRing ? boxes_with(kTables) : 4 * kStages;  // box slots (tied to stages below 256)
+  static constexpr int kXRingBytes = kBoxes * kXBox;                            // every stage's activations
+  static constexpr int kWeightsBelow = kBoxRing ? kStages : weights_below(kTables, kStages);
+  static constexpr int kBelowBytes = kXRingBytes + kWeightsBelow * kWeightBytes;  // from the ring's base
+  static constexpr int kAboveBytes = (kStages - kWeightsBelow) * kWeightBytes;   // from the table's end
+  static_assert(kStages >= 2 && kBoxes >= 4, "a ring needs two stages");
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
-  static constexpr int kTilePartialFloats = kWsTileRows * NT;
+  static constexpr int kTilePartialFloats = kTileRows * NT;
   static constexpr int kPartialFloats = 2 * kTilePartialFloats;
 };
 
@@ -132,9 +148,10 @@ template <class Cfg>
 struct WsRing {
   uint8_t* base;   // 1024-byte aligned, below the table
   uint32_t above;  // the table's end, from base
-  __device__ uint8_t* x(int s) const { return base + s * Cfg::kXBytes; }
+  __device__ uint8_t* x(int s) const { return base + s * Cfg::kXBytes; }  // below 256 tokens: stage s's boxes
+  __device__ uint8_t* box(int b) const { return base + b * Cfg::kXBox; }   // 256 tokens: box slot b
   __device__ uint8_t* weights(int s) const {
-    constexpr int kBelowFrom = Cfg::kStages * Cfg::kXBytes;
+    constexpr int kBelowFrom = Cfg::kXRingBytes;
     if constexpr (Cfg::kWeightsBelow == Cfg::kStages) return base + kBelowFrom + s * Cfg::kWeightBytes;
     return base + (s < Cfg::kWeightsBelow ? kBelowFrom + s * Cfg::kWeightBytes
                                           : above + (s - Cfg::kWeightsBelow) * Cfg::kWeightBytes);
@@ -150,8 +167,8 @@ template <class Cfg>
 __device__ __forceinline__ void ws_copy_weights(const GemmParams& p, uint8_t* weights, uint64_t* bar,
                                                 const StepCursor& c) {
   const int64_t piece = tile_piece<Cfg>(p, c, c.kstep);
-  bulk_copy_to_shared(weights, p.b + piece * (Cfg::kBits * 32), kWsTile16s * Cfg::kCodeBytes, bar, p.weights_stream);
-  bulk_copy_to_shared(weights + Cfg::kScalesOffset, p.absmax + piece * 128, kWsTile16s * 128, bar, p.weights_stream);
+  bulk_copy_to_shared(weights, p.b + piece * (Cfg::kBits * 32), Cfg::kTile16s * Cfg::kCodeBytes, bar, p.weights_stream);
+  bulk_copy_to_shared(weights + Cfg::kScalesOffset, p.absmax + piece * 128, Cfg::kTile16s * 128, bar, p.weights_stream);
 }
 
 // Settled weights (GemmParams) where the grid leaves SMs idle: the first steps' bytes announced on their full
@@ -175,24 +192,37 @@ __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, const 
 // when its bytes (kStageBytes, boxes partly or wholly outside x included: those arrive as zeros) have landed. The n-th
 // use of a stage waits for the (n-1)-th completion of its empty barrier. A step's bytes are announced first, then its
 // activations and its weights are copied; the first `copied` steps' weights are in flight already
-// (ws_copy_first_weights).
+// (ws_copy_first_weights). At 256 tokens (kBoxRing) the step's weights go first, then each box into the next free
+// slot of the boxes' ring, announced on that slot's own full barrier; box_empty[b] counts every consumer thread.
 template <class Cfg>
 __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, const WsRing<Cfg>& ring,
-                                            uint64_t* full, uint64_t* empty, int first, int last, int copied) {
-  constexpr int S = Cfg::kStages;
+                                            uint64_t* full, uint64_t* empty, uint64_t* box_full, uint64_t* box_empty,
+                                            int first, int last, int copied) {
+  constexpr int S = Cfg::kStages, B = Cfg::kBoxes;
   StepCursor c(p, first);
-  int slot = 0;
-  uint32_t phase = 0;
+  int slot = 0, box_slot = 0;
+  uint32_t phase = 0, box_phase = 0;
   for (int step = first; step < last; ++step, c.advance(p)) {
     if (step - first >= S) mbarrier_wait(&empty[slot], phase ^ 1u);
-    uint8_t* x = ring.x(slot);
     uint64_t* bar = &full[slot];
     const bool weights_copied = step - first < copied;
     if (!weights_copied) mbarrier_arrive_expect_bytes(bar, Cfg::kStageBytes);
     const int k0 = c.kstep * kKGroup, m0 = c.mpass * Cfg::kTokens;
+    if constexpr (Cfg::kBoxRing) {
+      if (!weights_copied) ws_copy_weights<Cfg>(p, ring.weights(slot), bar, c);
+#pragma unroll 1
+      for (int box = 0; box < 4; ++box) {
+        if (4 * (step - first) + box >= B) mbarrier_wait(&box_empty[box_slot], box_phase ^ 1u);
+        mbarrier_arrive_expect_bytes(&box_full[box_slot], Cfg::kXBox);
+        tensor_copy_2d_to_shared(ring.box(box_slot), x_map, k0 + 64 * box, m0, &box_full[box_slot]);
+        if (++box_slot == B) box_slot = 0, box_phase ^= 1u;
+      }
+    } else {
+      uint8_t* x = ring.x(slot);
 #pragma unroll
-    for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(x + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
-    if (!weights_copied) ws_copy_weights<Cfg>(p, ring.weights(slot), bar, c);
+      for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(x + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
+      if (!weights_copied) ws_copy_weights<Cfg>(p, ring.weights(slot), bar, c);
+    }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
 }
@@ -226,7 +256,7 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
   float bn[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    n[half] = c.ntile * kWsTileRows + tile16 * 16 + g + 8 * half;
+    n[half] = c.ntile * Cfg::kTileRows + tile16 * 16 + g + 8 * half;
     bn[half] = bias && n[half] < p.N ? to_float(bias[n[half]]) : 0.0f;
   }
 #pragma unroll
@@ -287,7 +317,7 @@ __device__ __forceinline__ void consumer_barrier() {
 // past it no stage is read or filled again: each warp parks its accumulators below the table (ws_park, before the
 // slices of the range's first tile, which need the registers), and the registers they free hold kInFlight partial
 // fragments per L2 round trip, whichever contributors they come from, taken contributor by contributor, so each sum
-// adds its partials in CTA order. 16 fragments per round trip, 8 at 128 tokens (16 spilled there at 112 registers),
+// adds its partials in CTA order. 16 fragments per round trip, 8 at 128 and 256 tokens (16 spilled at 128 tokens at 112 registers),
 // 12 at 32 (all of a tile split 4 ways; 16 spilled).
 template <class Cfg>
 __device__ __forceinline__ float4* ws_parked(uint8_t* stages) {  // [warp][fragment][lane]: this lane's first
@@ -306,7 +336,7 @@ __device__ __forceinline__ void ws_park(const float (&acc)[Cfg::kFrags][4], uint
 // warp's rows are found again here.
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_scale, uint8_t* stages) {
-  constexpr int F = Cfg::kFrags, kInFlight = F == 16 ? 8 : F == 8 ? 16 : 12;
+  constexpr int F = Cfg::kFrags, kInFlight = F >= 16 ? 8 : F == 8 ? 16 : 12;
   const StepCursor c(p, first_step_of(p, blockIdx.x + 1) - 1);
   const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
   const int lane_tokens = p.M - c.mpass * Cfg::kTokens - 2 * (lane & 3);
@@ -393,7 +423,7 @@ __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, f
         float bn[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          rows[half] = ntile * kWsTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
+          rows[half] = ntile * Cfg::kTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
           bn[half] = bias && rows[half] < p.N ? to_float(bias[rows[half]]) : 0.0f;
         }
         ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + 8 * ((item >> 5) % F) + 2 * (lane & 3), out_scale,
@@ -425,11 +455,13 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // t - 2 is done (8 registers each). The stage goes back to the producer once its last group is done: one drain per
 // step and warpgroup, which the other consumer warpgroups' groups cover on the tensor cores. (Handing the stage back
 // after the next step's first group instead keeps wgmmas in flight across the step loop; ptxas then serializes
-// every wgmma, C7518.)
+// every wgmma, C7518.) At 256 tokens (kBoxRing) each box is waited for before its first group and handed back once
+// its last group is done: box t / 2 - 1 after `wgmma_wait<1>` at odd t >= 3, box 3 after the step's drain.
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
-                                            uint64_t* empty, int first, int last) {
-  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags;
+                                            uint64_t* empty, uint64_t* box_full, uint64_t* box_empty, int first,
+                                            int last) {
+  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags, B = Cfg::kBoxes;
   const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4;
   const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
   const uint32_t sel = lane_select<Cfg>(Cfg::kTableAddress, lane);
@@ -441,16 +473,21 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   // Loop state kept small (at 128 tokens the accumulators take 64 of 112 registers): a step count, the cursor, and
   // whether the current tile started in this CTA's range, in place of the step index and the range's ends.
   StepCursor c(p, first);
-  int slot = 0;
-  uint32_t phase = 0;
+  int slot = 0, box_slot = 0, released_box = 0;
+  uint32_t phase = 0, box_phase = 0;
+  auto release_box = [&] {  // every consumer thread arrives: no branch between the wgmmas
+    mbarrier_arrive(&box_empty[released_box]);
+    if (++released_box == B) released_box = 0;
+  };
   bool from_start = c.kstep == 0;
   bool lead_reduces = false;
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
     const uint8_t* weights = ring.weights(slot);
-    // The stage's activation descriptor; each wgmma's is this plus its slice's offset, added right before it
-    // (volatile asm): computed ahead, the 16 descriptors of a step held 32 registers and the 128-token build spilled.
-    const uint64_t x_desc = wgmma_descriptor_sw128(shared_address(ring.x(slot)));
+    // The activation descriptor of the stage (of the box at 256 tokens); each wgmma's is this plus its slice's
+    // offset, added right before it (volatile asm): computed ahead, the 16 descriptors of a step held 32 registers
+    // and the 128-token build spilled.
+    uint64_t x_desc = Cfg::kBoxRing ? 0 : wgmma_descriptor_sw128(shared_address(ring.x(slot)));
     fence_accumulators(acc);
     uint32_t a[2][2][4];  // [group % 2][k16 slice]
     uint32_t w[4 * K];
@@ -469,20 +506,28 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       }
       if (t >= 2) wgmma_wait<1>();  // group t - 2 is done with a[t % 2]
+      if (Cfg::kBoxRing && t >= 3 && t % 2 == 1) release_box();  // and with box t / 2 - 1
       uint32_t h[2][4];
       block_fragments<Cfg>(w, t, sel, h);
       apply_block_scales<T>(scales_lo, scales_hi, t, h);
       uint32_t (&ag)[2][4] = a[t % 2];
       wgmma_a_fragments(h, ag);
+      if (Cfg::kBoxRing && t % 2 == 0) {
+        mbarrier_wait(&box_full[box_slot], box_phase);
+        x_desc = wgmma_descriptor_sw128(shared_address(ring.box(box_slot)));
+        if (++box_slot == B) box_slot = 0, box_phase ^= 1u;
+      }
       wgmma_fence();
       // Block t: columns 32t .. 32t + 31 = box t / 2, bytes 64 (t % 2) + 32 s of each 128-byte row.
+      const int box_offset = Cfg::kBoxRing ? 0 : (t >> 1) * Cfg::kXBox;
 #pragma unroll
       for (int s = 0; s < 2; ++s)
-        Wgmma<NT>::template run<T>(acc, ag[s], descriptor_plus(x_desc, ((t >> 1) * Cfg::kXBox + (t & 1) * 64 + s * 32) / 16));
+        Wgmma<NT>::template run<T>(acc, ag[s], descriptor_plus(x_desc, (box_offset + (t & 1) * 64 + s * 32) / 16));
       wgmma_commit();
     }
     wgmma_wait<0>();
     fence_accumulators(acc);
+    if constexpr (Cfg::kBoxRing) release_box();
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[slot]);
     const bool holds_last = c.kstep == p.k_groups - 1;
@@ -512,9 +557,9 @@ template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_constant__ GemmParams p,
                                                                  const __grid_constant__ CUtensorMap x_map) {
 #if KBIT_WGMMA
-  constexpr int K = Cfg::kBits, S = Cfg::kStages;
+  constexpr int K = Cfg::kBits, S = Cfg::kStages, kBoxBarriers = Cfg::kBoxRing ? Cfg::kBoxes : 1;
   extern __shared__ __align__(1024) uint8_t smem[];
-  __shared__ uint64_t full[S], empty[S];
+  __shared__ uint64_t full[S], empty[S], box_full[kBoxBarriers], box_empty[kBoxBarriers];
   const uint32_t base = shared_address(smem);
   uint8_t* table = smem + (Cfg::kTableAddress - base);
   uint8_t* const ring_base = smem + (1024 - base % 1024) % 1024;  // the swizzle atoms need 1024-byte alignment
@@ -533,6 +578,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
       mbarrier_init(&full[s], 1);                      // the producer's arrive (with the stage's bytes)
       mbarrier_init(&empty[s], Cfg::kConsumerWarps);   // lane 0 of every consumer warp
     }
+    if constexpr (Cfg::kBoxRing) {
+      for (int b = 0; b < Cfg::kBoxes; ++b) {
+        mbarrier_init(&box_full[b], 1);                        // the producer's arrive (with the box's bytes)
+        mbarrier_init(&box_empty[b], 128 * Cfg::kConsumerGroups);  // every consumer thread
+      }
+    }
   }
   mbarrier_init_fence();
   // Launched early (programmatic dependent launch), the CTA warms L2 with its first steps' weights while the previous
@@ -541,7 +592,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   if (p.dependent_launch && !copy_first && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
-      prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), kWsTile16s * Cfg::kCodeBytes);
+      prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), Cfg::kTile16s * Cfg::kCodeBytes);
     }
   }
   // With settled weights (GemmParams) the tables are built before the wait, and each role waits by itself: the
@@ -554,11 +605,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
     const int copied = copy_first && threadIdx.x == 0 ? ws_copy_first_weights<Cfg>(p, ring, full, first, last) : 0;
     if (settled) wait_previous_kernel();
     warpgroup_registers_dec<Cfg::kProducerRegisters>();
-    if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, ring, full, empty, first, last, copied);
+    if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, ring, full, empty, box_full, box_empty, first, last, copied);
   } else {
     warpgroup_registers_inc<Cfg::kConsumerRegisters>();
     if (settled) wait_previous_kernel();
-    ws_consumer<Cfg, T>(p, ring, full, empty, first, last);
+    ws_consumer<Cfg, T>(p, ring, full, empty, box_full, box_empty, first, last);
   }
 #else
   __trap();  // wgmma, setmaxnreg: sm_90a only; the host picks this kernel only on compute capability 9.x
@@ -626,7 +677,7 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, map);
 }
 
-// The configurations built, per bit width and dtype: 32, 64 or 128 tokens per tile. The one list, for the
+// The configurations built, per bit width and dtype: 32, 64, 128 or 256 tokens per tile. The one list, for the
 // launcher and for the host's report (gemm.cu).
 template <int K, typename F>
 bool with_ws_config(int tokens, F&& f) {
@@ -634,6 +685,7 @@ bool with_ws_config(int tokens, F&& f) {
     case 32: f(WsConfig<K, 32>{}); return true;
     case 64: f(WsConfig<K, 64>{}); return true;
     case 128: f(WsConfig<K, 128>{}); return true;
+    case 256: f(WsConfig<K, 256>{}); return true;
     default: return false;
   }
 }

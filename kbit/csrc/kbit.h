@@ -108,7 +108,7 @@ struct GemmParams {
   int extra_steps;          // pipeline steps % grid
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
-  int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64 or 128: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
+  int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64, 128, 256: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
                             // with that many tokens per tile (mb = ws_tokens / 8)
   int k;                    // bits
   int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
@@ -151,6 +151,7 @@ struct GemmPlan {
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: wgmma with that many row tiles per warp (GemmParams)
   int k_split;              // warps splitting one tile's k-groups (GemmParams)
   int ws_tokens;            // 0, or tokens per tile of the warp-specialized kernel (GemmParams)
+  int tile_rows;            // weight rows per CTA tile
   int64_t partial_floats;   // floats of split-K workspace (0 when every CTA owns whole tiles)
   int smem_bytes;           // shared memory per CTA the configuration needs
   int smem_limit;           // the device's opt-in maximum per CTA (0 if unknown)
