@@ -8,7 +8,7 @@ ones, the configuration the binding runs:
   tokens; sm_90 on):
   small shapes without split-K across CTAs;
 - ``wgmma``: gemm.cuh's kernel with wgmma, 64 or 128 tokens per pass, 128- or 256-row tiles (sm_90a);
-- ``warp_specialized``: gemm_ws.cuh's kernel, 32, 64 or 128 tokens per tile (sm_90a);
+- ``warp_specialized``: gemm_ws.cuh's kernel, 32, 64, 128 or 256 tokens per tile (sm_90a);
 - ``dequantize_cublas``: the weight dequantized to x's dtype, then ``F.linear`` (cuBLAS).
 
 It decides from three kinds of facts, each with one owner:
@@ -149,6 +149,9 @@ H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
 H200_WS_TILES = Measured("H200", "feea81a", "2026-11-26",
                          "benchmarks/bench_ws_tiles.py (benchmarks/results/ws_tiles_NVIDIA_H200.md)")
+H200_WS_256 = Measured("H200", "81b7390", "2026-11-27",
+                       "benchmarks/bench_ws_tiles.py --tiles 128,256 (grids dividing the tiles: the probe in "
+                       "docs/PERFORMANCE.md, 256-token tiles); benchmarks/results/ws_tiles_256_NVIDIA_H200.md")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
@@ -161,6 +164,7 @@ class Rule(str, enum.Enum):
     WIDE_TILES_FROM = "256-row wgmma tiles beat 128-row ones from m tokens"
     K_SPLIT_FROM = "the warps splitting 32- or 16-row tiles' k-groups beat 256-row tiles from m tokens (built up to 16)"
     WS_64_TOKEN_TILES_FROM = "gemm_ws.cuh's 64-token tiles beat its 128-token ones from m tokens (steps counted in 128)"
+    WS_256_TOKEN_TILES_FROM = "gemm_ws.cuh's 256-token tiles beat its 128-token ones from m tokens"
 
 
 class Gpus(str, enum.Enum):
@@ -247,6 +251,14 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(2, 3, 4), through=192),
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(5,), max_steps_per_sm=12,
               through=192),
+    # 256-token tiles (each looked-up weight serves twice the tokens; two consumer warpgroups): K = 4 from 1024
+    # tokens (8192->28672 M = 1024 / 4096 0.94 / 0.92x the time of 128-token tiles, 4096->14336 0.95-0.98x; where
+    # the tiles divide among >= 95% of the SMs, whole tiles per CTA, the long-k N = 4096 shapes too: 14336->4096 at
+    # 4096 tokens 749 against 797 us, 28672->8192 2978 against 3126), K = 5 from 512 (its 128-token pair table
+    # conflicts: 0.78-0.87x the time on 8192->28672, 4096->14336, 4096->11008 at 512-4096 tokens). K = 2, 3: 0.92-1.07x
+    # by shape, left at 128.
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 1024, H200_WS_256, bits=(4,)),
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 512, H200_WS_256, bits=(5,)),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps
@@ -305,10 +317,12 @@ def _ws_measured_tokens(M: int) -> int:
 
 
 def _ws_tokens(p: _Problem) -> int:
-    """The warp-specialized kernel's tokens per tile: as measured for its path, or 64 past 64 tokens where that
-    crossover holds."""
+    """The warp-specialized kernel's tokens per tile: as measured for its path, or past 64 tokens 64 or 256 where
+    those crossovers hold."""
     tokens = _ws_measured_tokens(p.tokens)
-    return 64 if tokens == 128 and _starts(p, Rule.WS_64_TOKEN_TILES_FROM, 128) else tokens
+    if tokens == 128 and _starts(p, Rule.WS_64_TOKEN_TILES_FROM, 128):
+        return 64
+    return 256 if tokens == 128 and _starts(p, Rule.WS_256_TOKEN_TILES_FROM, 256) else tokens
 
 
 def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:

@@ -468,9 +468,10 @@ def test_gemm_big_shape(k):
 
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (sm_90a)
-# gemm_ws.cuh, forced with KBIT_GEMM_PATH=ws at every M (32, 64 or 128 tokens per tile, several passes past 128),
+# gemm_ws.cuh, forced with KBIT_GEMM_PATH=ws at every M (32, 64, 128 or 256 tokens per tile, several passes past
+# 128; at 1000 tokens on 4096x4096 a grid of whole tiles),
 # through the fused op (grid_override = 1000: the natural grid of one CTA per SM, never dequantize + cuBLAS).
-WS_MS = (1, 5, 17, 32, 33, 64, 65, 100, 128, 129, 256, 300)
+WS_MS = (1, 5, 17, 32, 33, 64, 65, 100, 128, 129, 256, 300, 1000)
 WS_SHAPES = ((4096, 4096), (1000, 4128), (256, 40), (130, 4104), (1536, 2048), (72, 100), (14336, 4096))
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                   reason="the warp-specialized GEMM and the k split are tested on compute capability 9.x")
@@ -499,7 +500,8 @@ def test_gemm_forced_path(k, path, ms, N, K, monkeypatch):
 def test_gemm_ws_256_token_tiles(k):
     """The warp-specialized kernel's 256-token tiles (128-row CTA tiles, the activations' own ring of boxes), called
     through the extension whatever the planner picks: tiles past N and M, several passes, forced grids that split
-    tiles across CTAs (the lead's sum and the slices), fp16 and bf16, bias on every other call."""
+    tiles across CTAs (the lead's sum and the slices), a grid of whole tiles (4096x4096 at 1000 tokens: 128 tiles),
+    fp16 and bf16, bias on every other call."""
     from kbit._build import cuda_ext
 
     ext = cuda_ext()
@@ -511,7 +513,7 @@ def test_gemm_ws_256_token_tiles(k):
         kp = formats.padded_in_features(K)
         chk = GemmChecker(qw)
         g = gen(seed + 1, "cuda")
-        for i, (M, grid) in enumerate(((1, 0), (17, 7), (256, 0), (300, 3), (600, 64), (257, 1000))):
+        for i, (M, grid) in enumerate(((1, 0), (17, 7), (256, 0), (300, 3), (600, 64), (257, 1000), (1000, 0))):
             dtype = torch.bfloat16 if i % 3 == 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 else None

@@ -72,6 +72,8 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
         if tokens == 128 and ((bits != 5 and ((M <= 512 and few_steps) or 129 <= M <= 192))
                               or (bits == 5 and 129 <= M <= 192 and few_steps)):
             tokens = 64  # 64-token tiles past 64 tokens
+        elif tokens == 128 and ((bits == 4 and M >= 1024) or (bits == 5 and M >= 512)):
+            tokens = 256  # 256-token tiles
         return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
 
     if path != "ws" and 1 <= M <= 16 and steps(1) < 2 * sms:

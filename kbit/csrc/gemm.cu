@@ -78,6 +78,20 @@ bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
   return gemm_config_info(k, mb, wgmma_tiles, 1, 0, &info) && info.cc_major_min <= kSm80Major;
 }
 
+// The warp-specialized kernel's grid where every SM gets two tiles or more (one at 256 tokens per tile): a CTA per SM
+// cuts tiles between CTAs (stream-K) and sets each CTA at its own place in k; with a grid that divides the tiles,
+// every CTA owns whole tiles and all of them sweep k in step, so the CTAs of one token pass read the same activations
+// at the same time. Taken where that grid keeps at least 95% of the SMs (H200, k = 4, 256-token tiles at 4096 tokens,
+// 128 of 132 SMs: 14336->4096 1028 -> 749 us, 28672->8192 3827 -> 2978, 8192->28672 3527 -> 3222; 4096->14336 at
+// 1024 tokens on 112 SMs, 85%: 205 -> 217, slower). One 128-token tile per CTA was slower (28672->8192 at 512
+// tokens: 1.10-1.16x the time at k = 2..4), one 256-token tile faster (14336->4096 at 1024 tokens: 198 -> 178 us);
+// docs/PERFORMANCE.md. Otherwise one CTA per SM.
+static int ws_whole_tiles_grid(int tiles, int num_sms) {
+  for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
+    if (tiles % grid == 0) return grid;
+  return num_sms;
+}
+
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
                    int forced_grid) {
   GemmPlan plan{};
@@ -114,7 +128,11 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
   // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
   // that no tile is shared across CTAs.
-  const int want = forced_grid > 0 ? std::min(forced_grid, num_sms) : k_split > 1 && tiles <= num_sms ? tiles : num_sms;
+  const int whole_tiles_from = (ws_tokens == 256 ? 1 : 2) * num_sms;  // tiles, warp-specialized (above)
+  const int want = forced_grid > 0                                ? std::min(forced_grid, num_sms)
+                   : k_split > 1 && tiles <= num_sms                ? tiles
+                   : ws_tokens > 0 && tiles >= whole_tiles_from     ? ws_whole_tiles_grid(tiles, num_sms)
+                                                                    : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0;
