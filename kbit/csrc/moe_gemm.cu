@@ -15,6 +15,7 @@ GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int forced_gri
   plan.mb = rows_per_pass / 8;
   plan.wgmma_tiles = plan.mb == 16 ? grouped_wgmma_tiles(k) : 0;
   plan.k_split = 1;
+  plan.tile_rows = gemm_tile_rows(k, plan.mb, plan.wgmma_tiles, plan.k_split);
   plan.smem_bytes = gemm_smem_bytes(k, plan.mb, plan.wgmma_tiles);
   plan.smem_limit = smem_limit;
   plan.cc_major = major;
