@@ -150,8 +150,8 @@ H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
 H200_WS_TILES = Measured("H200", "feea81a", "2026-11-26",
                          "benchmarks/bench_ws_tiles.py (benchmarks/results/ws_tiles_NVIDIA_H200.md)")
 H200_WS_256 = Measured("H200", "81b7390", "2026-11-27",
-                       "benchmarks/bench_ws_tiles.py --tiles 128,256 (grids dividing the tiles: the probe in "
-                       "docs/PERFORMANCE.md, 256-token tiles); benchmarks/results/ws_tiles_256_NVIDIA_H200.md")
+                       "benchmarks/bench_ws_tiles.py --tiles 128,256, and grids dividing the tiles "
+                       "(benchmarks/results/ws_tiles_256_NVIDIA_H200.md)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
@@ -209,7 +209,7 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 256, H200_WARP_SPECIALIZED, min_weights=1 << 25),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_SLICES, bits=(2, 3, 4), min_weights=1 << 25),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 512, H200_WARP_SPECIALIZED, bits=(5,), min_weights=1 << 27),
-    # The warp-specialized kernel (steps counted in its tiles of 32, 64 or 128 tokens): from 17 tokens on >= 48M
+    # The warp-specialized kernel (steps counted in its 256-row tiles of 32, 64 or 128 tokens): from 17 tokens on >= 48M
     # weights (14336->4096, M = 17: 23.9 against mma.sync's 25.0 us), from 33 on >= 32M (4096->11008, M = 48: 23.3
     # against 29.5; at 32 a tie, 19.9 against 20.0), from 193 on >= 16M (2048->10240, M = 192: 33.2 against 37.1),
     # from 513 everywhere; and from 17 through 128 tokens where its tiles leave each SM fewer than 2 steps, each
