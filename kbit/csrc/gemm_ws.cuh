@@ -25,9 +25,8 @@
 // 128-byte rows.
 //
 // Work: as in gemm.cuh, a step is (token pass, CTA tile of 256 rows, 128 at 256 tokens, 256-column k-group); the
-// total step range is cut
-// into `grid` contiguous pieces (stream-K). A tile split between CTAs is summed by the CTA holding its first
-// k-group, or, split many ways, in slices by all of them (the end of a tile, below).
+// total step range is cut into `grid` contiguous pieces (stream-K). A tile split between CTAs is summed by the CTA
+// holding its first k-group, or, split many ways, in slices by all of them (the end of a tile, below).
 
 #pragma once
 
@@ -132,7 +131,7 @@ struct WsConfig {
   static constexpr int kWeightsBelow = kBoxRing ? kStages : weights_below(kTables, kStages);
   static constexpr int kBelowBytes = kXRingBytes + kWeightsBelow * kWeightBytes;  // from the ring's base
   static constexpr int kAboveBytes = (kStages - kWeightsBelow) * kWeightBytes;   // from the table's end
-  static_assert(kStages >= 2 && kBoxes >= 4, "a ring needs two stages");
+  static_assert(kStages >= 2 && kBoxes >= 4, "a ring needs two stages and room for a step's four boxes");
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
@@ -317,8 +316,8 @@ __device__ __forceinline__ void consumer_barrier() {
 // past it no stage is read or filled again: each warp parks its accumulators below the table (ws_park, before the
 // slices of the range's first tile, which need the registers), and the registers they free hold kInFlight partial
 // fragments per L2 round trip, whichever contributors they come from, taken contributor by contributor, so each sum
-// adds its partials in CTA order. 16 fragments per round trip, 8 at 128 and 256 tokens (16 spilled at 128 tokens at 112 registers),
-// 12 at 32 (all of a tile split 4 ways; 16 spilled).
+// adds its partials in CTA order. 16 fragments per round trip, 8 at 128 and 256 tokens (16 spilled at 128 tokens,
+// at 112 registers), 12 at 32 (all of a tile split 4 ways; 16 spilled).
 template <class Cfg>
 __device__ __forceinline__ float4* ws_parked(uint8_t* stages) {  // [warp][fragment][lane]: this lane's first
   return reinterpret_cast<float4*>(stages) + ((threadIdx.x >> 5) - 4) * Cfg::kFrags * 32 + (threadIdx.x & 31);
