@@ -320,9 +320,11 @@ def _ws_tokens(p: _Problem) -> int:
     """The warp-specialized kernel's tokens per tile: as measured for its path, or past 64 tokens 64 or 256 where
     those crossovers hold."""
     tokens = _ws_measured_tokens(p.tokens)
-    if tokens == 128 and _starts(p, Rule.WS_64_TOKEN_TILES_FROM, 128):
+    if tokens != 128:
+        return tokens
+    if _starts(p, Rule.WS_64_TOKEN_TILES_FROM, 128):
         return 64
-    return 256 if tokens == 128 and _starts(p, Rule.WS_256_TOKEN_TILES_FROM, 256) else tokens
+    return 256 if _starts(p, Rule.WS_256_TOKEN_TILES_FROM, 256) else 128
 
 
 def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:

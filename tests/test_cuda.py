@@ -469,8 +469,8 @@ def test_gemm_big_shape(k):
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (sm_90a)
 # gemm_ws.cuh, forced with KBIT_GEMM_PATH=ws at every M (32, 64, 128 or 256 tokens per tile, several passes past
-# 128; at 1000 tokens on 4096x4096 a grid of whole tiles),
-# through the fused op (grid_override = 1000: the natural grid of one CTA per SM, never dequantize + cuBLAS).
+# 128), through the fused op (grid_override = 1000: one CTA per SM, tiles split across CTAs where the cut falls inside
+# them; never dequantize + cuBLAS). The planned grids of whole tiles: the two tests after it.
 WS_MS = (1, 5, 17, 32, 33, 64, 65, 100, 128, 129, 256, 300, 1000)
 WS_SHAPES = ((4096, 4096), (1000, 4128), (256, 40), (130, 4104), (1536, 2048), (72, 100), (14336, 4096))
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -513,16 +513,37 @@ def test_gemm_ws_256_token_tiles(k):
         kp = formats.padded_in_features(K)
         chk = GemmChecker(qw)
         g = gen(seed + 1, "cuda")
+        settled = ops.weights_settled(b, a, qw.codebook)
         for i, (M, grid) in enumerate(((1, 0), (17, 7), (256, 0), (300, 3), (600, 64), (257, 1000), (1000, 0))):
             dtype = torch.bfloat16 if i % 3 == 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 else None
-            settled = ops.weights_settled(b, a, qw.codebook)
             y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, kp, grid, 32, 0, 1, 256, settled)
             st = chk.stats(x, bias, y)
             if not st["ok"]:
-                failures.append(f"N={N} K={K} M={M} grid={grid} {_name(dtype)}: {chk.describe(st)}")
+                failures.append(f"N={N} K={K} seed={seed} M={M} grid={grid} {_name(dtype)}: {chk.describe(st)}")
     assert not failures, tag(seed_for("gemm-ws256", k), op="gemm ws_tokens=256", bits=k) + "\n  " + "\n  ".join(failures)
+
+
+@needs_hopper
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_ws_whole_tiles_grid_128_token_tiles(k):
+    """128-token tiles on the grid the host plans where every SM gets two or more: 4096x4096 at 4096 tokens is 512
+    tiles of 256 rows, 4 whole tiles on each of 128 CTAs (gemm.cu, ws_whole_tiles_grid)."""
+    from kbit._build import cuda_ext
+
+    N, K, M = 4096, 4096, 4096
+    seed = seed_for("gemm-ws-whole", k)
+    qw = quantized_weight(N, K, k, seed)
+    b, a = qw.gemm_layout()
+    g = gen(seed + 1, "cuda")
+    x = torch.randn(M, K, generator=g, device="cuda").half()
+    bias = torch.randn(N, generator=g, device="cuda").half()
+    y = cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 0, 16, 0, 1, 128,
+                        ops.weights_settled(b, a, qw.codebook))
+    chk = GemmChecker(qw)
+    st = chk.stats(x, bias, y)
+    assert st["ok"], tag(seed, op="gemm ws_tokens=128, whole tiles", bits=k) + " " + chk.describe(st)
 
 
 @needs_hopper
