@@ -451,11 +451,15 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // Per step: wait for the stage, then this warp's 16-row tile of the warpgroup's m64 block: its codes and scales, and
 // per block t of 32 columns one wgmma group: 2 wgmmas (k16 slices) of 64 rows x NT tokens x 16. A group's A fragments
 // are built while the previous group runs: two register sets, set t % 2 rewritten once `wgmma_wait<1>` says group
-// t - 2 is done (8 registers each). The stage goes back to the producer once its last group is done: one drain per
-// step and warpgroup, which the other consumer warpgroups' groups cover on the tensor cores. (Handing the stage back
-// after the next step's first group instead keeps wgmmas in flight across the step loop; ptxas then serializes
-// every wgmma, C7518.) At 256 tokens (kBoxRing) each box is waited for before its first group and handed back once
-// its last group is done: box t / 2 - 1 after `wgmma_wait<1>` at odd t >= 3, box 3 after the step's drain.
+// t - 2 is done (8 registers each). Below 256 tokens the stage (which holds the activations) goes back to the
+// producer once its last group is done: one drain per step and warpgroup, which the other consumer warpgroups' groups
+// cover on the tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
+// across the step loop; ptxas then serializes every wgmma, C7518.) At 256 tokens (kBoxRing) the stage holds weights
+// only, read into registers before the step's last group, so it goes back without a drain, and the groups stay in
+// flight from step to step: the two consumer warpgroups sweep the boxes in step, so a drain in one was a drain in
+// both, the tensor pipe idle while each built its first group. Each box is waited for before its first group and
+// handed back once its last group is done: box t / 2 - 1 after `wgmma_wait<1>` at odd t, at t = 1 the step before's
+// box 3. Only a tile's last step drains (its accumulators are read).
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
                                             uint64_t* empty, uint64_t* box_full, uint64_t* box_empty, int first,
@@ -480,6 +484,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   };
   bool from_start = c.kstep == 0;
   bool lead_reduces = false;
+  bool box_behind = false;  // kBoxRing: the step before left its box 3 to this step's group 1
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
     const uint8_t* weights = ring.weights(slot);
@@ -504,8 +509,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         const uint4 u = codes[v * 32];
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       }
-      if (t >= 2) wgmma_wait<1>();  // group t - 2 is done with a[t % 2]
-      if (Cfg::kBoxRing && t >= 3 && t % 2 == 1) release_box();  // and with box t / 2 - 1
+      if (Cfg::kBoxRing || t >= 2) wgmma_wait<1>();  // group t - 2 (of the step before at t < 2) is done with a[t % 2]
+      if (Cfg::kBoxRing && t % 2 == 1 && (t >= 3 || box_behind)) release_box();  // and with box t / 2 - 1
       uint32_t h[2][4];
       block_fragments<Cfg>(w, t, sel, h);
       apply_block_scales<T>(scales_lo, scales_hi, t, h);
@@ -524,13 +529,19 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         Wgmma<NT>::template run<T>(acc, ag[s], descriptor_plus(x_desc, (box_offset + (t & 1) * 64 + s * 32) / 16));
       wgmma_commit();
     }
-    wgmma_wait<0>();
-    fence_accumulators(acc);
-    if constexpr (Cfg::kBoxRing) release_box();
+    if constexpr (!Cfg::kBoxRing) {
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+    }
+    box_behind = Cfg::kBoxRing;
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[slot]);
     const bool holds_last = c.kstep == p.k_groups - 1;
     if (holds_last || remaining == 1) {
+      if constexpr (Cfg::kBoxRing) {
+        wgmma_wait<0>();
+        fence_accumulators(acc);
+      }
       if (holds_last && from_start) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
       } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
@@ -545,6 +556,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
+  if constexpr (Cfg::kBoxRing) wgmma_wait<0>();  // drained at the range's last step already; ptxas cannot see that
   if (lead_reduces) ws_park<Cfg>(acc, ring.base);
   ws_reduce_slices<Cfg, T>(p, out_scale);
   if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, ring.base);
