@@ -149,8 +149,8 @@ H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
 H200_WS_TILES = Measured("H200", "feea81a", "2026-11-26",
                          "benchmarks/bench_ws_tiles.py (benchmarks/results/ws_tiles_NVIDIA_H200.md)")
-H200_WS_256 = Measured("H200", "81b7390", "2026-11-27",
-                       "benchmarks/bench_ws_tiles.py --tiles 128,256, and grids dividing the tiles "
+H200_WS_256 = Measured("H200", "5ee9822", "2026-11-27",
+                       "benchmarks/bench_ws_tiles.py --tiles 128,256 and --tiles 64,256, bits 2..5, 192-4096 tokens "
                        "(benchmarks/results/ws_tiles_256_NVIDIA_H200.md)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
@@ -243,22 +243,19 @@ CROSSOVERS = (
     # 128-token tiles leave each SM fewer than 12 steps, through 512 tokens (K = 4: 4096->11008 M = 128 31.5 against
     # 38.5 us, 11008->4096 M = 256 50.2 against 60.4, 4096->4096 M = 256 / 512 24.7 / 36.6 against 31.7 / 40.4; at
     # 13.6 steps, 14336->4096 and 4096->14336 M = 256, 1.04-1.09x), and at 129-192 tokens everywhere, three 64-token
-    # passes against two of 128 (0.72-0.94x the time; K = 2, 3 alike: 0.71-0.97x). K = 5, whose 64-token pair table
-    # has 8 lane copies, only at 129-192 tokens below 12 steps per SM (11008->4096, 4096->11008, 4096->4096 at M = 160
-    # and 192: 0.83-0.88x; the large shapes there 1.00-1.07x, and at 128 or 256 tokens 0.90-1.16x by shape).
+    # passes against two of 128 (0.72-0.94x the time; K = 2, 3 alike: 0.71-0.97x). K = 5 takes 256-token tiles there.
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 65, H200_WS_TILES, bits=(2, 3, 4), max_steps_per_sm=12,
               through=512),
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(2, 3, 4), through=192),
-    Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(5,), max_steps_per_sm=12,
-              through=192),
-    # 256-token tiles (each looked-up weight serves twice the tokens; two consumer warpgroups): K = 4 from 1024
-    # tokens (8192->28672 M = 1024 / 4096 0.94 / 0.92x the time of 128-token tiles, 4096->14336 0.95-0.98x; where
-    # the tiles divide among >= 95% of the SMs, whole tiles per CTA, the long-k N = 4096 shapes too: 14336->4096 at
-    # 4096 tokens 749 against 797 us, 28672->8192 2978 against 3126), K = 5 from 512 (its 128-token pair table
-    # conflicts: 0.78-0.87x the time on 8192->28672, 4096->14336, 4096->11008 at 512-4096 tokens). K = 2, 3: 0.92-1.07x
-    # by shape, left at 128.
-    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 1024, H200_WS_256, bits=(4,)),
-    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 512, H200_WS_256, bits=(5,)),
+    # 256-token tiles (each looked-up weight serves twice the tokens; two consumer warpgroups), on the grids the
+    # host plans (whole tiles per CTA where they divide among >= 95% of the SMs): K = 2..4 from 1024 tokens (128-token
+    # tiles' time over theirs 0.96-1.23 at 1024-4096, geomean over six shapes ~1.05; at 256-512 tokens 0.89-1.07, at
+    # 129-192 the 64-token tiles' 0.71-1.07). K = 5, whose smaller tiles' pair tables have few lane copies, wherever
+    # its tiles are not mostly padding: 129-256 tokens (128-token tiles 1.01-1.51x its time, 64-token ones at 192
+    # 0.95-1.38x) and from 385 (1.08-1.52x); at 257-384 two 256-token passes lose to three of 128 (0.77-1.02x).
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 1024, H200_WS_256, bits=(2, 3, 4)),
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 129, H200_WS_256, bits=(5,), through=256),
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 385, H200_WS_256, bits=(5,)),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps
