@@ -250,10 +250,15 @@ CROSSOVERS = (
     # 256-token tiles (each looked-up weight serves twice the tokens; two consumer warpgroups), on the grids the
     # host plans (whole tiles per CTA where they divide among >= 95% of the SMs): K = 2..4 from 1024 tokens (128-token
     # tiles' time over theirs 0.96-1.23 at 1024-4096, geomean over six shapes ~1.05; at 256-512 tokens 0.89-1.07, at
-    # 129-192 the 64-token tiles' 0.71-1.07). K = 5, whose smaller tiles' pair tables have few lane copies, wherever
-    # its tiles are not mostly padding: 129-256 tokens (128-token tiles 1.01-1.51x its time, 64-token ones at 192
-    # 0.95-1.38x) and from 385 (1.08-1.52x); at 257-384 two 256-token passes lose to three of 128 (0.77-1.02x).
+    # 129-192 the 64-token tiles' 0.71-1.07), and at 193-256 tokens on >= 14336 rows, whose 128-row tiles give nearly
+    # every SM one (8192->28672 against 128-token tiles 1.04-1.07, 4096->14336 against 64-token ones 1.09-1.14; the
+    # N = 4096 shapes split each tile ~4 ways there: 0.73-0.96 against 64-token tiles). K = 5, whose smaller tiles'
+    # pair tables have few lane copies, wherever its tiles are not mostly padding: 129-256 tokens (128-token tiles
+    # 1.01-1.51x its time, 64-token ones at 192 0.95-1.38x) and from 385 (1.08-1.52x); at 257-384 two 256-token
+    # passes lose to three of 128 (0.77-1.02x).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 1024, H200_WS_256, bits=(2, 3, 4)),
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 193, H200_WS_256, bits=(2, 3, 4), min_out_features=14336,
+              through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 129, H200_WS_256, bits=(5,), through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 385, H200_WS_256, bits=(5,)),
 )
@@ -314,14 +319,14 @@ def _ws_measured_tokens(M: int) -> int:
 
 
 def _ws_tokens(p: _Problem) -> int:
-    """The warp-specialized kernel's tokens per tile: as measured for its path, or past 64 tokens 64 or 256 where
-    those crossovers hold."""
+    """The warp-specialized kernel's tokens per tile: as measured for its path, or past 64 tokens 256 or 64 where
+    those crossovers hold (256 first)."""
     tokens = _ws_measured_tokens(p.tokens)
     if tokens != 128:
         return tokens
-    if _starts(p, Rule.WS_64_TOKEN_TILES_FROM, 128):
-        return 64
-    return 256 if _starts(p, Rule.WS_256_TOKEN_TILES_FROM, 256) else 128
+    if _starts(p, Rule.WS_256_TOKEN_TILES_FROM, 256):
+        return 256
+    return 64 if _starts(p, Rule.WS_64_TOKEN_TILES_FROM, 128) else 128
 
 
 def _config_for(p: _Problem, path: Path) -> Optional[GemmConfig]:

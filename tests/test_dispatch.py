@@ -31,7 +31,7 @@ DEVICES = (H100, H100_PCIE, H200, B200, A100_40, A100_80, SM86, SM89)
 SHAPES = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (4096, 11008), (11008, 4096), (28672, 8192),
           (8192, 28672), (10240, 2048), (1536, 2048), (6144, 4096), (4096, 6144), (12288, 4096), (4096, 12288),
           (40, 256), (4104, 130), (4128, 1000), (128256, 4096), (2048, 2048), (5120, 5120))  # (out, in)
-TOKENS = (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100, 127, 128, 129, 159, 160, 191, 192, 200, 255,
+TOKENS = (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100, 127, 128, 129, 159, 160, 191, 192, 193, 200, 255,
           256, 257, 300, 384, 385, 511, 512, 513, 700, 1023, 1024, 1025, 2048, 4096, 8192)
 BITS = (2, 3, 4, 5)
 CUBLAS = dispatch.DEQUANTIZE_CUBLAS
@@ -69,10 +69,11 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
               or (16 < M <= 128 and steps(tokens // 8) < 2 * sms))
     if path == "ws" or (path != "classic" and faster):
         few_steps = steps(16) < 12 * sms
-        if tokens == 128 and bits != 5 and ((M <= 512 and few_steps) or 129 <= M <= 192):
-            tokens = 64  # 64-token tiles past 64 tokens
-        elif tokens == 128 and ((bits != 5 and M >= 1024) or (bits == 5 and (129 <= M <= 256 or M >= 385))):
+        if tokens == 128 and ((bits != 5 and (M >= 1024 or (193 <= M <= 256 and N >= 14336)))
+                              or (bits == 5 and (129 <= M <= 256 or M >= 385))):
             tokens = 256  # 256-token tiles
+        elif tokens == 128 and bits != 5 and ((M <= 512 and few_steps) or 129 <= M <= 192):
+            tokens = 64  # 64-token tiles past 64 tokens
         return Plan(Path.WARP_SPECIALIZED, tokens // 8, 0, tokens)
 
     if path != "ws" and 1 <= M <= 16 and steps(1) < 2 * sms:
