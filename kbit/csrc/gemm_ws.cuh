@@ -451,15 +451,15 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // Per step: wait for the stage, then this warp's 16-row tile of the warpgroup's m64 block: its codes and scales, and
 // per block t of 32 columns one wgmma group: 2 wgmmas (k16 slices) of 64 rows x NT tokens x 16. A group's A fragments
 // are built while the previous group runs: two register sets, set t % 2 rewritten once `wgmma_wait<1>` says group
-// t - 2 is done (8 registers each; at t < 2 the step before's groups 6 and 7). The groups stay in flight from step to
-// step: the consumer warpgroups wait on the same activations, so a drain at each step's end was a drain in all of
-// them at once, the tensor pipe idle while each built its first group. Only a tile's last step drains (its
-// accumulators are read). The activations go back to the producer once their last group is done: box t / 2 - 1
-// after the wait at odd t, the step before's box 3 at t = 1. Below 256 tokens the boxes are the stage's, so the
-// stage goes back at t = 1 of the next step; at 256 tokens (kBoxRing) each box has a slot of its own, and the stage,
-// the step's weights, all in registers by then, goes back at the step's end. Every even group's wgmmas wait for their
-// box's barrier (below 256 tokens the stage's, complete since the step's start): without a barrier wait between the
-// fragment build and the wgmmas, ptxas serializes every wgmma (C7513: non-wgmma instructions defining their inputs).
+// t - 2 is done (8 registers each). Below 256 tokens the stage (which holds the activations) goes back to the
+// producer once its last group is done: one drain per step and warpgroup, which the other consumer warpgroups' groups
+// cover on the tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
+// across the step loop; ptxas then serializes every wgmma, C7518.) At 256 tokens (kBoxRing) the stage holds weights
+// only, read into registers before the step's last group, so it goes back without a drain, and the groups stay in
+// flight from step to step: the two consumer warpgroups sweep the boxes in step, so a drain in one was a drain in
+// both, the tensor pipe idle while each built its first group. Each box is waited for before its first group and
+// handed back once its last group is done: box t / 2 - 1 after `wgmma_wait<1>` at odd t, at t = 1 the step before's
+// box 3. Only a tile's last step drains (its accumulators are read).
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
                                             uint64_t* empty, uint64_t* box_full, uint64_t* box_empty, int first,
@@ -484,7 +484,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   };
   bool from_start = c.kstep == 0;
   bool lead_reduces = false;
-  bool behind = false;  // the step before left its last box (below 256 tokens: its stage) to this step's group 1
+  bool box_behind = false;  // kBoxRing: the step before left its box 3 to this step's group 1
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
     const uint8_t* weights = ring.weights(slot);
@@ -509,21 +509,13 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         const uint4 u = codes[v * 32];
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       }
-      wgmma_wait<1>();  // group t - 2 (the step before's at t < 2) is done with a[t % 2]
-      if (t % 2 == 1 && (t >= 3 || behind)) {  // and with box t / 2 - 1 (at t = 1 the step before's box 3)
-        if constexpr (Cfg::kBoxRing) {
-          release_box();
-        } else if (t == 1) {
-          __syncwarp();
-          if (lane == 0) mbarrier_arrive(&empty[slot == 0 ? S - 1 : slot - 1]);
-        }
-      }
+      if (Cfg::kBoxRing || t >= 2) wgmma_wait<1>();  // group t - 2 (of the step before at t < 2) is done with a[t % 2]
+      if (Cfg::kBoxRing && t % 2 == 1 && (t >= 3 || box_behind)) release_box();  // and with box t / 2 - 1
       uint32_t h[2][4];
       block_fragments<Cfg>(w, t, sel, h);
       apply_block_scales<T>(scales_lo, scales_hi, t, h);
       uint32_t (&ag)[2][4] = a[t % 2];
       wgmma_a_fragments(h, ag);
-      if (!Cfg::kBoxRing && t % 2 == 0) mbarrier_wait(&full[slot], phase);  // complete: for ptxas (above)
       if (Cfg::kBoxRing && t % 2 == 0) {
         mbarrier_wait(&box_full[box_slot], box_phase);
         x_desc = wgmma_descriptor_sw128(shared_address(ring.box(box_slot)));
@@ -537,15 +529,19 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         Wgmma<NT>::template run<T>(acc, ag[s], descriptor_plus(x_desc, (box_offset + (t & 1) * 64 + s * 32) / 16));
       wgmma_commit();
     }
-    behind = true;
-    if constexpr (Cfg::kBoxRing) {  // the stage is the step's weights, all in registers by now
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(&empty[slot]);
-    }
-    const bool holds_last = c.kstep == p.k_groups - 1;
-    if (holds_last || remaining == 1) {
+    if constexpr (!Cfg::kBoxRing) {
       wgmma_wait<0>();
       fence_accumulators(acc);
+    }
+    box_behind = Cfg::kBoxRing;
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&empty[slot]);
+    const bool holds_last = c.kstep == p.k_groups - 1;
+    if (holds_last || remaining == 1) {
+      if constexpr (Cfg::kBoxRing) {
+        wgmma_wait<0>();
+        fence_accumulators(acc);
+      }
       if (holds_last && from_start) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
       } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
@@ -560,7 +556,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
-  wgmma_wait<0>();  // drained at the range's last step already; ptxas cannot see that
+  if constexpr (Cfg::kBoxRing) wgmma_wait<0>();  // drained at the range's last step already; ptxas cannot see that
   if (lead_reduces) ws_park<Cfg>(acc, ring.base);
   ws_reduce_slices<Cfg, T>(p, out_scale);
   if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, ring.base);
