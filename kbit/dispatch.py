@@ -164,7 +164,7 @@ class Rule(str, enum.Enum):
     WIDE_TILES_FROM = "256-row wgmma tiles beat 128-row ones from m tokens"
     K_SPLIT_FROM = "the warps splitting 32- or 16-row tiles' k-groups beat 256-row tiles from m tokens (built up to 16)"
     WS_64_TOKEN_TILES_FROM = "gemm_ws.cuh's 64-token tiles beat its 128-token ones from m tokens (steps counted in 128)"
-    WS_256_TOKEN_TILES_FROM = "gemm_ws.cuh's 256-token tiles beat its 128-token ones from m tokens"
+    WS_256_TOKEN_TILES_FROM = "gemm_ws.cuh's 256-token tiles beat its 128- and 64-token ones from m tokens"
 
 
 class Gpus(str, enum.Enum):
