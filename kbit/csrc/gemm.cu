@@ -61,7 +61,7 @@ std::vector<GemmConfigInfo> gemm_configs() {
         }
       }
     }
-    for (int ws_tokens : {32, 64, 128, 256}) {
+    for (int ws_tokens = 8; ws_tokens <= 256; ws_tokens += 8) {
       GemmConfigInfo info{};
       if (gemm_config_info(k, ws_tokens / 8, 0, 1, ws_tokens, &info)) all.push_back(info);
     }
