@@ -255,7 +255,8 @@ CROSSOVERS = (
     # N = 4096 shapes split each tile ~4 ways there: 0.73-0.96 against 64-token tiles). K = 5, whose smaller tiles'
     # pair tables have few lane copies, wherever its tiles are not mostly padding: 129-256 tokens (128-token tiles
     # 1.01-1.51x its time, 64-token ones at 192 0.95-1.38x) and from 385 (1.08-1.52x); at 257-384 two 256-token
-    # passes lose to three of 128 (0.77-1.02x).
+    # passes lose to three of 128 (0.77-1.02x), and at 65-128 one 256-token pass, half padding, to one of 128
+    # (0.48-0.75x; H200, 80-128 tokens, six shapes, at 8cf5969).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 1024, H200_WS_256, bits=(2, 3, 4)),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 193, H200_WS_256, bits=(2, 3, 4), min_out_features=14336,
               through=256),

@@ -81,12 +81,13 @@ struct WsConfig {
   //     wavefront. Where two stages fit beside them: at 32 and 64 tokens (H200, 17-32 tokens: k = 4 up to 17%, k = 2
   //     up to 12% faster than the compact table with a stage more; docs/PERFORMANCE.md).
   //   Otherwise the compact pair table (kCopies lane copies of each pair's two codebook values, just below the top):
-  //     a table address is a shift and a LOP3. 32 lane copies (one per bank: every lookup one shared-memory
-  //     wavefront; with 16, two lanes share a bank and a lookup takes 1.5 wavefronts on average; at most 32 KB of
-  //     table) where 4 stages fit next to them, or from 64 tokens on 2 (there the kernel is bound by shared memory:
-  //     k = 4, 64 tokens, 3 stages and 16 copies to 2 and 32 is 4-5% faster on the 235M shapes; at 32 tokens 4
-  //     stages and 16 copies to 3 and 32 is 0-5% slower); else as many stages as fit (at most 4), then as many
-  //     copies as fit next to them.
+  //     a table address is a shift and a LOP3. As many lane copies (at most 32, one per bank) as leave two stages
+  //     beside it: with c copies 32 / c lanes share each copy's banks, and a lookup takes ~1, 2, 3 wavefronts at 32,
+  //     16, 8 copies; the lookups' conflicts cost more than a third stage (k = 4, 64 tokens: 3 stages and 16 copies to
+  //     2 and 32, 4-5% faster on the 235M shapes; k = 5, 17-32 tokens: 3 stages and 8 copies to 2 and 16, 0.80-1.0x
+  //     the time; H200, docs/PERFORMANCE.md). k = 5 keeps 8 copies at 64 tokens and 2 at 128 (a table aligned to
+  //     64 KB leaves no room for two stages there); conflict-free single-code lookups (32 entries x 32 copies, two
+  //     lookups and a PRMT per pair) took 48% more instructions and were no faster.
   //   At 256 tokens the compact pair table, below the top, with as many lane copies as leave room for 5 boxes and two
   //     stages of weights beneath it (k = 2, 3: 32 copies, 6 and 5 boxes; k = 4: 16, k = 5: 4, 5 boxes).
   static constexpr int kPairs = 1 << (2 * K);
@@ -110,21 +111,16 @@ struct WsConfig {
     return room < 8 ? room : 8;
   }
   static constexpr bool kByteRows = !kBoxRing && K <= 4 && stages_with(kByteRowBytes) >= 2;
-  static constexpr int kMaxTableBytes = 32768;
-  static constexpr bool kAllCopies =
-      kPairs * 32 * 4 <= kMaxTableBytes && stages_with(kPairs * 32 * 4) >= (NT >= 64 ? 2 : 4);
-  static constexpr int kMostStages = stages_with(kPairs * (kAllCopies ? 32 : 1) * 4);
-  static constexpr int pick_copies(int c) {
-    return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && stages_with(kPairs * c * 4) >= kMostStages) ? c
-                                                                                                    : pick_copies(c / 2);
+  static constexpr int pick_copies(int c) {  // from c down, the most copies that leave two stages
+    return c == 1 || stages_with(kPairs * c * 4) >= 2 ? c : pick_copies(c / 2);
   }
-  static constexpr int pick_box_copies(int c) {
-    return c == 1 || (kPairs * c * 4 <= kMaxTableBytes && boxes_with(kPairs * c * 4) >= 5) ? c : pick_box_copies(c / 2);
+  static constexpr int pick_box_copies(int c) {  // kBoxRing: the most copies that leave 5 boxes
+    return c == 1 || boxes_with(kPairs * c * 4) >= 5 ? c : pick_box_copies(c / 2);
   }
   // byte rows: a lane's word in a row (lane_select)
   static constexpr int kCopies = kByteRows ? 32 : kBoxRing ? pick_box_copies(32) : pick_copies(32);
   static constexpr int kTables = kByteRows ? kByteRowBytes : kPairs * kCopies * 4;
-  static constexpr int kStages = kBoxRing ? kRingStages : kByteRows ? stages_with(kTables) : kMostStages;
+  static constexpr int kStages = kBoxRing ? kRingStages : stages_with(kTables);
   static constexpr int kTableAddress = table_address(kTables);
   static constexpr int kBoxes = kBoxRing ? boxes_with(kTables) : 4 * kStages;  // box slots (tied to stages below 256)
   static constexpr int kXRingBytes = kBoxes * kXBox;                            // every stage's activations
