@@ -76,7 +76,8 @@ struct WsConfig {
   // The lookup table sits at a constant shared address aligned to its size, as high in the shared window as that
   // allows; a lookup address is then one instruction (block_fragments in gemm.cuh). The pieces fill the space from
   // the dynamic base (after at most kStaticSmemMax of static shared memory) up to the table: every stage's
-  // activations, then the weights of as many stages as fit there; the other stages' weights lie above the table.
+  // activations, then the weights of as many stages as fit there; the other stages' weights lie above the table, and
+  // where that leaves too little room below, the last stages' activations after them (WsRing).
   //   Byte rows (K = 2..4, 64 KB at 128 KB; build_tables): a table address is one PRMT of a code byte, every lookup one
   //     wavefront. Where two stages fit beside them: at 32 and 64 tokens (H200, 17-32 tokens: k = 4 up to 17%, k = 2
   //     up to 12% faster than the compact table with a stage more; docs/PERFORMANCE.md).
@@ -85,8 +86,8 @@ struct WsConfig {
   //     beside it: with c copies 32 / c lanes share each copy's banks, and a lookup takes ~1, 2, 3 wavefronts at 32,
   //     16, 8 copies; the lookups' conflicts cost more than a third stage (k = 4, 64 tokens: 3 stages and 16 copies to
   //     2 and 32, 4-5% faster on the 235M shapes; k = 5, 17-32 tokens: 3 stages and 8 copies to 2 and 16, 0.80-1.0x
-  //     the time; H200, docs/PERFORMANCE.md). k = 5 keeps 8 copies at 64 tokens and 2 at 128 (a table aligned to
-  //     64 KB leaves no room for two stages there); conflict-free single-code lookups (32 entries x 32 copies, two
+  //     the time; 33-64 tokens, 8 copies to 16 at two stages, 0.83-0.94x; H200, docs/PERFORMANCE.md). k = 5 at 128
+  //     tokens keeps 2 (two 107 KB stages leave 8 KB); conflict-free single-code lookups (32 entries x 32 copies, two
   //     lookups and a PRMT per pair) took 48% more instructions and were no faster.
   //   At 256 tokens the compact pair table, below the top, with as many lane copies as leave room for 5 boxes and two
   //     stages of weights beneath it (k = 2, 3: 32 copies, 6 and 5 boxes; k = 4: 16, k = 5: 4, 5 boxes).
@@ -94,14 +95,23 @@ struct WsConfig {
   static constexpr int kByteRowBytes = 256 * 256;
   static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
   static constexpr int table_address(int bytes) { return (kSharedTop - bytes) / bytes * bytes; }
-  static constexpr int weights_below(int table, int stages) {  // stages whose weights fit below a table of `table` B
-    const int room = (table_address(table) - kStagesFrom - stages * kXBytes) / kWeightBytes;
+  // Below a table of `table` bytes: the activations of x_below stages, then the weights of weights_below; above it,
+  // the other stages' weights, then their activations. x_below: the most that leaves the rest room (-1: none does).
+  static constexpr int weights_below(int table, int stages, int x_below) {
+    const int room = (table_address(table) - kStagesFrom - x_below * kXBytes) / kWeightBytes;
     return room < stages ? room : stages;
   }
-  static constexpr bool fits(int table, int stages) {
-    return stages * kXBytes <= table_address(table) - kStagesFrom &&
-           (stages - weights_below(table, stages)) * kWeightBytes <= kSharedTop - table_address(table) - table;
+  static constexpr bool fits_with(int table, int stages, int x_below) {
+    return x_below * kXBytes <= table_address(table) - kStagesFrom &&
+           (stages - weights_below(table, stages, x_below)) * kWeightBytes + (stages - x_below) * kXBytes <=
+               kSharedTop - table_address(table) - table;
   }
+  static constexpr int x_below(int table, int stages) {
+    int x = stages;
+    while (x >= 0 && !fits_with(table, stages, x)) --x;
+    return x;
+  }
+  static constexpr bool fits(int table, int stages) { return x_below(table, stages) >= 0; }
   static constexpr int stages_with(int table) {  // the most stages that fit beside a table (at most 4)
     return fits(table, 4) ? 4 : fits(table, 3) ? 3 : fits(table, 2) ? 2 : fits(table, 1) ? 1 : 0;
   }
@@ -123,10 +133,12 @@ struct WsConfig {
   static constexpr int kStages = kBoxRing ? kRingStages : stages_with(kTables);
   static constexpr int kTableAddress = table_address(kTables);
   static constexpr int kBoxes = kBoxRing ? boxes_with(kTables) : 4 * kStages;  // box slots (tied to stages below 256)
-  static constexpr int kXRingBytes = kBoxes * kXBox;                            // every stage's activations
-  static constexpr int kWeightsBelow = kBoxRing ? kStages : weights_below(kTables, kStages);
-  static constexpr int kBelowBytes = kXRingBytes + kWeightsBelow * kWeightBytes;  // from the ring's base
-  static constexpr int kAboveBytes = (kStages - kWeightsBelow) * kWeightBytes;   // from the table's end
+  static constexpr int kXBelow = kBoxRing ? kStages : x_below(kTables, kStages);  // stages' activations below
+  static constexpr int kXBelowBytes = kBoxRing ? kBoxes * kXBox : kXBelow * kXBytes;
+  static constexpr int kWeightsBelow = kBoxRing ? kStages : weights_below(kTables, kStages, kXBelow);
+  static constexpr int kBelowBytes = kXBelowBytes + kWeightsBelow * kWeightBytes;  // from the ring's base
+  static constexpr int kWeightsAboveBytes = (kStages - kWeightsBelow) * kWeightBytes;  // from the table's end
+  static constexpr int kAboveBytes = kWeightsAboveBytes + (kStages - kXBelow) * kXBytes;
   static_assert(kStages >= 2 && kBoxes >= 4, "a ring needs two stages and room for a step's four boxes");
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
@@ -136,17 +148,22 @@ struct WsConfig {
 };
 
 // ---------------------------------------------------------------------------- the stage ring
-// Where stage s's pieces lie (WsConfig): every stage's activations from the ring's base, then the weights of the first
-// kWeightsBelow stages; the other stages' weights from the table's end, kept as a 32-bit offset from the base (a
-// second pointer live in the consumers' loop would take registers the 128-token build does not have).
+// Where stage s's pieces lie (WsConfig): the activations of the first kXBelow stages (every stage's, but k = 5's
+// 64-token tiles beside their 64 KB table) from the ring's base, then the weights of the first kWeightsBelow stages;
+// from the table's end, kept as a 32-bit offset from the base (a second pointer live in the consumers' loop would take
+// registers the 128-token build does not have), the other stages' weights, then the other stages' activations.
 template <class Cfg>
 struct WsRing {
   uint8_t* base;   // 1024-byte aligned, below the table
   uint32_t above;  // the table's end, from base
-  __device__ uint8_t* x(int s) const { return base + s * Cfg::kXBytes; }  // below 256 tokens: stage s's boxes
-  __device__ uint8_t* box(int b) const { return base + b * Cfg::kXBox; }   // 256 tokens: box slot b
+  __device__ uint8_t* x(int s) const {  // below 256 tokens: stage s's boxes
+    if constexpr (Cfg::kXBelow == Cfg::kStages) return base + s * Cfg::kXBytes;
+    return base + (s < Cfg::kXBelow ? s * Cfg::kXBytes
+                                    : above + Cfg::kWeightsAboveBytes + (s - Cfg::kXBelow) * Cfg::kXBytes);
+  }
+  __device__ uint8_t* box(int b) const { return base + b * Cfg::kXBox; }  // 256 tokens: box slot b
   __device__ uint8_t* weights(int s) const {
-    constexpr int kBelowFrom = Cfg::kXRingBytes;
+    constexpr int kBelowFrom = Cfg::kXBelowBytes;
     if constexpr (Cfg::kWeightsBelow == Cfg::kStages) return base + kBelowFrom + s * Cfg::kWeightBytes;
     return base + (s < Cfg::kWeightsBelow ? kBelowFrom + s * Cfg::kWeightBytes
                                           : above + (s - Cfg::kWeightsBelow) * Cfg::kWeightBytes);
