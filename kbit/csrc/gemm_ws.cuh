@@ -140,6 +140,8 @@ struct WsConfig {
   static constexpr int kWeightsAboveBytes = (kStages - kWeightsBelow) * kWeightBytes;  // from the table's end
   static constexpr int kAboveBytes = kWeightsAboveBytes + (kStages - kXBelow) * kXBytes;
   static_assert(kStages >= 2 && kBoxes >= 4, "a ring needs two stages and room for a step's four boxes");
+  static_assert(kStagesFrom + kBelowBytes <= kTableAddress && kTableAddress + kTables + kAboveBytes <= kSharedTop,
+                "the ring's pieces fit below and above the table");
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
