@@ -95,15 +95,15 @@ struct WsConfig {
   static constexpr int kByteRowBytes = 256 * 256;
   static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
   static constexpr int table_address(int bytes) { return (kSharedTop - bytes) / bytes * bytes; }
-  // Below a table of `table` bytes: the activations of x_below stages, then the weights of weights_below; above it,
-  // the other stages' weights, then their activations. x_below: the most that leaves the rest room (-1: none does).
-  static constexpr int weights_below(int table, int stages, int x_below) {
-    const int room = (table_address(table) - kStagesFrom - x_below * kXBytes) / kWeightBytes;
+  // Below a table of `table` bytes: the activations of xs stages, then the weights of weights_below; above it, the
+  // other stages' weights, then their activations. x_below: the most xs that leaves the rest room (-1: none does).
+  static constexpr int weights_below(int table, int stages, int xs) {
+    const int room = (table_address(table) - kStagesFrom - xs * kXBytes) / kWeightBytes;
     return room < stages ? room : stages;
   }
-  static constexpr bool fits_with(int table, int stages, int x_below) {
-    return x_below * kXBytes <= table_address(table) - kStagesFrom &&
-           (stages - weights_below(table, stages, x_below)) * kWeightBytes + (stages - x_below) * kXBytes <=
+  static constexpr bool fits_with(int table, int stages, int xs) {
+    return xs * kXBytes <= table_address(table) - kStagesFrom &&
+           (stages - weights_below(table, stages, xs)) * kWeightBytes + (stages - xs) * kXBytes <=
                kSharedTop - table_address(table) - table;
   }
   static constexpr int x_below(int table, int stages) {
@@ -150,8 +150,8 @@ struct WsConfig {
 };
 
 // ---------------------------------------------------------------------------- the stage ring
-// Where stage s's pieces lie (WsConfig): the activations of the first kXBelow stages (every stage's, but k = 5's
-// 64-token tiles beside their 64 KB table) from the ring's base, then the weights of the first kWeightsBelow stages;
+// Where stage s's pieces lie (WsConfig): the activations of the first kXBelow stages (every stage's where they fit)
+// from the ring's base, then the weights of the first kWeightsBelow stages;
 // from the table's end, kept as a 32-bit offset from the base (a second pointer live in the consumers' loop would take
 // registers the 128-token build does not have), the other stages' weights, then the other stages' activations.
 template <class Cfg>
