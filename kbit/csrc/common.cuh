@@ -271,6 +271,18 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t address, uint4& v) {
                : "r"(address));
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The converse of ldmatrix_x4, transposed (sm_90): register i of lane 4g + q holds row g, columns 2q, 2q + 1 of
+// matrix i (an mma D fragment packed to 16 bits), and lane l gives the address of row l % 8 of stored matrix l / 8,
+// which receives column l % 8 of matrix l / 8 (16 contiguous bytes). A D fragment of weight rows x tokens goes out
+// token-major.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t address, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+#endif
+
 // ---------------------------------------------------------------------------- warpgroup MMA (sm_90)
 // wgmma: the 4 warps of a warpgroup multiply A (64 x 16, from registers: warp i holds rows 16i..16i+15 in
 // mma_16816's A order) by B (16 x N, read from shared memory through a descriptor) into D (64 x N, f32, warp i
@@ -439,6 +451,18 @@ __device__ __forceinline__ void tensor_copy_2d_to_shared(void* smem, const void*
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(shared_address(bar))
       : "memory");
 }
+// The converse, shared -> global: elements outside the tensor are not written. The copy joins this thread's open
+// bulk group; bulk_commit_group closes it, and bulk_wait_read waits until every closed group of the thread has read
+// its shared-memory source (the global writes may still be on their way; the kernel's end orders them before the
+// next kernel's reads). Shared-memory writes through the generic proxy need fence_proxy_async_shared first.
+__device__ __forceinline__ void tensor_store_2d_from_shared(const void* tensor_map, int c0, int c1, const void* smem) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(c0), "r"(c1), "r"(shared_address(smem))
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 #endif
 
 }  // namespace kbit

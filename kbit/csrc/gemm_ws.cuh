@@ -5,13 +5,14 @@
 //   WsConfig            compile-time sizes of one configuration (bits K, tokens per tile NT)
 //   ws_producer         one thread: per step, TMA copies of the activations and bulk copies of the weights into
 //                       the next free stage of the ring
+//   ws_store_by_copy    a whole tile's sums into y through shared memory and the tensor copy engine
 //   ws_publish          a tile other CTAs hold k-groups of: this CTA's partial sum, published
 //   ws_lead_reduce      a tile split few ways: the CTA holding its first k-group adds the others' partials
 //   ws_reduce_slice     a tile split many ways: each of its CTAs adds every partial of one slice of it
 //   ws_consumer         a consumer warpgroup's main loop: dequantize block t + 1 while block t's wgmmas run
 //                       (block_fragments of gemm.cuh, block scales applied in 16 bits)
 //   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
-//   launch_gemm_ws      host side: the activations' tensor map, the launch
+//   launch_gemm_ws      host side: the activations' and the output's tensor maps, the launch
 //
 // Roles. Warpgroup 0 is the producer: one thread issues every copy, the warpgroup gives its registers back
 // (setmaxnreg) and does nothing else. The others are consumers, four (two at 256 tokens): each owns 64 weight rows of
@@ -144,6 +145,11 @@ struct WsConfig {
                 "the ring's pieces fit below and above the table");
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
+  // A whole tile's sums leave through shared memory (ws_store_by_copy), each consumer warp's 16 rows in pieces of
+  // kStoreTokens tokens, 32 B per token: below 256 tokens in the activations of the tile's last stage (one piece per
+  // warp), at 256 tokens in the step's last box (two rounds of 128 tokens).
+  static constexpr int kStoreTokens = NT == 256 ? 128 : NT;
+  static_assert(kConsumerWarps * kStoreTokens * 32 == (kBoxRing ? kXBox : kXBytes), "the pieces fill what they reuse");
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
   static constexpr int kTilePartialFloats = kTileRows * NT;
   static constexpr int kPartialFloats = 2 * kTilePartialFloats;
@@ -276,6 +282,53 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
 #pragma unroll
   for (int j = 0; j < Cfg::kFrags; ++j) ws_store_fragment<T>(p, n, bn, c.mpass * Cfg::kTokens + 8 * j + 2 * q, s, acc[j]);
 }
+
+#if KBIT_WGMMA
+// A whole tile's sums into y through shared memory and the tensor copy engine (where N % 8 == 0: y_map, the host's
+// ws_output_map), in place of ws_store's 2-byte stores: 128 per thread at 256 tokens, each with its own address and
+// bounds, took ~3.7 us per tile with both consumer warpgroups off the tensor cores (H200, docs/PERFORMANCE.md).
+// The warp's fragments, scaled, biased and rounded, go token-major into its piece of `staging` (stmatrix_x4_trans:
+// [token][its 16 rows], 32 B per token), and one lane copies the piece to y (rows past N and tokens past M are not
+// written). Every consumer warp has drained its wgmmas and met the others first (none reads `staging` any more);
+// the piece may be reused, and `staging` handed back, once the copy has read it.
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void* y_map, const StepCursor& c, int tile16,
+                                                 float s, const float (&acc)[Cfg::kFrags][4], uint8_t* staging) {
+  constexpr int kPieceFrags = Cfg::kStoreTokens / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  const T* bias = static_cast<const T*>(p.bias);
+  const int n0 = c.ntile * Cfg::kTileRows + tile16 * 16;
+  float bn[2];  // rows g, g + 8
+#pragma unroll
+  for (int half = 0; half < 2; ++half) bn[half] = bias && n0 + g + 8 * half < p.N ? to_float(bias[n0 + g + 8 * half]) : 0.0f;
+  uint8_t* piece = staging + tile16 * (Cfg::kStoreTokens * 32);
+  // Lane l: row l % 8 of stored matrix l / 8 = token l % 8 of fragment j + l / 16, rows 8 (l / 8 % 2) .. + 7.
+  const uint32_t address = shared_address(piece) + ((lane >> 4) * 8 + (lane & 7)) * 32 + (lane >> 3 & 1) * 16;
+#pragma unroll
+  for (int r = 0; r < Cfg::kFrags / kPieceFrags; ++r) {
+    if (r > 0) {  // the piece again: once the copy before has read it
+      if (lane == 0) bulk_wait_read();
+      __syncwarp();
+    }
+#pragma unroll
+    for (int j = 0; j < kPieceFrags; j += 2) {
+      const float(&d0)[4] = acc[r * kPieceFrags + j];
+      const float(&d1)[4] = acc[r * kPieceFrags + j + 1];
+      stmatrix_x4_trans(address + j * 8 * 32, pack_pair<T>(d0[0] * s + bn[0], d0[1] * s + bn[0]),
+                        pack_pair<T>(d0[2] * s + bn[1], d0[3] * s + bn[1]), pack_pair<T>(d1[0] * s + bn[0], d1[1] * s + bn[0]),
+                        pack_pair<T>(d1[2] * s + bn[1], d1[3] * s + bn[1]));
+    }
+    fence_proxy_async_shared();  // the stores above, before the copy engine reads them
+    __syncwarp();
+    if (lane == 0) {
+      tensor_store_2d_from_shared(y_map, n0, c.mpass * Cfg::kTokens + r * Cfg::kStoreTokens, piece);
+      bulk_commit_group();
+    }
+  }
+  if (lane == 0) bulk_wait_read();
+  __syncwarp();
+}
+#endif  // KBIT_WGMMA
 
 // A tile whose k-groups several CTAs hold (stream-K). The CTAs not holding its first k-group publish their partial
 // sums (ws_publish). Then either the lead, the CTA holding that k-group, adds them to its own accumulators
@@ -478,7 +531,7 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
                                             uint64_t* empty, uint64_t* box_full, uint64_t* box_empty, int first,
-                                            int last) {
+                                            int last, const void* y_map, bool y_by_copy) {
   constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags, B = Cfg::kBoxes;
   const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4;
   const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
@@ -549,15 +602,23 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
       fence_accumulators(acc);
     }
     box_behind = Cfg::kBoxRing;
+    const bool holds_last = c.kstep == p.k_groups - 1, stores_tile = holds_last && from_start;
+    // Below 256 tokens a tile stored by copy leaves through its last stage, which goes back once the copy has read it.
+    const bool stage_stays = !Cfg::kBoxRing && stores_tile && y_by_copy;
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(&empty[slot]);
-    const bool holds_last = c.kstep == p.k_groups - 1;
+    if (lane == 0 && !stage_stays) mbarrier_arrive(&empty[slot]);
     if (holds_last || remaining == 1) {
       if constexpr (Cfg::kBoxRing) {
         wgmma_wait<0>();
         fence_accumulators(acc);
       }
-      if (holds_last && from_start) {
+      if (stores_tile && y_by_copy) {
+        consumer_barrier<Cfg>();  // every consumer warpgroup's wgmmas are done
+        // Below 256 tokens the stage's activations; at 256 tokens the step's box 3, handed back at the next step.
+        uint8_t* staging = Cfg::kBoxRing ? ring.box(box_slot == 0 ? B - 1 : box_slot - 1) : ring.x(slot);
+        ws_store_by_copy<Cfg, T>(p, y_map, c, tile16, out_scale, acc, staging);
+        if (lane == 0 && stage_stays) mbarrier_arrive(&empty[slot]);
+      } else if (stores_tile) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
       } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
         lead_reduces = true;
@@ -581,7 +642,9 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
 // ---------------------------------------------------------------------------- the kernel
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_constant__ GemmParams p,
-                                                                 const __grid_constant__ CUtensorMap x_map) {
+                                                                 const __grid_constant__ CUtensorMap x_map,
+                                                                 const __grid_constant__ CUtensorMap y_map,
+                                                                 bool y_by_copy) {
 #if KBIT_WGMMA
   constexpr int K = Cfg::kBits, S = Cfg::kStages, kBoxBarriers = Cfg::kBoxRing ? Cfg::kBoxes : 1;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -635,7 +698,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   } else {
     warpgroup_registers_inc<Cfg::kConsumerRegisters>();
     if (settled) wait_previous_kernel();
-    ws_consumer<Cfg, T>(p, ring, full, empty, box_full, box_empty, first, last);
+    ws_consumer<Cfg, T>(p, ring, full, empty, box_full, box_empty, first, last, &y_map, y_by_copy);
   }
 #else
   __trap();  // wgmma, setmaxnreg: sm_90a only; the host picks this kernel only on compute capability 9.x
@@ -643,10 +706,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
 }
 
 // ---------------------------------------------------------------------------- host side
-// The activations as a 2-D tensor map [M rows, K_x columns] of 16-bit elements: boxes of 64 columns x NT rows, in
-// the 128-byte swizzle wgmma_descriptor_sw128 reads; rows past M and columns past K_x arrive as zeros. Encoded per
-// call (host only, no device work): x changes from call to call. The driver's encoder is looked up once.
-inline cudaError_t ws_activation_map(const GemmParams& p, int tokens, CUtensorMap& map) {
+// A 2-D tensor map [outer rows, inner columns] of 16-bit elements, rows row_bytes apart, in boxes of box_inner x
+// box_outer; the driver's encoder is looked up once. Encoded per call (host only, no device work): x and y change
+// from call to call.
+inline cudaError_t ws_tensor_map(const void* base, uint64_t inner, uint64_t outer, uint64_t row_bytes, uint32_t box_inner,
+                                 uint32_t box_outer, CUtensorMapSwizzle swizzle, CUtensorMapL2promotion promotion,
+                                 CUtensorMap& map) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -656,14 +721,30 @@ inline cudaError_t ws_activation_map(const GemmParams& p, int tokens, CUtensorMa
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.K_x), static_cast<cuuint64_t>(p.M)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.lda) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(tokens)};
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(p.x), dims, strides, box,
-                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The activations [M, K_x]: boxes of 64 columns x NT rows, in the 128-byte swizzle wgmma_descriptor_sw128 reads;
+// rows past M and columns past K_x arrive as zeros.
+inline cudaError_t ws_activation_map(const GemmParams& p, int tokens, CUtensorMap& map) {
+  return ws_tensor_map(p.x, p.K_x, p.M, static_cast<uint64_t>(p.lda) * 2, 64, tokens, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
+}
+
+// The output [M, N] for ws_store_by_copy: boxes of 16 rows x kStoreTokens tokens, unswizzled. The tensor copy engine
+// needs 16-byte aligned rows: where N % 8 != 0 (or y is not 16-byte aligned) there is no map, and ws_store stores.
+template <class Cfg>
+bool ws_output_map(const GemmParams& p, CUtensorMap& map) {
+  return p.N % 8 == 0 && reinterpret_cast<uintptr_t>(p.y) % 16 == 0 &&
+         ws_tensor_map(p.y, p.N, p.M, static_cast<uint64_t>(p.N) * 2, 16, Cfg::kStoreTokens, CU_TENSOR_MAP_SWIZZLE_NONE,
+                       CU_TENSOR_MAP_L2_PROMOTION_NONE, map) == cudaSuccess;
 }
 
 // Dynamic shared memory of a launch: from the dynamic base (after the reserved and static shared memory) to the end
@@ -684,9 +765,10 @@ cudaError_t gemm_ws_dynamic_smem(int& bytes) {
 
 template <class Cfg, typename T>
 cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
-  alignas(64) CUtensorMap map;
+  alignas(64) CUtensorMap map, y_map{};
   cudaError_t err = ws_activation_map(p, Cfg::kTokens, map);
   if (err != cudaSuccess) return err;
+  const bool y_by_copy = ws_output_map<Cfg>(p, y_map);
   int smem_bytes = 0;
   const cudaError_t attr = setup_once_per_device<gemm_ws_dynamic_smem<Cfg, T>>(smem_bytes);
   if (attr != cudaSuccess) return attr;
@@ -700,7 +782,7 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = p.dependent_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, map);
+  return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, map, y_map, y_by_copy);
 }
 
 // The configurations built, per bit width and dtype: 32, 64, 128 or 256 tokens per tile. The one list, for the
