@@ -290,7 +290,8 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
 // The warp's fragments, scaled, biased and rounded, go token-major into its piece of `staging` (stmatrix_x4_trans:
 // [token][its 16 rows], 32 B per token), and one lane copies the piece to y (rows past N and tokens past M are not
 // written). Every consumer warp has drained its wgmmas and met the others first (none reads `staging` any more);
-// the piece may be reused, and `staging` handed back, once the copy has read it.
+// the piece is reused, and `staging` handed back, once the copies have read it: lane 0's bulk_wait_read, here between
+// rounds, after the last by the caller, as late as it can.
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void* y_map, const StepCursor& c, int tile16,
                                                  float s, const float (&acc)[Cfg::kFrags][4], uint8_t* staging) {
@@ -325,8 +326,6 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
       bulk_commit_group();
     }
   }
-  if (lane == 0) bulk_wait_read();
-  __syncwarp();
 }
 #endif  // KBIT_WGMMA
 
@@ -578,7 +577,12 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       }
       if (Cfg::kBoxRing || t >= 2) wgmma_wait<1>();  // group t - 2 (of the step before at t < 2) is done with a[t % 2]
-      if (Cfg::kBoxRing && t % 2 == 1 && (t >= 3 || box_behind)) release_box();  // and with box t / 2 - 1
+      if (Cfg::kBoxRing && t % 2 == 1 && (t >= 3 || box_behind)) {  // and with box t / 2 - 1
+        // The step before's box 3 held a stored tile's sums if it ended one: its copies have read them (only
+        // lane 0 copies; every consumer thread arrives, so the slot is free once every warp's lane 0 is past this).
+        if (t == 1 && lane == 0) bulk_wait_read();
+        release_box();
+      }
       uint32_t h[2][4];
       block_fragments<Cfg>(w, t, sel, h);
       apply_block_scales<T>(scales_lo, scales_hi, t, h);
@@ -617,7 +621,10 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         // Below 256 tokens the stage's activations; at 256 tokens the step's box 3, handed back at the next step.
         uint8_t* staging = Cfg::kBoxRing ? ring.box(box_slot == 0 ? B - 1 : box_slot - 1) : ring.x(slot);
         ws_store_by_copy<Cfg, T>(p, y_map, c, tile16, out_scale, acc, staging);
-        if (lane == 0 && stage_stays) mbarrier_arrive(&empty[slot]);
+        if (lane == 0 && stage_stays) {  // at 256 tokens the box goes back at the next step's group 1
+          bulk_wait_read();
+          mbarrier_arrive(&empty[slot]);
+        }
       } else if (stores_tile) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
       } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
@@ -633,6 +640,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
     if (++slot == S) slot = 0, phase ^= 1u;
   }
   if constexpr (Cfg::kBoxRing) wgmma_wait<0>();  // drained at the range's last step already; ptxas cannot see that
+  if (lane == 0) bulk_wait_read();  // a stored tile's sums read from shared memory before it is reused (ws_park)
+  __syncwarp();
   if (lead_reduces) ws_park<Cfg>(acc, ring.base);
   ws_reduce_slices<Cfg, T>(p, out_scale);
   if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, ring.base);
