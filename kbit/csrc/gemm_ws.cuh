@@ -65,8 +65,10 @@ struct WsConfig {
   // rows) and the weights (the tile's codes, K * 512 B per 16-row tile, then its E4M4 block scales, 128 B per tile: two
   // bulk copies). Every piece starts 1024-byte aligned (the swizzle atoms).
   // At 256 tokens (kBoxRing) a step's activations are 128 KB, two stages do not fit: the boxes have a ring of their
-  // own (kBoxes slots of one box, each with its barriers), and a stage is the step's weights.
-  static constexpr bool kBoxRing = NT == 256;
+  // own (kBoxes slots of one box, each with its barriers), and a stage is the step's weights. So at 128 tokens for
+  // k = 5, whose two 107 KB stages left 8 KB, 2 lane copies, for its pair table: 6 boxes of 16 KB beside two weight
+  // stages leave it 32 KB, 8 copies (0.94-1.0x the time at 65-128 tokens; H200, docs/PERFORMANCE.md).
+  static constexpr bool kBoxRing = NT == 256 || (K == 5 && NT == 128);
   static constexpr int kXBox = NT * 128;
   static constexpr int kXBytes = kBoxRing ? 0 : 4 * kXBox;  // a stage's activations
   static constexpr int kCodeBytes = K * 512;
@@ -87,11 +89,12 @@ struct WsConfig {
   //     beside it: with c copies 32 / c lanes share each copy's banks, and a lookup takes ~1, 2, 3 wavefronts at 32,
   //     16, 8 copies; the lookups' conflicts cost more than a third stage (k = 4, 64 tokens: 3 stages and 16 copies to
   //     2 and 32, 4-5% faster on the 235M shapes; k = 5, 17-32 tokens: 3 stages and 8 copies to 2 and 16, 0.80-1.0x
-  //     the time; 33-64 tokens, 8 copies to 16 at two stages, 0.83-0.94x; H200, docs/PERFORMANCE.md). k = 5 at 128
-  //     tokens keeps 2 (two 107 KB stages leave 8 KB); conflict-free single-code lookups (32 entries x 32 copies, two
-  //     lookups and a PRMT per pair) took 48% more instructions and were no faster.
-  //   At 256 tokens the compact pair table, below the top, with as many lane copies as leave room for 5 boxes and two
-  //     stages of weights beneath it (k = 2, 3: 32 copies, 6 and 5 boxes; k = 4: 16, k = 5: 4, 5 boxes).
+  //     the time; 33-64 tokens, 8 copies to 16 at two stages, 0.83-0.94x; H200, docs/PERFORMANCE.md).
+  //     Conflict-free single-code lookups (32 entries x 32 copies, two lookups and a PRMT per pair) took 48% more
+  //     instructions and were no faster.
+  //   On the ring of boxes the compact pair table, below the top, with as many lane copies as leave room for 5 boxes
+  //     and two stages of weights beneath it (256 tokens: k = 2, 3 32 copies, 6 and 5 boxes; k = 4 16, k = 5 4, 5
+  //     boxes; k = 5 at 128 tokens: 8 copies, 6 boxes).
   static constexpr int kPairs = 1 << (2 * K);
   static constexpr int kByteRowBytes = 256 * 256;
   static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
@@ -146,9 +149,9 @@ struct WsConfig {
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
   // A whole tile's sums leave through shared memory (ws_store_by_copy), each consumer warp's 16 rows in pieces of
-  // kStoreTokens tokens, 32 B per token: below 256 tokens in the activations of the tile's last stage (one piece per
-  // warp), at 256 tokens in the step's last box (two rounds of 128 tokens).
-  static constexpr int kStoreTokens = NT == 256 ? 128 : NT;
+  // kStoreTokens tokens, 32 B per token: in the activations of the tile's last stage (one piece per warp), or on the
+  // ring of boxes in the step's last box (256 tokens: two rounds of 128 tokens; 128: four of 32).
+  static constexpr int kStoreTokens = !kBoxRing ? NT : NT == 256 ? 128 : 32;
   static_assert(kConsumerWarps * kStoreTokens * 32 == (kBoxRing ? kXBox : kXBytes), "the pieces fill what they reuse");
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
   static constexpr int kTilePartialFloats = kTileRows * NT;
@@ -164,12 +167,12 @@ template <class Cfg>
 struct WsRing {
   uint8_t* base;   // 1024-byte aligned, below the table
   uint32_t above;  // the table's end, from base
-  __device__ uint8_t* x(int s) const {  // below 256 tokens: stage s's boxes
+  __device__ uint8_t* x(int s) const {  // off the ring of boxes: stage s's boxes
     if constexpr (Cfg::kXBelow == Cfg::kStages) return base + s * Cfg::kXBytes;
     return base + (s < Cfg::kXBelow ? s * Cfg::kXBytes
                                     : above + Cfg::kWeightsAboveBytes + (s - Cfg::kXBelow) * Cfg::kXBytes);
   }
-  __device__ uint8_t* box(int b) const { return base + b * Cfg::kXBox; }  // 256 tokens: box slot b
+  __device__ uint8_t* box(int b) const { return base + b * Cfg::kXBox; }  // kBoxRing: box slot b
   __device__ uint8_t* weights(int s) const {
     constexpr int kBelowFrom = Cfg::kXBelowBytes;
     if constexpr (Cfg::kWeightsBelow == Cfg::kStages) return base + kBelowFrom + s * Cfg::kWeightBytes;
@@ -212,7 +215,7 @@ __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, const 
 // when its bytes (kStageBytes, boxes partly or wholly outside x included: those arrive as zeros) have landed. The n-th
 // use of a stage waits for the (n-1)-th completion of its empty barrier. A step's bytes are announced first, then its
 // activations and its weights are copied; the first `copied` steps' weights are in flight already
-// (ws_copy_first_weights). At 256 tokens (kBoxRing) the step's weights go first, then each box into the next free
+// (ws_copy_first_weights). On the ring of boxes (kBoxRing) the step's weights go first, then each box into the next free
 // slot of the boxes' ring, announced on that slot's own full barrier; box_empty[b] counts every consumer thread.
 template <class Cfg>
 __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, const WsRing<Cfg>& ring,
@@ -518,10 +521,10 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // Per step: wait for the stage, then this warp's 16-row tile of the warpgroup's m64 block: its codes and scales, and
 // per block t of 32 columns one wgmma group: 2 wgmmas (k16 slices) of 64 rows x NT tokens x 16. A group's A fragments
 // are built while the previous group runs: two register sets, set t % 2 rewritten once `wgmma_wait<1>` says group
-// t - 2 is done (8 registers each). Below 256 tokens the stage (which holds the activations) goes back to the
+// t - 2 is done (8 registers each). Off the ring of boxes the stage (which holds the activations) goes back to the
 // producer once its last group is done: one drain per step and warpgroup, which the other consumer warpgroups' groups
 // cover on the tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
-// across the step loop; ptxas then serializes every wgmma, C7518.) At 256 tokens (kBoxRing) the stage holds weights
+// across the step loop; ptxas then serializes every wgmma, C7518.) On the ring of boxes (kBoxRing) the stage holds weights
 // only, read into registers before the step's last group, so it goes back without a drain, and the groups stay in
 // flight from step to step: the two consumer warpgroups sweep the boxes in step, so a drain in one was a drain in
 // both, the tensor pipe idle while each built its first group. Each box is waited for before its first group and
@@ -555,7 +558,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   for (int remaining = last - first; remaining > 0; --remaining, c.advance(p)) {
     mbarrier_wait(&full[slot], phase);
     const uint8_t* weights = ring.weights(slot);
-    // The activation descriptor of the stage (of the box at 256 tokens); each wgmma's is this plus its slice's
+    // The activation descriptor of the stage (of the box on the ring of boxes); each wgmma's is this plus its slice's
     // offset, added right before it (volatile asm): computed ahead, the 16 descriptors of a step held 32 registers
     // and the 128-token build spilled.
     uint64_t x_desc = Cfg::kBoxRing ? 0 : wgmma_descriptor_sw128(shared_address(ring.x(slot)));
@@ -607,7 +610,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
     }
     box_behind = Cfg::kBoxRing;
     const bool holds_last = c.kstep == p.k_groups - 1, stores_tile = holds_last && from_start;
-    // Below 256 tokens a tile stored by copy leaves through its last stage, which goes back once the copy has read it.
+    // Off the ring of boxes a tile stored by copy leaves through its last stage, which goes back once the copy has read
+    // it.
     const bool stage_stays = !Cfg::kBoxRing && stores_tile && y_by_copy;
     __syncwarp();
     if (lane == 0 && !stage_stays) mbarrier_arrive(&empty[slot]);
@@ -618,10 +622,10 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
       }
       if (stores_tile && y_by_copy) {
         consumer_barrier<Cfg>();  // every consumer warpgroup's wgmmas are done
-        // Below 256 tokens the stage's activations; at 256 tokens the step's box 3, handed back at the next step.
+        // The stage's activations, or on the ring of boxes the step's box 3, handed back at the next step.
         uint8_t* staging = Cfg::kBoxRing ? ring.box(box_slot == 0 ? B - 1 : box_slot - 1) : ring.x(slot);
         ws_store_by_copy<Cfg, T>(p, y_map, c, tile16, out_scale, acc, staging);
-        if (lane == 0 && stage_stays) {  // at 256 tokens the box goes back at the next step's group 1
+        if (lane == 0 && stage_stays) {  // a box goes back at the next step's group 1
           bulk_wait_read();
           mbarrier_arrive(&empty[slot]);
         }
