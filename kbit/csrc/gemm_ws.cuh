@@ -290,14 +290,15 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
 // A whole tile's sums into y through shared memory and the tensor copy engine (where N % 8 == 0: y_map, the host's
 // ws_output_map), in place of ws_store's 2-byte stores: 128 per thread at 256 tokens, each with its own address and
 // bounds, took ~3.7 us per tile with both consumer warpgroups off the tensor cores (H200, docs/PERFORMANCE.md).
-// The warp's fragments, scaled, biased and rounded, go token-major into its piece of `staging` (stmatrix_x4_trans:
-// [token][its 16 rows], 32 B per token), and one lane copies the piece to y (rows past N and tokens past M are not
-// written). Every consumer warp has drained its wgmmas and met the others first (none reads `staging` any more);
-// the piece is reused, and `staging` handed back, once the copies have read it: lane 0's bulk_wait_read, here between
-// rounds, after the last by the caller, as late as it can.
-template <class Cfg, typename T>
+// The warp's fragments, scaled, biased and rounded, go token-major into its `piece` of shared memory
+// (stmatrix_x4_trans: [token][its 16 rows], 32 B per token), kStoreTokens at a time, and one lane copies each round
+// to y (rows past N and tokens past M are not written). Nothing may read the piece any more (in the main loop every
+// consumer warp has drained its wgmmas and met the others). A piece of kStoreTokens x 32 B is reused from round to
+// round once the copy before has read it; one of NT x 32 B (kWholePiece) takes every round. The piece is free again
+// once lane 0's bulk_wait_read is past, which the caller places as late as it can.
+template <class Cfg, typename T, bool kWholePiece>
 __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void* y_map, const StepCursor& c, int tile16,
-                                                 float s, const float (&acc)[Cfg::kFrags][4], uint8_t* staging) {
+                                                 float s, const float (&acc)[Cfg::kFrags][4], uint8_t* piece) {
   constexpr int kPieceFrags = Cfg::kStoreTokens / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2;
   const T* bias = static_cast<const T*>(p.bias);
@@ -305,12 +306,12 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
   float bn[2];  // rows g, g + 8
 #pragma unroll
   for (int half = 0; half < 2; ++half) bn[half] = bias && n0 + g + 8 * half < p.N ? to_float(bias[n0 + g + 8 * half]) : 0.0f;
-  uint8_t* piece = staging + tile16 * (Cfg::kStoreTokens * 32);
   // Lane l: row l % 8 of stored matrix l / 8 = token l % 8 of fragment j + l / 16, rows 8 (l / 8 % 2) .. + 7.
   const uint32_t address = shared_address(piece) + ((lane >> 4) * 8 + (lane & 7)) * 32 + (lane >> 3 & 1) * 16;
 #pragma unroll
   for (int r = 0; r < Cfg::kFrags / kPieceFrags; ++r) {
-    if (r > 0) {  // the piece again: once the copy before has read it
+    const int round_bytes = kWholePiece ? r * Cfg::kStoreTokens * 32 : 0;
+    if (!kWholePiece && r > 0) {  // the piece again: once the copy before has read it
       if (lane == 0) bulk_wait_read();
       __syncwarp();
     }
@@ -318,14 +319,14 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
     for (int j = 0; j < kPieceFrags; j += 2) {
       const float(&d0)[4] = acc[r * kPieceFrags + j];
       const float(&d1)[4] = acc[r * kPieceFrags + j + 1];
-      stmatrix_x4_trans(address + j * 8 * 32, pack_pair<T>(d0[0] * s + bn[0], d0[1] * s + bn[0]),
+      stmatrix_x4_trans(address + round_bytes + j * 8 * 32, pack_pair<T>(d0[0] * s + bn[0], d0[1] * s + bn[0]),
                         pack_pair<T>(d0[2] * s + bn[1], d0[3] * s + bn[1]), pack_pair<T>(d1[0] * s + bn[0], d1[1] * s + bn[0]),
                         pack_pair<T>(d1[2] * s + bn[1], d1[3] * s + bn[1]));
     }
     fence_proxy_async_shared();  // the stores above, before the copy engine reads them
     __syncwarp();
     if (lane == 0) {
-      tensor_store_2d_from_shared(y_map, n0, c.mpass * Cfg::kTokens + r * Cfg::kStoreTokens, piece);
+      tensor_store_2d_from_shared(y_map, n0, c.mpass * Cfg::kTokens + r * Cfg::kStoreTokens, piece + round_bytes);
       bulk_commit_group();
     }
   }
@@ -386,8 +387,9 @@ __device__ __forceinline__ void consumer_barrier() {
 // past it no stage is read or filled again: each warp parks its accumulators below the table (ws_park, before the
 // slices of the range's first tile, which need the registers), and the registers they free hold kInFlight partial
 // fragments per L2 round trip, whichever contributors they come from, taken contributor by contributor, so each sum
-// adds its partials in CTA order. 16 fragments per round trip, 8 at 128 and 256 tokens (16 spilled at 128 tokens,
-// at 112 registers), 12 at 32 (all of a tile split 4 ways; 16 spilled).
+// adds its partials in CTA order. 8 fragments per round trip at 128 and 256 tokens (16 spilled at 128 tokens, at 112
+// registers), 12 at 32 and 64 (at 32 all of a tile split 4 ways; 16 spilled there, and at 64 beside the sums' store
+// by copy).
 template <class Cfg>
 __device__ __forceinline__ float4* ws_parked(uint8_t* stages) {  // [warp][fragment][lane]: this lane's first
   return reinterpret_cast<float4*>(stages) + ((threadIdx.x >> 5) - 4) * Cfg::kFrags * 32 + (threadIdx.x & 31);
@@ -402,10 +404,12 @@ __device__ __forceinline__ void ws_park(const float (&acc)[Cfg::kFrags][4], uint
 }
 
 // Nothing live across the slices but the parked sums and the output scale: the tile (the range's last) and the
-// warp's rows are found again here.
+// warp's rows are found again here. The sums leave as a stored tile does; by copy, through the warp's parked slice
+// once it is read back (64 B per token, the copy needs 32).
 template <class Cfg, typename T>
-__device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_scale, uint8_t* stages) {
-  constexpr int F = Cfg::kFrags, kInFlight = F >= 16 ? 8 : F == 8 ? 16 : 12;
+__device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_scale, uint8_t* stages, const void* y_map,
+                                               bool y_by_copy) {
+  constexpr int F = Cfg::kFrags, kInFlight = F >= 16 ? 8 : 12;
   const StepCursor c(p, first_step_of(p, blockIdx.x + 1) - 1);
   const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
   const int lane_tokens = p.M - c.mpass * Cfg::kTokens - 2 * (lane & 3);
@@ -434,6 +438,15 @@ __device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_sc
     const float4 d = parked[j * 32];
     acc[j][0] = d.x, acc[j][1] = d.y, acc[j][2] = d.z, acc[j][3] = d.w;
   }
+#if KBIT_WGMMA
+  if (y_by_copy) {
+    static_assert(Cfg::kFrags * 32 * 16 >= Cfg::kTokens * 32, "a warp's parked slice holds its rows' output");
+    __syncwarp();  // every lane's parked sums read before stmatrix overwrites them
+    ws_store_by_copy<Cfg, T, true>(p, y_map, c, cwarp, out_scale, acc, reinterpret_cast<uint8_t*>(parked - lane));
+    if (lane == 0) bulk_wait_read();  // before the CTA ends
+    return;
+  }
+#endif
   ws_store<Cfg, T>(p, c, cwarp, out_scale, acc);
 }
 
@@ -624,7 +637,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         consumer_barrier<Cfg>();  // every consumer warpgroup's wgmmas are done
         // The stage's activations, or on the ring of boxes the step's box 3, handed back at the next step.
         uint8_t* staging = Cfg::kBoxRing ? ring.box(box_slot == 0 ? B - 1 : box_slot - 1) : ring.x(slot);
-        ws_store_by_copy<Cfg, T>(p, y_map, c, tile16, out_scale, acc, staging);
+        ws_store_by_copy<Cfg, T, false>(p, y_map, c, tile16, out_scale, acc, staging + tile16 * (Cfg::kStoreTokens * 32));
         if (lane == 0 && stage_stays) {  // a box goes back at the next step's group 1
           bulk_wait_read();
           mbarrier_arrive(&empty[slot]);
@@ -648,7 +661,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   __syncwarp();
   if (lead_reduces) ws_park<Cfg>(acc, ring.base);
   ws_reduce_slices<Cfg, T>(p, out_scale);
-  if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, ring.base);
+  if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, ring.base, y_map, y_by_copy);
 }
 #endif  // KBIT_WGMMA
 
