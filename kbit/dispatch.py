@@ -152,9 +152,9 @@ H200_WS_TILES = Measured("H200", "feea81a", "2026-11-26",
 H200_WS_256 = Measured("H200", "5ee9822", "2026-11-27",
                        "benchmarks/bench_ws_tiles.py --tiles 128,256 and --tiles 64,256, bits 2..5, 192-4096 tokens "
                        "(benchmarks/results/ws_tiles_256_NVIDIA_H200.md)")
-H200_WS_256_BY_COPY = Measured("H200", "1fc5abb", "2026-11-27",
-                               "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 4 --m 384,512,768, six shapes, tiles "
-                               "stored by copy; docs/PERFORMANCE.md, H200, GEMM 32 to 4096 tokens")
+H200_WS_256_BY_COPY = Measured("H200", "0df46a1", "2026-11-27",
+                               "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 448-896 tokens, tiles stored "
+                               "by copy (benchmarks/results/ws_tiles_256_by_copy_NVIDIA_H200.md)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
@@ -261,9 +261,10 @@ CROSSOVERS = (
     # passes lose to three of 128 (0.77-1.02x), and at 65-128 one 256-token pass, half padding, to one of 128
     # (0.48-0.75x; H200, 80-128 tokens, six shapes, at 8cf5969).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 1024, H200_WS_256, bits=(2, 3, 4)),
-    # With tiles stored by copy, from two 256-token passes where they give each SM >= 32 steps (counted in 256 rows):
-    # 8192->28672 at 512 tokens 353 against 394 us (128-token tiles; the N = 4096 and 14336 shapes, 10-14 steps,
-    # 0.97-1.04x there; K = 4).
+    # With tiles stored by copy, from two 256-token passes where they give each SM >= 32 steps (counted in 256 rows;
+    # the two 235M shapes): K = 4 at 448 / 512 tokens 128-token tiles' time over theirs 1.01-1.08, K = 3 0.98-1.05,
+    # K = 2 0.87-1.07 (through the planner, two runs: 0.90-0.97x the time at 512 for every K and dtype); the shapes
+    # of 8-14 steps 0.93-1.08 there, and 640 tokens, a third pass half padding, 0.80-1.09.
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_BY_COPY, bits=(2, 3, 4), min_steps_per_sm=32),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 193, H200_WS_256, bits=(2, 3, 4), min_out_features=14336,
               through=256),
