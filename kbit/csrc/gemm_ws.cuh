@@ -67,7 +67,7 @@ struct WsConfig {
   // At 256 tokens (kBoxRing) a step's activations are 128 KB, two stages do not fit: the boxes have a ring of their
   // own (kBoxes slots of one box, each with its barriers), and a stage is the step's weights. So at 128 tokens for
   // k = 5, whose two 107 KB stages left 8 KB, 2 lane copies, for its pair table: 6 boxes of 16 KB beside two weight
-  // stages leave it 32 KB, 8 copies (0.94-1.0x the time at 65-128 tokens; H200, docs/PERFORMANCE.md).
+  // stages leave it 32 KB, 8 copies (0.96-0.98x the time at 80-128 tokens; H200, docs/PERFORMANCE.md).
   static constexpr bool kBoxRing = NT == 256 || (K == 5 && NT == 128);
   static constexpr int kXBox = NT * 128;
   static constexpr int kXBytes = kBoxRing ? 0 : 4 * kXBox;  // a stage's activations
@@ -539,8 +539,8 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // cover on the tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
 // across the step loop; ptxas then serializes every wgmma, C7518.) On the ring of boxes (kBoxRing) the stage holds weights
 // only, read into registers before the step's last group, so it goes back without a drain, and the groups stay in
-// flight from step to step: the two consumer warpgroups sweep the boxes in step, so a drain in one was a drain in
-// both, the tensor pipe idle while each built its first group. Each box is waited for before its first group and
+// flight from step to step: the consumer warpgroups sweep the boxes in step, so a drain in one was a drain in
+// all, the tensor pipe idle while each built its first group. Each box is waited for before its first group and
 // handed back once its last group is done: box t / 2 - 1 after `wgmma_wait<1>` at odd t, at t = 1 the step before's
 // box 3. Only a tile's last step drains (its accumulators are read).
 template <class Cfg, typename T>
@@ -638,7 +638,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         // The stage's activations, or on the ring of boxes the step's box 3, handed back at the next step.
         uint8_t* staging = Cfg::kBoxRing ? ring.box(box_slot == 0 ? B - 1 : box_slot - 1) : ring.x(slot);
         ws_store_by_copy<Cfg, T, false>(p, y_map, c, tile16, out_scale, acc, staging + tile16 * (Cfg::kStoreTokens * 32));
-        if (lane == 0 && stage_stays) {  // a box goes back at the next step's group 1
+        if (lane == 0 && stage_stays) {  // (a box goes back at the next step's group 1)
           bulk_wait_read();
           mbarrier_arrive(&empty[slot]);
         }
