@@ -149,10 +149,11 @@ struct WsConfig {
   // Shared memory per CTA, static included, for the largest static part allowed: what the plan checks.
   static constexpr int kSmemTotal = kTableAddress + kTables + kAboveBytes - kReservedSmem;
   // A whole tile's sums leave through shared memory (ws_store_by_copy), each consumer warp's 16 rows in pieces of
-  // kStoreTokens tokens, 32 B per token: in the activations of the tile's last stage (one piece per warp), or on the
-  // ring of boxes in the step's last box (256 tokens: two rounds of 128 tokens; 128: four of 32).
-  static constexpr int kStoreTokens = !kBoxRing ? NT : NT == 256 ? 128 : 32;
-  static_assert(kConsumerWarps * kStoreTokens * 32 == (kBoxRing ? kXBox : kXBytes), "the pieces fill what they reuse");
+  // kStoreTokens tokens, 32 B per token, as many as the tile's last activations hold: its stage's (one piece per
+  // warp: NT tokens), or on the ring of boxes its step's last box (256 tokens: two rounds of 128; 128: four of 32).
+  static constexpr int kStoreTokens = (kBoxRing ? kXBox : kXBytes) / (kConsumerWarps * 32);
+  static_assert(NT % kStoreTokens == 0 && kStoreTokens % 16 == 0 && kStoreTokens <= 256,
+                "whole rounds of stmatrix_x4_trans (16 tokens) and tensor-store boxes (at most 256)");
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
   static constexpr int kTilePartialFloats = kTileRows * NT;
   static constexpr int kPartialFloats = 2 * kTilePartialFloats;
@@ -251,6 +252,12 @@ __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_m
 }
 
 // ---------------------------------------------------------------------------- the end of a tile
+// The bias of output row n: 0 without a bias (nullptr) and past N.
+template <typename T>
+__device__ __forceinline__ float ws_row_bias(const T* bias, int N, int n) {
+  return bias && n < N ? to_float(bias[n]) : 0.0f;
+}
+
 // One D fragment's four sums (rows n[0], n[1] = g, g + 8 of a 16-row tile, tokens m, m + 1: common.cuh) into y,
 // scaled and biased, where they lie inside it.
 template <typename T>
@@ -280,7 +287,7 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     n[half] = c.ntile * Cfg::kTileRows + tile16 * 16 + g + 8 * half;
-    bn[half] = bias && n[half] < p.N ? to_float(bias[n[half]]) : 0.0f;
+    bn[half] = ws_row_bias(bias, p.N, n[half]);
   }
 #pragma unroll
   for (int j = 0; j < Cfg::kFrags; ++j) ws_store_fragment<T>(p, n, bn, c.mpass * Cfg::kTokens + 8 * j + 2 * q, s, acc[j]);
@@ -303,9 +310,7 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
   const int lane = threadIdx.x & 31, g = lane >> 2;
   const T* bias = static_cast<const T*>(p.bias);
   const int n0 = c.ntile * Cfg::kTileRows + tile16 * 16;
-  float bn[2];  // rows g, g + 8
-#pragma unroll
-  for (int half = 0; half < 2; ++half) bn[half] = bias && n0 + g + 8 * half < p.N ? to_float(bias[n0 + g + 8 * half]) : 0.0f;
+  const float bn[2] = {ws_row_bias(bias, p.N, n0 + g), ws_row_bias(bias, p.N, n0 + g + 8)};  // rows g, g + 8
   // Lane l: row l % 8 of stored matrix l / 8 = token l % 8 of fragment j + l / 16, rows 8 (l / 8 % 2) .. + 7.
   const uint32_t address = shared_address(piece) + ((lane >> 4) * 8 + (lane & 7)) * 32 + (lane >> 3 & 1) * 16;
 #pragma unroll
@@ -506,7 +511,7 @@ __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, f
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           rows[half] = ntile * Cfg::kTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
-          bn[half] = bias && rows[half] < p.N ? to_float(bias[rows[half]]) : 0.0f;
+          bn[half] = ws_row_bias(bias, p.N, rows[half]);
         }
         ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + 8 * ((item >> 5) % F) + 2 * (lane & 3), out_scale,
                              sum);
