@@ -87,10 +87,10 @@ bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
 // tokens: 1.10-1.16x the time at k = 2..4), one 256-token tile faster (14336->4096 at 1024 tokens: 198 -> 178 us);
 // docs/PERFORMANCE.md.
 // Where the tiles are at most half the SMs: each tile cut in s equal parts of whole k-groups (grid tiles x s, at least
-// 95% of the SMs). One CTA per SM cuts a tile across three CTAs where a range is shorter than half a tile, and the
-// lead, whose range ends in the tile's first k-groups, waits at its end for the CTA whose whole range lies in the
-// tile (H200, k = 4, 512 tokens, 256-token tiles split 2-3 ways: a build whose leads read no partial took 0.84-0.91x
-// the time, and reading faster did not help; docs/PERFORMANCE.md). Otherwise one CTA per SM.
+// 95% of the SMs). With one CTA per SM a range shorter than a tile can lie wholly inside one, which then spans three
+// CTAs; its lead, whose range ends in the tile's first k-groups, waits at its end for that inner CTA, which publishes
+// its partial at its own end (H200, k = 4, 512 tokens, 256-token tiles split 2-3 ways: a build whose leads read no
+// partial took 0.84-0.91x the time, and reading faster did not help; docs/PERFORMANCE.md). Otherwise one CTA per SM.
 static int ws_grid(int tiles, int k_steps, int whole_tiles_from, int num_sms) {
   if (tiles >= whole_tiles_from) {
     for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
