@@ -529,7 +529,7 @@ def test_gemm_ws_256_token_tiles(k):
 @pytest.mark.parametrize("k", BITS)
 def test_gemm_ws_whole_tiles_grid_128_token_tiles(k):
     """128-token tiles on the grid the host plans where every SM gets two or more: 4096x4096 at 4096 tokens is 512
-    tiles of 256 rows, 4 whole tiles on each of 128 CTAs (gemm.cu, ws_grid)."""
+    tiles of 256 rows, 4 whole tiles on each of 128 CTAs (gemm.cu, ws_whole_tiles_grid)."""
     from kbit._build import cuda_ext
 
     N, K, M = 4096, 4096, 4096

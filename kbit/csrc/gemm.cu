@@ -78,30 +78,6 @@ bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
   return gemm_config_info(k, mb, wgmma_tiles, 1, 0, &info) && info.cc_major_min <= kSm80Major;
 }
 
-// The warp-specialized kernel's grid. Where every SM gets two tiles or more (one at 256 tokens per tile): a CTA per SM
-// cuts tiles between CTAs (stream-K) and sets each CTA at its own place in k; with a grid that divides the tiles,
-// every CTA owns whole tiles and all of them sweep k in step, so the CTAs of one token pass read the same activations
-// at the same time. Taken where that grid keeps at least 95% of the SMs (H200, k = 4, 256-token tiles at 4096 tokens,
-// 128 of 132 SMs: 14336->4096 1028 -> 749 us, 28672->8192 3827 -> 2978, 8192->28672 3527 -> 3222; 4096->14336 at
-// 1024 tokens on 112 SMs, 85%: 205 -> 217, slower). One 128-token tile per CTA was slower (28672->8192 at 512
-// tokens: 1.10-1.16x the time at k = 2..4), one 256-token tile faster (14336->4096 at 1024 tokens: 198 -> 178 us);
-// docs/PERFORMANCE.md.
-// Where the tiles are at most half the SMs: each tile cut in s equal parts of whole k-groups (grid tiles x s, at least
-// 95% of the SMs). With one CTA per SM a range shorter than a tile can lie wholly inside one, which then spans three
-// CTAs; its lead, whose range ends in the tile's first k-groups, waits at its end for that inner CTA, which publishes
-// its partial at its own end (H200, k = 4, 512 tokens, 256-token tiles split 2-3 ways: a build whose leads read no
-// partial took 0.84-0.91x the time, and reading faster did not help; docs/PERFORMANCE.md). Otherwise one CTA per SM.
-static int ws_grid(int tiles, int k_steps, int whole_tiles_from, int num_sms) {
-  if (tiles >= whole_tiles_from) {
-    for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
-      if (tiles % grid == 0) return grid;
-  } else {
-    for (int s = std::min(num_sms / tiles, k_steps); s >= 2 && 20 * tiles * s >= 19 * num_sms; --s)
-      if (k_steps % s == 0) return tiles * s;
-  }
-  return num_sms;
-}
-
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
                    int forced_grid) {
   GemmPlan plan{};
@@ -138,12 +114,15 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
   // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
   // that no tile is shared across CTAs.
-  const int whole_tiles_from = (ws_tokens == 256 ? 1 : 2) * num_sms;  // tiles, warp-specialized (above)
+  const int whole_tiles_from = (ws_tokens == 256 ? 1 : 2) * num_sms;  // tiles, warp-specialized (cut.h)
+  const int parts = forced_grid == 0 && ws_tokens > 0 ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
   const int want = forced_grid > 0                                ? std::min(forced_grid, num_sms)
                    : k_split > 1 && tiles <= num_sms                ? tiles
-                   : ws_tokens > 0                                  ? ws_grid(tiles, k_steps, whole_tiles_from, num_sms)
+                   : parts > 0                                      ? tiles * parts
+                   : ws_tokens > 0 && tiles >= whole_tiles_from     ? ws_whole_tiles_grid(tiles, num_sms)
                                                                     : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
+  plan.cut_group = parts > 0 ? parts : plan.grid;  // tiles x parts <= total_steps: parts of at least one k-group
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0;
   plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
@@ -160,8 +139,10 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.k_split = plan.k_split;
   p.ws_tokens = plan.ws_tokens;
   p.grid = plan.grid;
-  p.steps_per_cta = plan.total_steps / plan.grid;
-  p.extra_steps = plan.total_steps % plan.grid;
+  const StreamKCut cut = make_cut(plan.total_steps, plan.grid, plan.cut_group);
+  p.steps_per_cta = cut.steps_per_cta;
+  p.extra_steps = cut.extra_steps;
+  p.cut_group = static_cast<uint16_t>(cut.group);
   p.weights_stream = plan.weights_stream;
 }
 

@@ -46,6 +46,7 @@
 // CTA per SM (so all start at once when the GPU is not shared).
 
 #include "common.cuh"
+#include "cut.h"
 #include "moe.h"
 
 namespace kbit {
@@ -498,19 +499,16 @@ __device__ __forceinline__ const T* x_row(const GemmParams& p, int row) {
   return static_cast<const T*>(p.x) + static_cast<int64_t>(row) * p.lda;
 }
 
-// The stream-K cut (first_step_of below): one weight, the host's plan; grouped, grid CTAs over num_passes *
-// n_tiles * k_steps steps, from the pass count the routing kernel wrote (read after grid_dependency_wait).
-struct StreamKCut {
-  int steps_per_cta, extra_steps;
-};
+// The cut (cut.h): one weight, the host's plan; grouped, grid CTAs over num_passes * n_tiles * k_steps steps, from
+// the pass count the routing kernel wrote (read after grid_dependency_wait).
 template <class Cfg>
 __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
   if constexpr (Cfg::kGrouped) {
     const auto& g = static_cast<const GroupedGemmParams&>(p);
     const int total = min(max(*g.num_passes, 0), g.max_passes) * p.n_tiles * steps_per_tile<Cfg::kKSplit>(p);
-    return {total / static_cast<int>(gridDim.x), total % static_cast<int>(gridDim.x)};
+    return make_cut(total, static_cast<int>(gridDim.x), static_cast<int>(gridDim.x));  // one group
   } else {
-    return {p.steps_per_cta, p.extra_steps};
+    return {p.steps_per_cta, p.extra_steps, p.cut_group};
   }
 }
 
@@ -898,21 +896,12 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
   }
 }
 
-// The stream-K cut: CTA b owns steps_per_cta steps, plus one more when b < extra_steps (total = grid *
-// steps_per_cta + extra_steps). first_step_of(b) is its first step, cta_of_step(s) the owner of step s.
-// Multiplications only on the way in; a 64-bit division per CTA cost ~1% of a small GEMM.
-__device__ __forceinline__ int first_step_of(const StreamKCut& cut, int b) {
-  return b * cut.steps_per_cta + min(b, cut.extra_steps);
-}
-__device__ __forceinline__ int cta_of_step(const StreamKCut& cut, int s) {
-  const int long_steps = cut.extra_steps * (cut.steps_per_cta + 1);  // steps owned by the longer CTAs
-  return s < long_steps ? s / (cut.steps_per_cta + 1) : cut.extra_steps + (s - long_steps) / cut.steps_per_cta;
-}
-__device__ __forceinline__ int first_step_of(const GemmParams& p, int b) {
-  return first_step_of(StreamKCut{p.steps_per_cta, p.extra_steps}, b);
+// The host's cut (GemmParams), on the device.
+__device__ __forceinline__ StepRange steps_of(const GemmParams& p, int b) {
+  return steps_of(StreamKCut{p.steps_per_cta, p.extra_steps, p.cut_group}, b);
 }
 __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
-  return cta_of_step(StreamKCut{p.steps_per_cta, p.extra_steps}, s);
+  return cta_of_step(StreamKCut{p.steps_per_cta, p.extra_steps, p.cut_group}, s);
 }
 
 // KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
@@ -1044,7 +1033,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
   __shared__ Barriers<Cfg> bars;
 
-  int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
+  StepRange range = steps_of(p, blockIdx.x);  // the grouped kernel's once the passes are known (below)
+  int first = range.first, last = range.last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   bars.init(warp, lane);
   mbarrier_init_fence();
@@ -1104,7 +1094,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   allow_dependent_launch();
   if constexpr (Cfg::kGrouped) {  // the routing kernel has written the passes: the step range is known now
     const StreamKCut cut = stream_k_cut<Cfg>(p);
-    first = first_step_of(cut, blockIdx.x), last = first_step_of(cut, blockIdx.x + 1);
+    range = steps_of(cut, blockIdx.x);
+    first = range.first, last = range.last;
     if (first == last) return;
   }
   // Loaded now, not in the epilogue: there it would add a global round trip to the kernel's last ~2 us.

@@ -54,9 +54,10 @@ struct WsConfig {
   static constexpr bool kGrouped = false;
   static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per consumer warp
   // setmaxnreg: the registers allocated at launch (per thread, a multiple of 8, for kThreads threads in 64K) are
-  // shared out again: the producer keeps setmaxnreg's least, 24, the consumers the rest (112).
+  // shared out again: the producer keeps 32 (at setmaxnreg's least, 24, the cut's division spilled in its loop), the
+  // consumers the rest (112; 232 at 256 tokens, whose loop uses 176).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = 24;
+  static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters =
       (kLaunchRegisters + (kLaunchRegisters - kProducerRegisters) / kConsumerGroups) / 8 * 8;
   static_assert(kConsumerRegisters <= 240 && 128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=
@@ -415,7 +416,7 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_scale, uint8_t* stages, const void* y_map,
                                                bool y_by_copy) {
   constexpr int F = Cfg::kFrags, kInFlight = F >= 16 ? 8 : 12;
-  const StepCursor c(p, first_step_of(p, blockIdx.x + 1) - 1);
+  const StepCursor c(p, steps_of(p, blockIdx.x).last - 1);
   const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
   const int lane_tokens = p.M - c.mpass * Cfg::kTokens - 2 * (lane & 3);
   float4* parked = ws_parked<Cfg>(stages);
@@ -527,7 +528,8 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_scale) {
   // A tile reaches kSlicedFrom CTAs only across kSlicedFrom - 2 whole ranges and parts of two more.
   if (p.k_groups < (kSlicedFrom - 2) * p.steps_per_cta + 2) return;
-  const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
+  const StepRange range = steps_of(p, blockIdx.x);
+  const int first = range.first, last = range.last;
   const int head = first / p.k_groups, tail = (last - 1) / p.k_groups;  // the tiles between are whole
 #pragma unroll 1
   for (int tile = tail; tile >= head; tile = tile > head ? head : head - 1)  // one copy of the code (two spilled)
@@ -557,6 +559,9 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
   const uint32_t sel = lane_select<Cfg>(Cfg::kTableAddress, lane);
   const float out_scale = *p.scale;
+  // Whether the range's last tile, if split and begun here, is summed by this CTA alone (ws_lead_reduce): decided
+  // before the accumulators are live (the cut's divisions beside them spilled).
+  const bool last_tile_to_lead = TileCtas(p, (last - 1) / p.k_groups).n < kSlicedFrom;
 
   float acc[F][4];
 #pragma unroll
@@ -649,7 +654,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         }
       } else if (stores_tile) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
-      } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
+      } else if (from_start && last_tile_to_lead) {  // the range's last tile: ws_lead_reduce
         lead_reduces = true;
         break;
       } else {
@@ -691,7 +696,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
         base + dynamic_bytes < Cfg::kTableAddress + Cfg::kTables + Cfg::kAboveBytes)
       __trap();
   }
-  const int first = first_step_of(p, blockIdx.x), last = first_step_of(p, blockIdx.x + 1);
+  const StepRange range = steps_of(p, blockIdx.x);
+  const int first = range.first, last = range.last;
   const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {

@@ -103,9 +103,11 @@ struct GemmParams {
   int M, N, K_x, lda;
   int k_groups;             // K_w / 256, rounded up
   int n_tiles;              // CTA row tiles along N
-  int grid;                 // CTAs; CTA c owns steps_per_cta steps, one more if c < extra_steps
-  int steps_per_cta;        // pipeline steps (token passes x n_tiles x k_steps) / grid
-  int extra_steps;          // pipeline steps % grid
+  int grid;                 // CTAs, in groups of cut_group, each owning cut_group * steps_per_cta + extra_steps
+                            // consecutive pipeline steps (token passes x n_tiles x k_steps in all): a CTA owns
+                            // steps_per_cta steps, one more if it is among the first extra_steps of its group
+  int steps_per_cta;
+  int extra_steps;
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64, 128, 256: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
@@ -122,6 +124,8 @@ struct GemmParams {
                             // stages before the wait (gemm.cuh, gemm_main)
   bool weights_stream;      // the weights are read once and exceed L2: copied evict-first (gemm.cuh up to 16
                             // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
+  uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut), or the
+                            // CTAs sharing one tile (its parts; gemm.cu, ws_tile_parts)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
 // 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
@@ -148,6 +152,7 @@ std::vector<GemmConfigInfo> gemm_configs();
 // How a GEMM will run: its configuration's launch, sized on the host before allocating its workspace.
 struct GemmPlan {
   int mb, m_passes, grid, total_steps;
+  int cut_group;            // CTAs per group of the cut (GemmParams): grid, or the parts of one tile
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: wgmma with that many row tiles per warp (GemmParams)
   int k_split;              // warps splitting one tile's k-groups (GemmParams)
   int ws_tokens;            // 0, or tokens per tile of the warp-specialized kernel (GemmParams)

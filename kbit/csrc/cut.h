@@ -1,0 +1,80 @@
+// How a GEMM's pipeline steps are cut among its CTAs: the ranges (host and device) and the warp-specialized kernel's
+// grid rules (host). A step is (token pass, CTA row tile, k-step), numbered tile * k_steps + k-step; a CTA owns one
+// contiguous range of steps, persistent, one CTA per SM at most (a split tile's reducer waits for the others).
+//
+// The CTAs fall in groups of `group`, each group owning group * steps_per_cta + extra_steps consecutive steps; in a
+// group, CTA j owns steps_per_cta steps, plus one more when j < extra_steps.
+//   One group of all CTAs: the stream-K cut (every SM streams weights whatever the shape).
+//   A group per tile: each tile cut in parts of whole k-steps (ws_tile_parts), no tile across three CTAs.
+// tests/test_cut.py checks these functions on the host over many grids.
+
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define KBIT_HOST_DEVICE __host__ __device__
+#else
+#define KBIT_HOST_DEVICE
+#endif
+
+namespace kbit {
+
+struct StreamKCut {
+  int steps_per_cta, extra_steps, group;  // GemmParams: steps_per_cta, extra_steps, cut_group
+};
+
+struct StepRange {
+  int first, last;  // [first, last)
+};
+
+// total_steps over grid CTAs in groups of `group` (which divides grid; the groups divide the steps).
+KBIT_HOST_DEVICE inline StreamKCut make_cut(int total_steps, int grid, int group) {
+  const int group_steps = total_steps / (grid / group);
+  return {group_steps / group, group_steps % group, group};
+}
+
+// CTA b's steps (b = grid: [total, ...)). One unsigned 32-bit division each, here and in cta_of_step (a 64-bit
+// division per CTA cost ~1% of a small GEMM; a second division per range spilled in the warp-specialized kernel).
+KBIT_HOST_DEVICE inline StepRange steps_of(const StreamKCut& cut, int b) {
+  const uint32_t group = static_cast<uint32_t>(b) / cut.group, j = b - group * cut.group;
+  const uint32_t extra = cut.extra_steps;
+  const int first = b * cut.steps_per_cta + group * extra + (j < extra ? j : extra);
+  return {first, first + cut.steps_per_cta + (j < extra ? 1 : 0)};
+}
+
+// The CTA owning step s.
+KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int s) {
+  const uint32_t group_steps = cut.group * cut.steps_per_cta + cut.extra_steps;
+  const uint32_t group = static_cast<uint32_t>(s) / group_steps, r = s - group * group_steps;
+  const uint32_t q = cut.steps_per_cta, long_steps = cut.extra_steps * (q + 1);  // steps of the group's longer CTAs
+  return group * cut.group + (r < long_steps ? r / (q + 1) : cut.extra_steps + (r - long_steps) / q);
+}
+
+// The warp-specialized kernel's grid where every SM gets two tiles or more (one at 256 tokens per tile): a CTA per SM
+// cuts tiles between CTAs (stream-K) and sets each CTA at its own place in k; with a grid that divides the tiles,
+// every CTA owns whole tiles and all of them sweep k in step, so the CTAs of one token pass read the same activations
+// at the same time. Taken where that grid keeps at least 95% of the SMs (H200, k = 4, 256-token tiles at 4096 tokens,
+// 128 of 132 SMs: 14336->4096 1028 -> 749 us, 28672->8192 3827 -> 2978, 8192->28672 3527 -> 3222; 4096->14336 at
+// 1024 tokens on 112 SMs, 85%: 205 -> 217, slower). One 128-token tile per CTA was slower (28672->8192 at 512
+// tokens: 1.10-1.16x the time at k = 2..4), one 256-token tile faster (14336->4096 at 1024 tokens: 198 -> 178 us);
+// docs/PERFORMANCE.md. Otherwise one CTA per SM.
+inline int ws_whole_tiles_grid(int tiles, int num_sms) {
+  for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
+    if (tiles % grid == 0) return grid;
+  return num_sms;
+}
+
+// Where the tiles are at most half the SMs: each tile cut in `parts` parts of whole k-steps (a group of the cut per
+// tile), grid tiles x parts, where that keeps at least 95% of the SMs; 0 where it does not. With one CTA per SM a range
+// shorter than a tile can lie wholly inside one, which then spans three CTAs; its lead, whose range ends in the
+// tile's first k-groups, waits at its end for that inner CTA, which publishes its partial at its own end (H200,
+// k = 4, 512 tokens, 256-token tiles split 2-3 ways: a build whose leads read no partial took 0.84-0.91x the time,
+// and reading faster did not help; parts of equal size: 14336->4096 0.80-0.95x the time at 32-512 tokens;
+// docs/PERFORMANCE.md).
+inline int ws_tile_parts(int tiles, int k_steps, int num_sms) {
+  const int parts = num_sms / tiles < k_steps ? num_sms / tiles : k_steps;
+  return parts >= 2 && 20 * tiles * parts >= 19 * num_sms ? parts : 0;
+}
+
+}  // namespace kbit

@@ -1,0 +1,89 @@
+"""The cut of a GEMM's steps among its CTAs (kbit/csrc/cut.h), checked on the host: the header's own functions,
+compiled by the host C++ compiler, over many grids. Every CTA's range is contiguous with the next, covers the steps
+once, and cta_of_step finds its owner; the stream-K cut's ranges differ by at most a step; where the warp-specialized
+kernel cuts tiles in parts (ws_tile_parts), every range lies in one tile and every tile has exactly `parts` CTAs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HEADER = Path(__file__).resolve().parent.parent / "kbit" / "csrc" / "cut.h"
+
+CHECK = r"""
+#include <cstdio>
+#include <initializer_list>
+#include "cut.h"
+using namespace kbit;
+
+static int failures = 0;
+static void fail(const char* what, int total, int grid, int group, int b) {
+  if (failures++ < 10) std::printf("FAIL %s: total=%d grid=%d group=%d cta=%d\n", what, total, grid, group, b);
+}
+
+// The cut of total steps over grid CTAs in groups of `group`; tile_steps > 0: every range must lie in one tile.
+static void check(int total, int grid, int group, int tile_steps) {
+  const StreamKCut cut = make_cut(total, grid, group);
+  if (steps_of(cut, 0).first != 0) fail("first range does not start at 0", total, grid, group, 0);
+  int shortest = total, longest = 0;
+  for (int b = 0; b < grid; ++b) {
+    const StepRange r = steps_of(cut, b);
+    if (r.last <= r.first) fail("empty range", total, grid, group, b);
+    if (steps_of(cut, b + 1).first != r.last) fail("ranges not contiguous", total, grid, group, b);
+    for (int s = r.first; s < r.last; ++s)
+      if (cta_of_step(cut, s) != b) { fail("cta_of_step", total, grid, group, b); break; }
+    if (tile_steps > 0 && r.first / tile_steps != (r.last - 1) / tile_steps) fail("range across tiles", total, grid, group, b);
+    shortest = r.last - r.first < shortest ? r.last - r.first : shortest;
+    longest = r.last - r.first > longest ? r.last - r.first : longest;
+  }
+  if (steps_of(cut, grid - 1).last != total) fail("steps not covered", total, grid, group, grid - 1);
+  if (longest - shortest > 1) fail("ranges differ by more than a step", total, grid, group, -1);
+}
+
+int main() {
+  int cuts = 0, parted = 0;
+  for (int sms : {132, 114, 108, 78, 46, 16}) {
+    for (int tiles = 1; tiles <= 300; ++tiles) {
+      for (int k_steps : {1, 2, 3, 5, 8, 16, 17, 43, 56, 112}) {
+        const int total = tiles * k_steps;
+        const int grid = total < sms ? total : sms;  // one CTA per SM: the stream-K cut, one group
+        check(total, grid, grid, 0);
+        ++cuts;
+        const int parts = ws_tile_parts(tiles, k_steps, sms);
+        if (parts > 0) {
+          if (tiles * parts > sms || 20 * tiles * parts < 19 * sms || parts > k_steps)
+            fail("ws_tile_parts: grid past the SMs or below 95% of them", total, tiles * parts, parts, -1);
+          check(total, tiles * parts, parts, k_steps);
+          for (int t = 0; t < tiles; ++t)  // the tile's CTAs: parts of them, t * parts onwards
+            if (cta_of_step(make_cut(total, tiles * parts, parts), t * k_steps) != t * parts ||
+                cta_of_step(make_cut(total, tiles * parts, parts), t * k_steps + k_steps - 1) != t * parts + parts - 1) {
+              fail("tile's CTAs", total, tiles * parts, parts, t);
+              break;
+            }
+          ++parted;
+        }
+        const int whole = ws_whole_tiles_grid(tiles, sms);
+        if (whole != sms && (tiles % whole != 0 || 20 * whole < 19 * sms))
+          fail("ws_whole_tiles_grid: not a divisor of 95% of the SMs", total, whole, whole, -1);
+      }
+    }
+  }
+  std::printf("%d cuts, %d cut in tile parts, %d failures\n", cuts, parted, failures);
+  return failures != 0 || parted == 0;
+}
+"""
+
+
+def test_cut_ranges_and_grid_rules(tmp_path):
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    src, exe = tmp_path / "cut_check.cpp", tmp_path / "cut_check"
+    src.write_text(CHECK)
+    subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(HEADER.parent), str(src), "-o", str(exe)], check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert " 0 failures" in run.stdout
