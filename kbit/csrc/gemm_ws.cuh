@@ -559,9 +559,6 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
   const uint32_t sel = lane_select<Cfg>(Cfg::kTableAddress, lane);
   const float out_scale = *p.scale;
-  // Whether the range's last tile, if split and begun here, is summed by this CTA alone (ws_lead_reduce): decided
-  // before the accumulators are live (the cut's divisions beside them spilled).
-  const bool last_tile_to_lead = TileCtas(p, (last - 1) / p.k_groups).n < kSlicedFrom;
 
   float acc[F][4];
 #pragma unroll
@@ -654,7 +651,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         }
       } else if (stores_tile) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
-      } else if (from_start && last_tile_to_lead) {  // the range's last tile: ws_lead_reduce
+      } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
         lead_reduces = true;
         break;
       } else {
