@@ -27,6 +27,7 @@ static void fail(const char* what, int total, int grid, int group, int b) {
 // The cut of total steps over grid CTAs in groups of `group`; tile_steps > 0: every range must lie in one tile.
 static void check(int total, int grid, int group, int tile_steps) {
   const StreamKCut cut = make_cut(total, grid, group);
+  if (cut.group_reciprocal > 0xFFFF) fail("group_reciprocal past 16 bits", total, grid, group, -1);
   if (steps_of(cut, 0).first != 0) fail("first range does not start at 0", total, grid, group, 0);
   int shortest = total, longest = 0;
   for (int b = 0; b < grid; ++b) {
@@ -45,7 +46,7 @@ static void check(int total, int grid, int group, int tile_steps) {
 
 int main() {
   int cuts = 0, parted = 0;
-  for (int sms : {132, 114, 108, 78, 46, 16}) {
+  for (int sms : {256, 132, 114, 108, 78, 46, 16}) {
     for (int tiles = 1; tiles <= 300; ++tiles) {
       for (int k_steps : {1, 2, 3, 5, 8, 16, 17, 43, 56, 112}) {
         const int total = tiles * k_steps;
@@ -53,6 +54,7 @@ int main() {
         check(total, grid, grid, 0);
         ++cuts;
         const int parts = ws_tile_parts(tiles, k_steps, sms);
+        if (ws_tile_parts(tiles, k_steps, kMaxGroupedGrid + 1) != 0) fail("tile parts past kMaxGroupedGrid SMs", total, -1, -1, -1);
         if (parts > 0) {
           if (tiles * parts > sms || 20 * tiles * parts < 19 * sms || parts > k_steps)
             fail("ws_tile_parts: grid past the SMs or below 95% of them", total, tiles * parts, parts, -1);

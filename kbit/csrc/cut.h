@@ -22,28 +22,34 @@ namespace kbit {
 
 struct StreamKCut {
   int steps_per_cta, extra_steps, group;  // GemmParams: steps_per_cta, extra_steps, cut_group
+  int group_reciprocal;  // GemmParams::cut_group_reciprocal: ceil(2^16 / group), 0 with one group (make_cut)
 };
 
 struct StepRange {
   int first, last;  // [first, last)
 };
 
-// total_steps over grid CTAs in groups of `group` (which divides grid; the groups divide the steps).
+// total_steps over grid CTAs in groups of `group`: grid (one group), or a divisor of grid from 2 to grid / 2 where
+// grid <= kMaxGroupedGrid (the groups divide the steps). CTA b's group is (b * group_reciprocal) >> 16, exact while
+// b * group < 2^16 (b <= grid, group <= grid / 2); the reciprocal fits 16 bits (GemmParams).
+constexpr int kMaxGroupedGrid = 256;
 KBIT_HOST_DEVICE inline StreamKCut make_cut(int total_steps, int grid, int group) {
   const int group_steps = total_steps / (grid / group);
-  return {group_steps / group, group_steps % group, group};
+  return {group_steps / group, group_steps % group, group, group < grid ? ((1 << 16) + group - 1) / group : 0};
 }
 
-// CTA b's steps (b = grid: [total, ...)). One unsigned 32-bit division each, here and in cta_of_step (a 64-bit
-// division per CTA cost ~1% of a small GEMM; a second division per range spilled in the warp-specialized kernel).
+// CTA b's steps, b <= grid. No division, and last not derived from first: so the range stays in uniform registers on
+// the device, which the copies issued by the warp-specialized kernel's producer take directly. Either put the
+// producer's loop in vector registers, moved to uniform ones before every copy, and spilled it at 24 registers
+// (1.03-1.10x the time of most shapes at 32-512 tokens, H200).
 KBIT_HOST_DEVICE inline StepRange steps_of(const StreamKCut& cut, int b) {
-  const uint32_t group = static_cast<uint32_t>(b) / cut.group, j = b - group * cut.group;
-  const uint32_t extra = cut.extra_steps;
-  const int first = b * cut.steps_per_cta + group * extra + (j < extra ? j : extra);
-  return {first, first + cut.steps_per_cta + (j < extra ? 1 : 0)};
+  const uint32_t group = (static_cast<uint32_t>(b) * cut.group_reciprocal) >> 16, j = b - group * cut.group;
+  const uint32_t extra = cut.extra_steps, base = group * extra;
+  return {static_cast<int>(b * cut.steps_per_cta + base + (j < extra ? j : extra)),
+          static_cast<int>((b + 1) * cut.steps_per_cta + base + (j + 1 < extra ? j + 1 : extra))};
 }
 
-// The CTA owning step s.
+// The CTA owning step s (two unsigned 32-bit divisions; a 64-bit one per CTA cost ~1% of a small GEMM).
 KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int s) {
   const uint32_t group_steps = cut.group * cut.steps_per_cta + cut.extra_steps;
   const uint32_t group = static_cast<uint32_t>(s) / group_steps, r = s - group * group_steps;
@@ -73,6 +79,7 @@ inline int ws_whole_tiles_grid(int tiles, int num_sms) {
 // and reading faster did not help; parts of equal size: 14336->4096 0.80-0.95x the time at 32-512 tokens;
 // docs/PERFORMANCE.md).
 inline int ws_tile_parts(int tiles, int k_steps, int num_sms) {
+  if (num_sms > kMaxGroupedGrid) return 0;
   const int parts = num_sms / tiles < k_steps ? num_sms / tiles : k_steps;
   return parts >= 2 && 20 * tiles * parts >= 19 * num_sms ? parts : 0;
 }

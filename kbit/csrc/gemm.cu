@@ -135,7 +135,7 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.k_groups = static_cast<int>(layout_k_groups(K_w));
   p.k_steps = gemm_k_steps(K_w, plan.k_split);
   p.mb = plan.mb;
-  p.wgmma_tiles = plan.wgmma_tiles;
+  p.wgmma_tiles = static_cast<uint8_t>(plan.wgmma_tiles);
   p.k_split = plan.k_split;
   p.ws_tokens = plan.ws_tokens;
   p.grid = plan.grid;
@@ -143,6 +143,7 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.steps_per_cta = cut.steps_per_cta;
   p.extra_steps = cut.extra_steps;
   p.cut_group = static_cast<uint16_t>(cut.group);
+  p.cut_group_reciprocal = static_cast<uint16_t>(cut.group_reciprocal);
   p.weights_stream = plan.weights_stream;
 }
 

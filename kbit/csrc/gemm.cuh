@@ -499,8 +499,11 @@ __device__ __forceinline__ const T* x_row(const GemmParams& p, int row) {
   return static_cast<const T*>(p.x) + static_cast<int64_t>(row) * p.lda;
 }
 
-// The cut (cut.h): one weight, the host's plan; grouped, grid CTAs over num_passes * n_tiles * k_steps steps, from
-// the pass count the routing kernel wrote (read after grid_dependency_wait).
+// The cut (cut.h): one weight, the host's plan (GemmParams); grouped, grid CTAs over num_passes * n_tiles * k_steps
+// steps, from the pass count the routing kernel wrote (read after grid_dependency_wait).
+__device__ __forceinline__ StreamKCut cut_of(const GemmParams& p) {
+  return {p.steps_per_cta, p.extra_steps, p.cut_group, p.cut_group_reciprocal};
+}
 template <class Cfg>
 __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
   if constexpr (Cfg::kGrouped) {
@@ -508,7 +511,7 @@ __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
     const int total = min(max(*g.num_passes, 0), g.max_passes) * p.n_tiles * steps_per_tile<Cfg::kKSplit>(p);
     return make_cut(total, static_cast<int>(gridDim.x), static_cast<int>(gridDim.x));  // one group
   } else {
-    return {p.steps_per_cta, p.extra_steps, p.cut_group};
+    return cut_of(p);
   }
 }
 
@@ -897,12 +900,8 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
 }
 
 // The host's cut (GemmParams), on the device.
-__device__ __forceinline__ StepRange steps_of(const GemmParams& p, int b) {
-  return steps_of(StreamKCut{p.steps_per_cta, p.extra_steps, p.cut_group}, b);
-}
-__device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
-  return cta_of_step(StreamKCut{p.steps_per_cta, p.extra_steps, p.cut_group}, s);
-}
+__device__ __forceinline__ StepRange steps_of(const GemmParams& p, int b) { return steps_of(cut_of(p), b); }
+__device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) { return cta_of_step(cut_of(p), s); }
 
 // KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
 // k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of

@@ -54,10 +54,9 @@ struct WsConfig {
   static constexpr bool kGrouped = false;
   static constexpr int kFrags = NT / 8;  // wgmma D fragments (8 tokens each) per consumer warp
   // setmaxnreg: the registers allocated at launch (per thread, a multiple of 8, for kThreads threads in 64K) are
-  // shared out again: the producer keeps 32 (at setmaxnreg's least, 24, the cut's division spilled in its loop), the
-  // consumers the rest (112; 232 at 256 tokens, whose loop uses 176).
+  // shared out again: the producer keeps setmaxnreg's least, 24, the consumers the rest (112).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = 32;
+  static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters =
       (kLaunchRegisters + (kLaunchRegisters - kProducerRegisters) / kConsumerGroups) / 8 * 8;
   static_assert(kConsumerRegisters <= 240 && 128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=

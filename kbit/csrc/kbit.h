@@ -109,7 +109,6 @@ struct GemmParams {
   int steps_per_cta;
   int extra_steps;
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
-  int wgmma_tiles;          // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64, 128, 256: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
                             // with that many tokens per tile (mb = ws_tokens / 8)
   int k;                    // bits
@@ -124,8 +123,10 @@ struct GemmParams {
                             // stages before the wait (gemm.cuh, gemm_main)
   bool weights_stream;      // the weights are read once and exceed L2: copied evict-first (gemm.cuh up to 16
                             // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
+  uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut), or the
                             // CTAs sharing one tile (its parts; gemm.cu, ws_tile_parts)
+  uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
 // 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
