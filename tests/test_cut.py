@@ -36,6 +36,12 @@ static void check(int total, int grid, int group, int tile_steps) {
     if (steps_of(cut, b + 1).first != r.last) fail("ranges not contiguous", total, grid, group, b);
     for (int s = r.first; s < r.last; ++s)
       if (cta_of_step(cut, s) != b) { fail("cta_of_step", total, grid, group, b); break; }
+    if (group == grid) {  // one group: the group-free forms (gemm.cuh's kernels) agree
+      const StepRange one = steps_of<false>(cut, b);
+      if (one.first != r.first || one.last != r.last) fail("steps_of<false>", total, grid, group, b);
+      if (cta_of_step<false>(cut, r.first) != b || cta_of_step<false>(cut, r.last - 1) != b)
+        fail("cta_of_step<false>", total, grid, group, b);
+    }
     if (tile_steps > 0 && r.first / tile_steps != (r.last - 1) / tile_steps) fail("range across tiles", total, grid, group, b);
     shortest = r.last - r.first < shortest ? r.last - r.first : shortest;
     longest = r.last - r.first > longest ? r.last - r.first : longest;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define KBIT_HOST_DEVICE __host__ __device__
@@ -38,23 +39,35 @@ KBIT_HOST_DEVICE inline StreamKCut make_cut(int total_steps, int grid, int group
   return {group_steps / group, group_steps % group, group, group < grid ? ((1 << 16) + group - 1) / group : 0};
 }
 
-// CTA b's steps, b <= grid. No division, and last not derived from first: so the range stays in uniform registers on
-// the device, which the copies issued by the warp-specialized kernel's producer take directly. Either put the
-// producer's loop in vector registers, moved to uniform ones before every copy, and spilled it at 24 registers
-// (1.03-1.10x the time of most shapes at 32-512 tokens, H200).
+// CTA b's steps, b <= grid. kGroups = false: the cut is one group (gemm.cuh's kernels), nothing computed for groups.
+// No division, and last not derived from first: so the range stays in uniform registers on the device, which the
+// copies issued by the warp-specialized kernel's producer take directly. Either put the producer's loop in vector
+// registers, moved to uniform ones before every copy, and spilled it at 24 registers (1.03-1.10x the time of most
+// shapes at 32-512 tokens, H200).
+template <bool kGroups = true>
 KBIT_HOST_DEVICE inline StepRange steps_of(const StreamKCut& cut, int b) {
-  const uint32_t group = (static_cast<uint32_t>(b) * cut.group_reciprocal) >> 16, j = b - group * cut.group;
-  const uint32_t extra = cut.extra_steps, base = group * extra;
-  return {static_cast<int>(b * cut.steps_per_cta + base + (j < extra ? j : extra)),
-          static_cast<int>((b + 1) * cut.steps_per_cta + base + (j + 1 < extra ? j + 1 : extra))};
+  int group = 0, j = b;  // b's group, and b's place in it
+  if constexpr (kGroups) {
+    group = static_cast<int>((static_cast<uint32_t>(b) * cut.group_reciprocal) >> 16);
+    j = b - group * cut.group;
+  }
+  const int q = cut.steps_per_cta, extra = cut.extra_steps, base = group * extra;
+  return {b * q + base + (j < extra ? j : extra), (b + 1) * q + base + (j + 1 < extra ? j + 1 : extra)};
 }
 
-// The CTA owning step s (two unsigned 32-bit divisions; a 64-bit one per CTA cost ~1% of a small GEMM).
-KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int s) {
-  const uint32_t group_steps = cut.group * cut.steps_per_cta + cut.extra_steps;
-  const uint32_t group = static_cast<uint32_t>(s) / group_steps, r = s - group * group_steps;
-  const uint32_t q = cut.steps_per_cta, long_steps = cut.extra_steps * (q + 1);  // steps of the group's longer CTAs
-  return group * cut.group + (r < long_steps ? r / (q + 1) : cut.extra_steps + (r - long_steps) / q);
+// The CTA owning step s. With groups in unsigned arithmetic, two 32-bit divisions (a 64-bit one per CTA cost ~1% of a
+// small GEMM; signed ones take more instructions); without, signed as gemm.cuh's kernels were measured.
+template <bool kGroups = true>
+KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int step) {
+  using I = std::conditional_t<kGroups, uint32_t, int>;
+  I s = step, group_first = 0;  // group_first: the first CTA of s's group
+  if constexpr (kGroups) {
+    const I group_steps = cut.group * cut.steps_per_cta + cut.extra_steps, group = s / group_steps;
+    group_first = group * cut.group;
+    s -= group * group_steps;
+  }
+  const I q = cut.steps_per_cta, extra = cut.extra_steps, long_steps = extra * (q + 1);  // the longer CTAs' steps
+  return static_cast<int>(group_first + (s < long_steps ? s / (q + 1) : extra + (s - long_steps) / q));
 }
 
 // The warp-specialized kernel's grid where every SM gets two tiles or more (one at 256 tokens per tile): a CTA per SM

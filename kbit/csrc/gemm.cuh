@@ -899,9 +899,15 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
   }
 }
 
-// The host's cut (GemmParams), on the device.
-__device__ __forceinline__ StepRange steps_of(const GemmParams& p, int b) { return steps_of(cut_of(p), b); }
-__device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) { return cta_of_step(cut_of(p), s); }
+// The host's cut (GemmParams), on the device; kGroups = false in this file's kernels, whose cut is one group.
+template <bool kGroups = true>
+__device__ __forceinline__ StepRange steps_of(const GemmParams& p, int b) {
+  return steps_of<kGroups>(cut_of(p), b);
+}
+template <bool kGroups = true>
+__device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
+  return cta_of_step<kGroups>(cut_of(p), s);
+}
 
 // KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
 // k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of
@@ -973,7 +979,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
       if (live(f)) st_relaxed_gpu(mine + f * 128, make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]));
     return;
   }
-  const int others = cta_of_step(stream_k_cut<Cfg>(p), tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
+  const int others = cta_of_step<false>(stream_k_cut<Cfg>(p), tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
   // Contributors in flight at once, up to 8 fragments of each: one L2 round trip per batch, not per partial (a
   // tile of a small GEMM has ~8). At most 16 fragments (64 registers); one partial at a time at 8 or more
   // fragments per warp and on sm_80, and 2 fragments at a time next to 32 accumulator fragments (wgmma, 128
@@ -1032,7 +1038,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
   __shared__ Barriers<Cfg> bars;
 
-  StepRange range = steps_of(p, blockIdx.x);  // the grouped kernel's once the passes are known (below)
+  StepRange range = steps_of<false>(p, blockIdx.x);  // the grouped kernel's once the passes are known (below)
   int first = range.first, last = range.last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   bars.init(warp, lane);
@@ -1093,7 +1099,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   allow_dependent_launch();
   if constexpr (Cfg::kGrouped) {  // the routing kernel has written the passes: the step range is known now
     const StreamKCut cut = stream_k_cut<Cfg>(p);
-    range = steps_of(cut, blockIdx.x);
+    range = steps_of<false>(cut, blockIdx.x);
     first = range.first, last = range.last;
     if (first == last) return;
   }
