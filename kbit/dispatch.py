@@ -156,8 +156,9 @@ H200_WS_256_BY_COPY = Measured("H200", "0df46a1", "2026-11-27",
                                "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 448-896 tokens, tiles stored "
                                "by copy (benchmarks/results/ws_tiles_256_by_copy_NVIDIA_H200.md)")
 H200_WS_256_IN_PARTS = Measured("H200", "06143c2", "2026-11-27",
-                                "bench_gemm.py --k 2,3,4 --m 449,512, nine seed shapes, this rule against 06143c2's "
-                                "planner in one call (one build); docs/PERFORMANCE.md, predictions")
+                                "bench_gemm.py --k 2,3,4 --m 449,512, nine seed shapes (H100: the six whose plan "
+                                "changed), 256-token tiles from 449 through 512 everywhere against 06143c2's planner "
+                                "in one call, one build; docs/PERFORMANCE.md, predictions")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
@@ -183,7 +184,7 @@ ALL_BITS = (2, 3, 4, 5)
 
 class Crossover(NamedTuple):
     """``rule`` at ``m`` tokens, for weights of at least ``min_weights`` elements (out_features x in_features padded
-    to 32) and ``min_out_features`` rows, where each SM has at least ``min_steps_per_sm`` and fewer than
+    to 32) and ``min_out_features`` to ``max_out_features`` rows, where each SM has at least ``min_steps_per_sm`` and fewer than
     ``max_steps_per_sm`` steps (token passes x 256-row tiles x 256-column k-groups) in the configuration the rule
     would pick, up to ``through`` tokens."""
 
@@ -194,6 +195,7 @@ class Crossover(NamedTuple):
     bits: tuple = ALL_BITS
     min_weights: int = 0
     min_out_features: int = 0
+    max_out_features: float = math.inf
     min_steps_per_sm: int = 0
     max_steps_per_sm: float = math.inf
     through: float = math.inf
@@ -269,11 +271,14 @@ CROSSOVERS = (
     # K = 2 0.87-1.07 (through the planner, two runs: 0.90-0.97x the time at 512 for every K and dtype); the shapes
     # of 8-14 steps 0.93-1.08 there, and 640 tokens, a third pass half padding, 0.80-1.09.
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_BY_COPY, bits=(2, 3, 4), min_steps_per_sm=32),
-    # With tiles cut in parts (no tile across three CTAs), two 256-token passes through 512 tokens everywhere: against
-    # the 64- and 128-token tiles before, 0.84-0.98x the time at 449-512 tokens on 14336->4096, 11008->4096,
-    # 4096->11008, 4096->4096 and 2048->10240 (4096->4096 at 512: 35.7 -> 31.0 us), 4096->14336 0.92-0.97x at 512 and
-    # 0.99-1.03x at 449 (its 112 tiles, one CTA per SM); past 512 not measured.
-    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_IN_PARTS, bits=(2, 3, 4), through=512),
+    # With tiles cut in parts (no tile across three CTAs), two 256-token passes through 512 tokens: against the 64- and
+    # 128-token tiles before, 0.84-0.98x the time at 449 and 512 tokens on 14336->4096, 11008->4096, 4096->4096 and
+    # 2048->10240 (4096->4096 at 512: 35.7 -> 31.0 us), H100 0.86-0.99x; on 4096->11008 and 4096->14336 0.89-0.97x at
+    # 512 on both GPUs, but at 449 (112 and 86 tiles on 132 CTAs, a second pass three quarters full) 1.06-1.12x on the
+    # H100 (H200 0.94-1.03x): there from 512 only, 449-511 on them not measured. Past 512 not measured.
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_IN_PARTS, bits=(2, 3, 4),
+              max_out_features=10240, through=512),
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 512, H200_WS_256_IN_PARTS, bits=(2, 3, 4), through=512),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 193, H200_WS_256, bits=(2, 3, 4), min_out_features=14336,
               through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 129, H200_WS_256, bits=(5,), through=256),
@@ -320,7 +325,7 @@ def _holding(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> list:
     gpus = p.gpus
     return [c.m for c in CROSSOVERS
             if c.gpus is gpus and c.rule is rule and p.bits in c.bits and p.weights >= c.min_weights
-            and p.out_features >= c.min_out_features and steps >= c.min_steps_per_sm * p.device.sms
+            and c.min_out_features <= p.out_features <= c.max_out_features and steps >= c.min_steps_per_sm * p.device.sms
             and steps < c.max_steps_per_sm * p.device.sms and p.tokens <= c.through]
 
 

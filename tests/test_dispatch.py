@@ -70,7 +70,8 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
     if path == "ws" or (path != "classic" and faster):
         few_steps = steps(16) < 12 * sms
         if tokens == 128 and ((bits != 5 and (M >= 1024 or (193 <= M <= 256 and N >= 14336)
-                                               or (M >= 449 and (M <= 512 or steps(32) >= 32 * sms))))
+                                               or (M >= 449 and steps(32) >= 32 * sms)
+                                               or (449 <= M <= 512 and (N <= 10240 or M == 512))))
                               or (bits == 5 and (129 <= M <= 256 or M >= 385))):
             tokens = 256  # 256-token tiles
         elif tokens == 128 and bits != 5 and ((M <= 512 and few_steps) or 129 <= M <= 192):
