@@ -929,6 +929,15 @@ def test_sanitize_gemm(k, monkeypatch):
                     out = kbit.matmul(x, qw, bias, grid_override=grid)
                     _cpu_gemm_check(out, x, qw, bias, tag(seed, op="sanitize-gemm", bits=k, N=N, K=K, M=M,
                                                             dtype=dtype, grid_override=grid, path=path))
+    if hopper:  # the warp-specialized kernel's planned grid cutting tiles of 11 k-groups in parts one apart (cut.h):
+        monkeypatch.setenv("KBIT_GEMM_PATH", "ws")  # 16 tiles in 8 parts of 1-2, at 100 tokens (k < 5) 32 in 4 of 2-3
+        N, K = 4096, 2816
+        qw = kbit.quantize((torch.randn(N, K, generator=g) * 0.02).half().cuda(), k)
+        b, a = qw.gemm_layout()
+        for M in (17, 100):  # the fused op (kbit.matmul takes dequantize + cuBLAS for weights this small)
+            x = torch.randn(M, K, generator=g).half().cuda()
+            out = ops.gemm(x, b, a, qw.codebook, qw.scale, None, k, N, qw.in_features_padded, 0)
+            _cpu_gemm_check(out, x, qw, None, tag(seed, op="sanitize-gemm", bits=k, N=N, K=K, M=M, path="ws"))
     torch.cuda.synchronize()
 
 
