@@ -274,7 +274,7 @@ CROSSOVERS = (
     # With tiles cut in parts (no tile across three CTAs), two 256-token passes through 512 tokens: against the 64- and
     # 128-token tiles before, 0.84-0.98x the time at 449 and 512 tokens on 14336->4096, 11008->4096, 4096->4096 and
     # 2048->10240 (4096->4096 at 512: 35.7 -> 31.0 us), H100 0.85-0.99x; on 4096->11008 and 4096->14336 0.89-0.97x at
-    # 512 on both GPUs, but at 449 (112 and 86 tiles on 132 CTAs, a second pass three quarters full) 1.06-1.12x on the
+    # 512 on both GPUs, but at 449 (86 and 112 tiles on 132 CTAs, a second pass three quarters full) 1.06-1.12x on the
     # H100 (H200 0.94-1.03x): there from 512 only, 449-511 on them not measured. Past 512 not measured.
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_IN_PARTS, bits=(2, 3, 4),
               max_out_features=10240, through=512),
