@@ -153,8 +153,8 @@ H200_WS_256 = Measured("H200", "5ee9822", "2026-11-27",
                        "benchmarks/bench_ws_tiles.py --tiles 128,256 and --tiles 64,256, bits 2..5, 192-4096 tokens "
                        "(benchmarks/results/ws_tiles_256_NVIDIA_H200.md)")
 H200_WS_256_BY_COPY = Measured("H200", "0df46a1", "2026-11-27",
-                               "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 448-896 tokens, tiles stored "
-                               "by copy (benchmarks/results/ws_tiles_256_by_copy_NVIDIA_H200.md)")
+                               "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 448-896 tokens, tiles "
+                               "stored by copy (benchmarks/results/ws_tiles_256_by_copy_NVIDIA_H200.md)")
 H200_WS_256_IN_PARTS = Measured("H200", "06143c2", "2026-11-27",
                                 "bench_gemm.py --k 2,3,4 --m 449,512, nine seed shapes (H100: the six whose plan "
                                 "changed), 256-token tiles from 449 through 512 everywhere against 06143c2's planner "
@@ -184,9 +184,9 @@ ALL_BITS = (2, 3, 4, 5)
 
 class Crossover(NamedTuple):
     """``rule`` at ``m`` tokens, for weights of at least ``min_weights`` elements (out_features x in_features padded
-    to 32) and ``min_out_features`` to ``max_out_features`` rows, where each SM has at least ``min_steps_per_sm`` and fewer than
-    ``max_steps_per_sm`` steps (token passes x 256-row tiles x 256-column k-groups) in the configuration the rule
-    would pick, up to ``through`` tokens."""
+    to 32) and ``min_out_features`` to ``max_out_features`` rows, where each SM has at least ``min_steps_per_sm``
+    and fewer than ``max_steps_per_sm`` steps (token passes x 256-row tiles x 256-column k-groups) in the
+    configuration the rule would pick, up to ``through`` tokens."""
 
     gpus: Gpus
     rule: Rule
@@ -325,8 +325,9 @@ def _holding(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> list:
     gpus = p.gpus
     return [c.m for c in CROSSOVERS
             if c.gpus is gpus and c.rule is rule and p.bits in c.bits and p.weights >= c.min_weights
-            and c.min_out_features <= p.out_features <= c.max_out_features and steps >= c.min_steps_per_sm * p.device.sms
-            and steps < c.max_steps_per_sm * p.device.sms and p.tokens <= c.through]
+            and c.min_out_features <= p.out_features <= c.max_out_features
+            and c.min_steps_per_sm * p.device.sms <= steps < c.max_steps_per_sm * p.device.sms
+            and p.tokens <= c.through]
 
 
 def _starts(p: _Problem, rule: Rule, tokens_per_pass: int = 0) -> bool:

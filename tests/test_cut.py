@@ -42,7 +42,8 @@ static void check(int total, int grid, int group, int tile_steps) {
       if (cta_of_step<false>(cut, r.first) != b || cta_of_step<false>(cut, r.last - 1) != b)
         fail("cta_of_step<false>", total, grid, group, b);
     }
-    if (tile_steps > 0 && r.first / tile_steps != (r.last - 1) / tile_steps) fail("range across tiles", total, grid, group, b);
+    if (tile_steps > 0 && r.first / tile_steps != (r.last - 1) / tile_steps)
+      fail("range across tiles", total, grid, group, b);
     shortest = r.last - r.first < shortest ? r.last - r.first : shortest;
     longest = r.last - r.first > longest ? r.last - r.first : longest;
   }
@@ -60,14 +61,16 @@ int main() {
         check(total, grid, grid, 0);
         ++cuts;
         const int parts = ws_tile_parts(tiles, k_steps, sms);
-        if (ws_tile_parts(tiles, k_steps, kMaxGroupedGrid + 1) != 0) fail("tile parts past kMaxGroupedGrid SMs", total, -1, -1, -1);
+        if (ws_tile_parts(tiles, k_steps, kMaxGroupedGrid + 1) != 0)
+          fail("tile parts past kMaxGroupedGrid SMs", total, -1, -1, -1);
         if (parts > 0) {
           if (tiles * parts > sms || 20 * tiles * parts < 19 * sms || parts > k_steps)
             fail("ws_tile_parts: grid past the SMs or below 95% of them", total, tiles * parts, parts, -1);
           check(total, tiles * parts, parts, k_steps);
+          const StreamKCut cut = make_cut(total, tiles * parts, parts);
           for (int t = 0; t < tiles; ++t)  // the tile's CTAs: parts of them, t * parts onwards
-            if (cta_of_step(make_cut(total, tiles * parts, parts), t * k_steps) != t * parts ||
-                cta_of_step(make_cut(total, tiles * parts, parts), t * k_steps + k_steps - 1) != t * parts + parts - 1) {
+            if (cta_of_step(cut, t * k_steps) != t * parts ||
+                cta_of_step(cut, t * k_steps + k_steps - 1) != t * parts + parts - 1) {
               fail("tile's CTAs", total, tiles * parts, parts, t);
               break;
             }

@@ -979,7 +979,8 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
       if (live(f)) st_relaxed_gpu(mine + f * 128, make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]));
     return;
   }
-  const int others = cta_of_step<false>(stream_k_cut<Cfg>(p), tile_last) - static_cast<int>(blockIdx.x);  // CTAs blockIdx.x + 1 ...
+  // CTAs blockIdx.x + 1 ...
+  const int others = cta_of_step<false>(stream_k_cut<Cfg>(p), tile_last) - static_cast<int>(blockIdx.x);
   // Contributors in flight at once, up to 8 fragments of each: one L2 round trip per batch, not per partial (a
   // tile of a small GEMM has ~8). At most 16 fragments (64 registers); one partial at a time at 8 or more
   // fragments per warp and on sm_80, and 2 fragments at a time next to 32 accumulator fragments (wgmma, 128

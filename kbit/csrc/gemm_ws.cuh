@@ -216,8 +216,8 @@ __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, const 
 // when its bytes (kStageBytes, boxes partly or wholly outside x included: those arrive as zeros) have landed. The n-th
 // use of a stage waits for the (n-1)-th completion of its empty barrier. A step's bytes are announced first, then its
 // activations and its weights are copied; the first `copied` steps' weights are in flight already
-// (ws_copy_first_weights). On the ring of boxes (kBoxRing) the step's weights go first, then each box into the next free
-// slot of the boxes' ring, announced on that slot's own full barrier; box_empty[b] counts every consumer thread.
+// (ws_copy_first_weights). On the ring of boxes (kBoxRing) the step's weights go first, then each box into the next
+// free slot of the boxes' ring, announced on that slot's own full barrier; box_empty[b] counts every consumer thread.
 template <class Cfg>
 __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, const WsRing<Cfg>& ring,
                                             uint64_t* full, uint64_t* empty, uint64_t* box_full, uint64_t* box_empty,
@@ -543,10 +543,10 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // t - 2 is done (8 registers each). Off the ring of boxes the stage (which holds the activations) goes back to the
 // producer once its last group is done: one drain per step and warpgroup, which the other consumer warpgroups' groups
 // cover on the tensor cores. (Handing the stage back after the next step's first group instead keeps wgmmas in flight
-// across the step loop; ptxas then serializes every wgmma, C7518.) On the ring of boxes (kBoxRing) the stage holds weights
-// only, read into registers before the step's last group, so it goes back without a drain, and the groups stay in
-// flight from step to step: the consumer warpgroups sweep the boxes in step, so a drain in one was a drain in
-// all, the tensor pipe idle while each built its first group. Each box is waited for before its first group and
+// across the step loop; ptxas then serializes every wgmma, C7518.) On the ring of boxes (kBoxRing) the stage holds
+// weights only, read into registers before the step's last group, so it goes back without a drain, and the groups
+// stay in flight from step to step: the consumer warpgroups sweep the boxes in step, so a drain in one was a drain
+// in all, the tensor pipe idle while each built its first group. Each box is waited for before its first group and
 // handed back once its last group is done: box t / 2 - 1 after `wgmma_wait<1>` at odd t, at t = 1 the step before's
 // box 3. Only a tile's last step drains (its accumulators are read).
 template <class Cfg, typename T>
@@ -643,7 +643,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         consumer_barrier<Cfg>();  // every consumer warpgroup's wgmmas are done
         // The stage's activations, or on the ring of boxes the step's box 3, handed back at the next step.
         uint8_t* staging = Cfg::kBoxRing ? ring.box(box_slot == 0 ? B - 1 : box_slot - 1) : ring.x(slot);
-        ws_store_by_copy<Cfg, T, false>(p, y_map, c, tile16, out_scale, acc, staging + tile16 * (Cfg::kStoreTokens * 32));
+        ws_store_by_copy<Cfg, T, false>(p, y_map, c, tile16, out_scale, acc,
+                                        staging + tile16 * (Cfg::kStoreTokens * 32));
         if (lane == 0 && stage_stays) {  // (a box goes back at the next step's group 1)
           bulk_wait_read();
           mbarrier_arrive(&empty[slot]);
