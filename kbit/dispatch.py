@@ -159,6 +159,10 @@ H200_WS_256_IN_PARTS = Measured("H200", "06143c2", "2026-11-27",
                                 "bench_gemm.py --k 2,3,4 --m 449,512, nine seed shapes (H100: the six whose plan "
                                 "changed), 256-token tiles from 449 through 512 everywhere against 06143c2's planner "
                                 "in one call, one build; docs/PERFORMANCE.md, predictions")
+H200_WS_256_FULL_PASSES = Measured("H200", "637cc9c", "2026-11-27",
+                                   "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 449-1023 tokens, six "
+                                   "shapes, min of two; H100 656-1023 "
+                                   "(benchmarks/results/ws_tiles_256_full_passes_NVIDIA_H200.md and _H100_80GB_HBM3.md)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
@@ -275,10 +279,17 @@ CROSSOVERS = (
     # 128-token tiles before, 0.84-0.98x the time at 449 and 512 tokens on 14336->4096, 11008->4096, 4096->4096 and
     # 2048->10240 (4096->4096 at 512: 35.7 -> 31.0 us), H100 0.85-0.99x; on 4096->11008 and 4096->14336 0.89-0.97x at
     # 512 on both GPUs, but at 449 (86 and 112 tiles on 132 CTAs, a second pass three quarters full) 1.06-1.12x on the
-    # H100 (H200 0.94-1.03x): there from 512 only, 449-511 on them not measured. Past 512 not measured.
+    # H100 (H200 0.94-1.03x): there from 512 only (at 449-511 on them the kernels alone, 128-token time over
+    # 256-token: H200 0.89-1.12, ws_tiles_256_full_passes; the H100 not measured).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_IN_PARTS, bits=(2, 3, 4),
               max_out_features=10240, through=512),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 512, H200_WS_256_IN_PARTS, bits=(2, 3, 4), through=512),
+    # Past 512 tokens where 256-token passes pad as many tokens as 128-token ones (3 or 4 passes against 6 or 8):
+    # 128-token tiles' time over theirs at 673-768 and 897-1023 0.93-1.18 (geomean 1.047; H100 0.91-1.18, 1.034),
+    # six shapes below 235M; at 656 (the third pass 56% full) the H100's 0.84-0.98 on four of them, and where the
+    # 256-token passes pad more (577-640, 769-896) geomean 0.90 and 0.96.
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 673, H200_WS_256_FULL_PASSES, bits=(2, 3, 4), through=768),
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 897, H200_WS_256_FULL_PASSES, bits=(2, 3, 4), through=1023),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 193, H200_WS_256, bits=(2, 3, 4), min_out_features=14336,
               through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 129, H200_WS_256, bits=(5,), through=256),
