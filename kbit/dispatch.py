@@ -160,8 +160,8 @@ H200_WS_256_IN_PARTS = Measured("H200", "06143c2", "2026-11-27",
                                 "changed), 256-token tiles from 449 through 512 everywhere against 06143c2's planner "
                                 "in one call, one build; docs/PERFORMANCE.md, predictions")
 H200_WS_256_FULL_PASSES = Measured("H200", "637cc9c", "2026-11-27",
-                                   "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 449-1023 tokens, six "
-                                   "shapes, min of two; H100 656-1023 "
+                                   "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 385-1023 tokens, six "
+                                   "to eight shapes, min of two; H100 400-432 and 656-1023 "
                                    "(benchmarks/results/ws_tiles_256_full_passes_NVIDIA_H200.md and _H100_80GB_HBM3.md)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
@@ -288,6 +288,14 @@ CROSSOVERS = (
     # 128-token tiles' time over theirs at 673-768 and 897-1023 0.93-1.18 (geomean 1.047; H100 0.91-1.18, 1.034),
     # six shapes below 235M; at 656 (the third pass 56% full) the H100's 0.84-0.98 on four of them, and where the
     # 256-token passes pad more (577-640, 769-896) geomean 0.90 and 0.96.
+    # At 385-448 tokens likewise (2 passes of 256 against 4 of 128) where the 256-token tiles are few enough to be cut
+    # in parts, on 4096 rows (128-token tiles' time over theirs 0.99-1.11, geomean 1.059; H100 at 400-432 0.99-1.13),
+    # and from 417 where each SM has >= 32 steps (the 235M shapes: 1.01-1.14 at 416-448, H100 1.04-1.16 at 432; at
+    # 385-400 0.93-1.10, H100 0.90-1.05); 4096->14336, 4096->11008 and 2048->10240 there 0.81-1.08 (geomean 0.95).
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 385, H200_WS_256_FULL_PASSES, bits=(2, 3, 4),
+              max_out_features=4096, through=448),
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 417, H200_WS_256_FULL_PASSES, bits=(2, 3, 4),
+              min_steps_per_sm=32, through=448),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 673, H200_WS_256_FULL_PASSES, bits=(2, 3, 4), through=768),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 897, H200_WS_256_FULL_PASSES, bits=(2, 3, 4), through=1023),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 193, H200_WS_256, bits=(2, 3, 4), min_out_features=14336,
