@@ -161,8 +161,8 @@ H200_WS_256_IN_PARTS = Measured("H200", "06143c2", "2026-11-27",
                                 "in one call, one build; docs/PERFORMANCE.md, predictions")
 H200_WS_256_FULL_PASSES = Measured("H200", "637cc9c", "2026-11-27",
                                    "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 385-1023 tokens, six "
-                                   "to eight shapes, min of two; H100 400-432 and 656-1023 "
-                                   "(benchmarks/results/ws_tiles_256_full_passes_NVIDIA_H200.md and _H100_80GB_HBM3.md)")
+                                   "to eight shapes, min of two; H100 400-432 and 656-1023 (benchmarks/results/"
+                                   "ws_tiles_256_full_passes_NVIDIA_H200.md and _H100_80GB_HBM3.md)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
