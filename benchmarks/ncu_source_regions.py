@@ -61,8 +61,8 @@ def parse_details(text: str) -> dict:
     for row in csv.DictReader(io.StringIO(text)):
         try:
             metrics[int(row["ID"])][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
-        except ValueError:
-            pass
+        except ValueError:  # a metric whose value is text (names, launch attributes)
+            continue
     return metrics
 
 
@@ -81,7 +81,10 @@ def regions(instructions: list) -> dict:
     first, last = loop[0], loop[-1]
     producer = next(i for i, s in enumerate(sources) if "USETMAXREG.DEALLOC" in s)
     total = sum(samples)
-    share = lambda a, b: round(100 * sum(samples[a:b]) / total, 1)  # noqa: E731
+
+    def share(a: int, b: int) -> float:  # instructions [a, b), percent of all samples
+        return round(100 * sum(samples[a:b]) / total, 1)
+
     stalls = [h for h in instructions[0] if h.startswith("stall_") and "Not Issued" not in h]
     reasons = collections.Counter()
     for d in instructions[first:last + 1]:
