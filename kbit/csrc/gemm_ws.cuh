@@ -182,7 +182,32 @@ struct WsRing {
   }
 };
 
+// The activations' tensor maps (ws_activation_map): boxes of NT tokens, and for a last pass that NT do not fill, boxes
+// of its tokens (ws_copy_box; the whole passes' map again where NT divide M). One parameter: the producer, at 24
+// registers, holds one address for both.
+struct WsActivationMaps {
+  CUtensorMap whole, tail;
+};
+constexpr int kZeroRowBytes = 255 * 128;  // the most a box of 256 tokens needs
+static __device__ uint4 ws_zero_rows[kZeroRowBytes / 16];  // never written: zeros from the launch of the module
+
 // ---------------------------------------------------------------------------- the producer
+#if KBIT_WGMMA
+// The activations of a pass whose tokens do not fill it (M % NT of them, the last pass): each box holds only those
+// rows of x (WsActivationMaps::tail), and its other rows are copied from ws_zero_rows. A box mostly past x's last
+// row, filled with zeros by the tensor copy engine, took the 256-token kernel 1.3-1.6x the time of the same box read
+// whole from x padded with zeros; rows left as the slot held them (any activations) took 1-15% more than zeros (the
+// tensor cores' power; H200, k = 4, 5, 100-385 tokens; docs/PERFORMANCE.md).
+template <class Cfg>
+__device__ __forceinline__ void ws_copy_box(const GemmParams& p, void* box, const WsActivationMaps* x_maps, int k0,
+                                            int m0, uint64_t* bar) {
+  const int rows = p.M - m0;
+  if (rows >= Cfg::kTokens) return tensor_copy_2d_to_shared(box, &x_maps->whole, k0, m0, bar);
+  static_assert(Cfg::kXBox - 128 <= kZeroRowBytes, "zero rows for every box");
+  tensor_copy_2d_to_shared(box, &x_maps->tail, k0, m0, bar);
+  bulk_copy_to_shared(static_cast<uint8_t*>(box) + rows * 128, ws_zero_rows, Cfg::kXBox - rows * 128, bar);
+}
+
 // A step's weights into their piece of its stage; the stage's bytes were announced on its full barrier first
 // (kStageBytes: the stage completes once its activations have landed too).
 // Weights read once and larger than L2 (GemmParams::weights_stream) go evict-first, as in gemm.cuh
@@ -213,15 +238,15 @@ __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, const 
 }
 
 // The producer thread. Stage s is free again once all 8 consumer warps have arrived on empty[s]; full[s] completes
-// when its bytes (kStageBytes, boxes partly or wholly outside x included: those arrive as zeros) have landed. The n-th
-// use of a stage waits for the (n-1)-th completion of its empty barrier. A step's bytes are announced first, then its
-// activations and its weights are copied; the first `copied` steps' weights are in flight already
+// when its bytes (kStageBytes; columns of a box past x's arrive as zeros and count, rows: ws_copy_box) have landed.
+// The n-th use of a stage waits for the (n-1)-th completion of its empty barrier. A step's bytes are announced first,
+// then its activations and its weights are copied; the first `copied` steps' weights are in flight already
 // (ws_copy_first_weights). On the ring of boxes (kBoxRing) the step's weights go first, then each box into the next
 // free slot of the boxes' ring, announced on that slot's own full barrier; box_empty[b] counts every consumer thread.
 template <class Cfg>
-__device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_map, const WsRing<Cfg>& ring,
-                                            uint64_t* full, uint64_t* empty, uint64_t* box_full, uint64_t* box_empty,
-                                            int first, int last, int copied) {
+__device__ __forceinline__ void ws_producer(const GemmParams& p, const WsActivationMaps* x_maps,
+                                            const WsRing<Cfg>& ring, uint64_t* full, uint64_t* empty,
+                                            uint64_t* box_full, uint64_t* box_empty, int first, int last, int copied) {
   constexpr int S = Cfg::kStages, B = Cfg::kBoxes;
   StepCursor c(p, first);
   int slot = 0, box_slot = 0;
@@ -238,18 +263,21 @@ __device__ __forceinline__ void ws_producer(const GemmParams& p, const void* x_m
       for (int box = 0; box < 4; ++box) {
         if (4 * (step - first) + box >= B) mbarrier_wait(&box_empty[box_slot], box_phase ^ 1u);
         mbarrier_arrive_expect_bytes(&box_full[box_slot], Cfg::kXBox);
-        tensor_copy_2d_to_shared(ring.box(box_slot), x_map, k0 + 64 * box, m0, &box_full[box_slot]);
+        ws_copy_box<Cfg>(p, ring.box(box_slot), x_maps, k0 + 64 * box, m0, &box_full[box_slot]);
         if (++box_slot == B) box_slot = 0, box_phase ^= 1u;
       }
     } else {
       uint8_t* x = ring.x(slot);
-#pragma unroll
-      for (int box = 0; box < 4; ++box) tensor_copy_2d_to_shared(x + box * Cfg::kXBox, x_map, k0 + 64 * box, m0, bar);
+#pragma unroll 1  // unrolled, the four boxes' copies spilled the producer's 24 registers
+      for (int box = 0; box < 4; ++box)
+        ws_copy_box<Cfg>(p, x + box * Cfg::kXBox, x_maps, k0 + 64 * box, m0, bar);
       if (!weights_copied) ws_copy_weights<Cfg>(p, ring.weights(slot), bar, c);
     }
     if (++slot == S) slot = 0, phase ^= 1u;
   }
 }
+
+#endif  // KBIT_WGMMA
 
 // ---------------------------------------------------------------------------- the end of a tile
 // The bias of output row n: 0 without a bias (nullptr) and past N.
@@ -675,7 +703,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
 // ---------------------------------------------------------------------------- the kernel
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_constant__ GemmParams p,
-                                                                 const __grid_constant__ CUtensorMap x_map,
+                                                                 const __grid_constant__ WsActivationMaps x_maps,
                                                                  const __grid_constant__ CUtensorMap y_map,
                                                                  bool y_by_copy) {
 #if KBIT_WGMMA
@@ -728,7 +756,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
     const int copied = copy_first && threadIdx.x == 0 ? ws_copy_first_weights<Cfg>(p, ring, full, first, last) : 0;
     if (settled) wait_previous_kernel();
     warpgroup_registers_dec<Cfg::kProducerRegisters>();
-    if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_map, ring, full, empty, box_full, box_empty, first, last, copied);
+    if (threadIdx.x == 0) ws_producer<Cfg>(p, &x_maps, ring, full, empty, box_full, box_empty, first, last, copied);
   } else {
     warpgroup_registers_inc<Cfg::kConsumerRegisters>();
     if (settled) wait_previous_kernel();
@@ -765,8 +793,8 @@ inline cudaError_t ws_tensor_map(const void* base, uint64_t inner, uint64_t oute
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// The activations [M, K_x]: boxes of 64 columns x NT rows, in the 128-byte swizzle wgmma_descriptor_sw128 reads;
-// rows past M and columns past K_x arrive as zeros.
+// The activations [M, K_x]: boxes of 64 columns x `tokens` rows, in the 128-byte swizzle wgmma_descriptor_sw128
+// reads; columns past K_x arrive as zeros (and rows past M, which ws_copy_box's boxes do not reach).
 inline cudaError_t ws_activation_map(const GemmParams& p, int tokens, CUtensorMap& map) {
   return ws_tensor_map(p.x, p.K_x, p.M, static_cast<uint64_t>(p.lda) * 2, 64, tokens, CU_TENSOR_MAP_SWIZZLE_128B,
                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
@@ -799,9 +827,13 @@ cudaError_t gemm_ws_dynamic_smem(int& bytes) {
 
 template <class Cfg, typename T>
 cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
-  alignas(64) CUtensorMap map, y_map{};
-  cudaError_t err = ws_activation_map(p, Cfg::kTokens, map);
+  WsActivationMaps x_maps;
+  alignas(64) CUtensorMap y_map{};
+  const int tail_tokens = p.M % Cfg::kTokens;  // the last pass's, where they do not fill it (ws_copy_box)
+  cudaError_t err = ws_activation_map(p, Cfg::kTokens, x_maps.whole);
+  if (err == cudaSuccess && tail_tokens != 0) err = ws_activation_map(p, tail_tokens, x_maps.tail);
   if (err != cudaSuccess) return err;
+  if (tail_tokens == 0) x_maps.tail = x_maps.whole;
   const bool y_by_copy = ws_output_map<Cfg>(p, y_map);
   int smem_bytes = 0;
   const cudaError_t attr = setup_once_per_device<gemm_ws_dynamic_smem<Cfg, T>>(smem_bytes);
@@ -816,7 +848,7 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = p.dependent_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, map, y_map, y_by_copy);
+  return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, x_maps, y_map, y_by_copy);
 }
 
 // The configurations built, per bit width and dtype: 32, 64, 128 or 256 tokens per tile. The one list, for the
