@@ -140,10 +140,6 @@ H100_WGMMA = Measured("H100 80GB HBM3", "776473c", "2026-11-21",
                       "benchmarks/results/gemm_NVIDIA_H100_80GB_HBM3_m32_64.md and _m128_256.md, as of 776473c")
 H200_WARP_SPECIALIZED = Measured("H200", "3e48a9a", "2026-11-23",
                                  "benchmarks/bench_gemm_paths.py; docs/PERFORMANCE.md, H200, GEMM 32 to 4096 tokens")
-H200_SLICES = Measured("H200", "10a3fee", "2026-11-23",
-                       "python -m kbit tune --bits 4 --shapes <the nine seed shapes>,2048->1408,2048->768 --tokens "
-                       "17,32,48,64,96,128,192,256,384,512,1024 (split tiles summed in slices); "
-                       "benchmarks/results/tune_NVIDIA_H200.json, docs/PERFORMANCE.md, H200, dispatch")
 H200_K_SPLIT = Measured("H200", "a99b6b6", "2026-11-23",
                         "bench_gemm.py --m 1,4,8 --k 2,3,4,5, eleven shapes, KBIT_GEMM_PATH=mma_sync against k_split; "
                         "docs/PERFORMANCE.md, H200, GEMM up to 16 tokens")
@@ -163,6 +159,10 @@ H200_WS_256_FULL_PASSES = Measured("H200", "637cc9c", "2026-11-27",
                                    "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 385-1023 tokens, six "
                                    "to eight shapes, min of two; H100 400-432 and 656-1023 (benchmarks/results/"
                                    "ws_tiles_256_full_passes_NVIDIA_H200.md and _H100_80GB_HBM3.md)")
+H200_PATHS = Measured("H200", "637cc9c", "2026-11-27",
+                      "python -m kbit tune --bits 2,3,4,5, 17-4096 tokens (16 to 20 counts per bit width), the nine "
+                      "seed shapes and 2048->1408, 2048->768 (benchmarks/results/tune_NVIDIA_H200.json); H100 k = 4, "
+                      "six shapes (tune_NVIDIA_H100_80GB_HBM3.json)")
 H100_K3_BYTE_PAIRS = Measured("H100 80GB HBM3", "e805931", "2026-11-26",
                               "bench_gemm.py --m 1,4,8,16 --k 3,4, 4096->4096 2048->1536 2048->10240 4096->14336, "
                               "KBIT_GEMM_PATH=mma_sync against k_split; docs/PERFORMANCE.md, k = 3 byte-aligned pairs")
@@ -194,7 +194,7 @@ class Crossover(NamedTuple):
 
     gpus: Gpus
     rule: Rule
-    m: int
+    m: float  # tokens; math.inf: at every token count
     measured: Measured
     bits: tuple = ALL_BITS
     min_weights: int = 0
@@ -212,27 +212,27 @@ CROSSOVERS = (
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 159, H100_MMA_SYNC, bits=(2, 3)),
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 191, H100_MMA_SYNC, bits=(4,)),
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 127, H100_MMA_SYNC, bits=(5,)),
-    # Fused from 65 tokens where it beats dequantize + cuBLAS (H200, K = 4): >= 16M weights through 128 tokens
-    # (4096->4096: warp-specialized 20.7 against 27.3 us; 30.6 against 31.5 at 192), >= 32M through 1024 (11008->4096
-    # 144 against 150 us, 4096->11008 150 against 152) at K = 2..4, through 256 at K = 5 (its lookups conflict at 128
-    # tokens), and at K = 5 >= 128M through 512 (8192->28672: 362 against 467 us at K = 4).
+    # The fused kernel against dequantize + cuBLAS (H200, kbit tune, every path at 17-4096 tokens): from 16M weights
+    # the warp-specialized kernel is the faster at 160-3072 tokens by 1.04-2.02x (4096->4096 K = 4, M = 2048: 91.5
+    # against 119.0 us; 14336->4096 311 against 398; K = 5 4096->4096 at 256-384 excepted, 0.81-0.97x) and at 4096
+    # within 0.96-1.19x (the 235M shapes 0.99-1.01x). Below 16M weights (the 2048-column shapes) its tiles
+    # are too few: fused through 128 tokens at K = 2..4 from 2M weights (2048->1536 K = 4, M = 128: 9.0 against 9.4 us;
+    # 160: 11.7 against 9.7; 2048->768 K = 2 at 80-128 8.0-8.1 against 7.6-7.8), through 64 at K = 5 (M = 80-96:
+    # the fastest fused path 8.8-10.2 against 8.6-9.8).
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 64, H100_WGMMA),
-    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 128, H200_SLICES, min_weights=1 << 24),
-    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 256, H200_WARP_SPECIALIZED, min_weights=1 << 25),
-    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 1024, H200_SLICES, bits=(2, 3, 4), min_weights=1 << 25),
-    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 512, H200_WARP_SPECIALIZED, bits=(5,), min_weights=1 << 27),
-    # The warp-specialized kernel (steps counted in its 256-row tiles of 32, 64 or 128 tokens): from 17 tokens on >= 48M
-    # weights (14336->4096, M = 17: 23.9 against mma.sync's 25.0 us), from 33 on >= 32M (4096->11008, M = 48: 23.3
-    # against 29.5; at 32 a tie, 19.9 against 20.0), from 193 on >= 16M (2048->10240, M = 192: 33.2 against 37.1),
-    # from 513 everywhere; and from 17 through 128 tokens where its tiles leave each SM fewer than 2 steps, each
-    # tile summed in slices by the 5 or more CTAs that share it (4096->4096, M = 17 / 128: 11.2 / 20.7 against
-    # 16.5 / 22.4; 2048->1536: 7.1 / 12.9 against 10.4 / 12.3). 2048->10240's tiles (2.4 steps per SM) are split
-    # about 4 ways: mma.sync through 128 tokens (26.5 against 31.0 us).
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 128, H200_PATHS, bits=(2, 3, 4), min_weights=1 << 21),
+    Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, math.inf, H200_PATHS, min_weights=1 << 24),
+    # The warp-specialized kernel (steps counted in its 256-row tiles of 32, 64 or 128 tokens) beats gemm.cuh's from
+    # 17 tokens on >= 16M weights (11008->4096 K = 4, M = 17-32: 15.8-16.1 against mma.sync's 22.1-22.7 us, K = 2, 5
+    # alike; 2048->10240 1.02-1.07x at 17-48 and 80-96, 0.96x at 64, 1.34x at 128), from 513 everywhere, and from 17
+    # through 128 tokens (64 at K = 5) where its tiles leave each SM fewer than 2 steps, each tile summed in slices by
+    # the 5 or more CTAs that share it (2048->1536 K = 4, M = 17 / 128: 6.2 / 9.0 against 10.5 / 12.1; K = 5 at 80-128
+    # 11.0-12.4 against 8.7-10.6).
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 193, H200_SLICES, min_weights=1 << 24),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 33, H200_SLICES, min_weights=1 << 25),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_SLICES, min_weights=48 << 20),
-    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_SLICES, max_steps_per_sm=2, through=128),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_PATHS, min_weights=1 << 24),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_PATHS, bits=(2, 3, 4), max_steps_per_sm=2,
+              through=128),
+    Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_PATHS, bits=(5,), max_steps_per_sm=2, through=64),
     # gemm.cuh's wgmma from 33 tokens where every SM has >= 16 steps of 64 tokens (and the warp-specialized kernel
     # is not taken): below that mma.sync's 32-token passes are faster (8192->28672 M = 32: 90.4 vs 70.9 us;
     # 14336->4096 M = 64: 44.1 vs 41.4; H200, K = 4, 2048->10240 M = 96: 26.9 vs 20.5; 2048->1536 M = 384: 22.9 vs
@@ -417,7 +417,7 @@ def _from_table(p: _Problem, cublas_allowed: bool) -> Optional[Plan]:
         return DEQUANTIZE_CUBLAS if cublas_allowed else None
     if cublas_allowed:
         through = max(_holding(p, Rule.FUSED_THROUGH), default=0)
-        if wanted is not None and config.tokens < wanted.tokens:
+        if wanted is not None and config.tokens < wanted.tokens and through < math.inf:
             # A smaller pass than the one measured (the GPU's shared memory holds no larger one) reads the weights
             # once per pass: the crossover comes that much earlier.
             through = through * config.tokens // wanted.tokens
