@@ -159,6 +159,10 @@ H200_WS_256_FULL_PASSES = Measured("H200", "637cc9c", "2026-11-27",
                                    "benchmarks/bench_ws_tiles.py --tiles 128,256 --bits 2,3,4, 385-1023 tokens, six "
                                    "to eight shapes, min of two; H100 400-432 and 656-1023 (benchmarks/results/"
                                    "ws_tiles_256_full_passes_NVIDIA_H200.md and _H100_80GB_HBM3.md)")
+H200_WS_256_TAILS = Measured("H200", "d51f1d5", "2026-11-27",
+                              "benchmarks/bench_ws_tiles.py --tiles 128,256, 160-864 tokens, k = 4 on seven shapes, "
+                              "k = 2, 3, 5 on four, the tail passes' boxes (benchmarks/results/"
+                              "ws_tiles_256_tails_NVIDIA_H200.md)")
 H200_PATHS = Measured("H200", "637cc9c", "2026-11-27",
                       "python -m kbit tune --bits 2,3,4,5, 17-4096 tokens (16 to 20 counts per bit width), the nine "
                       "seed shapes and 2048->1408, 2048->768 (benchmarks/results/tune_NVIDIA_H200.json); H100 k = 4, "
@@ -302,6 +306,13 @@ CROSSOVERS = (
               through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 129, H200_WS_256, bits=(5,), through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 385, H200_WS_256, bits=(5,)),
+    # K = 5 at 257-384 on 4096 rows, since a last pass its tokens do not fill reads only those (gemm_ws.cuh,
+    # ws_copy_box): 128-token tiles' time over theirs 1.30-1.42 on 4096->4096 and 1.08-1.13 on 14336->4096 at 288 and
+    # 352 tokens; 2048->10240 0.94-0.96, 4096->14336 1.24 and 0.96 (there three 128-token passes stay). K = 2..4 keep
+    # their tiles at 288-864: the 128-token ones' 0.79-1.00 on the shapes above 4096 rows, the 64-token ones' on
+    # 4096->4096.
+    Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 257, H200_WS_256_TAILS, bits=(5,), max_out_features=4096,
+              through=384),
 )
 
 STEP_TILE = 256  # the rows and the columns of one step, as the crossovers count steps

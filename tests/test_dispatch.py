@@ -72,7 +72,7 @@ def hopper_rules(M, N, K, bits, sms, path="auto"):
                                                or (385 <= M <= 448 and N <= 4096)
                                                or (M >= 417 and steps(32) >= 32 * sms)
                                                or (449 <= M <= 512 and (N <= 10240 or M == 512))))
-                              or (bits == 5 and (129 <= M <= 256 or M >= 385))):
+                              or (bits == 5 and (129 <= M <= 256 or M >= 385 or (M >= 257 and N <= 4096)))):
             tokens = 256  # 256-token tiles
         elif tokens == 128 and bits != 5 and ((M <= 512 and few_steps) or 129 <= M <= 192):
             tokens = 64  # 64-token tiles past 64 tokens
