@@ -309,8 +309,8 @@ CROSSOVERS = (
     # K = 5 at 257-384 on 4096 rows, since a last pass its tokens do not fill reads only those (gemm_ws.cuh,
     # ws_copy_box): 128-token tiles' time over theirs 1.30-1.42 on 4096->4096 and 1.08-1.13 on 14336->4096 at 288 and
     # 352 tokens; 2048->10240 0.94-0.96, 4096->14336 1.24 and 0.96 (there three 128-token passes stay). K = 2..4 keep
-    # their tiles at 288-864: the 128-token ones' 0.79-1.00 on the shapes above 4096 rows, the 64-token ones' on
-    # 4096->4096.
+    # their tiles at 288-864 (K = 4, the same ratio: 0.79-1.00 at 288-352 on the shapes but 4096->4096, whose 64-token
+    # tiles tie with 256 there; geomean 0.965 above 4096 rows and 0.936 on 14336->4096 and 11008->4096 at 576-864).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 257, H200_WS_256_TAILS, bits=(5,), max_out_features=4096,
               through=384),
 )
