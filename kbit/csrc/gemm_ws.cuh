@@ -183,8 +183,8 @@ struct WsRing {
 };
 
 // The activations' tensor maps (ws_activation_map): boxes of NT tokens, and for a last pass that NT do not fill, boxes
-// of its tokens (ws_copy_box; the whole passes' map again where NT divide M). One parameter: the producer, at 24
-// registers, holds one address for both.
+// of its tokens (ws_copy_box; never read where NT divide M). One parameter: the producer, at 24 registers, holds one
+// address for both.
 struct WsActivationMaps {
   CUtensorMap whole, tail;
 };
@@ -827,13 +827,12 @@ cudaError_t gemm_ws_dynamic_smem(int& bytes) {
 
 template <class Cfg, typename T>
 cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
-  WsActivationMaps x_maps;
+  WsActivationMaps x_maps{};
   alignas(64) CUtensorMap y_map{};
   const int tail_tokens = p.M % Cfg::kTokens;  // the last pass's, where they do not fill it (ws_copy_box)
   cudaError_t err = ws_activation_map(p, Cfg::kTokens, x_maps.whole);
   if (err == cudaSuccess && tail_tokens != 0) err = ws_activation_map(p, tail_tokens, x_maps.tail);
   if (err != cudaSuccess) return err;
-  if (tail_tokens == 0) x_maps.tail = x_maps.whole;
   const bool y_by_copy = ws_output_map<Cfg>(p, y_map);
   int smem_bytes = 0;
   const cudaError_t attr = setup_once_per_device<gemm_ws_dynamic_smem<Cfg, T>>(smem_bytes);
