@@ -525,6 +525,48 @@ def test_gemm_ws_256_token_tiles(k):
     assert not failures, tag(seed_for("gemm-ws256", k), op="gemm ws_tokens=256", bits=k) + "\n  " + "\n  ".join(failures)
 
 
+# Tiles cut in parts on the planned grid (cut.h, ws_tile_parts; the parts named are those of 132 SMs), (tokens per
+# tile, N, K, M, parts): every tile width, parts of one k-group to six, halves where the k-groups are few (40 tiles of
+# 8 and 64 of 2), and 16 parts, past a cluster's 8 CTAs (summed through L2 in every mode). On the H100 and H200 only
+# clusters of two fit the planned grids (66 at once; of 3, 4, 8: 39, 30, 15, short of the 43, 32, 16 tiles).
+CLUSTER_CASES = ((32, 16384, 512, 17, 2), (32, 10240, 2048, 32, 2), (32, 11008, 768, 32, 3), (64, 4096, 2816, 100, 4),
+                 (32, 5632, 1536, 30, 6), (32, 4096, 2816, 17, 8), (128, 4096, 2048, 200, 4),
+                 (256, 4096, 1024, 300, 2), (32, 2048, 4096, 20, 16))
+
+
+@needs_hopper
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_ws_tile_parts_in_clusters(k, monkeypatch):
+    """The parts of a tile summed in a thread-block cluster's shared memory where the GPU holds the clusters
+    (KBIT_WS_CLUSTERS=1 for two parts: the launch fails where they do not fit, so a pass is the cluster path; unset
+    otherwise) and through L2 (=0), against the reference: fp16 and bf16, bias on every other call, a last pass the
+    tokens do not fill."""
+    from kbit._build import cuda_ext
+
+    ext = cuda_ext()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    failures = []
+    for tokens, N, K, M, parts in CLUSTER_CASES:
+        seed = seed_for("gemm-ws-clusters", k, N, K)
+        qw = quantized_weight(N, K, k, seed)
+        b, a = qw.gemm_layout()
+        chk = GemmChecker(qw)
+        g = gen(seed + 1, "cuda")
+        for i, use in enumerate(("1" if parts == 2 and sms == 132 else "", "0")):
+            monkeypatch.setenv("KBIT_WS_CLUSTERS", use)
+            dtype = torch.bfloat16 if (i + parts) % 2 else torch.float16
+            x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+            bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 == 0 else None
+            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 0, tokens // 8, 0,
+                         1, tokens, ops.weights_settled(b, a, qw.codebook))
+            st = chk.stats(x, bias, y)
+            if not st["ok"]:
+                failures.append(f"N={N} K={K} M={M} {tokens} tokens per tile, {parts} parts, KBIT_WS_CLUSTERS={use}, "
+                                f"{_name(dtype)}: {chk.describe(st)}")
+    assert not failures, tag(seed_for("gemm-ws-clusters", k), op="gemm ws tile parts", bits=k) + "\n  " + \
+        "\n  ".join(failures)
+
+
 @needs_hopper
 @pytest.mark.parametrize("k", BITS)
 def test_gemm_ws_whole_tiles_grid_128_token_tiles(k):

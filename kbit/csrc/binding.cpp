@@ -185,6 +185,15 @@ bool dependent_launch_enabled() {
   return enabled;
 }
 
+// ClusterUse from KBIT_WS_CLUSTERS, read at every call (a benchmark compares both sums in one process).
+kbit::ClusterUse ws_cluster_use() {
+  const char* v = std::getenv("KBIT_WS_CLUSTERS");
+  const std::string use = v == nullptr ? "" : v;
+  return use == "0"   ? kbit::ClusterUse::kL2
+         : use == "1" ? kbit::ClusterUse::kRequired
+                      : kbit::ClusterUse::kWhereTheyFit;
+}
+
 // The parameters the single and the grouped GEMM fill alike (GroupedGemmParams extends GemmParams).
 void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor& b, const at::Tensor& absmax,
                       const at::Tensor& codebook, const float* scale, const at::Tensor& y, const kbit::GemmPlan& plan,
@@ -261,6 +270,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.grid_room = 2 * plan.grid <= sms ? kbit::GridRoom::kHalfOrLess
               : plan.grid < sms    ? kbit::GridRoom::kBelowSms
                                    : kbit::GridRoom::kFull;
+  p.ws_clusters = ws_cluster_use();
   check_launch(kbit::gemm(p, stream), "gemm");
   return y;
 }

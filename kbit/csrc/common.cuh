@@ -203,6 +203,41 @@ __device__ __forceinline__ float4 ld_relaxed_gpu(const float* p) {
                : "memory");
   return v;
 }
+#if KBIT_BULK_COPY
+// A thread-block cluster (sm_90; 1 CTA and rank 0 in a launch without clusters). Its CTAs run at once on one GPC and
+// reach each other's shared memory (distributed shared memory) without going through L2.
+__device__ __forceinline__ uint32_t cluster_ctas() {
+  uint32_t n;
+  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+  return n;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// What this CTA's shared addresses add to those of the cluster's first CTA (0 without clusters): sm_90 puts a CTA's
+// rank in its shared addresses, so an address the layout fixes as a constant (a lookup table's) adds it.
+__device__ __forceinline__ uint32_t cluster_window_offset(uint32_t address) {
+  uint32_t first;
+  asm("mapa.shared::cluster.u32 %0, %1, 0;\n" : "=r"(first) : "r"(address));
+  return address - first;
+}
+// Every thread of every CTA of the cluster arrives (warp by warp, converged); what each wrote before, to its own
+// shared memory or another CTA's, is seen by all after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// A 16-byte store into the shared memory of the cluster's CTA `rank`, at the address `cta_address` has in this CTA.
+__device__ __forceinline__ void st_cluster(uint32_t cta_address, uint32_t rank, float4 v) {
+  uint32_t remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(cta_address), "r"(rank));
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(remote), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
+}
+#endif
+
 // One L2 round trip of split-K partials, repeated until none of the wanted words is kPartialEmpty (not landed yet):
 // v[i] = *word(i) for each i with wanted(i).
 template <int N, typename Wanted, typename Word>

@@ -34,6 +34,8 @@
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
 
+#include <atomic>
+
 #include "gemm.cuh"
 
 namespace kbit {
@@ -385,6 +387,9 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
 // so that the reader loads the words unchecked, measured slower: the fence waits for the SM's copies in flight;
 // docs/PERFORMANCE.md#instructive-failures.)
 constexpr int kSlicedFrom = 5;
+// Tiles cut in at most this many parts are summed in a thread-block cluster where the GPU holds them all at once
+// (ws_cluster_reduce; 8: the portable cluster size).
+constexpr int kMaxClusterCtas = 8;
 
 template <class Cfg>
 __device__ __forceinline__ float* ws_partial(const GemmParams& p, int cta, bool lead) {
@@ -483,6 +488,24 @@ __device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_sc
   ws_store<Cfg, T>(p, c, cwarp, out_scale, acc);
 }
 
+// Item `item` of a tile's partial layout ([consumer warp][fragment][lane], ws_publish): its four sums `v` into y,
+// scaled and biased, for the tile of token pass mpass and row tile ntile.
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_store_item(const GemmParams& p, uint32_t item, int mpass, int ntile, float out_scale,
+                                              const float (&v)[4]) {
+  constexpr int F = Cfg::kFrags;
+  const uint32_t lane = item & 31, tile16 = (item >> 5) / F;
+  const T* bias = static_cast<const T*>(p.bias);
+  int rows[2];
+  float bn[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    rows[half] = ntile * Cfg::kTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
+    bn[half] = ws_row_bias(bias, p.N, rows[half]);
+  }
+  ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + 8 * ((item >> 5) % F) + 2 * (lane & 3), out_scale, v);
+}
+
 // This CTA's slice of split tile `tile`: items [kItems * i / n, kItems * (i + 1) / n) for the i-th of its n CTAs,
 // every kConsumers-th one per consumer thread. A thread's (item, contributor) pairs in order, contributors
 // fastest, kAtOnce per L2 round trip whatever n (at 128 tokens two round trips per thread); each item's sum adds
@@ -497,7 +520,6 @@ __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, f
   const int pairs = first_item < end ? (end - first_item + kConsumers - 1) / kConsumers * n : 0;
   const int mpass = tile / p.n_tiles, ntile = tile - mpass * p.n_tiles;
   const int pass_tokens = p.M - mpass * Cfg::kTokens;
-  const T* bias = static_cast<const T*>(p.bias);
   const float empty = __uint_as_float(kPartialEmpty);
   // Item `item` of contributor lead + c (c = 0, the lead, in slot 1), in floats from the lead's slot 0. The slots are
   // a power of two floats, so the offset gives the item back.
@@ -532,18 +554,8 @@ __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, f
       else
         sum[0] += v[a].x, sum[1] += v[a].y, sum[2] += v[a].z, sum[3] += v[a].w;
       st_relaxed_gpu(base + offset[a], make_float4(empty, empty, empty, empty));
-      if (lasts >> a & 1u) {  // the item's last partial: its sums to y
-        const uint32_t item = (offset[a] & (kSlot - 1)) >> 2, lane = item & 31, tile16 = (item >> 5) / F;
-        int rows[2];
-        float bn[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          rows[half] = ntile * Cfg::kTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
-          bn[half] = ws_row_bias(bias, p.N, rows[half]);
-        }
-        ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + 8 * ((item >> 5) % F) + 2 * (lane & 3), out_scale,
-                             sum);
-      }
+      if (lasts >> a & 1u)  // the item's last partial: its sums to y
+        ws_store_item<Cfg, T>(p, (offset[a] & (kSlot - 1)) >> 2, mpass, ntile, out_scale, sum);
     }
   }
 }
@@ -564,6 +576,60 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 }
 
 #if KBIT_WGMMA
+// A tile cut in parts whose CTAs run as one thread-block cluster (launch_gemm_ws; rank r holds the tile's r-th part,
+// rank 0 its first k-groups): the parts meet in the CTAs' shared memory instead of L2. The tile's items (the partial
+// layout, ws_publish) fall in n slices of ceil(items / n), slice r owned by rank r; after every CTA's main loop (a
+// cluster barrier: from then on no stage nor the table is read) each consumer thread stores its accumulators' items
+// into their owners' shared memory, at [its rank][item's place in the slice], from the stages' base up; after a
+// second barrier each CTA adds its slice's n partials in rank order, as the lead would (ws_lead_reduce), and stores
+// it: no L2 round trips and no polling, every CTA summing at once. Against the same parts through L2 (H200, k = 2..5;
+// benchmarks/results/ws_tile_parts_clusters_NVIDIA_H200.md): halves of 4-8 k-groups 0.94-1.01x the time (geomean
+// 0.98), of 8-28 at 256-512 tokens 0.97-1.06x; 3 and 4 parts, where the lead reads 2 and 3 partials, 0.73-0.94x
+// (28672->8192, 28 k-groups a part, 1.00x); 8 parts, summed in slices, 0.95-1.04x. But the H200 holds all of a
+// planned grid's clusters only for halves (66 clusters of 2 at once, the H100 too; of 3, 4, 8: 39, 30, 15, one to
+// four short of the tiles the planner cuts in so many parts). The producer warpgroup has no part in it: exited
+// threads hold no cluster barrier up (and waiting there took the producer's 24 registers past their limit at 256
+// tokens: spills).
+template <class Cfg, typename T>
+__device__ __forceinline__ void ws_cluster_reduce(const GemmParams& p, const float (&acc)[Cfg::kFrags][4],
+                                                  uint8_t* stages, float out_scale) {
+  constexpr int F = Cfg::kFrags, kItems = Cfg::kTilePartialFloats / 4, kConsumers = 128 * Cfg::kConsumerGroups;
+  static_assert(Cfg::kTilePartialFloats * 4 + 16 * kMaxClusterCtas <=
+                    Cfg::kTableAddress + Cfg::kTables + Cfg::kAboveBytes - Cfg::kStagesFrom,
+                "a tile's partials fit the dynamic shared memory");
+  const int n = static_cast<int>(cluster_ctas()), rank = static_cast<int>(cluster_rank());
+  const int slice = (kItems + n - 1) / n;
+  const int tile = static_cast<int>(blockIdx.x) / n, mpass = tile / p.n_tiles, ntile = tile - mpass * p.n_tiles;
+  const int pass_tokens = p.M - mpass * Cfg::kTokens;
+  const int cwarp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
+  const uint32_t slots = shared_address(stages);
+  // Item (cwarp * F + j) * 32 + lane: the j-th is `at` items into slice `owner` (slices of 32 items or more: at
+  // most one step to the next slice from j to j + 1).
+  static_assert(kItems / kMaxClusterCtas >= 32, "a slice holds a fragment's 32 items");
+  const int first_item = cwarp * F * 32 + lane;
+  int owner = first_item / slice, at = first_item - owner * slice;
+  cluster_sync();
+#pragma unroll
+  for (int j = 0; j < F; ++j, at += 32) {
+    if (at >= slice) at -= slice, ++owner;
+    if (8 * j + 2 * (lane & 3) >= pass_tokens) continue;  // only the items of real tokens move
+    st_cluster(slots + (rank * slice + at) * 16, owner, make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+  }
+  cluster_sync();
+  const float4* sums = reinterpret_cast<const float4*>(stages);
+  for (int i = static_cast<int>(threadIdx.x) - 128; i < slice && rank * slice + i < kItems; i += kConsumers) {
+    const int item = rank * slice + i;
+    if (8 * ((item >> 5) % F) + 2 * (item & 3) >= pass_tokens) continue;
+    float4 v = sums[i];
+    for (int r = 1; r < n; ++r) {
+      const float4 u = sums[r * slice + i];
+      v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+    }
+    const float sum[4] = {v.x, v.y, v.z, v.w};
+    ws_store_item<Cfg, T>(p, item, mpass, ntile, out_scale, sum);
+  }
+}
+
 // ---------------------------------------------------------------------------- a consumer warpgroup
 // Per step: wait for the stage, then this warp's 16-row tile of the warpgroup's m64 block: its codes and scales, and
 // per block t of 32 columns one wgmma group: 2 wgmmas (k16 slices) of 64 rows x NT tokens x 16. A group's A fragments
@@ -580,11 +646,11 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
                                             uint64_t* empty, uint64_t* box_full, uint64_t* box_empty, int first,
-                                            int last, const void* y_map, bool y_by_copy) {
+                                            int last, const void* y_map, bool y_by_copy, uint32_t table_address) {
   constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags, B = Cfg::kBoxes;
   const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4;
   const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
-  const uint32_t sel = lane_select<Cfg>(Cfg::kTableAddress, lane);
+  const uint32_t sel = lane_select<Cfg>(table_address, lane);
   const float out_scale = *p.scale;
 
   float acc[F][4];
@@ -679,6 +745,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
         }
       } else if (stores_tile) {
         ws_store<Cfg, T>(p, c, tile16, out_scale, acc);
+      } else if (cluster_ctas() > 1) {  // the range's one tile, summed in the cluster: ws_cluster_reduce
+        break;
       } else if (from_start && TileCtas(p, c.tile(p)).n < kSlicedFrom) {  // the range's last tile: ws_lead_reduce
         lead_reduces = true;
         break;
@@ -694,6 +762,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
   if constexpr (Cfg::kBoxRing) wgmma_wait<0>();  // drained at the range's last step already; ptxas cannot see that
   if (lane == 0) bulk_wait_read();  // a stored tile's sums read from shared memory before it is reused (ws_park)
   __syncwarp();
+  if (cluster_ctas() > 1) return ws_cluster_reduce<Cfg, T>(p, acc, ring.base, out_scale);
   if (lead_reduces) ws_park<Cfg>(acc, ring.base);
   ws_reduce_slices<Cfg, T>(p, out_scale);
   if (lead_reduces) ws_lead_reduce<Cfg, T>(p, out_scale, ring.base, y_map, y_by_copy);
@@ -711,14 +780,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ uint64_t full[S], empty[S], box_full[kBoxBarriers], box_empty[kBoxBarriers];
   const uint32_t base = shared_address(smem);
-  uint8_t* table = smem + (Cfg::kTableAddress - base);
+  // The layout's addresses are those of a CTA without clusters (or the first of its cluster).
+  const uint32_t table_address = Cfg::kTableAddress + cluster_window_offset(base);
+  uint8_t* table = smem + (table_address - base);
   uint8_t* const ring_base = smem + (1024 - base % 1024) % 1024;  // the swizzle atoms need 1024-byte alignment
-  const WsRing<Cfg> ring{ring_base, Cfg::kTableAddress + Cfg::kTables - shared_address(ring_base)};
+  const WsRing<Cfg> ring{ring_base, table_address + Cfg::kTables - shared_address(ring_base)};
   if (threadIdx.x == 0) {  // host and kernel disagree on the layout: a bug
     uint32_t dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic_bytes));
-    if (shared_address(ring.base) + Cfg::kBelowBytes > Cfg::kTableAddress ||
-        base + dynamic_bytes < Cfg::kTableAddress + Cfg::kTables + Cfg::kAboveBytes)
+    if (shared_address(ring.base) + Cfg::kBelowBytes > table_address ||
+        base + dynamic_bytes < table_address + Cfg::kTables + Cfg::kAboveBytes)
       __trap();
   }
   const StepRange range = steps_of(p, blockIdx.x);
@@ -760,7 +831,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   } else {
     warpgroup_registers_inc<Cfg::kConsumerRegisters>();
     if (settled) wait_previous_kernel();
-    ws_consumer<Cfg, T>(p, ring, full, empty, box_full, box_empty, first, last, &y_map, y_by_copy);
+    ws_consumer<Cfg, T>(p, ring, full, empty, box_full, box_empty, first, last, &y_map, y_by_copy, table_address);
   }
 #else
   __trap();  // wgmma, setmaxnreg: sm_90a only; the host picks this kernel only on compute capability 9.x
@@ -825,6 +896,33 @@ cudaError_t gemm_ws_dynamic_smem(int& bytes) {
   return cudaFuncSetAttribute(gemm_ws_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+// Whether `clusters` clusters of `parts` CTAs of this launch run at once on the device: each cluster's CTAs must share
+// a GPC, one CTA per SM, so the GPCs' sizes decide (a tile's parts waiting for a second wave of clusters would
+// serialize the launch). The driver's answer for each cluster size is asked once per device.
+template <class Cfg, typename T>
+bool ws_clusters_fit(int parts, int clusters, cudaLaunchConfig_t config) {
+  static std::atomic<int> most[kMaxDevices][kMaxClusterCtas + 1];  // clusters at once + 1; 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
+  int known = most[device][parts].load(std::memory_order_relaxed);
+  if (known == 0) {
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = parts, attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    config.gridDim = dim3(parts * clusters);
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int at_once = 0;
+    if (cudaOccupancyMaxActiveClusters(&at_once, gemm_ws_kernel<Cfg, T>, &config) != cudaSuccess) {
+      (void)cudaGetLastError();  // the query's error is not the launch's
+      at_once = 0;
+    }
+    known = at_once + 1;
+    most[device][parts].store(known, std::memory_order_relaxed);
+  }
+  return clusters <= known - 1;
+}
+
 template <class Cfg, typename T>
 cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   WsActivationMaps x_maps{};
@@ -842,11 +940,19 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = p.dependent_launch ? 1 : 0;
+  // A tile cut in parts (a group of the cut per tile, cut.h): its parts as one cluster (ws_cluster_reduce).
+  const int parts = p.cut_group < p.grid ? p.cut_group : 1;
+  const bool clusters_wanted = parts > 1 && parts <= kMaxClusterCtas && p.ws_clusters != ClusterUse::kL2;
+  const bool clustered = clusters_wanted && ws_clusters_fit<Cfg, T>(parts, p.grid / parts, config);
+  if (clusters_wanted && !clustered && p.ws_clusters == ClusterUse::kRequired) return cudaErrorInvalidClusterSize;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = clustered ? parts : 1, attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = p.dependent_launch ? attributes : attributes + 1;
+  config.numAttrs = (p.dependent_launch ? 1 : 0) + (clustered ? 1 : 0);
   return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, x_maps, y_map, y_by_copy);
 }
 

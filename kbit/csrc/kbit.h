@@ -89,6 +89,16 @@ enum class GridRoom : uint8_t {
   kHalfOrLess,  // at most half the SMs: the whole grid starts beside a previous grid of its size
 };
 
+// Where the warp-specialized kernel sums the parts of a tile cut in parts (gemm_ws.cuh, ws_cluster_reduce): in a
+// thread-block cluster of those parts where the GPU holds every tile's cluster at once, else through L2 (the binding
+// reads KBIT_WS_CLUSTERS: 0 kL2, 1 kRequired, unset kWhereTheyFit).
+enum class ClusterUse : uint8_t {
+  kL2,            // through L2 always
+  kWhereTheyFit,  // in clusters where they fit
+  kRequired,      // in clusters wherever the parts are few enough (kMaxClusterCtas), or the launch fails (tests: a
+                  // call that passes ran the cluster path)
+};
+
 // One struct carries everything from host to kernel (flash-attention style).
 struct GemmParams {
   const void* x;            // [M, lda] fp16/bf16, 16-byte aligned rows; columns >= K_x read as 0
@@ -124,6 +134,7 @@ struct GemmParams {
   bool weights_stream;      // the weights are read once and exceed L2: copied evict-first (gemm.cuh up to 16
                             // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
   uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
+  ClusterUse ws_clusters;   // host only: how launch_gemm_ws launches tiles cut in parts
   uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut; always in
                             // gemm.cuh's kernels), or the CTAs sharing one tile (its parts; gemm.cu, ws_tile_parts)
   uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
