@@ -91,10 +91,16 @@ inline int ws_whole_tiles_grid(int tiles, int num_sms) {
 // k = 4, 512 tokens, 256-token tiles split 2-3 ways: a build whose leads read no partial took 0.84-0.91x the time,
 // and reading faster did not help; parts of equal size: 14336->4096 0.80-0.95x the time at 32-512 tokens;
 // docs/PERFORMANCE.md).
+// Where no such grid exists but the k-groups are few, halves: 2 parts, where they give a CTA at most 2.5 steps more
+// than the stream-K cut would (k_steps x (1/2 - tiles / SMs) <= 2.5), the stream-K cut's short ranges spreading
+// each tile's sum over three CTAs or more (H200, k = 2..5: 2048->10240 at 17-64 tokens, 40 tiles of 8 k-groups on 80
+// CTAs, 0.76-0.89x the time; 4096->14336 at 64, 56 of 16, 0.90-0.91x, at 17-32 0.99-1.02x; 4096->4096 at 160-192, 48
+// of 16, 0.93x; 48 tiles of 43 and 56 k-groups, 5.9 and 7.6 steps more, were 1.07-1.15x: docs/PERFORMANCE.md).
 inline int ws_tile_parts(int tiles, int k_steps, int num_sms) {
   if (num_sms > kMaxGroupedGrid) return 0;
   const int parts = num_sms / tiles < k_steps ? num_sms / tiles : k_steps;
-  return parts >= 2 && 20 * tiles * parts >= 19 * num_sms ? parts : 0;
+  if (parts >= 2 && 20 * tiles * parts >= 19 * num_sms) return parts;
+  return k_steps >= 2 && 2 * tiles <= num_sms && k_steps * (num_sms - 2 * tiles) <= 5 * num_sms ? 2 : 0;
 }
 
 }  // namespace kbit
