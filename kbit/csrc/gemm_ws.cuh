@@ -9,10 +9,11 @@
 //   ws_publish          a tile other CTAs hold k-groups of: this CTA's partial sum, published
 //   ws_lead_reduce      a tile split few ways: the CTA holding its first k-group adds the others' partials
 //   ws_reduce_slice     a tile split many ways: each of its CTAs adds every partial of one slice of it
+//   ws_cluster_reduce   a tile cut in parts that run as one cluster: the slices summed in the CTAs' shared memory
 //   ws_consumer         a consumer warpgroup's main loop: dequantize block t + 1 while block t's wgmmas run
 //                       (block_fragments of gemm.cuh, block scales applied in 16 bits)
 //   gemm_ws_kernel      the entry point: roles by warpgroup, registers moved to the consumers
-//   launch_gemm_ws      host side: the activations' and the output's tensor maps, the launch
+//   launch_gemm_ws      host side: the activations' and the output's tensor maps, the clusters, the launch
 //
 // Roles. Warpgroup 0 is the producer: one thread issues every copy, the warpgroup gives its registers back
 // (setmaxnreg) and does nothing else. The others are consumers, four (two at 256 tokens): each owns 64 weight rows of
@@ -27,7 +28,8 @@
 //
 // Work: as in gemm.cuh, a step is (token pass, CTA tile of 256 rows, 128 at 256 tokens, 256-column k-group); the
 // total step range is cut into `grid` contiguous pieces (stream-K). A tile split between CTAs is summed by the CTA
-// holding its first k-group, or, split many ways, in slices by all of them (the end of a tile, below).
+// holding its first k-group, or, split many ways, in slices by all of them, or, where its parts run as one cluster,
+// in slices through the cluster's shared memory (the end of a tile, below).
 
 #pragma once
 
