@@ -93,9 +93,10 @@ inline int ws_whole_tiles_grid(int tiles, int num_sms) {
 // docs/PERFORMANCE.md).
 // Where no such grid exists but the k-groups are few, halves: 2 parts, where they give a CTA at most 2.5 steps more
 // than the stream-K cut would (k_steps x (1/2 - tiles / SMs) <= 2.5), the stream-K cut's short ranges spreading
-// each tile's sum over three CTAs or more (H200, k = 2..5: 2048->10240 at 17-64 tokens, 40 tiles of 8 k-groups on 80
-// CTAs, 0.76-0.89x the time; 4096->14336 at 64, 56 of 16, 0.90-0.91x, at 17-32 0.99-1.02x; 4096->4096 at 160-192, 48
-// of 16, 0.93x; 48 tiles of 43 and 56 k-groups, 5.9 and 7.6 steps more, were 1.07-1.15x: docs/PERFORMANCE.md).
+// each tile's sum over three CTAs or more (H200, k = 2..5, halves in clusters of two: 2048->10240 at 17-64 tokens, 40
+// tiles of 8 k-groups on 80 CTAs, 0.74-0.88x the time; 4096->14336 at 64, 56 of 16, 0.87-0.90x, at 17-32 0.99-1.01x;
+// 4096->4096 at 160-192, 48 of 16, 0.88-0.89x; 48 tiles of 43 and 56 k-groups, 5.9 and 7.6 steps more, were
+// 1.04-1.15x: docs/PERFORMANCE.md).
 inline int ws_tile_parts(int tiles, int k_steps, int num_sms) {
   if (num_sms > kMaxGroupedGrid) return 0;
   const int parts = num_sms / tiles < k_steps ? num_sms / tiles : k_steps;
