@@ -270,7 +270,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.grid_room = 2 * plan.grid <= sms ? kbit::GridRoom::kHalfOrLess
               : plan.grid < sms    ? kbit::GridRoom::kBelowSms
                                    : kbit::GridRoom::kFull;
-  p.ws_clusters = ws_cluster_use();
+  p.ws_clusters = ws_tokens > 0 ? ws_cluster_use() : kbit::ClusterUse::kL2;  // the environment read where it counts
   check_launch(kbit::gemm(p, stream), "gemm");
   return y;
 }

@@ -490,8 +490,14 @@ __device__ __forceinline__ void ws_lead_reduce(const GemmParams& p, float out_sc
   ws_store<Cfg, T>(p, c, cwarp, out_scale, acc);
 }
 
-// Item `item` of a tile's partial layout ([consumer warp][fragment][lane], ws_publish): its four sums `v` into y,
-// scaled and biased, for the tile of token pass mpass and row tile ntile.
+// Item `item` of a tile's partial layout ([consumer warp][fragment][lane], ws_publish): its first token in the pass
+// (fragment (item / 32) % F, lane item % 32). Items whose first token is past M move nowhere.
+template <class Cfg>
+__device__ __forceinline__ int ws_item_token(uint32_t item) {
+  return static_cast<int>(8 * ((item >> 5) % Cfg::kFrags) + 2 * (item & 3));
+}
+
+// Item `item`'s four sums `v` into y, scaled and biased, for the tile of token pass mpass and row tile ntile.
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_store_item(const GemmParams& p, uint32_t item, int mpass, int ntile, float out_scale,
                                               const float (&v)[4]) {
@@ -505,7 +511,7 @@ __device__ __forceinline__ void ws_store_item(const GemmParams& p, uint32_t item
     rows[half] = ntile * Cfg::kTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
     bn[half] = ws_row_bias(bias, p.N, rows[half]);
   }
-  ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + 8 * ((item >> 5) % F) + 2 * (lane & 3), out_scale, v);
+  ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + ws_item_token<Cfg>(item), out_scale, v);
 }
 
 // This CTA's slice of split tile `tile`: items [kItems * i / n, kItems * (i + 1) / n) for the i-th of its n CTAs,
@@ -514,7 +520,7 @@ __device__ __forceinline__ void ws_store_item(const GemmParams& p, uint32_t item
 // its partials in CTA order, as the lead's accumulators would.
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, float out_scale) {
-  constexpr int F = Cfg::kFrags, kItems = Cfg::kTilePartialFloats / 4, kConsumers = 128 * Cfg::kConsumerGroups;
+  constexpr int kItems = Cfg::kTilePartialFloats / 4, kConsumers = 128 * Cfg::kConsumerGroups;
   constexpr int kAtOnce = 8;
   const TileCtas ctas(p, tile);
   const int lead = ctas.lead, n = ctas.n, i = static_cast<int>(blockIdx.x) - lead;
@@ -539,7 +545,7 @@ __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, f
       for (int a = 0; a < kAtOnce; ++a) {
         const uint32_t item = first_item + u * kConsumers;  // >= 0: first_item < end here
         offset[a] = (2 * c + (c == 0 ? 1 : 0)) * kSlot + static_cast<int>(item) * 4;
-        const bool live = static_cast<int>(8 * ((item >> 5) % F) + 2 * (item & 3)) < pass_tokens;
+        const bool live = ws_item_token<Cfg>(item) < pass_tokens;
         wanted |= (q0 + a < pairs && live ? 1u : 0u) << a;
         firsts |= (c == 0 ? 1u : 0u) << a;
         lasts |= (c == n - 1 ? 1u : 0u) << a;
@@ -621,7 +627,7 @@ __device__ __forceinline__ void ws_cluster_reduce(const GemmParams& p, const flo
   const float4* sums = reinterpret_cast<const float4*>(stages);
   for (int i = static_cast<int>(threadIdx.x) - 128; i < slice && rank * slice + i < kItems; i += kConsumers) {
     const int item = rank * slice + i;
-    if (8 * ((item >> 5) % F) + 2 * (item & 3) >= pass_tokens) continue;
+    if (ws_item_token<Cfg>(item) >= pass_tokens) continue;
     float4 v = sums[i];
     for (int r = 1; r < n; ++r) {
       const float4 u = sums[r * slice + i];
@@ -898,6 +904,14 @@ cudaError_t gemm_ws_dynamic_smem(int& bytes) {
   return cudaFuncSetAttribute(gemm_ws_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+// The launch attribute of 1-D clusters of `ctas` CTAs.
+inline cudaLaunchAttribute ws_cluster_attribute(int ctas) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = ctas, attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
 // Whether `clusters` clusters of `parts` CTAs of this launch run at once on the device: each cluster's CTAs must share
 // a GPC, one CTA per SM, so the GPCs' sizes decide (a tile's parts waiting for a second wave of clusters would
 // serialize the launch). The driver's answer for each cluster size is asked once per device.
@@ -908,9 +922,7 @@ bool ws_clusters_fit(int parts, int clusters, cudaLaunchConfig_t config) {
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
   int known = most[device][parts].load(std::memory_order_relaxed);
   if (known == 0) {
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = parts, attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    cudaLaunchAttribute attribute = ws_cluster_attribute(parts);
     config.gridDim = dim3(parts * clusters);
     config.attrs = &attribute;
     config.numAttrs = 1;
@@ -950,9 +962,7 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attributes[2]{};
   attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[0].val.programmaticStreamSerializationAllowed = 1;
-  attributes[1].id = cudaLaunchAttributeClusterDimension;
-  attributes[1].val.clusterDim.x = clustered ? parts : 1, attributes[1].val.clusterDim.y = 1;
-  attributes[1].val.clusterDim.z = 1;
+  attributes[1] = ws_cluster_attribute(parts);
   config.attrs = p.dependent_launch ? attributes : attributes + 1;
   config.numAttrs = (p.dependent_launch ? 1 : 0) + (clustered ? 1 : 0);
   return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, x_maps, y_map, y_by_copy);
