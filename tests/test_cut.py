@@ -78,9 +78,14 @@ int main() {
             }
           ++parted;
         }
-        const int whole = ws_whole_tiles_grid(tiles, sms);
-        if (whole != sms && (tiles % whole != 0 || 20 * whole < 19 * sms))
-          fail("ws_whole_tiles_grid: not a divisor of 95% of the SMs", total, whole, whole, -1);
+        for (int per_cta : {1, 2}) {  // the largest grid of >= 95% of the SMs giving each CTA per_cta whole tiles
+          int largest = 0;
+          for (int g = 1; g <= sms; ++g)
+            if (tiles % g == 0 && tiles / g >= per_cta && 20 * g >= 19 * sms) largest = g;
+          const int whole = ws_whole_tiles_grid(tiles, sms, per_cta);
+          if (whole != largest)
+            fail("ws_whole_tiles_grid: not the largest grid of whole tiles", total, whole, per_cta, -1);
+        }
       }
     }
   }

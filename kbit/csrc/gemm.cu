@@ -114,13 +114,13 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
   // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
   // that no tile is shared across CTAs.
-  const int whole_tiles_from = (ws_tokens == 256 ? 1 : 2) * num_sms;  // tiles, warp-specialized (cut.h)
   const int parts = forced_grid == 0 && ws_tokens > 0 ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
-  const int want = forced_grid > 0                                ? std::min(forced_grid, num_sms)
-                   : k_split > 1 && tiles <= num_sms                ? tiles
-                   : parts > 0                                      ? tiles * parts
-                   : ws_tokens > 0 && tiles >= whole_tiles_from     ? ws_whole_tiles_grid(tiles, num_sms)
-                                                                    : num_sms;
+  const int whole_tiles_grid = ws_tokens > 0 ? ws_whole_tiles_grid(tiles, num_sms, ws_tokens == 256 ? 1 : 2) : 0;
+  const int want = forced_grid > 0                 ? std::min(forced_grid, num_sms)
+                   : k_split > 1 && tiles <= num_sms ? tiles
+                   : parts > 0                       ? tiles * parts
+                   : whole_tiles_grid > 0            ? whole_tiles_grid
+                                                     : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   plan.cut_group = parts > 0 ? parts : plan.grid;  // tiles x parts <= total_steps: parts of at least one k-group
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
