@@ -501,12 +501,13 @@ def test_gemm_ws_256_token_tiles(k):
     """The warp-specialized kernel's 256-token tiles (128-row CTA tiles, the activations' own ring of boxes), called
     through the extension whatever the planner picks: tiles past N and M, several passes, forced grids that split
     tiles across CTAs (the lead's sum and the slices), a grid of whole tiles (4096x4096 at 1000 tokens: 128 tiles),
-    fp16 and bf16, bias on every other call."""
+    whole tiles one apart (14336x512: 112 and 448 tiles on 112 and 132 CTAs of 132 SMs), fp16 and bf16, bias on
+    every other call."""
     from kbit._build import cuda_ext
 
     ext = cuda_ext()
     failures = []
-    for N, K in ((4096, 4096), (1000, 4128), (130, 4104), (1536, 2048), (72, 100)):
+    for N, K in ((4096, 4096), (1000, 4128), (130, 4104), (1536, 2048), (72, 100), (14336, 512)):
         seed = seed_for("gemm-ws256", k, N, K)
         qw = quantized_weight(N, K, k, seed)
         b, a = qw.gemm_layout()

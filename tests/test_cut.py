@@ -1,7 +1,8 @@
 """The cut of a GEMM's steps among its CTAs (kbit/csrc/cut.h), checked on the host: the header's own functions,
 compiled by the host C++ compiler, over many grids. Every CTA's range is contiguous with the next, covers the steps
 once, and cta_of_step finds its owner; the stream-K cut's ranges differ by at most a step; where the warp-specialized
-kernel cuts tiles in parts (ws_tile_parts), every range lies in one tile and every tile has exactly `parts` CTAs."""
+kernel cuts tiles in parts (ws_tile_parts), every range lies in one tile and every tile has exactly `parts` CTAs;
+where it cuts in whole tiles (ws_uneven_whole_tiles), every range is whole tiles, one apart at most."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ static void fail(const char* what, int total, int grid, int group, int b) {
   if (failures++ < 10) std::printf("FAIL %s: total=%d grid=%d group=%d cta=%d\n", what, total, grid, group, b);
 }
 
-// The cut of total steps over grid CTAs in groups of `group`; tile_steps > 0: every range must lie in one tile.
-static void check(int total, int grid, int group, int tile_steps) {
-  const StreamKCut cut = make_cut(total, grid, group);
+// The cut of total steps over grid CTAs in groups of `group`, in units of `unit` steps; tile_steps > 0: every range
+// must lie in one tile.
+static void check(int total, int grid, int group, int tile_steps, int unit = 1) {
+  const StreamKCut cut = make_cut(total / unit, grid, group, unit);
   if (cut.group_reciprocal > 0xFFFF) fail("group_reciprocal past 16 bits", total, grid, group, -1);
   if (steps_of(cut, 0).first != 0) fail("first range does not start at 0", total, grid, group, 0);
   int shortest = total, longest = 0;
@@ -36,7 +38,8 @@ static void check(int total, int grid, int group, int tile_steps) {
     if (steps_of(cut, b + 1).first != r.last) fail("ranges not contiguous", total, grid, group, b);
     for (int s = r.first; s < r.last; ++s)
       if (cta_of_step(cut, s) != b) { fail("cta_of_step", total, grid, group, b); break; }
-    if (group == grid) {  // one group: the group-free forms (gemm.cuh's kernels) agree
+    if (r.first % unit != 0 || r.last % unit != 0) fail("range not in whole units", total, grid, group, b);
+    if (group == grid && unit == 1) {  // one group in steps: the group-free forms (gemm.cuh's kernels) agree
       const StepRange one = steps_of<false>(cut, b);
       if (one.first != r.first || one.last != r.last) fail("steps_of<false>", total, grid, group, b);
       if (cta_of_step<false>(cut, r.first) != b || cta_of_step<false>(cut, r.last - 1) != b)
@@ -48,11 +51,11 @@ static void check(int total, int grid, int group, int tile_steps) {
     longest = r.last - r.first > longest ? r.last - r.first : longest;
   }
   if (steps_of(cut, grid - 1).last != total) fail("steps not covered", total, grid, group, grid - 1);
-  if (longest - shortest > 1) fail("ranges differ by more than a step", total, grid, group, -1);
+  if (longest - shortest > unit) fail("ranges differ by more than a unit", total, grid, group, -1);
 }
 
 int main() {
-  int cuts = 0, parted = 0;
+  int cuts = 0, parted = 0, uneven = 0;
   for (int sms : {256, 132, 114, 108, 78, 46, 16}) {
     for (int tiles = 1; tiles <= 300; ++tiles) {
       for (int k_steps : {1, 2, 3, 5, 8, 16, 17, 43, 56, 112}) {
@@ -78,6 +81,17 @@ int main() {
             }
           ++parted;
         }
+        // Whole tiles, as many each or one apart, where the busiest CTA's excess over the mean is at most 6% of it,
+        // or 5 steps with the busiest at most 1.25x the mean: the rule restated in floating point, both ways.
+        const int whole_grid = tiles < sms ? tiles : sms, most = (tiles + whole_grid - 1) / whole_grid;
+        const double mean = static_cast<double>(tiles) / sms, past = most - mean, eps = 1e-9;
+        const bool wanted = past <= 0.06 * mean + eps || (most <= 1.25 * mean + eps && past * k_steps <= 5 + eps);
+        if (ws_uneven_whole_tiles(tiles, k_steps, sms) != wanted)
+          fail("ws_uneven_whole_tiles: not the stated rule", total, whole_grid, most, -1);
+        if (wanted) {
+          check(total, whole_grid, whole_grid, 0, k_steps);
+          ++uneven;
+        }
         for (int per_cta : {1, 2}) {  // the largest grid of >= 95% of the SMs giving each CTA per_cta whole tiles
           int largest = 0;
           for (int g = 1; g <= sms; ++g)
@@ -89,8 +103,8 @@ int main() {
       }
     }
   }
-  std::printf("%d cuts, %d cut in tile parts, %d failures\n", cuts, parted, failures);
-  return failures != 0 || parted == 0;
+  std::printf("%d cuts, %d cut in tile parts, %d in uneven whole tiles, %d failures\n", cuts, parted, uneven, failures);
+  return failures != 0 || parted == 0 || uneven == 0;
 }
 """
 

@@ -210,7 +210,7 @@ void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor
   p.M = static_cast<int>(M);
   p.K_x = static_cast<int>(x.size(1));
   p.lda = static_cast<int>(x.size(1));
-  p.k = static_cast<int>(k);
+  p.k = static_cast<uint16_t>(k);
   p.dtype = to_dtype(x.scalar_type());
 }
 

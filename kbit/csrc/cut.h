@@ -2,10 +2,13 @@
 // grid rules (host). A step is (token pass, CTA row tile, k-step), numbered tile * k_steps + k-step; a CTA owns one
 // contiguous range of steps, persistent, one CTA per SM at most (a split tile's reducer waits for the others).
 //
-// The CTAs fall in groups of `group`, each group owning group * steps_per_cta + extra_steps consecutive steps; in a
-// group, CTA j owns steps_per_cta steps, plus one more when j < extra_steps.
-//   One group of all CTAs: the stream-K cut (every SM streams weights whatever the shape).
-//   A group per tile: each tile cut in parts of whole k-steps (ws_tile_parts), no tile across three CTAs.
+// The cut counts units of `unit` steps: one step, or a whole tile (k_steps). The CTAs fall in groups of `group`, each
+// group owning group * steps_per_cta + extra_steps consecutive units; in a group, CTA j owns steps_per_cta units,
+// plus one more when j < extra_steps.
+//   One group of all CTAs, in steps: the stream-K cut (every SM streams weights whatever the shape).
+//   One group of all CTAs, in tiles: the warp-specialized kernel's CTAs own whole tiles, as many each or one apart
+//     (ws_whole_tiles_grid, ws_uneven_whole_tiles).
+//   A group per tile, in steps: each tile cut in parts of whole k-steps (ws_tile_parts), no tile across three CTAs.
 // tests/test_cut.py checks these functions on the host over many grids.
 
 #pragma once
@@ -22,24 +25,27 @@
 namespace kbit {
 
 struct StreamKCut {
-  int steps_per_cta, extra_steps, group;  // GemmParams: steps_per_cta, extra_steps, cut_group
+  int steps_per_cta, extra_steps, group;  // in units; GemmParams: steps_per_cta, extra_steps, cut_group
   int group_reciprocal;  // GemmParams::cut_group_reciprocal: ceil(2^16 / group), 0 with one group (make_cut)
+  int unit;              // steps per unit, GemmParams::cut_unit: 1, or k_steps (whole tiles)
 };
 
 struct StepRange {
   int first, last;  // [first, last)
 };
 
-// total_steps over grid CTAs in groups of `group`: grid (one group), or a divisor of grid from 2 to grid / 2 where
-// grid <= kMaxGroupedGrid (the groups divide the steps). CTA b's group is (b * group_reciprocal) >> 16, exact while
-// b * group < 2^16 (b <= grid, group <= grid / 2); the reciprocal fits 16 bits (GemmParams).
+// `units` units of `unit` steps over grid CTAs in groups of `group`: grid (one group), or a divisor of grid from 2 to
+// grid / 2 where grid <= kMaxGroupedGrid (the groups divide the units). CTA b's group is (b * group_reciprocal) >> 16,
+// exact while b * group < 2^16 (b <= grid, group <= grid / 2); the reciprocal fits 16 bits (GemmParams).
 constexpr int kMaxGroupedGrid = 256;
-KBIT_HOST_DEVICE inline StreamKCut make_cut(int total_steps, int grid, int group) {
-  const int group_steps = total_steps / (grid / group);
-  return {group_steps / group, group_steps % group, group, group < grid ? ((1 << 16) + group - 1) / group : 0};
+KBIT_HOST_DEVICE inline StreamKCut make_cut(int units, int grid, int group, int unit = 1) {
+  const int group_units = units / (grid / group);
+  const int reciprocal = group < grid ? ((1 << 16) + group - 1) / group : 0;
+  return {group_units / group, group_units % group, group, reciprocal, unit};
 }
 
-// CTA b's steps, b <= grid. kGroups = false: the cut is one group (gemm.cuh's kernels), nothing computed for groups.
+// CTA b's steps, b <= grid. kGroups = false: the cut is one group in steps (gemm.cuh's kernels), nothing computed for
+// groups or units.
 // No division, and last not derived from first: so the range stays in uniform registers on the device, which the
 // copies issued by the warp-specialized kernel's producer take directly. Either put the producer's loop in vector
 // registers, moved to uniform ones before every copy, and spilled it at 24 registers (1.03-1.10x the time of most
@@ -51,23 +57,26 @@ KBIT_HOST_DEVICE inline StepRange steps_of(const StreamKCut& cut, int b) {
     group = static_cast<int>((static_cast<uint32_t>(b) * cut.group_reciprocal) >> 16);
     j = b - group * cut.group;
   }
-  const int q = cut.steps_per_cta, extra = cut.extra_steps, base = group * extra;
-  return {b * q + base + (j < extra ? j : extra), (b + 1) * q + base + (j + 1 < extra ? j + 1 : extra)};
+  const int q = cut.steps_per_cta, extra = cut.extra_steps, base = group * extra, unit = kGroups ? cut.unit : 1;
+  return {unit * (b * q + base + (j < extra ? j : extra)),
+          unit * ((b + 1) * q + base + (j + 1 < extra ? j + 1 : extra))};
 }
 
-// The CTA owning step s. With groups in unsigned arithmetic, two 32-bit divisions (a 64-bit one per CTA cost ~1% of a
-// small GEMM; signed ones take more instructions); without, signed as gemm.cuh's kernels were measured.
+// The CTA owning step `step`. With groups and units in unsigned arithmetic, three 32-bit divisions (a 64-bit one per
+// CTA cost ~1% of a small GEMM; signed ones take more instructions); without, signed as gemm.cuh's kernels were
+// measured.
 template <bool kGroups = true>
 KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int step) {
   using I = std::conditional_t<kGroups, uint32_t, int>;
-  I s = step, group_first = 0;  // group_first: the first CTA of s's group
+  I s = step, group_first = 0;  // s: the step's unit; group_first: the first CTA of its group
   if constexpr (kGroups) {
-    const I group_steps = cut.group * cut.steps_per_cta + cut.extra_steps, group = s / group_steps;
+    s /= static_cast<I>(cut.unit);
+    const I group_units = cut.group * cut.steps_per_cta + cut.extra_steps, group = s / group_units;
     group_first = group * cut.group;
-    s -= group * group_steps;
+    s -= group * group_units;
   }
-  const I q = cut.steps_per_cta, extra = cut.extra_steps, long_steps = extra * (q + 1);  // the longer CTAs' steps
-  return static_cast<int>(group_first + (s < long_steps ? s / (q + 1) : extra + (s - long_steps) / q));
+  const I q = cut.steps_per_cta, extra = cut.extra_steps, long_units = extra * (q + 1);  // the longer CTAs' units
+  return static_cast<int>(group_first + (s < long_units ? s / (q + 1) : extra + (s - long_units) / q));
 }
 
 // The warp-specialized kernel's grid of whole tiles: the largest grid of at least 95% of the SMs that divides the
@@ -82,6 +91,20 @@ inline int ws_whole_tiles_grid(int tiles, int num_sms, int per_cta) {
   for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
     if (tiles % grid == 0 && tiles / grid >= per_cta) return grid;
   return 0;
+}
+
+// 256-token tiles that no such grid divides: whole tiles still, floor(tiles / SMs) per CTA or one more (the cut in
+// tiles; a CTA per tile below the SM count), where the busiest CTA's steps past the mean (tiles / SMs) are at most
+// 6% of the mean, or at most 5 steps with the busiest at most 1.25x the mean. The stream-K cut sets the CTAs at
+// different places in k and splits tiles, its cost a share of the time (H200, forced grids, 1024 tokens, k = 4: a
+// step 1.2-1.4x a whole tile's); whole tiles cost the busiest CTA's excess. Through the planner (H200, k = 2..5):
+// 4096->14336 at 256 and 512 tokens (112 and 224 tiles, 2.4 and 4.8 steps past the mean) 0.81-0.86x and 0.90-0.97x
+// the time, 4096->11008 at 4096 (1376 tiles, 5.5% past) 0.95-0.97x, 2048->10240 at 640-1024 (1.5-4.6 steps past)
+// 0.92-1.02x; 9.7-29 steps past lost (8192->28672 at 512-640 tokens 1.02-1.11x, 4096->11008 at 2048 1.04-1.06x;
+// docs/PERFORMANCE.md).
+inline bool ws_uneven_whole_tiles(int tiles, int k_steps, int num_sms) {
+  const int excess = (tiles + num_sms - 1) / num_sms * num_sms - tiles;  // the busiest CTA's excess, x SMs, in tiles
+  return 50 * excess <= 3 * tiles || (4 * excess <= tiles && excess * k_steps <= 5 * num_sms);
 }
 
 // Where the tiles are at most half the SMs: each tile cut in `parts` parts of whole k-steps (a group of the cut per

@@ -114,17 +114,24 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
   // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
   // that no tile is shared across CTAs.
-  const int parts = forced_grid == 0 && ws_tokens > 0 ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
-  const int whole_tiles_grid = ws_tokens > 0 ? ws_whole_tiles_grid(tiles, num_sms, ws_tokens == 256 ? 1 : 2) : 0;
+  const bool planned_ws = forced_grid == 0 && ws_tokens > 0;
+  const int parts = planned_ws ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
+  const int whole_tiles_grid =
+      planned_ws && parts == 0 ? ws_whole_tiles_grid(tiles, num_sms, ws_tokens == 256 ? 1 : 2) : 0;
+  const bool uneven_whole_tiles = planned_ws && ws_tokens == 256 && parts == 0 && whole_tiles_grid == 0 &&
+                                  ws_uneven_whole_tiles(tiles, k_steps, num_sms);
   const int want = forced_grid > 0                 ? std::min(forced_grid, num_sms)
                    : k_split > 1 && tiles <= num_sms ? tiles
                    : parts > 0                       ? tiles * parts
                    : whole_tiles_grid > 0            ? whole_tiles_grid
+                   : uneven_whole_tiles              ? std::min(tiles, num_sms)
                                                      : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   plan.cut_group = parts > 0 ? parts : plan.grid;  // tiles x parts <= total_steps: parts of at least one k-group
+  plan.cut_unit = whole_tiles_grid > 0 || uneven_whole_tiles ? k_steps : 1;  // cut in tiles (cut.h)
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
-  const bool whole = plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0;
+  const bool whole = plan.cut_unit == k_steps ||
+                     (plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0);
   plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
   return plan;
 }
@@ -139,11 +146,12 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.k_split = plan.k_split;
   p.ws_tokens = plan.ws_tokens;
   p.grid = plan.grid;
-  const StreamKCut cut = make_cut(plan.total_steps, plan.grid, plan.cut_group);
+  const StreamKCut cut = make_cut(plan.total_steps / plan.cut_unit, plan.grid, plan.cut_group, plan.cut_unit);
   p.steps_per_cta = cut.steps_per_cta;
   p.extra_steps = cut.extra_steps;
   p.cut_group = static_cast<uint16_t>(cut.group);
   p.cut_group_reciprocal = static_cast<uint16_t>(cut.group_reciprocal);
+  p.cut_unit = static_cast<uint16_t>(cut.unit);
   p.weights_stream = plan.weights_stream;
 }
 

@@ -502,7 +502,7 @@ __device__ __forceinline__ const T* x_row(const GemmParams& p, int row) {
 // The cut (cut.h): one weight, the host's plan (GemmParams); grouped, grid CTAs over num_passes * n_tiles * k_steps
 // steps, from the pass count the routing kernel wrote (read after grid_dependency_wait).
 __device__ __forceinline__ StreamKCut cut_of(const GemmParams& p) {
-  return {p.steps_per_cta, p.extra_steps, p.cut_group, p.cut_group_reciprocal};
+  return {p.steps_per_cta, p.extra_steps, p.cut_group, p.cut_group_reciprocal, p.cut_unit};
 }
 template <class Cfg>
 __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {

@@ -574,7 +574,7 @@ __device__ __forceinline__ void ws_reduce_slice(const GemmParams& p, int tile, f
 template <class Cfg, typename T>
 __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_scale) {
   // A tile reaches kSlicedFrom CTAs only across kSlicedFrom - 2 whole ranges and parts of two more.
-  if (p.k_groups < (kSlicedFrom - 2) * p.steps_per_cta + 2) return;
+  if (p.k_groups < (kSlicedFrom - 2) * p.steps_per_cta * p.cut_unit + 2) return;
   const StepRange range = steps_of(p, blockIdx.x);
   const int first = range.first, last = range.last;
   const int head = first / p.k_groups, tail = (last - 1) / p.k_groups;  // the tiles between are whole

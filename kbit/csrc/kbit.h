@@ -114,14 +114,17 @@ struct GemmParams {
   int k_groups;             // K_w / 256, rounded up
   int n_tiles;              // CTA row tiles along N
   int grid;                 // CTAs, in groups of cut_group, each owning cut_group * steps_per_cta + extra_steps
-                            // consecutive pipeline steps (token passes x n_tiles x k_steps in all): a CTA owns
-                            // steps_per_cta steps, one more if it is among the first extra_steps of its group
+                            // consecutive units of cut_unit pipeline steps (token passes x n_tiles x k_steps in all):
+                            // a CTA owns steps_per_cta units, one more if it is among the first extra_steps of its
+                            // group (cut.h)
   int steps_per_cta;
   int extra_steps;
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64, 128, 256: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
                             // with that many tokens per tile (mb = ws_tokens / 8)
-  int k;                    // bits
+  uint16_t k;               // bits
+  uint16_t cut_unit;        // pipeline steps per unit of the cut: 1, or k_steps where every CTA owns whole tiles (the
+                            // warp-specialized kernel; gemm.cuh's kernels cut in steps and do not read it)
   int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
@@ -165,6 +168,7 @@ std::vector<GemmConfigInfo> gemm_configs();
 struct GemmPlan {
   int mb, m_passes, grid, total_steps;
   int cut_group;            // CTAs per group of the cut (GemmParams): grid, or the parts of one tile
+  int cut_unit;             // steps per unit of the cut (GemmParams): 1, or k_steps (whole tiles)
   int wgmma_tiles;          // 0: mma.sync; 1 or 2: wgmma with that many row tiles per warp (GemmParams)
   int k_split;              // warps splitting one tile's k-groups (GemmParams)
   int ws_tokens;            // 0, or tokens per tile of the warp-specialized kernel (GemmParams)

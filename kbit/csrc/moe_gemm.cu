@@ -24,6 +24,7 @@ GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int forced_gri
   // the steps are cut among them on the device, once the routing kernel has counted the passes.
   plan.grid = std::max(1, forced_grid > 0 ? std::min(forced_grid, num_sms) : num_sms);
   plan.cut_group = plan.grid;
+  plan.cut_unit = 1;
   plan.partial_floats = static_cast<int64_t>(plan.grid) * kGemmWarps * gemm_row_tiles(k, plan.mb, plan.wgmma_tiles, 1) *
                         plan.mb * 32 * 4;  // GemmConfig::kPartialFloats per CTA: any CTA may share a tile
   return plan;
