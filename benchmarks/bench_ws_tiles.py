@@ -13,8 +13,8 @@ twice the L2 cache, each timed as a CUDA graph of calls (median of replays, as b
 checked against each other. Prints one line per (bits, shape, M): both times, their ratio (first tile's time over
 the second's) and the steps per SM the second leaves (token passes x row tiles x 256-column k-groups / SMs), a
 summary last; writes bench_ws_tiles.md and .json under --out. Each configuration runs on the grid the host plans
-(gemm.cu: whole tiles per CTA where a grid of at least 95% of the SMs divides them); --per-sm-grid times it on one
-CTA per SM too (tiles split across CTAs).
+(gemm.cu and cut.h: whole tiles per CTA where a grid of at least 95% of the SMs divides them, or one apart at 256
+tokens); --per-sm-grid times it on one CTA per SM too (tiles split across CTAs).
 """
 
 from __future__ import annotations

@@ -263,8 +263,9 @@ CROSSOVERS = (
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 65, H200_WS_TILES, bits=(2, 3, 4), max_steps_per_sm=12,
               through=512),
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(2, 3, 4), through=192),
-    # 256-token tiles (each looked-up weight serves twice the tokens; two consumer warpgroups), on the grids the
-    # host plans (whole tiles per CTA where they divide among >= 95% of the SMs): K = 2..4 from 1024 tokens (128-token
+    # 256-token tiles (each looked-up weight serves twice the tokens; two consumer warpgroups), measured on the grids
+    # the host planned then (whole tiles per CTA only where >= 95% of the SMs divided them two or more per CTA, one at
+    # 256 tokens; cut.h has since more whole tiles at 256 tokens): K = 2..4 from 1024 tokens (128-token
     # tiles' time over theirs 0.96-1.23 at 1024-4096, geomean over six shapes ~1.05; at 256-512 tokens 0.89-1.07, at
     # 129-192 the 64-token tiles' 0.71-1.07), and at 193-256 tokens on >= 14336 rows, whose 128-row tiles give nearly
     # every SM one (8192->28672 against 128-token tiles 1.04-1.07, 4096->14336 against 64-token ones 1.09-1.14; the
