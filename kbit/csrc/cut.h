@@ -84,9 +84,10 @@ KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int step) {
 // between CTAs (stream-K) and sets each CTA at its own place in k; with a grid that divides the tiles, every CTA owns
 // whole tiles and all of them sweep k in step, so the CTAs of one token pass read the same activations at the same
 // time (H200, k = 4, 256-token tiles at 4096 tokens, 128 of 132 SMs: 14336->4096 1028 -> 749 us, 28672->8192 3827 ->
-// 2978, 8192->28672 3527 -> 3222; 4096->14336 at 1024 tokens on 112 SMs, 85%: 205 -> 217, slower). One 128-token
-// tile per CTA was slower (28672->8192 at 512 tokens: 1.10-1.16x the time at k = 2..4), one 256-token tile faster
-// (14336->4096 at 1024 tokens, 128 tiles on 128 of 132 SMs: 198 -> 178 us); docs/PERFORMANCE.md.
+// 2978, 8192->28672 3527 -> 3222). One 128-token tile per CTA was slower (28672->8192 at 512 tokens: 1.10-1.16x the
+// time at k = 2..4), one 256-token tile faster (14336->4096 at 1024 tokens, 128 tiles on 128 of 132 SMs: 198 -> 178
+// us). Grids below 95% are not taken: 4096->14336 at 1024 tokens on 112 SMs was 205 -> 217 us in an early build, but
+// 0.84x the stream-K time at 28b2177 (forced grids): open, docs/PERFORMANCE.md.
 inline int ws_whole_tiles_grid(int tiles, int num_sms, int per_cta) {
   for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
     if (tiles % grid == 0 && tiles / grid >= per_cta) return grid;
