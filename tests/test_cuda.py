@@ -501,8 +501,9 @@ def test_gemm_ws_256_token_tiles(k):
     """The warp-specialized kernel's 256-token tiles (128-row CTA tiles, the activations' own ring of boxes), called
     through the extension whatever the planner picks: tiles past N and M, several passes, forced grids that split
     tiles across CTAs (the lead's sum and the slices), a grid of whole tiles (4096x4096 at 1000 tokens: 128 tiles),
-    whole tiles one apart (14336x512: 112 and 448 tiles on 112 and 132 CTAs of 132 SMs), fp16 and bf16, bias on
-    every other call."""
+    whole tiles one apart on the fewest CTAs for the most each (of 132 SMs: 14336x512 at 1000 and 2560 tokens, 448
+    and 1120 tiles on 112 and 125 CTAs; 4096x4096 at 2560, 320 tiles on 107), fp16 and bf16, bias on every other
+    call."""
     from kbit._build import cuda_ext
 
     ext = cuda_ext()
@@ -515,7 +516,8 @@ def test_gemm_ws_256_token_tiles(k):
         chk = GemmChecker(qw)
         g = gen(seed + 1, "cuda")
         settled = ops.weights_settled(b, a, qw.codebook)
-        for i, (M, grid) in enumerate(((1, 0), (17, 7), (256, 0), (300, 3), (600, 64), (257, 1000), (1000, 0))):
+        cases = ((1, 0), (17, 7), (256, 0), (300, 3), (600, 64), (257, 1000), (1000, 0), (2560, 0))
+        for i, (M, grid) in enumerate(cases):
             dtype = torch.bfloat16 if i % 3 == 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 else None

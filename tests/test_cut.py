@@ -2,7 +2,8 @@
 compiled by the host C++ compiler, over many grids. Every CTA's range is contiguous with the next, covers the steps
 once, and cta_of_step finds its owner; the stream-K cut's ranges differ by at most a step; where the warp-specialized
 kernel cuts tiles in parts (ws_tile_parts), every range lies in one tile and every tile has exactly `parts` CTAs;
-where it cuts in whole tiles (ws_uneven_whole_tiles), every range is whole tiles, one apart at most."""
+where it cuts in whole tiles (ws_uneven_whole_tiles), every range is whole tiles, one apart at most, and no
+CTA owns more than ceil(tiles / SMs)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ int main() {
   int cuts = 0, parted = 0, uneven = 0;
   for (int sms : {256, 132, 114, 108, 78, 46, 16}) {
     for (int tiles = 1; tiles <= 300; ++tiles) {
-      for (int k_steps : {1, 2, 3, 5, 8, 16, 17, 43, 56, 112}) {
+      for (int k_steps : {1, 2, 3, 5, 8, 16, 17, 31, 32, 43, 56, 112}) {
         const int total = tiles * k_steps;
         const int grid = total < sms ? total : sms;  // one CTA per SM: the stream-K cut, one group
         check(total, grid, grid, 0);
@@ -81,16 +82,23 @@ int main() {
             }
           ++parted;
         }
-        // Whole tiles, as many each or one apart, where the busiest CTA's excess over the mean is at most 6% of it,
-        // or 5 steps with the busiest at most 1.25x the mean: the rule restated in floating point, both ways.
-        const int whole_grid = tiles < sms ? tiles : sms, most = (tiles + whole_grid - 1) / whole_grid;
+        // Whole tiles on ceil(tiles / most) CTAs, where the busiest CTA's excess over the mean is at most 6% of it, or
+        // 5 steps with the busiest at most 1.25x the mean, or the SMs span two passes and the most is at most 1.3x
+        // the mean (1.2x below 32 k-steps): the rule restated in floating point, both ways, one pass wide and on
+        // either side of spanning two.
+        const int most = (tiles + sms - 1) / sms;
         const double mean = static_cast<double>(tiles) / sms, past = most - mean, eps = 1e-9;
-        const bool wanted = past <= 0.06 * mean + eps || (most <= 1.25 * mean + eps && past * k_steps <= 5 + eps);
-        if (ws_uneven_whole_tiles(tiles, k_steps, sms) != wanted)
-          fail("ws_uneven_whole_tiles: not the stated rule", total, whole_grid, most, -1);
-        if (wanted) {
-          check(total, whole_grid, whole_grid, 0, k_steps);
-          ++uneven;
+        const bool few_past = past <= 0.06 * mean + eps || (most <= 1.25 * mean + eps && past * k_steps <= 5 + eps);
+        for (int row_tiles : {tiles, sms / 2, sms / 2 + 1}) {
+          const bool wanted = few_past || (2 * row_tiles <= sms && most <= (k_steps >= 32 ? 1.3 : 1.2) * mean + eps);
+          const int grid = ws_uneven_whole_tiles(tiles, row_tiles, k_steps, sms);
+          if ((grid > 0) != wanted) fail("ws_uneven_whole_tiles: not the stated rule", total, grid, most, row_tiles);
+          if (grid > 0 && (grid != (tiles + most - 1) / most || (tiles + grid - 1) / grid != most))
+            fail("ws_uneven_whole_tiles: not the fewest CTAs for the most tiles each", total, grid, most, row_tiles);
+          if (grid > 0) {
+            check(total, grid, grid, 0, k_steps);
+            ++uneven;
+          }
         }
         for (int per_cta : {1, 2}) {  // the largest grid of >= 95% of the SMs giving each CTA per_cta whole tiles
           int largest = 0;

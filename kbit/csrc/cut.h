@@ -86,26 +86,35 @@ KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int step) {
 // time (H200, k = 4, 256-token tiles at 4096 tokens, 128 of 132 SMs: 14336->4096 1028 -> 749 us, 28672->8192 3827 ->
 // 2978, 8192->28672 3527 -> 3222). One 128-token tile per CTA was slower (28672->8192 at 512 tokens: 1.10-1.16x the
 // time at k = 2..4), one 256-token tile faster (14336->4096 at 1024 tokens, 128 tiles on 128 of 132 SMs: 198 -> 178
-// us). Grids below 95% are not taken: 4096->14336 at 1024 tokens on 112 SMs was 205 -> 217 us in an early build, but
-// 0.84x the stream-K time at 28b2177 (forced grids): open, docs/PERFORMANCE.md.
+// us). Below 95% of the SMs: ws_uneven_whole_tiles.
 inline int ws_whole_tiles_grid(int tiles, int num_sms, int per_cta) {
   for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
     if (tiles % grid == 0 && tiles / grid >= per_cta) return grid;
   return 0;
 }
 
-// 256-token tiles that no such grid divides: whole tiles still, floor(tiles / SMs) per CTA or one more (the cut in
-// tiles; a CTA per tile below the SM count), where the busiest CTA's steps past the mean (tiles / SMs) are at most
-// 6% of the mean, or at most 5 steps with the busiest at most 1.25x the mean. The stream-K cut sets the CTAs at
-// different places in k and splits tiles, its cost a share of the time (H200, forced grids, 1024 tokens, k = 4: a
-// step 1.2-1.4x a whole tile's); whole tiles cost the busiest CTA's excess. Through the planner (H200, k = 2..5):
-// 4096->14336 at 256 and 512 tokens (112 and 224 tiles, 2.4 and 4.8 steps past the mean) 0.81-0.86x and 0.90-0.97x
-// the time, 4096->11008 at 4096 (1376 tiles, 5.5% past) 0.95-0.97x, 2048->10240 at 640-1024 (1.5-4.6 steps past)
-// 0.92-1.02x; 9.7-29 steps past lost (8192->28672 at 512-640 tokens 1.02-1.11x, 4096->11008 at 2048 1.04-1.06x;
-// docs/PERFORMANCE.md).
-inline bool ws_uneven_whole_tiles(int tiles, int k_steps, int num_sms) {
-  const int excess = (tiles + num_sms - 1) / num_sms * num_sms - tiles;  // the busiest CTA's excess, x SMs, in tiles
-  return 50 * excess <= 3 * tiles || (4 * excess <= tiles && excess * k_steps <= 5 * num_sms);
+// 256-token tiles that no such grid divides: whole tiles still, on ceil(tiles / most) CTAs, each owning the most
+// (ceil(tiles / SMs)) or one less (the cut in tiles), where the busiest CTA's steps past the mean (tiles / SMs) are few
+// (at most 6% of the mean, or at most 5 steps with the most at most 1.25x the mean), or where the SMs span two token
+// passes or more (row tiles per pass at most half the SMs) and the most is at most 1.3x the mean (1.2x below 32
+// k-steps); else 0 (the stream-K cut).
+// The stream-K cut splits tiles and sets the CTAs at different places in k (H200, forced grids, 1024 tokens, k = 4: a
+// step 1.2-1.4x a whole tile's); whole tiles cost the busiest CTA's excess, and their CTAs sweep k in step, so those of
+// several passes read each weight tile, and those of one pass its activations, at once. Through the planner (H200,
+// k = 2..5, docs/PERFORMANCE.md): 4096->14336 at 256 and 512 tokens (2.4 and 4.8 steps past the mean) 0.81-0.86x and
+// 0.90-0.97x the time, 4096->11008 at 4096 (5.5% past) 0.95-0.97x, 2048->10240 at 640-1024 (1.5-4.6 steps) 0.92-1.02x;
+// 9.7-29 steps past lost (8192->28672 at 512-1536 tokens 1.02-1.11x, 4096->11008 at 2048 1.04-1.06x). The N = 4096 and
+// 8192 shapes (32 and 64 row tiles, several passes at once), the most 1.10-1.27x the mean: 0.70-0.93x on 14336->4096,
+// 11008->4096 and 28672->8192 (43-112 k-steps; 14336->4096 at 3840 tokens 969 -> 704 us), on 4096->4096 (16) 0.94-0.96x
+// at 1.10x, 0.94-1.05x at 1.18x, 0.96-1.11x at 1.27x; at 1.375x 0.89-1.23x, at 1.65x 1.12-1.27x. On ceil(tiles / most)
+// CTAs rather than min(tiles, SMs): within the runs' +-4%.
+inline int ws_uneven_whole_tiles(int tiles, int row_tiles, int k_steps, int num_sms) {
+  const int most = (tiles + num_sms - 1) / num_sms;
+  const int excess = most * num_sms - tiles;  // the busiest CTA's tiles past the mean, x SMs
+  const bool few_past = 50 * excess <= 3 * tiles || (4 * excess <= tiles && excess * k_steps <= 5 * num_sms);
+  const bool spans_passes = 2 * row_tiles <= num_sms;
+  const int bound_tenths = k_steps >= 32 ? 13 : 12;  // the most over the mean, in tenths
+  return few_past || (spans_passes && 10 * most * num_sms <= bound_tenths * tiles) ? (tiles + most - 1) / most : 0;
 }
 
 // Where the tiles are at most half the SMs: each tile cut in `parts` parts of whole k-steps (a group of the cut per

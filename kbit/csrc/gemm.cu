@@ -104,7 +104,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   plan.built = plan.cc_major >= info.cc_major_min && plan.cc_major <= info.cc_major_max;
   const int k_steps = gemm_k_steps(K_w, k_split);
   plan.m_passes = (M + mb * 8 - 1) / (mb * 8);
-  const int tiles = plan.m_passes * ((N + tile_rows - 1) / tile_rows);
+  const int row_tiles = (N + tile_rows - 1) / tile_rows, tiles = plan.m_passes * row_tiles;
   plan.total_steps = tiles * k_steps;
   // Read once by one token pass and more than L2 holds: the kernels stream them evict-first
   // (GemmConfig::kWeightsStreamed up to 16 tokens, ws_copy_weights past). Codes and E4M4 block scales.
@@ -118,17 +118,18 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   const int parts = planned_ws ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
   const int whole_tiles_grid =
       planned_ws && parts == 0 ? ws_whole_tiles_grid(tiles, num_sms, ws_tokens == 256 ? 1 : 2) : 0;
-  const bool uneven_whole_tiles = planned_ws && ws_tokens == 256 && parts == 0 && whole_tiles_grid == 0 &&
-                                  ws_uneven_whole_tiles(tiles, k_steps, num_sms);
+  const int uneven_whole_tiles_grid = planned_ws && ws_tokens == 256 && parts == 0 && whole_tiles_grid == 0
+                                     ? ws_uneven_whole_tiles(tiles, row_tiles, k_steps, num_sms)
+                                     : 0;
   const int want = forced_grid > 0                 ? std::min(forced_grid, num_sms)
                    : k_split > 1 && tiles <= num_sms ? tiles
                    : parts > 0                       ? tiles * parts
                    : whole_tiles_grid > 0            ? whole_tiles_grid
-                   : uneven_whole_tiles              ? std::min(tiles, num_sms)
+                   : uneven_whole_tiles_grid > 0     ? uneven_whole_tiles_grid
                                                      : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   plan.cut_group = parts > 0 ? parts : plan.grid;  // tiles x parts <= total_steps: parts of at least one k-group
-  plan.cut_unit = whole_tiles_grid > 0 || uneven_whole_tiles ? k_steps : 1;  // cut in tiles (cut.h)
+  plan.cut_unit = whole_tiles_grid > 0 || uneven_whole_tiles_grid > 0 ? k_steps : 1;  // cut in tiles (cut.h)
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.cut_unit == k_steps ||
                      (plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0);
