@@ -983,19 +983,26 @@ def test_sanitize_gemm(k, monkeypatch):
             x = torch.randn(M, K, generator=g).half().cuda()
             out = ops.gemm(x, b, a, qw.codebook, qw.scale, None, k, N, qw.in_features_padded, 0)
             _cpu_gemm_check(out, x, qw, None, tag(seed, op="sanitize-gemm", bits=k, N=N, K=K, M=M, path="ws"))
-        # tiles in halves summed in clusters of two (ws_cluster_reduce; KBIT_WS_CLUSTERS=1 fails the launch where
-        # they do not fit): 512 x 1024 at 17 tokens, 2 tiles of 4 k-groups on 4 CTAs
-        monkeypatch.setenv("KBIT_WS_CLUSTERS", "1")
-        N, K, M = 512, 1024, 17
-        qw = kbit.quantize((torch.randn(N, K, generator=g) * 0.02).half().cuda(), k)
-        b, a = qw.gemm_layout()
-        for dtype in (torch.float16, torch.bfloat16):
-            x = torch.randn(M, K, generator=g).to(dtype).cuda()
-            out = ops.gemm(x, b, a, qw.codebook, qw.scale, None, k, N, qw.in_features_padded, 0)
-            _cpu_gemm_check(out, x, qw, None, tag(seed, op="sanitize-gemm", bits=k, N=N, K=K, M=M, dtype=dtype,
-                                                  path="ws, clusters"))
     torch.cuda.synchronize()
 
+
+@needs_hopper
+@pytest.mark.parametrize("k", BITS)
+def test_sanitize_gemm_clusters(k, monkeypatch):
+    """Tiles in halves summed in clusters of two (ws_cluster_reduce; KBIT_WS_CLUSTERS=1 fails the launch where they
+    do not fit, so a pass is the cluster path): 512 x 1024 at 17 tokens, 2 tiles of 4 k-groups on 4 CTAs."""
+    seed = seed_for("sanitize-gemm-clusters", k)
+    g = gen(seed)
+    monkeypatch.setenv("KBIT_GEMM_PATH", "ws")
+    monkeypatch.setenv("KBIT_WS_CLUSTERS", "1")
+    N, K, M = 512, 1024, 17
+    qw = kbit.quantize((torch.randn(N, K, generator=g) * 0.02).half().cuda(), k)
+    b, a = qw.gemm_layout()
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(M, K, generator=g).to(dtype).cuda()
+        out = ops.gemm(x, b, a, qw.codebook, qw.scale, None, k, N, qw.in_features_padded, 0)
+        _cpu_gemm_check(out, x, qw, None, tag(seed, op="sanitize-gemm-clusters", bits=k, N=N, K=K, M=M, dtype=dtype))
+    torch.cuda.synchronize()
 
 # ----------------------------------------------------------------------------- malformed input reaches the binding
 def _malformed_cases():

@@ -47,3 +47,22 @@ def test_undisplayed_or_unparsed_hazards_fail():
     assert not rv.verdict(log(report(BULK, READ), errors=146))[0]  # print limit hid some
     assert not rv.verdict(log(report(BULK, READ), displayed=2, errors=2))[0]  # one report not parsed
     assert not rv.verdict("========= COMPUTE-SANITIZER\n")[0]  # the run died before its summary
+
+
+def test_a_log_past_the_hazard_limit_fails():
+    """Past its hazard limit racecheck checks nothing more, however harmless the hazards it showed."""
+    limit = ("========= Warning: Maximum number of hazards reached. Environment variable "
+             "NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS can be used to increase this count.")
+    ok, why = rv.verdict(log(report(BULK, READ)) + "\n" + limit)
+    assert not ok and "hazard limit" in why
+    assert rv.verdict(log(report(BULK, READ)))[0]
+
+
+def test_the_cluster_sums_over_the_stages_pass_and_only_they():
+    """st_cluster's writes come after a cluster barrier past every consumer's last full-stage wait; a plain write
+    or two cluster writes against each other stay failures."""
+    CLUSTER = "Write access at kbit::st_cluster(unsigned int, unsigned int, float4)+0xf6c0 in common.cuh:236"
+    ok, why = rv.verdict(log(report(BULK, CLUSTER, READ), report(CLUSTER, BULK)))
+    assert ok and "cluster's sums" in why
+    assert not rv.verdict(log(report(BULK, CLUSTER, OTHER_WRITE)))[0]
+    assert not rv.verdict(log(report(CLUSTER, CLUSTER)))[0]
