@@ -39,7 +39,7 @@ def hazard_reports(log: str) -> list[list[str]]:
     return reports
 
 
-def _bulk_copy_against_read(a: str, b: str) -> bool:
+def _unordered_to_racecheck(a: str, b: str) -> bool:
     """A bulk copy's write and a read, or the cluster's sums written over the stages: any other plain write against a
     bulk copy is not this class (it needs a proxy fence that racecheck cannot see either, so it stays a failure to look
     at)."""
@@ -62,9 +62,9 @@ def verdict(log: str) -> tuple[bool, str]:
     reports = hazard_reports(log)
     if len(reports) != displayed:
         return False, f"{len(reports)} hazard reports parsed, the summary says {displayed}"
-    real = [r for r in reports if len(r) < 2 or not all(_bulk_copy_against_read(r[0], b) for b in r[1:])]
+    real = [r for r in reports if len(r) < 2 or not all(_unordered_to_racecheck(r[0], b) for b in r[1:])]
     if real:
-        return False, f"{len(real)} of {displayed} hazards not between a bulk copy and its readers:\n" + "\n".join(
+        return False, f"{len(real)} of {displayed} hazards not between a bulk copy and its readers or the cluster's sums:\n" + "\n".join(
             "  " + " | ".join(r) for r in real)
     return True, (f"{displayed} hazards, every one a bulk copy's write against its stage's readers or the cluster's sums "
                   "(unordered to racecheck)")

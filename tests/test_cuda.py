@@ -1004,6 +1004,7 @@ def test_sanitize_gemm_clusters(k, monkeypatch):
         _cpu_gemm_check(out, x, qw, None, tag(seed, op="sanitize-gemm-clusters", bits=k, N=N, K=K, M=M, dtype=dtype))
     torch.cuda.synchronize()
 
+
 # ----------------------------------------------------------------------------- malformed input reaches the binding
 def _malformed_cases():
     """(name, call) pairs that hand the CUDA binding crafted tensors directly, bypassing kbit's Python checks."""

@@ -104,8 +104,8 @@ inline int ws_whole_tiles_grid(int tiles, int num_sms, int per_cta) {
 // k = 2..5, docs/PERFORMANCE.md): 4096->14336 at 256 and 512 tokens (2.4 and 4.8 steps past the mean) 0.81-0.86x and
 // 0.90-0.97x the time, 4096->11008 at 4096 (5.5% past) 0.95-0.97x, 2048->10240 at 640-1024 (1.5-4.6 steps) 0.92-1.02x;
 // 9.7-29 steps past lost (8192->28672 at 512-1536 tokens 1.02-1.11x, 4096->11008 at 2048 1.04-1.06x). The N = 4096 and
-// 8192 shapes (32 and 64 row tiles, several passes at once), the most 1.10-1.27x the mean: 0.70-0.93x on 14336->4096,
-// 11008->4096 and 28672->8192 (43-112 k-steps; 14336->4096 at 3840 tokens 969 -> 704 us), on 4096->4096 (16) 0.94-0.96x
+// 8192 shapes (32 and 64 row tiles, several passes at once), the most 1.10-1.27x the mean: 0.70-0.98x on 14336->4096,
+// 11008->4096 and 28672->8192 (43-112 k-steps; 14336->4096 at 3840 tokens 969 -> 704 us), on 4096->4096 (16) 0.90-0.96x
 // at 1.10x, 0.94-1.05x at 1.18x, 0.96-1.11x at 1.27x; at 1.375x 0.89-1.23x, at 1.65x 1.12-1.27x. On ceil(tiles / most)
 // CTAs rather than min(tiles, SMs): within the runs' +-4%.
 inline int ws_uneven_whole_tiles(int tiles, int row_tiles, int k_steps, int num_sms) {
