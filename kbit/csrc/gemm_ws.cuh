@@ -620,7 +620,7 @@ __device__ __forceinline__ void ws_cluster_reduce(const GemmParams& p, const flo
 #pragma unroll
   for (int j = 0; j < F; ++j, at += 32) {
     if (at >= slice) at -= slice, ++owner;
-    if (8 * j + 2 * (lane & 3) >= pass_tokens) continue;  // only the items of real tokens move
+    if (ws_item_token<Cfg>(first_item + 32 * j) >= pass_tokens) continue;  // only the items of real tokens move
     st_cluster(slots + (rank * slice + at) * 16, owner, make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
   }
   cluster_sync();
