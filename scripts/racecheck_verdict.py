@@ -64,10 +64,11 @@ def verdict(log: str) -> tuple[bool, str]:
         return False, f"{len(reports)} hazard reports parsed, the summary says {displayed}"
     real = [r for r in reports if len(r) < 2 or not all(_unordered_to_racecheck(r[0], b) for b in r[1:])]
     if real:
-        return False, f"{len(real)} of {displayed} hazards not between a bulk copy and its readers or the cluster's sums:\n" + "\n".join(
-            "  " + " | ".join(r) for r in real)
-    return True, (f"{displayed} hazards, every one a bulk copy's write against its stage's readers or the cluster's sums "
-                  "(unordered to racecheck)")
+        listed = "\n".join("  " + " | ".join(r) for r in real)
+        return False, (f"{len(real)} of {displayed} hazards not between a bulk copy and its readers or the cluster's "
+                       f"sums:\n{listed}")
+    return True, (f"{displayed} hazards, every one a bulk copy's write against its stage's readers or the cluster's "
+                  "sums (unordered to racecheck)")
 
 
 def main(argv: list[str]) -> int:

@@ -116,20 +116,21 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   // that no tile is shared across CTAs.
   const bool planned_ws = forced_grid == 0 && ws_tokens > 0;
   const int parts = planned_ws ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
-  const int whole_tiles_grid =
-      planned_ws && parts == 0 ? ws_whole_tiles_grid(tiles, num_sms, ws_tokens == 256 ? 1 : 2) : 0;
-  const int uneven_whole_tiles_grid = planned_ws && ws_tokens == 256 && parts == 0 && whole_tiles_grid == 0
-                                     ? ws_uneven_whole_tiles(tiles, row_tiles, k_steps, num_sms)
-                                     : 0;
+  // Whole tiles per CTA: as many each where a grid divides them, else (256-token tiles) one apart; 0: neither.
+  int whole_tiles_grid = 0;
+  if (planned_ws && parts == 0) {
+    whole_tiles_grid = ws_whole_tiles_grid(tiles, num_sms, ws_tokens == 256 ? 1 : 2);
+    if (whole_tiles_grid == 0 && ws_tokens == 256)
+      whole_tiles_grid = ws_uneven_whole_tiles(tiles, row_tiles, k_steps, num_sms);
+  }
   const int want = forced_grid > 0                 ? std::min(forced_grid, num_sms)
                    : k_split > 1 && tiles <= num_sms ? tiles
                    : parts > 0                       ? tiles * parts
                    : whole_tiles_grid > 0            ? whole_tiles_grid
-                   : uneven_whole_tiles_grid > 0     ? uneven_whole_tiles_grid
                                                      : num_sms;
   plan.grid = std::max(1, std::min(want, plan.total_steps));
   plan.cut_group = parts > 0 ? parts : plan.grid;  // tiles x parts <= total_steps: parts of at least one k-group
-  plan.cut_unit = whole_tiles_grid > 0 || uneven_whole_tiles_grid > 0 ? k_steps : 1;  // cut in tiles (cut.h)
+  plan.cut_unit = whole_tiles_grid > 0 ? k_steps : 1;  // cut in tiles (cut.h)
   // Every CTA owns whole tiles only when the cut falls on tile boundaries.
   const bool whole = plan.cut_unit == k_steps ||
                      (plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0);
