@@ -138,7 +138,7 @@ if [[ $ONLY_BENCH == 0 ]]; then
     # No caching allocator: every tensor is its own cudaMalloc, so out-of-bounds accesses are visible.
     # Racecheck stops tracking at its default hazard limit, which the bulk copies' class alone reaches.
     NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=1000000 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-      "$SAN" "${opts[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sanitize 2>&1 | tee "$log"
+      "$SAN" "${opts[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_sanitize.py -k sanitize 2>&1 | tee "$log"
     rc=$?
     summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -n 2 | sed 's/=//g; s/^ *//' | tr '\n' ';')
     tests_line=$(grep -E " in [0-9.]+s" "$log" | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')

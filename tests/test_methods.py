@@ -483,7 +483,7 @@ def test_quantize_model_method_argument_errors():
 @pytest.mark.parametrize("method", ["mse", "gptq"])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_cuda_kernels_on_method_outputs(method, k):
-    """Dequantize is bit-exact and the fused GEMM within the same-precision tolerance of tests/test_cuda.py."""
+    """Dequantize is bit-exact and the fused GEMM within the same-precision tolerance of tests/cuda_harness.py."""
     N, K = 320, 4128  # K % 256 != 0 and > one GPTQ batch
     W = (torch.randn(N, K) * 0.02).to(torch.float16)
     H = _hessian(_correlated_inputs(512, K)) if method == "gptq" else None

@@ -1,9 +1,9 @@
-"""GPU tests of the mixture-of-experts kernels (skipped without CUDA), in tests/test_cuda.py's conventions.
+"""GPU tests of the mixture-of-experts kernels (skipped without CUDA), in tests/cuda_harness.py's conventions.
 
 * ``kbit::moe_route`` on CUDA builds the tables of ``kbit.grouped``: the same passes as the reference, each
   expert's rows the same (token, weight) pairs in any order, positions that point at their own rows.
 * ``kbit::moe_gemm`` (the grouped GEMM, one launch for every expert) is within the tolerance of
-  tests/test_cuda.py's GemmChecker per routed row: ``max|out - ref32| <= 2 * max|ref_lp - ref32| + slack`` with
+  tests/cuda_harness.py's GemmChecker per routed row: ``max|out - ref32| <= 2 * max|ref_lp - ref32| + slack`` with
   ref_lp the same product in the input dtype through cuBLAS; forced split-K is deterministic.
 * ``kbit.KbitExperts`` on CUDA (route, gate/up with the SiLU epilogue, down with the routing weights, combine)
   against the per-expert fp32 reference, with ref_lp the module's own per-expert path in the input dtype: every
@@ -26,7 +26,7 @@ from kbit import grouped, ops
 from kbit.formats import padded_in_features
 from kbit.moe import KbitExperts, rows_per_pass
 
-from test_cuda import GEMM_DTYPES, BITS, _capture, _name, assert_bits_equal, gen, poison, poisoned, seed_for, tag
+from cuda_harness import GEMM_DTYPES, BITS, _capture, _name, assert_bits_equal, gen, poison, poisoned, seed_for, tag
 from test_moe import ROUTINGS, TOP_KS, routing
 
 pytestmark = [
@@ -70,7 +70,7 @@ def experts_reference32(mod: KbitExperts, x, idx, w) -> torch.Tensor:
 
 
 def check_against(out: torch.Tensor, ref32: torch.Tensor, ref_lp: torch.Tensor, msg: str) -> None:
-    """tests/test_cuda.py's GemmChecker rule: the kernel within twice the same-precision reference's error."""
+    """tests/cuda_harness.py's GemmChecker rule: the kernel within twice the same-precision reference's error."""
     o, lp = out.float(), ref_lp.float()
     assert not bool(torch.isnan(o).any() or torch.isinf(o).any()), f"{msg}: NaN/Inf in the output"
     if not o.numel():

@@ -2,7 +2,7 @@
 RuntimeError listing ours), or a correct result; never a silently wrong answer, never Inf from finite weights.
 
 Property-based: hypothesis draws dtypes, shapes, values and missing/extra keys. The GPU side (the binding's own
-checks under compute-sanitizer) is in tests/test_cuda.py (``test_sanitize_malformed_*``).
+checks under compute-sanitizer) is in tests/test_cuda_sanitize.py (``test_sanitize_malformed_*``).
 """
 
 from __future__ import annotations
