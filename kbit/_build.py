@@ -27,12 +27,10 @@ from typing import Iterator
 
 import torch
 
+from ._build_spec import BINDING, CUDA_SOURCES, CXX_FLAGS, NVCC_FLAGS
+
 CSRC = Path(__file__).parent / "csrc"
-# The .cu files are split so that ninja compiles them in parallel (one GEMM file per bit width).
-SOURCES = ["binding.cpp", "quantize.cu", "repack.cu", "gemm.cu", "gemm_k2.cu", "gemm_k3.cu", "gemm_k4.cu", "gemm_k5.cu",
-           "moe_route.cu", "moe_gemm.cu", "moe_gemm_k2.cu", "moe_gemm_k3.cu", "moe_gemm_k4.cu", "moe_gemm_k5.cu",
-           "gemm_ws_k2.cu", "gemm_ws_k3.cu", "gemm_ws_k4.cu", "gemm_ws_k5.cu"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+SOURCES = [BINDING, *CUDA_SOURCES]
 
 
 def cache_root() -> Path:
@@ -149,7 +147,7 @@ def cuda_ext():
         load(
             name="kbit_cuda",
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=["-O3", "-std=c++17"],
+            extra_cflags=CXX_FLAGS,
             extra_cuda_cflags=NVCC_FLAGS,
             build_directory=str(directory),
             is_python_module=False,

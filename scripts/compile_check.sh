@@ -4,11 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
-SOURCES=(kbit/csrc/quantize.cu kbit/csrc/repack.cu kbit/csrc/gemm.cu kbit/csrc/gemm_k2.cu kbit/csrc/gemm_k3.cu
-         kbit/csrc/gemm_k4.cu kbit/csrc/gemm_k5.cu
-         kbit/csrc/moe_route.cu kbit/csrc/moe_gemm.cu kbit/csrc/moe_gemm_k2.cu kbit/csrc/moe_gemm_k3.cu
-         kbit/csrc/moe_gemm_k4.cu kbit/csrc/moe_gemm_k5.cu
-         kbit/csrc/gemm_ws_k2.cu kbit/csrc/gemm_ws_k3.cu kbit/csrc/gemm_ws_k4.cu kbit/csrc/gemm_ws_k5.cu)
+# The sources and nvcc flags of kbit/_build.py's build (kbit/_build_spec.py; read without importing kbit or torch).
+spec() { python -c "import runpy; s = runpy.run_path('kbit/_build_spec.py'); print(' '.join($1))"; }
+read -r -a SOURCES <<<"$(spec "'kbit/csrc/' + f for f in s['CUDA_SOURCES']")"
+read -r -a NVCC_FLAGS <<<"$(spec "s['NVCC_FLAGS']")"
+read -r -a CXX_FLAGS <<<"$(spec "s['CXX_FLAGS']")"
 ARCHS=(80 90a)  # 90a: the GEMM's wgmma path (kbit/_build.py builds Hopper as 9.0a)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -17,7 +17,7 @@ pids=()
 for arch in "${ARCHS[@]}"; do
   for src in "${SOURCES[@]}"; do
     log="$out/$(basename "$src" .cu)_sm$arch.log"
-    ( "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -gencode "arch=compute_$arch,code=sm_$arch" \
+    ( "$NVCC" "${NVCC_FLAGS[@]}" -gencode "arch=compute_$arch,code=sm_$arch" \
         -Xptxas -v -c "$src" -o "${log%.log}.o" >"$log" 2>&1 || { echo "COMPILE ERROR: $src sm_$arch"; cat "$log"; exit 1; } ) &
     pids+=($!)
     while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do sleep 0.2; done
@@ -46,7 +46,7 @@ if TORCH_INC=$(python -c "import torch.utils.cpp_extension as c; print(' '.join(
   [ -f "$CUDA_INC/cuda_runtime.h" ] || CUDA_INC=$(ls -d /usr/local/cuda*/include 2>/dev/null | head -1)
   mkdir -p "$out/inc/c10/cuda/impl" && echo "#pragma once" >"$out/inc/c10/cuda/impl/cuda_cmake_macros.h"
   # shellcheck disable=SC2086
-  ${CXX:-g++} -std=c++17 -fsyntax-only $TORCH_INC -I"$out/inc" -I"$CUDA_INC" kbit/csrc/binding.cpp ||
+  ${CXX:-g++} "${CXX_FLAGS[@]}" -fsyntax-only $TORCH_INC -I"$out/inc" -I"$CUDA_INC" kbit/csrc/binding.cpp ||
     { echo "compile_check: FAILED (kbit/csrc/binding.cpp)"; exit 1; }
   binding="binding.cpp checked, "
 fi

@@ -1,4 +1,5 @@
-"""What an installation brings: the license, the base dependencies, ``python -m kbit --version``."""
+"""What an installation brings: the license, the base dependencies, ``python -m kbit --version``, the CUDA
+extension's sources."""
 
 from __future__ import annotations
 
@@ -38,3 +39,13 @@ def test_python_m_kbit_version():
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == f"kbit {kbit.__version__}", proc
     assert "NumPy" not in proc.stderr, proc.stderr
+
+
+def test_build_spec_names_every_source():
+    """kbit/_build_spec.py, which the JIT build and scripts/compile_check.sh both read, lists every translation unit
+    in kbit/csrc once: a .cu file left out would build in neither."""
+    from kbit import _build_spec
+
+    listed = [_build_spec.BINDING, *_build_spec.CUDA_SOURCES]
+    present = sorted(f.name for f in (ROOT / "kbit" / "csrc").iterdir() if f.suffix in (".cu", ".cpp"))
+    assert sorted(listed) == present and len(set(listed)) == len(listed), (listed, present)
