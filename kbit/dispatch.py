@@ -127,6 +127,9 @@ class NoFusedConfig(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- measured crossovers
+# Each crossover names where it was measured. Files under benchmarks/results/ that the tree no longer holds (the ws_*
+# A/B records) and the one-experiment scripts (bench_ws_tiles.py, bench_gemm_paths.py) are in git history:
+# `git show 3ea9876:<path>`. The numbers per rule: docs/PERFORMANCE.md, "Planner crossovers".
 class Measured(NamedTuple):
     gpu: str
     commit: str  # the code measured
@@ -211,92 +214,48 @@ class Crossover(NamedTuple):
 
 # Of several rows that hold, FUSED_THROUGH takes the largest m, the *_FROM rules the smallest.
 CROSSOVERS = (
-    # mma.sync reads the weights once per 32 tokens, dequantize + cuBLAS about twice whatever M: K = 2 ties at
-    # M = 160, K = 4 at 192, and at 256 dequantize + cuBLAS wins for every K.
+    # mma.sync reads the weights once per 32 tokens, dequantize + cuBLAS about twice whatever M.
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 159, H100_MMA_SYNC, bits=(2, 3)),
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 191, H100_MMA_SYNC, bits=(4,)),
     Crossover(Gpus.MMA_SYNC_ONLY, Rule.FUSED_THROUGH, 127, H100_MMA_SYNC, bits=(5,)),
-    # The fused kernel against dequantize + cuBLAS (H200, kbit tune, every path at 17-4096 tokens): from 16M weights
-    # the warp-specialized kernel is the faster at 160-3072 tokens by 1.04-2.02x (4096->4096 K = 4, M = 2048: 91.5
-    # against 119.0 us; 14336->4096 311 against 398; K = 5 4096->4096 at 256-384 excepted, 0.81-0.97x) and at 4096
-    # within 0.96-1.19x (the 235M shapes 0.99-1.01x). Below 16M weights (the 2048-column shapes) its tiles
-    # are too few: fused through 128 tokens at K = 2..4 from 2M weights (2048->1536 K = 4, M = 128: 9.0 against 9.4 us;
-    # 160: 11.7 against 9.7; 2048->768 K = 2 at 80-128 8.0-8.1 against 7.6-7.8), through 64 at K = 5 (M = 80-96:
-    # the fastest fused path 8.8-10.2 against 8.6-9.8).
+    # The fused kernel against dequantize + cuBLAS: from 16M weights the warp-specialized kernel wins at every count
+    # measured; below, its tiles are too few past 128 tokens (64 at K = 5).
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 64, H100_WGMMA),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, 128, H200_PATHS, bits=(2, 3, 4), min_weights=1 << 21),
     Crossover(Gpus.WGMMA, Rule.FUSED_THROUGH, math.inf, H200_PATHS, min_weights=1 << 24),
-    # The warp-specialized kernel (steps counted in its 256-row tiles of 32, 64 or 128 tokens) beats gemm.cuh's from
-    # 17 tokens on >= 16M weights (11008->4096 K = 4, M = 17-32: 15.8-16.1 against mma.sync's 22.1-22.7 us, K = 2, 5
-    # alike; 2048->10240 1.02-1.07x at 17-48 and 80-96, 0.96x at 64, 1.34x at 128), from 513 everywhere, and from 17
-    # through 128 tokens (64 at K = 5) where its tiles leave each SM fewer than 2 steps, each tile summed in slices by
-    # the 5 or more CTAs that share it (2048->1536 K = 4, M = 17 / 128: 6.2 / 9.0 against 10.5 / 12.1; K = 5 at 80-128
-    # 11.0-12.4 against 8.7-10.6).
+    # The warp-specialized kernel (steps counted in its 256-row tiles of 32, 64 or 128 tokens) beats gemm.cuh's on
+    # large weights, past 512 tokens everywhere, and where its tiles leave each SM few steps (split in slices).
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 513, H200_WARP_SPECIALIZED),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_PATHS, min_weights=1 << 24),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_PATHS, bits=(2, 3, 4), max_steps_per_sm=2,
               through=128),
     Crossover(Gpus.WGMMA, Rule.WARP_SPECIALIZED_FROM, 17, H200_PATHS, bits=(5,), max_steps_per_sm=2, through=64),
-    # gemm.cuh's wgmma from 33 tokens where every SM has >= 16 steps of 64 tokens (and the warp-specialized kernel
-    # is not taken): below that mma.sync's 32-token passes are faster (8192->28672 M = 32: 90.4 vs 70.9 us;
-    # 14336->4096 M = 64: 44.1 vs 41.4; H200, K = 4, 2048->10240 M = 96: 26.9 vs 20.5; 2048->1536 M = 384: 22.9 vs
-    # 16.1). 256-row tiles halve the activations' traffic from L2 where every SM has >= 16 steps; elsewhere the extra
-    # split-K costs more (4096->4096: 107 vs 31 us).
+    # gemm.cuh's wgmma where every SM has many steps (and the warp-specialized kernel is not taken): below that
+    # mma.sync's 32-token passes are faster. 256-row tiles halve the activations' traffic from L2 there; elsewhere the
+    # extra split-K costs more.
     Crossover(Gpus.WGMMA, Rule.WGMMA_FROM, 33, H100_WGMMA, min_steps_per_sm=16),
     Crossover(Gpus.WGMMA, Rule.WIDE_TILES_FROM, 1, H100_WGMMA, min_steps_per_sm=16),
-    # Up to 8 tokens, 32-row tiles with the warps splitting k where the 256-row tiles leave each SM fewer than 2
-    # steps: there each 256-row tile is split over several CTAs, and their hand-off is a quarter of the call (K = 4,
-    # M = 1: 2048->1536 4.87 -> 3.86 us, 4096->4096 8.27 -> 6.76; K = 3 since its byte-row tables, H100: 4096->4096
-    # 7.82 -> 6.48, M = 8 8.83 -> 7.43; 2048->10240 7.73 -> 8.44).
-    # From 2.4 steps per SM on, the 256-row tiles win (2048->10240 8.46 vs 8.86; 14336->4096 14.4 vs 15.9).
-    # At 9-16 tokens (16-row tiles; steps still counted in 8-token passes) the same bounds hold (H200, M = 8-16,
-    # KBIT_GEMM_PATH=mma_sync against k_split, nine shapes): the 2048-column shapes below 2 steps per SM are 1.2-2.2x
-    # faster split (K = 4, M = 16: 2048->1408 8.49 -> 6.23 us, 2048->768 8.13 -> 5.04), 4096->4096 (4 steps per SM at
-    # M = 9-16) 0.80-0.98x, larger shapes 0.3-0.8x.
+    # Up to 16 tokens, the warps splitting k (32-row tiles; 16-row at 9-16) where 256-row tiles leave each SM fewer
+    # than 2 steps: there each 256-row tile is split over several CTAs, and their hand-off is a large part of the call.
     Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H200_K_SPLIT, bits=(2, 4, 5), max_steps_per_sm=2),
     Crossover(Gpus.WGMMA, Rule.K_SPLIT_FROM, 1, H100_K3_BYTE_PAIRS, bits=(3,), max_steps_per_sm=2),
-    # Past 64 tokens the warp-specialized kernel's 64-token tiles (byte-row tables) beat its 128-token ones where
-    # 128-token tiles leave each SM fewer than 12 steps, through 512 tokens (K = 4: 4096->11008 M = 128 31.5 against
-    # 38.5 us, 11008->4096 M = 256 50.2 against 60.4, 4096->4096 M = 256 / 512 24.7 / 36.6 against 31.7 / 40.4; at
-    # 13.6 steps, 14336->4096 and 4096->14336 M = 256, 1.04-1.09x), and at 129-192 tokens everywhere, three 64-token
-    # passes against two of 128 (0.72-0.94x the time; K = 2, 3 alike: 0.71-0.97x). K = 5 takes 256-token tiles there.
+    # The warp-specialized kernel's 64-token tiles (byte-row tables) past 64 tokens where 128-token tiles leave each SM
+    # few steps, and at 129-192 tokens, three 64-token passes against two of 128 that waste a quarter of their tokens.
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 65, H200_WS_TILES, bits=(2, 3, 4), max_steps_per_sm=12,
               through=512),
     Crossover(Gpus.WGMMA, Rule.WS_64_TOKEN_TILES_FROM, 129, H200_WS_TILES, bits=(2, 3, 4), through=192),
-    # 256-token tiles (each looked-up weight serves twice the tokens; two consumer warpgroups), measured on the grids
-    # the host planned then (whole tiles per CTA only where >= 95% of the SMs divided them two or more per CTA, one at
-    # 256 tokens; cut.h has since more whole tiles at 256 tokens): K = 2..4 from 1024 tokens (128-token
-    # tiles' time over theirs 0.96-1.23 at 1024-4096, geomean over six shapes ~1.05; at 256-512 tokens 0.89-1.07, at
-    # 129-192 the 64-token tiles' 0.71-1.07), and at 193-256 tokens on >= 14336 rows, whose 128-row tiles give nearly
-    # every SM one (8192->28672 against 128-token tiles 1.04-1.07, 4096->14336 against 64-token ones 1.09-1.14; the
-    # N = 4096 shapes split each tile ~4 ways there: 0.73-0.96 against 64-token tiles). K = 5, whose smaller tiles'
-    # pair tables have few lane copies, wherever its tiles are not mostly padding: 129-256 tokens (128-token tiles
-    # 1.01-1.51x its time, 64-token ones at 192 0.95-1.38x) and from 385 (1.08-1.52x); at 257-384 two 256-token
-    # passes lose to three of 128 (0.77-1.02x), and at 65-128 one 256-token pass, half padding, to one of 128
-    # (0.48-0.75x; H200, 80-128 tokens, six shapes, at 8cf5969).
+    # 256-token tiles: each looked-up weight serves twice the tokens. K = 2..4 from 1024 tokens, and at 193-256 on
+    # >= 14336 rows, whose 128-row tiles give nearly every SM one; K = 5 wherever its tiles are not mostly padding.
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 1024, H200_WS_256, bits=(2, 3, 4)),
-    # With tiles stored by copy, from two 256-token passes where they give each SM >= 32 steps (counted in 256 rows;
-    # the two 235M shapes): K = 4 at 448 / 512 tokens 128-token tiles' time over theirs 1.01-1.08, K = 3 0.98-1.05,
-    # K = 2 0.87-1.07 (through the planner, two runs: 0.90-0.97x the time at 512 for every K and dtype); the shapes
-    # of 8-14 steps 0.93-1.08 there, and 640 tokens, a third pass half padding, 0.80-1.09.
+    # With tiles stored by copy, from two 256-token passes where they give each SM >= 32 steps (the 235M shapes).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_BY_COPY, bits=(2, 3, 4), min_steps_per_sm=32),
-    # With tiles cut in parts (no tile across three CTAs), two 256-token passes through 512 tokens: against the 64- and
-    # 128-token tiles before, 0.84-0.98x the time at 449 and 512 tokens on 14336->4096, 11008->4096, 4096->4096 and
-    # 2048->10240 (4096->4096 at 512: 35.7 -> 31.0 us), H100 0.85-0.99x; on 4096->11008 and 4096->14336 0.89-0.97x at
-    # 512 on both GPUs, but at 449 (86 and 112 tiles on 132 CTAs, a second pass three quarters full) 1.06-1.12x on the
-    # H100 (H200 0.94-1.03x): there from 512 only (at 449-511 on them the kernels alone, 128-token time over
-    # 256-token: H200 0.89-1.12, ws_tiles_256_full_passes; the H100 not measured).
+    # With tiles cut in parts (no tile across three CTAs), two 256-token passes through 512 tokens; from 512 only on
+    # the shapes whose second pass at 449 tokens is three quarters full.
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 449, H200_WS_256_IN_PARTS, bits=(2, 3, 4),
               max_out_features=10240, through=512),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 512, H200_WS_256_IN_PARTS, bits=(2, 3, 4), through=512),
-    # Past 512 tokens where 256-token passes pad as many tokens as 128-token ones (3 or 4 passes against 6 or 8):
-    # 128-token tiles' time over theirs at 673-768 and 897-1023 0.93-1.18 (geomean 1.047; H100 0.91-1.18, 1.034),
-    # six shapes below 235M; at 656 (the third pass 56% full) the H100's 0.84-0.98 on four of them, and where the
-    # 256-token passes pad more (577-640, 769-896) geomean 0.90 and 0.96.
-    # At 385-448 tokens likewise (2 passes of 256 against 4 of 128) where the 256-token tiles are few enough to be cut
-    # in parts, on 4096 rows (128-token tiles' time over theirs 0.99-1.11, geomean 1.059; H100 at 400-432 0.99-1.13),
-    # and from 417 where each SM has >= 32 steps (the 235M shapes: 1.01-1.14 at 416-448, H100 1.04-1.16 at 432; at
-    # 385-400 0.93-1.10, H100 0.90-1.05); 4096->14336, 4096->11008 and 2048->10240 there 0.81-1.08 (geomean 0.95).
+    # Where 256-token passes pad as many tokens as 128-token ones (673-768, 897-1023; 385-448 on 4096 rows, where
+    # they are few enough to be cut in parts, and from 417 where each SM has >= 32 steps).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 385, H200_WS_256_FULL_PASSES, bits=(2, 3, 4),
               max_out_features=4096, through=448),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 417, H200_WS_256_FULL_PASSES, bits=(2, 3, 4),
@@ -307,11 +266,7 @@ CROSSOVERS = (
               through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 129, H200_WS_256, bits=(5,), through=256),
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 385, H200_WS_256, bits=(5,)),
-    # K = 5 at 257-384 on 4096 rows, since a last pass its tokens do not fill reads only those (gemm_ws.cuh,
-    # ws_copy_box): 128-token tiles' time over theirs 1.30-1.42 on 4096->4096 and 1.08-1.13 on 14336->4096 at 288 and
-    # 352 tokens; 2048->10240 0.94-0.96, 4096->14336 1.24 and 0.96 (there three 128-token passes stay). K = 2..4 keep
-    # their tiles at 288-864 (K = 4, the same ratio: 0.79-1.00 at 288-352 on the shapes but 4096->4096, whose 64-token
-    # tiles tie with 256 there; geomean 0.965 above 4096 rows and 0.936 on 14336->4096 and 11008->4096 at 576-864).
+    # K = 5 at 257-384 on 4096 rows, since a last pass its tokens do not fill reads only those (ws_copy_box).
     Crossover(Gpus.WGMMA, Rule.WS_256_TOKEN_TILES_FROM, 257, H200_WS_256_TAILS, bits=(5,), max_out_features=4096,
               through=384),
 )

@@ -47,9 +47,8 @@ KBIT_HOST_DEVICE inline StreamKCut make_cut(int units, int grid, int group, int 
 // CTA b's steps, b <= grid. kGroups = false: the cut is one group in steps (gemm.cuh's kernels), nothing computed for
 // groups or units.
 // No division, and last not derived from first: so the range stays in uniform registers on the device, which the
-// copies issued by the warp-specialized kernel's producer take directly. Either put the producer's loop in vector
-// registers, moved to uniform ones before every copy, and spilled it at 24 registers (1.03-1.10x the time of most
-// shapes at 32-512 tokens, H200).
+// copies issued by the warp-specialized kernel's producer take directly. Either would put the producer's loop in
+// vector registers and spill it at 24 registers, which was slower (docs/PERFORMANCE.md, "Measured choices").
 template <bool kGroups = true>
 KBIT_HOST_DEVICE inline StepRange steps_of(const StreamKCut& cut, int b) {
   int group = 0, j = b;  // b's group, and b's place in it
@@ -63,7 +62,7 @@ KBIT_HOST_DEVICE inline StepRange steps_of(const StreamKCut& cut, int b) {
 }
 
 // The CTA owning step `step`. With groups and units in unsigned arithmetic, three 32-bit divisions (a 64-bit one per
-// CTA cost ~1% of a small GEMM; signed ones take more instructions); without, signed as gemm.cuh's kernels were
+// CTA showed in a small GEMM's time; signed ones take more instructions); without, signed as gemm.cuh's kernels were
 // measured.
 template <bool kGroups = true>
 KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int step) {
@@ -81,12 +80,9 @@ KBIT_HOST_DEVICE inline int cta_of_step(const StreamKCut& cut, int step) {
 
 // The warp-specialized kernel's grid of whole tiles: the largest grid of at least 95% of the SMs that divides the
 // tiles into `per_cta` or more per CTA (two; one at 256 tokens per tile), 0 where none does. A CTA per SM cuts tiles
-// between CTAs (stream-K) and sets each CTA at its own place in k; with a grid that divides the tiles, every CTA owns
-// whole tiles and all of them sweep k in step, so the CTAs of one token pass read the same activations at the same
-// time (H200, k = 4, 256-token tiles at 4096 tokens, 128 of 132 SMs: 14336->4096 1028 -> 749 us, 28672->8192 3827 ->
-// 2978, 8192->28672 3527 -> 3222). One 128-token tile per CTA was slower (28672->8192 at 512 tokens: 1.10-1.16x the
-// time at k = 2..4), one 256-token tile faster (14336->4096 at 1024 tokens, 128 tiles on 128 of 132 SMs: 198 -> 178
-// us). Below 95% of the SMs: ws_uneven_whole_tiles.
+// between CTAs (stream-K) and sets each CTA at its own place in k; with whole tiles all CTAs sweep k in step, so the
+// CTAs of one token pass read the same activations at the same time. One 128-token tile per CTA lost to the stream-K
+// cut, one 256-token tile won (docs/PERFORMANCE.md, "Measured choices"). Below 95% of the SMs: ws_uneven_whole_tiles.
 inline int ws_whole_tiles_grid(int tiles, int num_sms, int per_cta) {
   for (int grid = num_sms; 20 * grid >= 19 * num_sms; --grid)
     if (tiles % grid == 0 && tiles / grid >= per_cta) return grid;
@@ -98,16 +94,9 @@ inline int ws_whole_tiles_grid(int tiles, int num_sms, int per_cta) {
 // (at most 6% of the mean, or at most 5 steps with the most at most 1.25x the mean), or where the SMs span two token
 // passes or more (row tiles per pass at most half the SMs) and the most is at most 1.3x the mean (1.2x below 32
 // k-steps); else 0 (the stream-K cut).
-// The stream-K cut splits tiles and sets the CTAs at different places in k (H200, forced grids, 1024 tokens, k = 4: a
-// step 1.2-1.4x a whole tile's); whole tiles cost the busiest CTA's excess, and their CTAs sweep k in step, so those of
-// several passes read each weight tile, and those of one pass its activations, at once. Through the planner (H200,
-// k = 2..5, docs/PERFORMANCE.md): 4096->14336 at 256 and 512 tokens (2.4 and 4.8 steps past the mean) 0.81-0.86x and
-// 0.90-0.97x the time, 4096->11008 at 4096 (5.5% past) 0.95-0.97x, 2048->10240 at 640-1024 (1.5-4.6 steps) 0.92-1.02x;
-// 9.7-29 steps past lost (8192->28672 at 512-1536 tokens 1.02-1.11x, 4096->11008 at 2048 1.04-1.06x). The N = 4096 and
-// 8192 shapes (32 and 64 row tiles, several passes at once), the most 1.10-1.27x the mean: 0.70-0.98x on 14336->4096,
-// 11008->4096 and 28672->8192 (43-112 k-steps; 14336->4096 at 3840 tokens 969 -> 704 us), on 4096->4096 (16) 0.90-0.96x
-// at 1.10x, 0.94-1.05x at 1.18x, 0.96-1.11x at 1.27x; at 1.375x 0.89-1.23x, at 1.65x 1.12-1.27x. On ceil(tiles / most)
-// CTAs rather than min(tiles, SMs): within the runs' +-4%.
+// Whole tiles cost the busiest CTA's excess; the stream-K cut splits tiles and sets the CTAs at different places in k,
+// where whole tiles sweep k in step, so several passes' CTAs read each weight tile at once. The bounds are where the
+// measurements turned (docs/PERFORMANCE.md, "Measured choices").
 inline int ws_uneven_whole_tiles(int tiles, int row_tiles, int k_steps, int num_sms) {
   const int most = (tiles + num_sms - 1) / num_sms;
   const int excess = most * num_sms - tiles;  // the busiest CTA's tiles past the mean, x SMs
@@ -120,16 +109,10 @@ inline int ws_uneven_whole_tiles(int tiles, int row_tiles, int k_steps, int num_
 // Where the tiles are at most half the SMs: each tile cut in `parts` parts of whole k-steps (a group of the cut per
 // tile), grid tiles x parts, where that keeps at least 95% of the SMs; 0 where it does not. With one CTA per SM a range
 // shorter than a tile can lie wholly inside one, which then spans three CTAs; its lead, whose range ends in the
-// tile's first k-groups, waits at its end for that inner CTA, which publishes its partial at its own end (H200,
-// k = 4, 512 tokens, 256-token tiles split 2-3 ways: a build whose leads read no partial took 0.84-0.91x the time,
-// and reading faster did not help; parts of equal size: 14336->4096 0.80-0.95x the time at 32-512 tokens;
-// docs/PERFORMANCE.md).
+// tile's first k-groups, waits at its end for that inner CTA, which publishes its partial at its own end.
 // Where no such grid exists but the k-groups are few, halves: 2 parts, where they give a CTA at most 2.5 steps more
 // than the stream-K cut would (k_steps x (1/2 - tiles / SMs) <= 2.5), the stream-K cut's short ranges spreading
-// each tile's sum over three CTAs or more (H200, k = 2..5, halves in clusters of two: 2048->10240 at 17-64 tokens, 40
-// tiles of 8 k-groups on 80 CTAs, 0.74-0.88x the time; 4096->14336 at 64, 56 of 16, 0.87-0.90x, at 17-32 0.99-1.01x;
-// 4096->4096 at 160-192, 48 of 16, 0.88-0.89x; 48 tiles of 43 and 56 k-groups, 5.9 and 7.6 steps more, were
-// 1.04-1.15x: docs/PERFORMANCE.md).
+// each tile's sum over three CTAs or more; past 2.5 steps more, halves lost (docs/PERFORMANCE.md, "Measured choices").
 inline int ws_tile_parts(int tiles, int k_steps, int num_sms) {
   if (num_sms > kMaxGroupedGrid) return 0;
   const int parts = num_sms / tiles < k_steps ? num_sms / tiles : k_steps;

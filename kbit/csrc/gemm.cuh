@@ -60,15 +60,14 @@ constexpr int kStaticSmemMax = 2048;
 
 // Warps per CTA, and row tiles (16 weight rows each) per warp. A warp owns two row tiles: each activation
 // fragment it loads then serves both, and the per-step work that does not scale with the rows (barrier
-// waits, copy issue, cursors: ~180 of ~480 instructions per step with one tile, ncu, H100) is paid once per
-// 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps
+// waits, copy issue, cursors: over a third of a one-tile step's instructions) is paid once per 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps
 // one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
 // more shared memory than sm_80 has).
 // wgmma: one or two row tiles (CTA tiles of 128 or 256 rows). With two, each step's activations (MB*8 tokens x
 // 256 k, 16-64 KB from L2) serve twice the weights: with one at 128 tokens, the activations were 4x the
-// weights' bytes and the kernel ran at the rate the SM takes data in (~19 GB/s per SM, H100; 238 vs 192 us
-// for 8192 -> 28672, K = 4). But half the tiles means more split-K and 2x larger partials: on small shapes
-// (4096 -> 4096: 107 vs 31 us) one is faster. K = 5 at 128 tokens has one only: two would not fit two stages.
+// weights' bytes and the kernel ran at the rate the SM takes data in. But half the tiles means more split-K and 2x
+// larger partials: on small shapes one is faster (docs/PERFORMANCE.md, "Measured choices"). K = 5 at 128 tokens
+// has one only: two would not fit two stages.
 constexpr int kGemmWarps = 8;
 // The k split at 16 tokens: one row tile (16-row CTA tiles), as two would not leave room for two stages of 16 token
 // rows x 2048 k of activations.
@@ -98,8 +97,8 @@ struct GemmConfig {
   // KS = 1: each warp owns its row tiles of the CTA tile, and a step is one k-group. KS = kWarps (mma.sync, up to 16
   // tokens): every warp the same 32 rows (16 at MB = 2), a step KS k-groups, warp w the step's w-th; at the tile's
   // end the warps' sums meet in shared memory (gather_k_split). Small shapes then need no split-K across CTAs:
-  // 4096 -> 4096 is 128 tiles of 32 rows, one per CTA, where 256-row tiles were 16, each split over ~8 CTAs whose
-  // hand-off through L2 cost the call 1.5-3 us (docs/PERFORMANCE.md, fixed cost per call).
+  // 4096 -> 4096 is 128 tiles of 32 rows, one per CTA, where 256-row tiles were 16, each split over ~8 CTAs handing
+  // off through L2 (docs/PERFORMANCE.md, performance model: fixed cost per call).
   static constexpr int kKSplit = KS;
   static_assert(KS == 1 || (KS == kGemmWarps && WG == 0 && G == 0 && MB <= 2),
                 "k split across warps: mma.sync, MB <= 2");
@@ -112,7 +111,7 @@ struct GemmConfig {
   static constexpr float kAccScale = kWgmma ? 1.0f : 16.0f;
   // Who copies a step's activations. MB = 1 (up to 8 token rows, 4-byte pieces): the warp that issues the step's
   // weights, so that the other warps only wait for the stage and compute. More tokens: every warp its share (one
-  // warp copying 16-32 rows was 5-14% slower at M = 16-32 than every warp copying 2-4; H200, same call).
+  // warp copying 16-32 rows was slower than every warp copying 2-4).
   // With KS > 1 every warp copies its own k-group's.
   static constexpr bool kActsByIssuer = !kWgmma && MB == 1 && KS == 1;
   static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
@@ -131,19 +130,18 @@ struct GemmConfig {
   // which one token leaves free: clear_block_columns), so each MMA adds block t's sums to column t only and the
   // accumulators hold a step's 8 blocks apart. Each lane then scales its two columns (blocks 2q, 2q + 1) once per
   // step, where with tokens in the columns every block's result took one FFMA per accumulator and its scale decoded
-  // per block (~85 of the step loop's instructions, SASS); the quad's four lanes meet at the tile's end
-  // (sum_block_columns). Even and odd blocks accumulate apart, 8 MMAs each: with all 16 MMAs of a row tile in one
-  // accumulator k = 4 was no faster, with four accumulators 4-6% slower on the 45-59M shapes (H200). Not with the
-  // k split, whose one step per CTA leaves nothing to save. Same shared memory as MB = 1.
+  // per block (a sixth of the step loop's instructions); the quad's four lanes meet at the tile's end
+  // (sum_block_columns). Even and odd blocks accumulate apart, 8 MMAs each: all 16 MMAs of a row tile in one
+  // accumulator were no faster, four accumulators slower. Not with the k split, whose one step per CTA leaves
+  // nothing to save. Same shared memory as MB = 1.
   static constexpr bool kBlockColumns = BC;
   static_assert(!BC || (MB == 1 && WG == 0 && G == 0 && KS == 1 && K <= 4),
                 "block columns: mma.sync, one token, no k split, K <= 4");
   // One pass of up to 16 tokens over more weight bytes than L2 holds (GemmParams::weights_stream): the step's bulk
   // copies carry an L2 evict-first policy, so that the weights streaming past do not push out the split-K partials
-  // published early and polled at the kernel's end (one poll took a reducer 1.2 us median, 0.8 us with the weights
-  // evict-first; %globaltimer trace, H200, 8192 -> 28672). A configuration of its own: the copy chosen at run time (a
-  // branch between the two copies) made the 45-59M shapes, whose weights fit in L2, 4-8% slower (H200,
-  // docs/PERFORMANCE.md).
+  // published early and polled at the kernel's end, whose poll then takes less time. A configuration of its own: the
+  // copy chosen at run time (a branch between the two copies) made the shapes whose weights fit in L2 slower
+  // (docs/PERFORMANCE.md, "Measured choices").
   static constexpr bool kWeightsStreamed = ST;
   static_assert(!ST || (MB <= 2 && WG == 0 && G == 0 && KS == 1), "weights streamed evict-first: up to 16 tokens");
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
@@ -222,7 +220,7 @@ struct GemmConfig {
 // tables and the shift-and-mask path.
 // `code_value` is codebook[threadIdx.x] for the first 2^K threads, loaded by the caller before it issued
 // the pipeline's first copies: loaded here, behind ~100 KB of weight copies from the same SM, it arrived
-// after 3-6 us (clock64 trace, H100), and the whole CTA waited for it.
+// late, and the whole CTA waited for it.
 template <class Cfg, typename T>
 __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) {
   constexpr int K = Cfg::kBits;
@@ -256,7 +254,7 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
   } else {
     // Consecutive threads store consecutive 16-byte vectors (4 copies of one pair), or words with fewer than 4
     // copies: each warp's store is as few wavefronts as its bytes need. One thread storing all copies of one pair put
-    // a warp's 32 stores in one or two banks: the k split at 16 tokens was 0.6 us slower per call at k = 4 (H200).
+    // a warp's 32 stores in one or two banks, which showed in the k split's time at 16 tokens.
     constexpr int kWords = Cfg::kCopies >= 4 ? 4 : 1;  // per store
     for (int i = tid; i < Cfg::kPairs * Cfg::kCopies / kWords; i += Cfg::kThreads) {
       const int e = i / (Cfg::kCopies / kWords);
@@ -286,7 +284,7 @@ __device__ __forceinline__ uint32_t byte_row_address(uint32_t codes, int b, uint
 }
 
 // Loads from 32-bit shared addresses: a C++ pointer would make ptxas add the shared window's base to
-// every lookup (one IMAD per lookup, 16% of all instructions at K = 4, M = 1).
+// every lookup (one IMAD per lookup).
 // Not volatile, so they schedule freely: the table never changes after the CTA's __syncthreads, and every
 // address depends on codes loaded (in C++) after it.
 __device__ __forceinline__ uint32_t lds32(uint32_t address) {
@@ -348,7 +346,7 @@ __device__ __forceinline__ uint32_t byte_pair_word(const uint32_t (&w)[4 * K], i
 // as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; pair
 // P = 8t + 2j + r (its two codes) sits at bits 2PK .. 2PK + 2K - 1 (K = 3: byte_pair_word): in the order the
 // MMA's A registers take the pairs, so at K = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers
-// (with rows as the inner index the quads held both pairs of one row: ~4 register moves per MMA, 125 per step, SASS).
+// (with rows as the inner index the quads held both pairs of one row: register moves before every MMA).
 template <class Cfg>
 __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBits], int t,
                                                 uint32_t sel, uint32_t (&h)[2][4]) {
@@ -519,14 +517,14 @@ __device__ __forceinline__ StreamKCut stream_k_cut(const GemmParams& p) {
 //   full[s]   the step's weights and activations have landed: every warp waits for it
 //   empty[s]  every warp is done with the step: the stage's refill waits for it
 // No CTA-wide barrier per step: the warps are tied together only as far as the pipeline is deep (with one
-// __syncthreads per step every warp waited for the slowest at every step: 30% of all stall cycles at M = 1, ncu).
+// __syncthreads per step every warp waited for the slowest at every step).
 template <class Cfg>
 struct Barriers {
   uint64_t full[Cfg::kStages];
   uint64_t empty[Cfg::kStages];
   // Lane 0 of each warp initializes every kWarps-th barrier. An mbarrier init takes a warp-uniform
-  // address: one thread per barrier made ptxas serialize the 32 lanes' inits in a loop (~1 us, as long as
-  // one thread doing all 72; clock64 trace, H100), one lane per warp runs the warps' inits in parallel.
+  // address: one thread per barrier made ptxas serialize the 32 lanes' inits in a loop (as slow as one thread doing
+  // all of them), one lane per warp runs the warps' inits in parallel.
   static constexpr int kBars = 2 * Cfg::kStages;
   __device__ void init(int warp, int lane) {
     constexpr int S = Cfg::kStages;
@@ -575,8 +573,7 @@ struct WeightRange {  // bytes of one range
   static constexpr int kCodes = Cfg::kBStage / Cfg::kKSplit, kScales = Cfg::kAbsStage / Cfg::kKSplit;
 };
 // One step's weights: codes (kBStage bytes) and block scales (kAbsStage). sm_90: two bulk copies per range, issued
-// by the one thread that calls this (per-warp copies had cost each warp ~80 issue slots per step, 10% of its work
-// at M = 1); sm_80: every thread calls it and copies its warp's row tiles with cp.async (the caller arrives on
+// by the one thread that calls this (per-warp copies cost every warp issue slots at every step); sm_80: every thread calls it and copies its warp's row tiles with cp.async (the caller arrives on
 // `full`).
 template <class Cfg>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
@@ -948,8 +945,8 @@ __device__ __forceinline__ void gather_k_split(uint8_t* codes_piece, float (&acc
 // words are results of arithmetic (never that NaN), so each word the reducer loads says whether it has landed;
 // the reducer puts kPartialEmpty back for the next launch. The reducer reaches its part at the end of its
 // range; a contributor whose range starts in the tile published long before, one whose whole range lies in
-// the tile publishes at its end too: then the wait is one L2 hand-off (store landing + a poll, 1.5 us median,
-// globaltimer trace, H100). "The last to arrive reduces" had cost a store, fence and counter round trip more.
+// the tile publishes at its end too: then the wait is one L2 hand-off (a store landing and a poll). "The last to
+// arrive reduces" had cost a store, fence and counter round trip more.
 template <class Cfg, typename T>
 __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCursor& c, int first, int last,
                                             float out_scale, float (&acc)[Cfg::kFrags][4]) {
@@ -1067,13 +1064,13 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 
   // Launched early (programmatic dependent launch), the CTA fetches while the previous kernel drains what that kernel
   // cannot be writing. Settled weights (GemmParams): the codebook, and where the grid leaves SMs idle (GridRoom) the
-  // first steps' weights into their stages: those CTAs start while the previous kernel still runs (k split, H100:
-  // 0.6-0.8 us less per call). S - 1 steps below the SM count; every stage (S steps, the loop's first refill included)
-  // where the grid takes at most half the SMs, as every CTA then starts early (4096 -> 1024: 5-9% less; on 128 CTAs the
-  // S-th copy made k = 5 6-10% slower). Where every SM is taken they start in that kernel's tail, and the same copies
-  // made the calls up to 5% (k = 2) slower than prefetches into L2 (docs/PERFORMANCE.md). Otherwise the weights go
-  // into L2 only, which needs no settling. A grouped GEMM's steps are not known before the wait. In a normal launch
-  // nothing overlaps, and the prefetches cost ~0.6 us of the TMA unit's time (clock64 trace).
+  // first steps' weights into their stages: those CTAs start while the previous kernel still runs. S - 1 steps below
+  // the SM count; every stage (S steps, the loop's first refill included) where the grid takes at most half the SMs,
+  // as every CTA then starts early (on grids of more CTAs the S-th copy made k = 5 slower). Where every SM is taken
+  // they start in that kernel's tail, and the same copies made the calls slower than prefetches into L2
+  // (docs/PERFORMANCE.md, "Measured choices"). Otherwise the weights go into L2 only, which needs no settling. A
+  // grouped GEMM's steps are not known before the wait. In a normal launch nothing overlaps, and the prefetches cost
+  // only the TMA unit's time.
   const bool early_weights = KBIT_BULK_COPY && p.dependent_launch && p.weights_settled;
   const int copied_early = !early_weights || p.grid_room == GridRoom::kFull || Cfg::kGrouped ? 0
                            : p.grid_room == GridRoom::kHalfOrLess ? S : S - 1;  // steps whose weights go before the wait
@@ -1104,13 +1101,13 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     first = range.first, last = range.last;
     if (first == last) return;
   }
-  // Loaded now, not in the epilogue: there it would add a global round trip to the kernel's last ~2 us.
+  // Loaded now, not in the epilogue: there it would add a global round trip to the kernel's end.
   const float out_scale = *p.scale * Cfg::kAccScale;
 
   // The codebook first (see build_tables), then the first step's copies, then the tables while those
   // land, then the rest of the pipeline's copies. With all S - 1 copies issued before the tables, the
-  // tables waited ~3 us for the issuing threads, held back by DRAM (all SMs fill their pipelines at once),
-  // and the first step started 7-8 us into the kernel, long after its data had landed (clock64 trace).
+  // tables waited for the issuing threads, held back by DRAM (all SMs fill their pipelines at once), and the
+  // first step started long after its data had landed.
   if (!early_weights) code_value = load_codebook();
   StepCursor load_at(p, first, Split{});
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p, Split{})) {  // every CTA has a step 0
@@ -1263,8 +1260,8 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
 }
 // Up to 16 tokens without the k split: weights larger than L2 stream evict-first (GemmConfig::kWeightsStreamed), and
 // one token on 8-token tiles runs with block columns (GemmConfig::kBlockColumns); the same plan and shared memory as
-// the configuration the host chose. Not block columns at K = 5: 1-2% slower with them on the 235M shapes (H200),
-// where K = 2..4 were 2-7% faster.
+// the configuration the host chose. Not block columns at K = 5, which they made slower where K = 2..4 gained
+// (docs/PERFORMANCE.md, "Measured choices").
 template <int K, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;

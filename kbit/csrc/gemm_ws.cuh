@@ -22,8 +22,8 @@
 // the NT tokens the tensor cores read from shared memory. Nothing but the mbarriers of the stage ring ties the
 // consumers to the producer, so copies, dequantization and tensor-core work overlap; the consumer
 // warpgroups interleave on the tensor cores. Compared with gemm.cuh's wgmma path (every warp copies and
-// dequantizes, 8 warps at 255 registers, activations by per-thread cp.async: issue slots 25-36% busy at
-// M = 64-128, docs/PERFORMANCE.md), the copies cost the consumers nothing and the activations arrive as whole
+// dequantizes, 8 warps at 255 registers, activations by per-thread cp.async: issue slots mostly idle at
+// M = 64-128), the copies cost the consumers nothing and the activations arrive as whole
 // 128-byte rows.
 //
 // Work: as in gemm.cuh, a step is (token pass, CTA tile of 256 rows, 128 at 256 tokens, 256-column k-group); the
@@ -47,8 +47,7 @@ template <int K, int NT>
 struct WsConfig {
   static constexpr int kBits = K, kTokens = NT;
   // Consumer warpgroups of one m64 block each. Four: four consumer warps per scheduler hide the dequantization's
-  // latencies (two warpgroups of two blocks each, at 232 registers, were 2-30% slower from 17 to 1024 tokens and
-  // equal at 4096; H200, docs/PERFORMANCE.md). At 256 tokens a warpgroup's accumulators are 128 registers per
+  // latencies (two warpgroups of two blocks each were slower up to 1024 tokens, equal at 4096). At 256 tokens a warpgroup's accumulators are 128 registers per
   // thread, so two, at 240: a looked-up weight then serves twice the tokens.
   static constexpr int kConsumerGroups = NT == 256 ? 2 : 4;
   static constexpr int kConsumerWarps = 4 * kConsumerGroups;
@@ -71,7 +70,7 @@ struct WsConfig {
   // At 256 tokens (kBoxRing) a step's activations are 128 KB, two stages do not fit: the boxes have a ring of their
   // own (kBoxes slots of one box, each with its barriers), and a stage is the step's weights. So at 128 tokens for
   // k = 5, whose two 107 KB stages left 8 KB, 2 lane copies, for its pair table: 6 boxes of 16 KB beside two weight
-  // stages leave it 32 KB, 8 copies (0.96-0.98x the time at 80-128 tokens; H200, docs/PERFORMANCE.md).
+  // stages leave it 32 KB, 8 copies (faster at 80-128 tokens; docs/PERFORMANCE.md, "Measured choices").
   static constexpr bool kBoxRing = NT == 256 || (K == 5 && NT == 128);
   static constexpr int kXBox = NT * 128;
   static constexpr int kXBytes = kBoxRing ? 0 : 4 * kXBox;  // a stage's activations
@@ -86,16 +85,14 @@ struct WsConfig {
   // activations, then the weights of as many stages as fit there; the other stages' weights lie above the table, and
   // where that leaves too little room below, the last stages' activations after them (WsRing).
   //   Byte rows (K = 2..4, 64 KB at 128 KB; build_tables): a table address is one PRMT of a code byte, every lookup one
-  //     wavefront. Where two stages fit beside them: at 32 and 64 tokens (H200, 17-32 tokens: k = 4 up to 17%, k = 2
-  //     up to 12% faster than the compact table with a stage more; docs/PERFORMANCE.md).
+  //     wavefront. Where two stages fit beside them: at 32 and 64 tokens (faster than the compact table with a stage
+  //     more; docs/PERFORMANCE.md, "Measured choices").
   //   Otherwise the compact pair table (kCopies lane copies of each pair's two codebook values, just below the top):
   //     a table address is a shift and a LOP3. As many lane copies (at most 32, one per bank) as leave two stages
   //     beside it: with c copies 32 / c lanes share each copy's banks, and a lookup takes ~1, 2, 3 wavefronts at 32,
-  //     16, 8 copies; the lookups' conflicts cost more than a third stage (k = 4, 64 tokens: 3 stages and 16 copies to
-  //     2 and 32, 4-5% faster on the 235M shapes; k = 5, 17-32 tokens: 3 stages and 8 copies to 2 and 16, 0.80-1.0x
-  //     the time; 33-64 tokens, 8 copies to 16 at two stages, 0.83-0.94x; H200, docs/PERFORMANCE.md).
-  //     Conflict-free single-code lookups (32 entries x 32 copies, two lookups and a PRMT per pair) took 48% more
-  //     instructions and were no faster.
+  //     16, 8 copies; the lookups' conflicts cost more than a third stage (docs/PERFORMANCE.md, "Measured
+  //     choices"). Conflict-free single-code lookups (32 entries x 32 copies, two lookups and a PRMT per pair) take
+  //     half again the instructions and were no faster.
   //   On the ring of boxes the compact pair table, below the top, with as many lane copies as leave room for 5 boxes
   //     and two stages of weights beneath it (256 tokens: k = 2, 3 32 copies, 6 and 5 boxes; k = 4 16, k = 5 4, 5
   //     boxes; k = 5 at 128 tokens: 8 copies, 6 boxes).
@@ -199,9 +196,9 @@ static __device__ uint4 ws_zero_rows[kZeroRowBytes / 16];  // never written: zer
 #if KBIT_WGMMA
 // The activations of a pass whose tokens do not fill it (M % NT of them, the last pass): each box holds only those
 // rows of x (WsActivationMaps::tail), and its other rows are copied from ws_zero_rows. A box mostly past x's last
-// row, filled with zeros by the tensor copy engine, took the 256-token kernel 1.3-1.6x the time of the same box read
-// whole from x padded with zeros; rows left as the slot held them (any activations) took 1-15% more than zeros (the
-// tensor cores' power; H200, k = 4, 5, 100-385 tokens; docs/PERFORMANCE.md).
+// row, filled with zeros by the tensor copy engine, is much slower than the same box read whole; rows left as the
+// slot held them (any activations) cost more than zeros (the tensor cores' power; docs/PERFORMANCE.md, "Measured
+// choices").
 template <class Cfg>
 __device__ __forceinline__ void ws_copy_box(const GemmParams& p, void* box, const WsActivationMaps* x_maps, int k0,
                                             int m0, uint64_t* bar) {
@@ -226,9 +223,8 @@ __device__ __forceinline__ void ws_copy_weights(const GemmParams& p, uint8_t* we
 
 // Settled weights (GemmParams) where the grid leaves SMs idle: the first steps' bytes announced on their full
 // barriers and their weights copied into their stages by the producer thread before it waits for the previous kernel
-// (2048-column shapes 5% faster at 32-256 tokens, H100). Issued before the CTA's wait, the same copies made ptxas
-// compile the consumers' loop with 92 more instructions (858 -> 950 at k = 2, 32 tokens); inside ws_producer, past
-// the registers it gives back, they spilled. Returns how many steps it copied.
+// (the 2048-column shapes gained). Issued before the CTA's wait, the same copies made ptxas compile the consumers'
+// loop with a tenth more instructions; inside ws_producer, past the registers it gives back, they spilled. Returns how many steps it copied.
 template <class Cfg>
 __device__ __forceinline__ int ws_copy_first_weights(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
                                                      int first, int last) {
@@ -328,7 +324,7 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
 #if KBIT_WGMMA
 // A whole tile's sums into y through shared memory and the tensor copy engine (where N % 8 == 0: y_map, the host's
 // ws_output_map), in place of ws_store's 2-byte stores: 128 per thread at 256 tokens, each with its own address and
-// bounds, took ~3.7 us per tile with both consumer warpgroups off the tensor cores (H200, docs/PERFORMANCE.md).
+// bounds, took microseconds per tile with both consumer warpgroups off the tensor cores.
 // The warp's fragments, scaled, biased and rounded, go token-major into its `piece` of shared memory
 // (stmatrix_x4_trans: [token][its 16 rows], 32 B per token), kStoreTokens at a time, and one lane copies each round
 // to y (rows past N and tokens past M are not written). Nothing may read the piece any more (in the main loop every
@@ -375,8 +371,7 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
 // (ws_lead_reduce), or, where the tile is split kSlicedFrom ways or more, the lead publishes too and each of the
 // CTAs adds one contiguous slice of every partial after its main loop (ws_reduce_slice). The lead alone reads
 // (n - 1) partials through one SM, ~2 L2 round trips each at 128 tokens; in slices each CTA publishes one and reads
-// two tiles' worth, ~5 round trips whatever n (H200, k = 4: n ~ 8 0.38-0.72x the time, n = 5-6 0.88-0.96x, n <= 4
-// 1.05-1.16x; docs/PERFORMANCE.md).
+// two tiles' worth, ~5 round trips whatever n: slices win from n = 5 (docs/PERFORMANCE.md, "Measured choices").
 // Two partial slots per CTA: slot 1 for the tile whose first k-group it holds (only the last tile of a range can
 // be split and begin in it), slot 0 for the other (the first tile of its range). Layout per slot: [consumer warp]
 // [fragment][lane] float4, an "item" being one float4. Only the items of real tokens move (at M = 17 on a 32-token
@@ -590,12 +585,10 @@ __device__ __forceinline__ void ws_reduce_slices(const GemmParams& p, float out_
 // cluster barrier: from then on no stage nor the table is read) each consumer thread stores its accumulators' items
 // into their owners' shared memory, at [its rank][item's place in the slice], from the stages' base up; after a
 // second barrier each CTA adds its slice's n partials in rank order, as the lead would (ws_lead_reduce), and stores
-// it: no L2 round trips and no polling, every CTA summing at once. Against the same parts through L2 (H200, k = 2..5;
-// benchmarks/results/ws_tile_parts_clusters_NVIDIA_H200.md): halves of 4-8 k-groups 0.94-1.01x the time (geomean
-// 0.98), of 8-28 at 256-512 tokens 0.97-1.06x; 3 and 4 parts, where the lead reads 2 and 3 partials, 0.73-0.94x
-// (28672->8192, 28 k-groups a part, 1.00x); 8 parts, summed in slices, 0.95-1.04x. But the H200 holds all of a
-// planned grid's clusters only for halves (66 clusters of 2 at once, the H100 too; of 3, 4, 8: 39, 30, 15, one to
-// four short of the tiles the planner cuts in so many parts). The producer warpgroup has no part in it: exited
+// it: no L2 round trips and no polling, every CTA summing at once. Against the same parts through L2 it gains most
+// where a lead would read 2-3 partials, little for halves (docs/PERFORMANCE.md, "Measured choices"); but the H100
+// and H200 hold all of a planned grid's clusters only for halves (of 3, 4 or 8 CTAs, one to four short of the tiles
+// the planner cuts in so many parts). The producer warpgroup has no part in it: exited
 // threads hold no cluster barrier up (and waiting there took the producer's 24 registers past their limit at 256
 // tokens: spills).
 template <class Cfg, typename T>
