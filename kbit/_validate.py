@@ -24,6 +24,7 @@ from .formats import (
     META_FIELDS,
     SUPPORTED_BITS,
     create_normal_float_codebook,
+    decode_absmax_e4m4,
     storage_spec,
 )
 
@@ -189,6 +190,40 @@ def check_experts_meta(meta, name: str = "meta"):
     """The ``meta`` tensor of a mixture-of-experts layer (``formats.EXPERTS_META_FIELDS``) ->
     (bits, num_experts, hidden_dim, intermediate_dim, dtype)."""
     return tuple(_meta_values(meta, name, EXPERTS_META_FIELDS))
+
+
+def check_range(absmax: Tensor, scale: Tensor, codebook: Tensor, dtype: torch.dtype, name: str) -> None:
+    """Every value a weight can reconstruct is finite in its ``dtype``: its largest block scale (``absmax``'s
+    largest code; E4M4 codes ascend with the value) times ``scale`` times the codebook's largest |level| is at most
+    the dtype's largest value, as ``kbit.quantize`` ensures. ``absmax`` [..., blocks] and ``scale`` [...]: one
+    weight, or one per expert (``name`` then says which)."""
+    peak = decode_absmax_e4m4(absmax.amax(dim=-1)) * scale.to(torch.float32) * codebook.abs().max().float()
+    too_big = ~(peak <= torch.finfo(dtype).max)  # an overflow to Inf in float32 included
+    if bool(too_big.any()):
+        where = f", expert {int(too_big.nonzero()[0, 0])}" if too_big.dim() else ""
+        raise ValueError(
+            f"{name}{where}: its block scales times its scale reach {float(peak.flatten()[too_big.flatten()][0]):.6g}, "
+            f"past {_dtype_name(dtype)}'s largest value {torch.finfo(dtype).max:.6g}: it would dequantize to Inf"
+        )
+
+
+# What a checkpoint may store each kbit entry as (safetensors' dtype names), by the entry's name or its suffix
+# after "_" (``gate_up_packed``): what ``load_state_dict`` accepts. The codes, block scales and rotation signs exactly
+# as kbit writes them; the codebook and scales in any float (loading widens them to float32); meta and the rotation
+# block in any integer. A loader that casts to the module's buffers (transformers) must not hide another dtype.
+_FLOATS = ("F16", "BF16", "F32", "F64")
+_INTEGERS = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+SAVED_DTYPES = {"packed": ("I32",), "absmax": ("U8",), "codebook": _FLOATS, "scale": _FLOATS, "meta": _INTEGERS,
+                "rotation_signs": ("I8",), "rotation_block": _INTEGERS}
+
+
+def check_saved_dtype(entry: str, stored: str, name: str) -> None:
+    """Entry ``entry`` of a kbit module (``packed``, ``gate_up_absmax``, ...), stored on disk as safetensors dtype
+    ``stored`` under ``name``: refused unless loading it as stored would be accepted."""
+    kind = entry if entry in SAVED_DTYPES else entry.rpartition("_")[2]
+    allowed = SAVED_DTYPES[kind]
+    if stored not in allowed:
+        raise ValueError(f"{name} is stored as {stored}; a kbit checkpoint stores it as {' or '.join(allowed)}")
 
 
 def check_storage_tensor(t, key: str, bits: int, shape, prefix: str = "") -> None:

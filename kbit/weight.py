@@ -18,6 +18,7 @@ from ._validate import (
     check_int,
     check_meta,
     check_not_meta,
+    check_range,
     check_scale,
     check_storage,
     check_tensor,
@@ -221,6 +222,8 @@ class QuantizedWeight:
         check_storage(*tensors.values(), bits, shape, prefix=prefix)
         check_codebook(tensors["codebook"], bits, prefix + "codebook")
         check_scale(tensors["scale"], tensors["scale"].device, prefix + "scale")
+        check_range(tensors["absmax"], tensors["scale"], tensors["codebook"], dtype,
+                    f"{prefix}absmax with {prefix}scale")
         return cls.from_checked(*tensors.values(), bits, shape, dtype)
 
 
