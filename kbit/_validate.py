@@ -132,6 +132,47 @@ def check_codebook(codebook, bits: int, name: str = "codebook") -> Tensor:
     return cb.contiguous()
 
 
+def codebook_values(codebook, bits: int, name: str = "codebook") -> list:
+    """A codebook given as a tensor or a sequence of numbers (``KbitConfig``, config.json) -> its checked levels
+    as a list of floats."""
+    if not isinstance(codebook, Tensor):
+        values = list(codebook) if isinstance(codebook, (list, tuple)) else None
+        if values is None or any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in values):
+            raise TypeError(f"{name} must be a tensor or a list of {2**bits} numbers, got {codebook!r:.80}")
+        codebook = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    return check_codebook(codebook, bits, name).tolist()
+
+
+def check_skip(skip, name: str = "skip") -> list:
+    """Module names or patterns to leave unquantized: one str or an iterable of str -> a list (None: empty)."""
+    if skip is None:
+        return []
+    if isinstance(skip, str):
+        return [skip]
+    try:
+        names = list(skip)
+    except TypeError:
+        raise TypeError(f"{name} must be a module name or pattern (str) or a list of them, got "
+                        f"{type(skip).__name__} ({skip!r:.80})") from None
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"{name} must hold module names or patterns (str), got {odd[0]!r} "
+                        f"({type(odd[0]).__name__})")
+    return names
+
+
+def refuse_assignment(module, name: str, stored: tuple) -> None:
+    """``module.<name> = ...`` for a weight a kbit layer holds quantized: a clear error (nn.Module would raise a
+    ``KeyError``, or register a parameter that nothing reads)."""
+    if name in stored:
+        kind = type(module).__name__
+        raise AttributeError(
+            f"{kind}.{name} cannot be assigned: the layer holds it quantized, read-only; quantize the new weight "
+            f"into a new layer (kbit.quantize_model, {kind}.from_{'linear' if kind == 'KbitLinear' else 'experts'}) "
+            f"or load quantized tensors with load_state_dict"
+        )
+
+
 def codebook_for(codebook, bits: int, device) -> Tensor:
     """The normal-float codebook, or a checked float32 copy of the caller's (never an alias of it), on ``device``."""
     if codebook is None:

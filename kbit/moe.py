@@ -58,6 +58,7 @@ from ._validate import (
     check_range,
     check_tensor,
     check_weight,
+    refuse_assignment,
 )
 from .formats import block_count, create_normal_float_codebook, experts_meta_tensor, padded_in_features
 from .grouped import gate_up_row_order
@@ -346,6 +347,10 @@ class KbitExperts(nn.Module):
         if self.gate_up_packed.device.type != "meta":
             self.prepare()
         return self
+
+    def __setattr__(self, name, value):
+        refuse_assignment(self, name, FUSED_PARAMETERS)
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ loading
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -47,8 +47,10 @@ from ._validate import (
     check_meta,
     check_range,
     check_scale,
+    check_skip,
     check_storage_tensor,
     check_weight,
+    refuse_assignment,
 )
 from .calibration import check_calibration, quantize_layers
 from .dequantized_weight import DequantizedWeight
@@ -341,6 +343,10 @@ class KbitLinear(nn.Module):
         super().__setstate__(state)
         self._qw = None
 
+    def __setattr__(self, name, value):
+        refuse_assignment(self, name, ("weight",))
+        super().__setattr__(name, value)
+
 
 # ---------------------------------------------------------------------- model conversion
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -450,7 +456,7 @@ def quantize_model(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if codebook is not None:
         codebook = check_codebook(codebook, bits)
-    skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
+    skip = tuple(check_skip(skip))
     min_features = check_int(min_features, "min_features", 0)
     method = check_method(method)
     if (calibration is None) == (method == "gptq"):

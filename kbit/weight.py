@@ -186,7 +186,7 @@ class QuantizedWeight:
     def dequantize(self, dtype=None) -> Tensor:
         """The [out_features, in_features] reconstruction in ``dtype`` (default: the dtype it was quantized from)."""
         dtype = self.dtype if dtype is None else check_dtype(dtype, "dtype")
-        return self._dequantize(dtype)
+        return warn_overflow(self._dequantize(dtype), self.dtype)
 
     def _dequantize(self, dtype: torch.dtype) -> Tensor:
         out_features, in_features = self.shape
@@ -311,6 +311,20 @@ def warn_precision(loss: PrecisionLoss, name: str, stacklevel: int = 2) -> None:
     as ``warnings.warn`` would take it in the caller."""
     if loss.beyond_bound or loss.saturated:
         warnings.warn(loss.describe(name), PrecisionWarning, stacklevel=stacklevel + 1)
+
+
+def warn_overflow(w: Tensor, source: torch.dtype) -> Tensor:
+    """``w``, a reconstruction in a dtype other than the weight's own ``source``: a ``PrecisionWarning`` if that
+    dtype is narrower and some values were past its range (they are Inf). Every value fits ``source`` itself
+    (``quantize`` and loading make sure), so only a narrower dtype is checked (one host synchronization)."""
+    if torch.finfo(w.dtype).max < torch.finfo(source).max:
+        overflowed = int(torch.isinf(w).sum())
+        if overflowed:
+            warnings.warn(
+                f"dequantize: {overflowed} of {w.numel()} values of a {str(source).replace('torch.', '')} weight lie "
+                f"past {str(w.dtype).replace('torch.', '')}'s largest value and became Inf; dequantize to the "
+                f"weight's own dtype (the default) to keep them", PrecisionWarning, stacklevel=3)
+    return w
 
 
 def dequantize(qw: QuantizedWeight, dtype=None) -> Tensor:
