@@ -149,3 +149,41 @@ def test_a_truncated_shard_is_named(llama_folder, tmp_path):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"model\.safetensors"):
         _load(out)
+
+
+# ----------------------------------------------------------------------------- loading without kbit: the folder says how
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_saved_folders_say_how_to_load_them(tmp_path):
+    """transformers offers no hook for an unknown quant_method's message (kbit.model_card): save_quantized's folder
+    starts its README with `import kbit`; a card the folder had keeps its metadata block first, and a second save
+    does not repeat the notice."""
+    torch.manual_seed(3)
+    model = kbit.quantize_model(build("llama"), bits=4, progress=False)
+    out = tmp_path / "k4"
+    kbit.save_quantized(model, out)
+    card = (out / "README.md").read_text()
+    assert card.startswith(kbit.model_card.NOTICE) and "import kbit" in card and "quantization_config" in card
+    (out / "README.md").write_text("---\nlicense: mit\n---\n# My model\n")
+    kbit.save_quantized(model, out)
+    kbit.save_quantized(model, out)
+    card = (out / "README.md").read_text()
+    assert card == "---\nlicense: mit\n---\n" + kbit.model_card.NOTICE + "# My model\n"
+
+
+def test_cli_folder_says_how_to_load_it(tmp_path):
+    from kbit.convert import cli_quantize
+
+    torch.manual_seed(5)
+    src, out = tmp_path / "src", tmp_path / "out"
+    build("llama").save_pretrained(str(src))
+    (src / "README.md").write_text("# Source model\n")
+    assert cli_quantize([str(src), "--out", str(out), "--no-progress"]) == 0
+    assert (out / "README.md").read_text() == kbit.model_card.NOTICE + "# Source model\n"
+    assert (src / "README.md").read_text() == "# Source model\n"
+
+
+def test_readme_says_first_that_loading_needs_import_kbit():
+    first = "\n".join((ROOT / "README.md").read_text().splitlines()[:12])
+    assert "import kbit" in first and "quantization_config" in first
