@@ -16,7 +16,9 @@ Loading reads which layers are quantized -- and their bits, shapes and dtype -- 
 ``.absmax`` and ``.meta`` entries of each ``KbitLinear``, the ``.gate_up_absmax`` and ``.meta`` entries of each
 ``KbitExperts``), puts empty kbit modules of those shapes into the model, has transformers load ``X.weight`` into
 ``X.packed`` and the rest by name, and then checks every kbit module's tensors as untrusted input
-(``load_state_dict``).
+(``load_state_dict``). What transformers' loader would hide is checked before it runs: each kbit entry's dtype as
+the file stores it (the loader casts to the module's buffers), a rotated layer's two rotation entries, files that
+cannot be read (named).
 """
 
 from __future__ import annotations

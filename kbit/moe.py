@@ -406,7 +406,8 @@ class KbitExperts(nn.Module):
                     raise ValueError(f"{prefix}{name} must hold positive finite powers of two")
         codebook = state_dict.get(prefix + "codebook", self.codebook)
         for proj in PROJECTIONS:
-            absmax, scale = (state_dict.get(f"{prefix}{proj}_{s}", self._buffers[f"{proj}_{s}"]) for s in ("absmax", "scale"))
+            absmax, scale = (state_dict.get(f"{prefix}{proj}_{s}", self._buffers[f"{proj}_{s}"])
+                             for s in ("absmax", "scale"))
             if all(t.device.type != "meta" for t in (absmax, scale, codebook)):
                 check_range(absmax, scale, codebook, dtype, f"{prefix}{proj}_absmax with {prefix}{proj}_scale")
 

@@ -314,9 +314,9 @@ def warn_precision(loss: PrecisionLoss, name: str, stacklevel: int = 2) -> None:
 
 
 def warn_overflow(w: Tensor, source: torch.dtype) -> Tensor:
-    """``w``, a reconstruction in a dtype other than the weight's own ``source``: a ``PrecisionWarning`` if that
-    dtype is narrower and some values were past its range (they are Inf). Every value fits ``source`` itself
-    (``quantize`` and loading make sure), so only a narrower dtype is checked (one host synchronization)."""
+    """``w``, the reconstruction of a weight quantized from ``source``: a ``PrecisionWarning`` if ``w``'s dtype is
+    narrower and some values were past its range (they are Inf). Every value fits ``source`` itself (``quantize``
+    and loading make sure), so only a narrower dtype is checked (one host synchronization)."""
     if torch.finfo(w.dtype).max < torch.finfo(source).max:
         overflowed = int(torch.isinf(w).sum())
         if overflowed:

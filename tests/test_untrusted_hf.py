@@ -125,7 +125,8 @@ def test_a_dense_scale_past_the_dtype_range_is_refused(llama_folder, tmp_path):
 @pytest.mark.parametrize("key, value", [("gate_up_scale", 2.0**100), ("down_scale", 2.0**20)])
 def test_experts_scales_past_the_dtype_range_are_refused(moe_folder, tmp_path, key, value):
     folder = _damaged(moe_folder, tmp_path, _set(f"{EXPERTS}.{key}", 1, value))
-    with pytest.raises(ValueError, match=rf"(?s)layer {EXPERTS}:.*{key.rpartition('_')[0]}_absmax with .*, expert 1: .*past float16"):
+    proj = key.rpartition("_")[0]
+    with pytest.raises(ValueError, match=rf"(?s)layer {EXPERTS}:.*{proj}_absmax with .*, expert 1: .*past float16"):
         _load(folder)
 
 
@@ -151,7 +152,7 @@ def test_a_truncated_shard_is_named(llama_folder, tmp_path):
         _load(out)
 
 
-# ----------------------------------------------------------------------------- loading without kbit: the folder says how
+# ----------------------------------------------------------------------------- without kbit: the folder says how
 ROOT = Path(__file__).resolve().parents[1]
 
 
