@@ -24,6 +24,7 @@ from .formats import (
     META_FIELDS,
     SUPPORTED_BITS,
     create_normal_float_codebook,
+    decode_absmax_e4m4,
     storage_spec,
 )
 
@@ -131,6 +132,47 @@ def check_codebook(codebook, bits: int, name: str = "codebook") -> Tensor:
     return cb.contiguous()
 
 
+def codebook_values(codebook, bits: int, name: str = "codebook") -> list:
+    """A codebook given as a tensor or a sequence of numbers (``KbitConfig``, config.json) -> its checked levels
+    as a list of floats."""
+    if not isinstance(codebook, Tensor):
+        values = list(codebook) if isinstance(codebook, (list, tuple)) else None
+        if values is None or any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in values):
+            raise TypeError(f"{name} must be a tensor or a list of {2**bits} numbers, got {codebook!r:.80}")
+        codebook = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    return check_codebook(codebook, bits, name).tolist()
+
+
+def check_skip(skip, name: str = "skip") -> list:
+    """Module names or patterns to leave unquantized: one str or an iterable of str -> a list (None: empty)."""
+    if skip is None:
+        return []
+    if isinstance(skip, str):
+        return [skip]
+    try:
+        names = list(skip)
+    except TypeError:
+        raise TypeError(f"{name} must be a module name or pattern (str) or a list of them, got "
+                        f"{type(skip).__name__} ({skip!r:.80})") from None
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"{name} must hold module names or patterns (str), got {odd[0]!r} "
+                        f"({type(odd[0]).__name__})")
+    return names
+
+
+def refuse_assignment(module, name: str, stored: tuple) -> None:
+    """``module.<name> = ...`` for a weight a kbit layer holds quantized: a clear error (nn.Module would raise a
+    ``KeyError``, or register a parameter that nothing reads)."""
+    if name in stored:
+        kind = type(module).__name__
+        raise AttributeError(
+            f"{kind}.{name} cannot be assigned: the layer holds it quantized, read-only; quantize the new weight "
+            f"into a new layer (kbit.quantize_model, {kind}.from_{'linear' if kind == 'KbitLinear' else 'experts'}) "
+            f"or load quantized tensors with load_state_dict"
+        )
+
+
 def codebook_for(codebook, bits: int, device) -> Tensor:
     """The normal-float codebook, or a checked float32 copy of the caller's (never an alias of it), on ``device``."""
     if codebook is None:
@@ -189,6 +231,40 @@ def check_experts_meta(meta, name: str = "meta"):
     """The ``meta`` tensor of a mixture-of-experts layer (``formats.EXPERTS_META_FIELDS``) ->
     (bits, num_experts, hidden_dim, intermediate_dim, dtype)."""
     return tuple(_meta_values(meta, name, EXPERTS_META_FIELDS))
+
+
+def check_range(absmax: Tensor, scale: Tensor, codebook: Tensor, dtype: torch.dtype, name: str) -> None:
+    """Every value a weight can reconstruct is finite in its ``dtype``: its largest block scale (``absmax``'s
+    largest code; E4M4 codes ascend with the value) times ``scale`` times the codebook's largest |level| is at most
+    the dtype's largest value, as ``kbit.quantize`` ensures. ``absmax`` [..., blocks] and ``scale`` [...]: one
+    weight, or one per expert (``name`` then says which)."""
+    peak = decode_absmax_e4m4(absmax.amax(dim=-1)) * scale.to(torch.float32) * codebook.abs().max().float()
+    too_big = ~(peak <= torch.finfo(dtype).max)  # an overflow to Inf in float32 included
+    if bool(too_big.any()):
+        where = f", expert {int(too_big.nonzero()[0, 0])}" if too_big.dim() else ""
+        raise ValueError(
+            f"{name}{where}: its block scales times its scale reach {float(peak.flatten()[too_big.flatten()][0]):.6g}, "
+            f"past {_dtype_name(dtype)}'s largest value {torch.finfo(dtype).max:.6g}: it would dequantize to Inf"
+        )
+
+
+# What a checkpoint may store each kbit entry as (safetensors' dtype names), by the entry's name or its suffix
+# after "_" (``gate_up_packed``): what ``load_state_dict`` accepts. The codes, block scales and rotation signs exactly
+# as kbit writes them; the codebook and scales in any float (loading widens them to float32); meta and the rotation
+# block in any integer. A loader that casts to the module's buffers (transformers) must not hide another dtype.
+_FLOATS = ("F16", "BF16", "F32", "F64")
+_INTEGERS = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+SAVED_DTYPES = {"packed": ("I32",), "absmax": ("U8",), "codebook": _FLOATS, "scale": _FLOATS, "meta": _INTEGERS,
+                "rotation_signs": ("I8",), "rotation_block": _INTEGERS}
+
+
+def check_saved_dtype(entry: str, stored: str, name: str) -> None:
+    """Entry ``entry`` of a kbit module (``packed``, ``gate_up_absmax``, ...), stored on disk as safetensors dtype
+    ``stored`` under ``name``: refused unless loading it as stored would be accepted."""
+    kind = entry if entry in SAVED_DTYPES else entry.rpartition("_")[2]
+    allowed = SAVED_DTYPES[kind]
+    if stored not in allowed:
+        raise ValueError(f"{name} is stored as {stored}; a kbit checkpoint stores it as {' or '.join(allowed)}")
 
 
 def check_storage_tensor(t, key: str, bits: int, shape, prefix: str = "") -> None:

@@ -3,7 +3,8 @@
 A thin wrapper over transformers: ``from_pretrained(<model-dir>, quantization_config=kbit.KbitConfig(...))``
 quantizes each layer as it is read (host memory peaks near the quantized model plus one layer in full precision,
 not at the full-precision model's size), then ``save_pretrained`` writes ``<dir>`` atomically, together with the
-source's tokenizer and other small files. ``AutoModelForCausalLM.from_pretrained(<dir>)`` (after ``import kbit``)
+source's tokenizer and other small files, its README.md starting with how to load the folder (``kbit.model_card``).
+``AutoModelForCausalLM.from_pretrained(<dir>)`` (after ``import kbit``)
 and ``AutoTokenizer.from_pretrained(<dir>)`` load the result.
 
 Progress: transformers' bars on a terminal; in a log (stderr not a terminal), one line per tenth of the layers.
@@ -199,6 +200,7 @@ def quantize_directory(
     """
     from ._atomic import atomic_directory
     from ._validate import check_bits
+    from .model_card import README, write_model_card
     from .nn import KbitLinear, quantized_fraction
 
     try:
@@ -261,6 +263,7 @@ def quantize_directory(
         with atomic_directory(out_dir) as tmp:
             model.save_pretrained(tmp)
             copied = _copy_side_files(model_dir, tmp)
+            write_model_card(tmp, previous=out_dir / README)
 
     fp_bytes = sum(m.in_features * m.out_features for m in layers) * torch.finfo(torch_dtype).bits // 8
     q_bytes = sum(m.qweight.nbytes for m in layers)

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .rotation import Rotation
-from .weight import QuantizedWeight
+from .weight import QuantizedWeight, warn_overflow
 
 __all__ = ["DequantizedWeight"]
 
@@ -50,7 +50,7 @@ class DequantizedWeight(Tensor):
         if self.rotation is None:
             return self.qweight.dequantize(dtype)
         w = self.rotation.unrotate(self.qweight.dequantize(torch.float32))
-        return w.to(self.qweight.dtype if dtype is None else dtype)
+        return warn_overflow(w.to(self.qweight.dtype if dtype is None else dtype), self.qweight.dtype)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # printing must not dequantize
         qw = self.qweight

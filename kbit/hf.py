@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ._atomic import atomic_directory
+from .model_card import README, write_model_card
 
 __all__ = ["save_quantized", "from_config", "dtype_kwarg"]
 
@@ -27,7 +28,8 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], **save_pr
 
     Every file is written into a temporary sibling directory that then takes ``out_dir``'s place
     (``kbit._atomic``): a save killed at any point leaves the previous checkpoint whole, never a mix of two.
-    Files of a previous ``out_dir`` that the save does not write (a tokenizer) are kept. Returns the directory.
+    Files of a previous ``out_dir`` that the save does not write (a tokenizer) are kept. Its README.md starts with
+    how to load the folder (``kbit.model_card``). Returns the directory.
     """
     from .hf_quantizer import KbitHfQuantizer
 
@@ -41,6 +43,7 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], **save_pr
     out = Path(out_dir)
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp, **save_pretrained_kwargs)
+        write_model_card(tmp, previous=out / README)
     return out
 
 

@@ -16,17 +16,20 @@ Loading reads which layers are quantized -- and their bits, shapes and dtype -- 
 ``.absmax`` and ``.meta`` entries of each ``KbitLinear``, the ``.gate_up_absmax`` and ``.meta`` entries of each
 ``KbitExperts``), puts empty kbit modules of those shapes into the model, has transformers load ``X.weight`` into
 ``X.packed`` and the rest by name, and then checks every kbit module's tensors as untrusted input
-(``load_state_dict``).
+(``load_state_dict``). What transformers' loader would hide is checked before it runs: each kbit entry's dtype as
+the file stores it (the loader casts to the module's buffers), a rotated layer's two rotation entries, files that
+cannot be read (named).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from torch import nn
 
 from ._layers import linear_features
-from ._validate import check_experts_meta, check_meta
+from ._validate import check_experts_meta, check_meta, check_saved_dtype
 from .formats import STATE_KEYS
 from .moe import STORAGE as EXPERTS_STORAGE
 from .moe import KbitExperts, experts_shape, unsupported_reason
@@ -36,6 +39,7 @@ from .rotation import choose_block
 FORMAT_VERSION = 1
 # A layer's saved entries: its state keys with ``packed`` saved under the layer's weight name.
 _SAVED = tuple("weight" if key == "packed" else key for key in STATE_KEYS)
+_ROTATION = ("rotation_signs", "rotation_block")  # a rotated layer's further entries: both or neither
 
 
 def saved_state_dict(model: nn.Module) -> dict:
@@ -64,37 +68,55 @@ def renamed_key(key: str, renamings) -> str:
     return key
 
 
+@contextlib.contextmanager
+def _opened(path: str):
+    """``safe_open(path)``, its errors naming the file (safetensors' own messages do not: a truncated shard)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"kbit checkpoint: cannot read {path}: {e}") from e
+
+
 def checkpoint_modules(checkpoint_files, renamings=()) -> tuple:
     """The kbit modules in a checkpoint, named as ``renamings`` (``model_renamings``) rename its keys:
     ``({name: (bits, (out_features, in_features), dtype, has_bias, rotated)}`` of each ``KbitLinear``,
-    ``{name: (bits, E, H, I, dtype)}`` of each ``KbitExperts``)."""
-    from safetensors import safe_open
+    ``{name: (bits, E, H, I, dtype)}`` of each ``KbitExperts``).
 
+    Each kbit entry's dtype is checked as the file stores it (``check_saved_dtype``): transformers casts what it
+    loads to the module's buffers, so the checks after loading could not tell int32 codes from float ones."""
     files = [str(f) for f in checkpoint_files or ()]
     not_safetensors = [f for f in files if not f.endswith(".safetensors")]
     if not files or not_safetensors:
         raise ValueError(f"a kbit checkpoint is safetensors files, got {not_safetensors or 'none'}")
-    file_of = {}  # renamed key -> (file, key in the file)
+    file_of, stored = {}, {}  # renamed key -> (file, key in the file); -> its dtype in the file ("I32", ...)
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            file_of.update((renamed_key(key, renamings), (path, key)) for key in f.keys())
+        with _opened(path) as f:
+            for key in f.keys():
+                name = renamed_key(key, renamings)
+                file_of[name], stored[name] = (path, key), f.get_slice(key).get_dtype()
     layers = sorted(key[: -len(".absmax")] for key in file_of if key.endswith(".absmax"))
     experts = sorted(key[: -len(".gate_up_absmax")] for key in file_of if key.endswith(".gate_up_absmax"))
     if not layers and not experts:
         raise ValueError("the checkpoint has quant_method 'kbit' in its config but no kbit layers in its weights")
-    for names, entries in ((layers, _SAVED), (experts, EXPERTS_STORAGE)):
-        for name in names:
-            missing = [f"{name}.{entry}" for entry in entries if f"{name}.{entry}" not in file_of]
-            if missing:
-                raise ValueError(f"kbit checkpoint: layer {name} lacks {', '.join(missing)}")
+    rotated = {name for name in layers if any(f"{name}.{entry}" in file_of for entry in _ROTATION)}
+    for name in layers + experts:
+        entries = EXPERTS_STORAGE if name in experts else _SAVED + (_ROTATION if name in rotated else ())
+        missing = [f"{name}.{entry}" for entry in entries if f"{name}.{entry}" not in file_of]
+        if missing:  # half a rotation too: without its signs the layer would load as unrotated
+            raise ValueError(f"kbit checkpoint: layer {name} lacks {', '.join(missing)}")
+        for entry in entries:
+            check_saved_dtype("packed" if entry == "weight" else entry, stored[f"{name}.{entry}"], f"{name}.{entry}")
     metas = {}
     for path in files:  # each file opened once: a large model has hundreds of layers in a few shards
         keys = [f"{name}.meta" for name in layers + experts if file_of[f"{name}.meta"][0] == path]
         if keys:
-            with safe_open(path, framework="pt") as f:
+            with _opened(path) as f:
                 metas.update((key, f.get_tensor(file_of[key][1])) for key in keys)
-    return ({name: (*check_meta(metas[f"{name}.meta"], f"{name}.meta"), f"{name}.bias" in file_of,
-                    f"{name}.rotation_signs" in file_of) for name in layers},
+    return ({name: (*check_meta(metas[f"{name}.meta"], f"{name}.meta"), f"{name}.bias" in file_of, name in rotated)
+             for name in layers},
             {name: check_experts_meta(metas[f"{name}.meta"], f"{name}.meta") for name in experts})
 
 

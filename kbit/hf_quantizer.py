@@ -34,7 +34,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import hf_format
 from ._progress import Progress
-from ._validate import check_bits, check_codebook, check_int
+from ._validate import check_bits, check_int, check_skip, codebook_values
 from .moe import FUSED_PARAMETERS, KbitExperts
 from .nn import KbitLinear, experts_targets, linear_targets, quantized_fraction
 
@@ -72,9 +72,9 @@ class KbitConfig(QuantizationConfigMixin):
                              f"kbit {__version__} reads up to {hf_format.FORMAT_VERSION}: upgrade kbit")
         self.quant_method = QUANT_METHOD
         self.bits = check_bits(bits)
-        self.skip = None if skip is None else ([skip] if isinstance(skip, str) else [str(s) for s in skip])
+        self.skip = None if skip is None else check_skip(skip)
         self.min_features = check_int(min_features, "min_features", 0)
-        self.codebook = None if codebook is None else check_codebook(torch.as_tensor(codebook), self.bits).tolist()
+        self.codebook = None if codebook is None else codebook_values(codebook, self.bits)
         if not isinstance(rotate, bool):
             raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
         self.rotate = rotate

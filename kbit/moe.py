@@ -55,8 +55,10 @@ from ._validate import (
     check_experts_meta,
     check_int,
     check_not_meta,
+    check_range,
     check_tensor,
     check_weight,
+    refuse_assignment,
 )
 from .formats import block_count, create_normal_float_codebook, experts_meta_tensor, padded_in_features
 from .grouped import gate_up_row_order
@@ -346,6 +348,10 @@ class KbitExperts(nn.Module):
             self.prepare()
         return self
 
+    def __setattr__(self, name, value):
+        refuse_assignment(self, name, FUSED_PARAMETERS)
+        super().__setattr__(name, value)
+
     # ------------------------------------------------------------------ loading
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -355,7 +361,7 @@ class KbitExperts(nn.Module):
         try:
             if isinstance(meta, Tensor) and meta.device.type != "meta":
                 dtype = self._check_meta(meta, prefix + "meta")
-            self._check_incoming(state_dict, prefix)
+            self._check_incoming(state_dict, prefix, dtype)
         except (TypeError, ValueError) as e:
             error_msgs.append(str(e))
             return
@@ -374,8 +380,9 @@ class KbitExperts(nn.Module):
             )
         return dtype
 
-    def _check_incoming(self, state_dict, prefix: str) -> None:
-        """Dtype, shape, contiguity and values of each storage tensor a state dict brings (missing ones are kept)."""
+    def _check_incoming(self, state_dict, prefix: str, dtype: torch.dtype) -> None:
+        """Dtype, shape, contiguity and values of each storage tensor a state dict brings (missing ones are kept),
+        and each expert's range against the weights' ``dtype``."""
         for name in ["codebook"] + [f"{p}_scale" for p in PROJECTIONS]:  # float32 by definition; 16-bit copies load
             t = state_dict.get(prefix + name)
             if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float32:
@@ -397,6 +404,12 @@ class KbitExperts(nn.Module):
                 mantissa, _ = torch.frexp(t)
                 if not bool((torch.isfinite(t) & (t > 0) & (mantissa == 0.5)).all()):
                     raise ValueError(f"{prefix}{name} must hold positive finite powers of two")
+        codebook = state_dict.get(prefix + "codebook", self.codebook)
+        for proj in PROJECTIONS:
+            absmax, scale = (state_dict.get(f"{prefix}{proj}_{s}", self._buffers[f"{proj}_{s}"])
+                             for s in ("absmax", "scale"))
+            if all(t.device.type != "meta" for t in (absmax, scale, codebook)):
+                check_range(absmax, scale, codebook, dtype, f"{prefix}{proj}_absmax with {prefix}{proj}_scale")
 
 
 # ---------------------------------------------------------------------- finding experts in a model

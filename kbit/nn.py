@@ -45,9 +45,12 @@ from ._validate import (
     check_dtype,
     check_int,
     check_meta,
+    check_range,
     check_scale,
+    check_skip,
     check_storage_tensor,
     check_weight,
+    refuse_assignment,
 )
 from .calibration import check_calibration, quantize_layers
 from .dequantized_weight import DequantizedWeight
@@ -293,7 +296,7 @@ class KbitLinear(nn.Module):
             if isinstance(t, Tensor) and t.dtype != torch.float32 and t.is_floating_point():
                 state_dict[prefix + name] = t.to(torch.float32)
         try:
-            self._check_incoming(state_dict, prefix)
+            self._check_incoming(state_dict, prefix, dtype)
         except (TypeError, ValueError) as e:
             error_msgs.append(str(e))
             return
@@ -307,8 +310,9 @@ class KbitLinear(nn.Module):
         if self.packed.device.type == "cuda":
             self.prepare()
 
-    def _check_incoming(self, state_dict, prefix: str) -> None:
-        """Dtype, shape and values of each storage tensor a state dict brings (missing ones keep the module's)."""
+    def _check_incoming(self, state_dict, prefix: str, dtype: torch.dtype) -> None:
+        """Dtype, shape and values of each storage tensor a state dict brings (missing ones keep the module's), and
+        their range against the weight's ``dtype``."""
         shape = (self.out_features, self.in_features)
         for key in ("packed", "absmax", "codebook", "scale"):
             t = state_dict.get(prefix + key)
@@ -321,6 +325,10 @@ class KbitLinear(nn.Module):
                 check_codebook(t, self.bits, prefix + key)
             elif key == "scale":
                 check_scale(t, t.device, prefix + key)
+        absmax, scale, codebook = (state_dict.get(prefix + key, self._buffers[key]) for key in ("absmax", "scale",
+                                                                                                 "codebook"))
+        if all(t.device.type != "meta" for t in (absmax, scale, codebook)):
+            check_range(absmax, scale, codebook, dtype, f"{prefix}absmax with {prefix}scale")
         if self.rotation_signs is None:
             return  # rotation entries in the state dict are unexpected keys: load_state_dict reports them
         signs, block = state_dict.get(prefix + "rotation_signs"), state_dict.get(prefix + "rotation_block")
@@ -334,6 +342,10 @@ class KbitLinear(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._qw = None
+
+    def __setattr__(self, name, value):
+        refuse_assignment(self, name, ("weight",))
+        super().__setattr__(name, value)
 
 
 # ---------------------------------------------------------------------- model conversion
@@ -444,7 +456,7 @@ def quantize_model(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if codebook is not None:
         codebook = check_codebook(codebook, bits)
-    skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
+    skip = tuple(check_skip(skip))
     min_features = check_int(min_features, "min_features", 0)
     method = check_method(method)
     if (calibration is None) == (method == "gptq"):

@@ -2,8 +2,9 @@
 
 Each op has one default implementation (the pure-PyTorch reference, which runs on any device),
 a CUDA kernel that calls the JIT-built extension (``kbit._build``), and a fake implementation
-for ``torch.compile``. The ops do no validation and never synchronize with the host: the public
-functions (``kbit._validate``) check arguments before calling them.
+for ``torch.compile``. The ops never synchronize with the host. Their contract -- dtypes, shapes, sizes -- is
+checked by the CUDA binding in C++ and, for every other implementation, by ``kbit._op_contract`` (no values read);
+the public functions (``kbit._validate``) check their own arguments, values included, before calling them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch, formats, grouped, layout
+from . import _op_contract, dispatch, formats, grouped, layout
 from ._build import cuda_ext
 
 
@@ -22,6 +23,7 @@ from ._build import cuda_ext
 @torch.library.custom_op("kbit::quantize", mutates_args=())
 def quantize(A: Tensor, codebook: Tensor, bits: int, scale: Tensor) -> tuple[Tensor, Tensor]:
     """Flatten A, quantize it in blocks of 32: (packed int32 [blocks * bits], absmax uint8 [blocks])."""
+    _op_contract.quantize(A, codebook, bits, scale)
     return formats.quantize_reference(A, codebook, bits, scale)
 
 
@@ -42,6 +44,7 @@ def dequantize(
     packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, n: int, dtype: torch.dtype, scale: Tensor
 ) -> Tensor:
     """Storage format -> flat tensor of n elements in dtype."""
+    _op_contract.dequantize(packed, absmax, codebook, bits, n, dtype, scale)
     return formats.dequantize_reference(packed, absmax, codebook, bits, n, dtype, scale)
 
 
@@ -60,6 +63,7 @@ def _(packed, absmax, codebook, bits, n, dtype, scale):
 def repack(packed: Tensor, absmax: Tensor, bits: int, out_features: int,
            in_features_padded: int) -> tuple[Tensor, Tensor]:
     """Storage format of an [out_features, in_features_padded] weight -> GEMM layout (see kbit.layout)."""
+    _op_contract.repack(packed, absmax, bits, out_features, in_features_padded)
     return layout.repack_reference(packed, absmax, bits, out_features, in_features_padded)
 
 
@@ -78,6 +82,7 @@ def _(packed, absmax, bits, out_features, in_features_padded):
 def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, bits: int, out_features: int,
              in_features_padded: int) -> tuple[Tensor, Tensor]:
     """GEMM layout -> storage format (the inverse of repack), on any device."""
+    _op_contract.unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
     return layout.unrepack_reference(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
 
 
@@ -137,6 +142,7 @@ def gemm(
     ``grid_override`` > 0 forces the CUDA kernel's grid size (to force split-K in tests), at most one CTA per SM
     (CTAs of a split tile wait for each other, so all must be resident); 0 = auto.
     """
+    _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     N, K = out_features, in_features_padded
     packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, N, K)
     w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, scale)

@@ -18,6 +18,7 @@ from ._validate import (
     check_int,
     check_meta,
     check_not_meta,
+    check_range,
     check_scale,
     check_storage,
     check_tensor,
@@ -185,7 +186,7 @@ class QuantizedWeight:
     def dequantize(self, dtype=None) -> Tensor:
         """The [out_features, in_features] reconstruction in ``dtype`` (default: the dtype it was quantized from)."""
         dtype = self.dtype if dtype is None else check_dtype(dtype, "dtype")
-        return self._dequantize(dtype)
+        return warn_overflow(self._dequantize(dtype), self.dtype)
 
     def _dequantize(self, dtype: torch.dtype) -> Tensor:
         out_features, in_features = self.shape
@@ -221,6 +222,8 @@ class QuantizedWeight:
         check_storage(*tensors.values(), bits, shape, prefix=prefix)
         check_codebook(tensors["codebook"], bits, prefix + "codebook")
         check_scale(tensors["scale"], tensors["scale"].device, prefix + "scale")
+        check_range(tensors["absmax"], tensors["scale"], tensors["codebook"], dtype,
+                    f"{prefix}absmax with {prefix}scale")
         return cls.from_checked(*tensors.values(), bits, shape, dtype)
 
 
@@ -308,6 +311,20 @@ def warn_precision(loss: PrecisionLoss, name: str, stacklevel: int = 2) -> None:
     as ``warnings.warn`` would take it in the caller."""
     if loss.beyond_bound or loss.saturated:
         warnings.warn(loss.describe(name), PrecisionWarning, stacklevel=stacklevel + 1)
+
+
+def warn_overflow(w: Tensor, source: torch.dtype) -> Tensor:
+    """``w``, the reconstruction of a weight quantized from ``source``: a ``PrecisionWarning`` if ``w``'s dtype is
+    narrower and some values were past its range (they are Inf). Every value fits ``source`` itself (``quantize``
+    and loading make sure), so only a narrower dtype is checked (one host synchronization)."""
+    if torch.finfo(w.dtype).max < torch.finfo(source).max:
+        overflowed = int(torch.isinf(w).sum())
+        if overflowed:
+            warnings.warn(
+                f"dequantize: {overflowed} of {w.numel()} values of a {str(source).replace('torch.', '')} weight lie "
+                f"past {str(w.dtype).replace('torch.', '')}'s largest value and became Inf; dequantize to the "
+                f"weight's own dtype (the default) to keep them", PrecisionWarning, stacklevel=3)
+    return w
 
 
 def dequantize(qw: QuantizedWeight, dtype=None) -> Tensor:

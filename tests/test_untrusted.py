@@ -350,3 +350,147 @@ def test_functional_api_messages():
         kbit.functional.decode_absmax_e4m4([3, 4])
     with pytest.raises(TypeError, match="grid_override must be an int"):
         kbit.matmul(x, qw, grid_override=1.5)
+
+
+# ----------------------------------------------------------------------------- block scales within the dtype
+def _large_fp16_state():
+    """A valid fp16 weight near its dtype's largest value: its scale leaves no room for a larger block scale."""
+    W = (torch.rand(8, 64) * 2 - 1) * 6e4
+    state = kbit.quantize(W.to(torch.float16), bits=4).state_dict()
+    assert bool(torch.isfinite(kbit.QuantizedWeight.from_state_dict(state).dequantize()).all())
+    state["absmax"][0] = 255  # E4M4's largest code: 31 * scale, past float16's largest value
+    return state
+
+
+def test_block_scales_past_the_dtype_range_are_refused():
+    state = _large_fp16_state()
+    with pytest.raises(ValueError, match="absmax with scale: .* past float16's largest value 65504"):
+        kbit.QuantizedWeight.from_state_dict(state)
+    layer = kbit.KbitLinear(64, 8, bias=False, bits=4)
+    with pytest.raises(RuntimeError, match="past float16's largest value"):
+        layer.load_state_dict(state)
+    assert int(layer.absmax.max()) == 0  # nothing assigned
+
+
+def test_experts_scales_past_the_dtype_range_are_refused():
+    experts, _ = kbit.KbitExperts.from_weights(torch.randn(3, 64, 32).half(), torch.randn(3, 32, 32).half())
+    state = experts.state_dict()
+    state["down_scale"][2] = 2.0**20
+    fresh = kbit.KbitExperts(3, 32, 32, bits=4)
+    with pytest.raises(RuntimeError, match="down_absmax with down_scale, expert 2: .* past float16"):
+        fresh.load_state_dict(state)
+    state["down_scale"][2] = 2.0**-1
+    fresh.load_state_dict(state)  # a valid scale loads
+
+
+def test_dequantize_into_a_narrower_dtype_warns_of_inf():
+    """A finite fp32 weight past fp16's range: dequantize(qw, float16) says how many values became Inf."""
+    qw = kbit.quantize(torch.randn(32, 64) * 1e5)
+    with pytest.warns(kbit.PrecisionWarning, match=r"dequantize: \d+ of 2048 values of a float32 weight lie past "
+                                                   "float16's largest value and became Inf"):
+        w = kbit.dequantize(qw, torch.float16)
+    assert bool(torch.isinf(w).any())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kbit.dequantize(qw)  # its own dtype: finite, no warning
+        kbit.dequantize(kbit.quantize(torch.randn(32, 64)), torch.float16)  # narrower but in range
+    rotated = kbit.quantize_model(nn.Sequential(nn.Linear(64, 32)), bits=4, rotate=True, min_features=0,
+                                  progress=False)[0]
+    with torch.no_grad():
+        rotated.scale.mul_(2.0**20)  # weights near 0.1 * 2**20: past fp16 once un-rotated
+    with pytest.warns(kbit.PrecisionWarning, match="became Inf"):
+        rotated.weight.dequantize(torch.float16)
+
+
+# ----------------------------------------------------------------------------- the ops' contract on every backend
+def _op_storage():
+    qw = kbit.quantize(torch.randn(4, 64), bits=4)
+    return qw.packed, qw.absmax, qw.codebook, qw.scale
+
+
+@pytest.mark.parametrize("case, match", [
+    ("n_beyond_data", r"packed must have shape \(36,\)"),
+    ("bits_1", "bits must be one of"),
+    ("bits_6", "bits must be one of"),
+    ("bits_8", "bits must be one of"),
+    ("codebook_32_at_bits_4", r"codebook must have shape \(16,\)"),
+    ("absmax_broadcast", r"absmax must have shape \(8,\)"),
+    ("packed_int64", "packed must be int32, got int64"),
+    ("absmax_int32", "absmax must be uint8, got int32"),
+    ("codebook_float64", "codebook must be float32"),
+    ("scale_float16", "scale must be float32"),
+    ("scale_two_values", "scale must hold one float32"),
+    ("dtype_int32", "dtype must have dtype in"),
+    ("negative_n", "n must be >= 0"),
+    ("strided_packed", "packed must be contiguous"),
+])
+def test_raw_dequantize_op_refuses_what_the_cuda_binding_refuses(case, match):
+    packed, absmax, cb, scale = _op_storage()
+    args = dict(packed=packed, absmax=absmax, codebook=cb, bits=4, n=4 * 64, dtype=torch.float32, scale=scale)
+    change = {
+        "n_beyond_data": dict(n=4 * 64 + 32), "bits_1": dict(bits=1), "bits_6": dict(bits=6), "bits_8": dict(bits=8),
+        "codebook_32_at_bits_4": dict(codebook=torch.linspace(-1, 1, 32)), "absmax_broadcast": dict(absmax=absmax[:1]),
+        "packed_int64": dict(packed=packed.long()), "absmax_int32": dict(absmax=absmax.int()),
+        "codebook_float64": dict(codebook=cb.double()), "scale_float16": dict(scale=scale.half()),
+        "scale_two_values": dict(scale=torch.ones(2)), "dtype_int32": dict(dtype=torch.int32),
+        "negative_n": dict(n=-1), "strided_packed": dict(packed=torch.stack([packed, packed], 1)[:, 0]),
+    }[case]
+    args.update(change)
+    with pytest.raises(CLEAR, match=match):
+        torch.ops.kbit.dequantize(*args.values())
+
+
+def test_raw_layout_quantize_and_gemm_ops_refuse_bad_arguments():
+    packed, absmax, cb, scale = _op_storage()
+    N, K = 4, 64
+    with pytest.raises(CLEAR, match=r"absmax must have shape \(8,\)"):
+        torch.ops.kbit.repack(packed, absmax[:1], 4, N, K)
+    with pytest.raises(CLEAR, match="in_features_padded must be a multiple of 32"):
+        torch.ops.kbit.repack(packed, absmax, 4, N * 2, K // 2 + 16)
+    b, a = torch.ops.kbit.repack(packed, absmax, 4, N, K)
+    with pytest.raises(CLEAR, match="b_gemm must have shape"):
+        torch.ops.kbit.unrepack(b, a, 4, 512, K)
+    with pytest.raises(CLEAR, match="bits must be one of"):
+        torch.ops.kbit.quantize(torch.randn(64), cb, 6, scale)
+    with pytest.raises(CLEAR, match="A must have dtype in"):
+        torch.ops.kbit.quantize(torch.arange(64), cb, 4, scale)
+    x = torch.randn(3, K, dtype=torch.float16)
+    with pytest.raises(CLEAR, match="x has 96 columns"):
+        torch.ops.kbit.gemm(torch.randn(3, 96, dtype=torch.float16), b, a, cb, scale, None, 4, N, K, 0)
+    with pytest.raises(CLEAR, match=r"bias must have shape \(4,\)"):
+        torch.ops.kbit.gemm(x, b, a, cb, scale, torch.zeros(1, dtype=torch.float16), 4, N, K, 0)
+    with pytest.raises(CLEAR, match="x must have dtype in"):
+        torch.ops.kbit.gemm(x.int(), b, a, cb, scale, None, 4, N, K, 0)
+    assert torch.ops.kbit.gemm(x, b, a, cb, scale, None, 4, N, K, 0).shape == (3, N)
+
+
+# ----------------------------------------------------------------------------- messages that say what is wrong
+def test_skip_must_be_names():
+    model = nn.Sequential(nn.Linear(64, 64))
+    for call in (lambda s: kbit.KbitConfig(skip=s), lambda s: kbit.quantize_model(model, skip=s, progress=False)):
+        not_names = r"skip must be a module name or pattern \(str\) or a list of them, got int \(5\)"
+        with pytest.raises(TypeError, match=not_names):
+            call(5)
+        with pytest.raises(TypeError, match=r"skip must hold module names or patterns \(str\), got 5 \(int\)"):
+            call(["lm_head", 5])
+    assert kbit.KbitConfig(skip=("a", "b")).skip == ["a", "b"] and kbit.KbitConfig(skip="a").skip == ["a"]
+
+
+def test_config_codebook_must_be_numbers():
+    with pytest.raises(TypeError, match="codebook must be a tensor or a list of 16 numbers, got"):
+        kbit.KbitConfig(bits=4, codebook=["a"] * 16)
+    with pytest.raises(TypeError, match="codebook must be a tensor or a list of 4 numbers"):
+        kbit.KbitConfig(bits=2, codebook="abcd")
+    assert kbit.KbitConfig(bits=2, codebook=[-1, -0.25, 0.5, 1]).codebook == [-1.0, -0.25, 0.5, 1.0]
+
+
+def test_assigning_a_quantized_weight_says_how_to_replace_it():
+    layer = kbit.KbitLinear(64, 8, bits=4)
+    for value in (nn.Parameter(torch.zeros(8, 64)), torch.zeros(8, 64)):
+        with pytest.raises(AttributeError, match="KbitLinear.weight cannot be assigned: the layer holds it quantized"):
+            layer.weight = value
+    layer.bias = nn.Parameter(torch.ones(8, dtype=torch.float16))  # other attributes as usual
+    experts = kbit.KbitExperts(2, 32, 32, bits=4)
+    with pytest.raises(AttributeError, match="KbitExperts.gate_up_proj cannot be assigned"):
+        experts.gate_up_proj = nn.Parameter(torch.zeros(2, 64, 32))  # would be a parameter nothing reads
+    assert "gate_up_proj" not in dict(experts.named_parameters())
