@@ -66,7 +66,7 @@ from .moe import KbitExperts, experts_shape, find_experts, precision_losses, uns
 from .rotation import Rotation, check_rotation, hadamard
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_checked, warn_precision
 
-__all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction", "resident_bytes"]
+__all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
 
 logger = logging.getLogger("kbit")
 
