@@ -301,11 +301,22 @@ class QuantizedWeight:
 
 
 # ---------------------------------------------------------------------- high-level API
+# Blocks per piece of the audit: its float32 temporaries (about 16 bytes per weight) stay near 64 MiB whatever the
+# layer's size, below the layer itself in 16 bits for large layers (quantizing while loading onto the GPU).
+AUDIT_BLOCKS = 1 << 17
+
+
 def _block_errors(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor):
     """Per block of the padded weight: (largest |error| in float32, true absmax, largest |reconstruction|)."""
-    w_hat = ops.dequantize(packed, absmax, cb, bits, Wp.numel(), torch.float32, scale).reshape(-1, BLOCK_SIZE)
-    w = Wp.reshape(-1, BLOCK_SIZE).to(torch.float32)
-    return (w - w_hat).abs().amax(dim=1), w.abs().amax(dim=1), w_hat.abs().amax(dim=1)
+    blocks = Wp.reshape(-1, BLOCK_SIZE)
+    pieces = []
+    for start in range(0, blocks.shape[0], AUDIT_BLOCKS):
+        stop = min(start + AUDIT_BLOCKS, blocks.shape[0])
+        w_hat = ops.dequantize(packed[start * bits:stop * bits], absmax[start:stop], cb, bits,
+                               (stop - start) * BLOCK_SIZE, torch.float32, scale).reshape(-1, BLOCK_SIZE)
+        w = blocks[start:stop].to(torch.float32)
+        pieces.append(((w - w_hat).abs().amax(dim=1), w.abs().amax(dim=1), w_hat.abs().amax(dim=1)))
+    return tuple(torch.cat(parts) for parts in zip(*pieces))
 
 
 def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor,
@@ -354,7 +365,7 @@ def quantize_checked(W: Tensor, bits: int, codebook: Optional[Tensor] = None):
     padded = padded_in_features(in_features)
     Wp = W.detach() if padded == in_features else torch.nn.functional.pad(W.detach(), (0, padded - in_features))
     Wp = Wp.contiguous()
-    scale = choose_tensor_scale(Wp.abs().amax())
+    scale = choose_tensor_scale(torch.maximum(Wp.amax(), -Wp.amin()))  # the largest |w|, with no |W| copy
     packed, absmax = ops.quantize(Wp, cb, bits, scale)
     loss = _audit(Wp, packed, absmax, cb, bits, scale)
     return QuantizedWeight.from_checked(packed, absmax, cb, scale, bits, tuple(W.shape), W.dtype), loss

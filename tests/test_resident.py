@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kbit
+import kbit.weight
 from kbit import layout, ops
 from kbit.dequantized_weight import DequantizedWeight
 from kbit.formats import STATE_KEYS, padded_in_features
@@ -171,3 +172,16 @@ def test_layout_reference_inverse_on_padding_is_dropped():
     assert b.numel() * 4 > packed.numel() * 4 and a.numel() > absmax.numel()
     p2, a2 = ops.unrepack(b, a, k, N, K_dim)
     assert p2.shape == packed.shape and torch.equal(p2, packed) and torch.equal(a2, absmax)
+
+
+def test_quantize_audits_in_pieces_with_the_same_result(monkeypatch):
+    # Quantizing while loading onto the GPU: the audit's float32 temporaries are bounded by AUDIT_BLOCKS, not by the
+    # layer; pieces change nothing (a huge outlier gives zeroed blocks, a near-max weight a saturated one).
+    W = torch.randn(24, 100, dtype=torch.float16)
+    W[3, 7] = 65000.0
+    W[20] *= 1e-6
+    want_qw, want = kbit.weight.quantize_with_report(W, bits=3)
+    monkeypatch.setattr(kbit.weight, "AUDIT_BLOCKS", 5)
+    got_qw, got = kbit.weight.quantize_with_report(W, bits=3)
+    assert got == want and want.zeroed and want.saturated
+    assert torch.equal(got_qw.packed, want_qw.packed) and torch.equal(got_qw.absmax, want_qw.absmax)
