@@ -180,8 +180,9 @@ class KbitExperts(nn.Module):
             a = torch.empty_like(a).view(N, -1).index_copy_(0, order, a.view(N, -1)).reshape(-1)
         return p, a
 
-    def _storage(self, proj: str) -> tuple:
-        """(packed [E, ...], absmax [E, ...]) of ``proj``: held, or derived from the GEMM layouts now."""
+    def storage(self, proj: str) -> tuple:
+        """(packed [E, ...], absmax [E, ...]) of ``proj``: held, or derived from the GEMM layouts now (new tensors)."""
+        self._check_projection(proj)
         packed, absmax = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_absmax")
         if packed is not None:
             return packed, absmax
@@ -197,7 +198,7 @@ class KbitExperts(nn.Module):
     def _hold_storage(self) -> None:
         """Hold the storage format (derived from the GEMM layouts on their device if need be) and no layouts."""
         for proj in PROJECTIONS:
-            packed, absmax = self._storage(proj)
+            packed, absmax = self.storage(proj)
             setattr(self, f"{proj}_packed", packed)
             setattr(self, f"{proj}_absmax", absmax)
         for name in GEMM_LAYOUTS:
@@ -408,7 +409,7 @@ class KbitExperts(nn.Module):
         super()._save_to_state_dict(saved, prefix, keep_vars)
         if self.is_gemm_resident:
             for proj in PROJECTIONS:
-                saved[f"{prefix}{proj}_packed"], saved[f"{prefix}{proj}_absmax"] = self._storage(proj)
+                saved[f"{prefix}{proj}_packed"], saved[f"{prefix}{proj}_absmax"] = self.storage(proj)
         for name in self._buffers:  # in the order of a module that holds the storage format
             if name in STORAGE and prefix + name in saved:
                 destination[prefix + name] = saved[prefix + name]
