@@ -113,6 +113,9 @@ class KbitExperts(nn.Module):
     ``from_experts``.
     """
 
+    # State-dict entries derived from the GEMM layouts when the module is GEMM-resident (module docstring).
+    DERIVED_KEYS = tuple(f"{p}_{s}" for p in PROJECTIONS for s in ("packed", "absmax"))
+
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, bits: int = 4,
                  dtype: torch.dtype = torch.float16, device=None, codebook: Optional[Tensor] = None,
                  act_fn: Optional[nn.Module] = None):

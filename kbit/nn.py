@@ -99,6 +99,9 @@ class KbitLinear(nn.Module):
     it with ``from_linear`` / ``from_quantized``.
     """
 
+    # State-dict entries derived from the GEMM layout when the module is GEMM-resident (module docstring).
+    DERIVED_KEYS = ("packed", "absmax")
+
     def __init__(
         self,
         in_features: int,

@@ -196,3 +196,23 @@ def test_quantizing_while_loading_onto_cuda_keeps_only_the_layouts(tmp_path):
     # storage-format copy of the codes, which would add half a byte per weight.
     storage = sum(m.qweight.nbytes for m in layers)
     assert _resident(q) <= final < _resident(q) + storage // 2
+
+
+def test_saving_a_gpu_model_derives_one_layer_at_a_time():
+    from kbit import hf_format
+
+    model = _tiny_llama()
+    kbit.quantize_model(model, bits=4, progress=False)
+    want = _state(model)
+    model.cuda()
+    layers = [m for m in model.modules() if isinstance(m, kbit.KbitLinear)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    state = hf_format.saved_state_dict(model)
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"saved_state_dict on cuda: peak {peak} B over the model; the largest layer's storage "
+          f"{max(m.qweight.nbytes for m in layers)} B; all layers' {sum(m.qweight.nbytes for m in layers)} B")
+    assert peak <= max(m.qweight.nbytes for m in layers) + 4096
+    for key, t in want.items():
+        assert torch.equal(state[key.replace(".packed", ".weight")].cpu(), t), key
