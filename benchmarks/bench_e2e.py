@@ -122,21 +122,16 @@ def _nbytes(tensors) -> int:
 
 
 def model_bytes(model) -> dict:
-    """Resident bytes of parameters and buffers (``total``); the bytes every decode step reads (``per_step``:
-    everything but the embedding table, the routed experts and, for a kbit module whose GEMM layout is on the
-    GPU, its storage-format copy); the routed experts' bytes (``experts``: a step reads the share of them its
-    tokens are routed to, ``experts_read``), with ``num_experts`` and ``top_k``."""
+    """Resident bytes of parameters and buffers (``total``; a kbit layer on the GPU holds one copy of its codes,
+    the GEMM layout); the bytes every decode step reads (``per_step``: everything but the embedding table and the
+    routed experts); the routed experts' bytes (``experts``: a step reads the share of them its tokens are routed
+    to, ``experts_read``), with ``num_experts`` and ``top_k``."""
     total = _nbytes(list(model.parameters()) + list(model.buffers()))
     unread = _nbytes([model.get_input_embeddings().weight])
     experts = 0
     for m in model.modules():
-        if isinstance(m, kbit.KbitLinear) and getattr(m, "gemm_codes", None) is not None:
-            unread += m.packed.nbytes + m.absmax.nbytes
-        elif isinstance(m, kbit.KbitExperts) or kbit.moe.is_fused_experts(m):
+        if isinstance(m, kbit.KbitExperts) or kbit.moe.is_fused_experts(m):
             experts += _nbytes(list(m.parameters()) + list(m.buffers()))
-            if isinstance(m, kbit.KbitExperts) and m.gate_up_gemm_codes is not None:
-                storage = _nbytes(getattr(m, f"{p}_{s}") for p in ("gate_up", "down") for s in ("packed", "absmax"))
-                experts, unread = experts - storage, unread + storage
     config = model.config
     return {"total": total, "per_step": total - unread - experts, "experts": experts,
             "num_experts": getattr(config, "num_experts", 0), "top_k": getattr(config, "num_experts_per_tok", 0)}
@@ -358,7 +353,7 @@ def run(args) -> dict:
             label += f" + lm_head K={args.quantize_lm_head}"
         model = build_model(config, device, dtype, seed=args.seed, bits=bits, lm_head_bits=args.quantize_lm_head)
         nbytes = model_bytes(model)
-        row = {"format": label, "bits": bits, "model_bytes": nbytes["total"], "build_s": time.perf_counter() - t0,
+        row = {"format": label, "bits": bits, "resident_bytes": nbytes["total"], "build_s": time.perf_counter() - t0,
                "batches": {}}
         for b in batches:
             res = {"bytes_per_step": step_bytes(nbytes, b)}
@@ -457,7 +452,7 @@ def markdown(result: dict) -> str:
         cols.append(f"{result['mode']} tokens == eager")
     lines = [head, "", "| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in result["rows"]:
-        gb = r["model_bytes"] / 1e9
+        gb = r["resident_bytes"] / 1e9
         cells = [r["format"], f"{gb:.2f}" if gb >= 0.1 else f"{gb:.4f}"]
         for b in batches:
             res = r["batches"].get(str(b), {})
@@ -474,10 +469,10 @@ def markdown(result: dict) -> str:
             cells.append("yes" if all(flags) else "NO")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("resident GB: parameters and buffers on the device (a kbit layer on the GPU holds its storage format "
-                 "and its GEMM layout). eff. GB/s: the weight bytes one decode step reads (all but the embedding table and "
-                 "the storage copies; routed experts at the share a batch's tokens reach under uniform routing), times "
-                 "steps/s (KV-cache traffic not counted).")
+    lines.append("resident GB: parameters and buffers on the device (``resident_bytes``; a kbit layer on the GPU holds "
+                 "its GEMM layout alone). eff. GB/s: the weight bytes one decode step reads (all but the embedding table; "
+                 "routed experts at the share a batch's tokens reach under uniform routing), times steps/s (KV-cache "
+                 "traffic not counted).")
     if prefill:
         lines.append(f"TTFT: batch 1, a {result['prefill_len']}-token prompt, eager forward into the static cache.")
     lines += _profile_table(result)

@@ -96,7 +96,7 @@ def dequantized(experts: kbit.KbitExperts, proj: str) -> torch.Tensor:
     """Every expert of ``proj`` in bf16, [E, N, K]: one dequantize launch at unit scale, then each expert's scale."""
     (N, K), E = experts.shapes()[proj], experts.num_experts
     kp = padded_in_features(K)
-    packed, absmax = getattr(experts, f"{proj}_packed"), getattr(experts, f"{proj}_absmax")
+    packed, absmax = experts.storage(proj)  # on the GPU derived from the GEMM layouts
     one = torch.ones((), device=packed.device)
     flat = ops.dequantize(packed.view(-1), absmax.view(-1), experts.codebook, experts.bits, E * N * kp, torch.bfloat16,
                           one)

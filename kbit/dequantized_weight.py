@@ -23,7 +23,9 @@ from .weight import QuantizedWeight, warn_overflow
 
 __all__ = ["DequantizedWeight"]
 
+# Names of the tensors a QuantizedWeight holds (``QuantizedWeight.resident``), in the storage format or GEMM-resident.
 _STORAGE = ("packed", "absmax", "codebook", "scale")
+_GEMM_RESIDENT = ("gemm_codes", "gemm_absmax", "codebook", "scale")
 
 
 class DequantizedWeight(Tensor):
@@ -39,8 +41,11 @@ class DequantizedWeight(Tensor):
 
     def __init__(self, qweight: QuantizedWeight, rotation: Optional[Rotation] = None):
         self.qweight, self.rotation = qweight, rotation
-        # The storage tensors as attributes: what __tensor_flatten__ names for torch.compile.
-        self.packed, self.absmax, self.codebook, self.scale = (getattr(qweight, name) for name in _STORAGE)
+        # The held tensors as attributes: what __tensor_flatten__ names for torch.compile. Never the derived storage
+        # of a GEMM-resident weight: reading the view's metadata must not derive anything.
+        self._names = _GEMM_RESIDENT if qweight.is_gemm_resident else _STORAGE
+        for name, t in zip(self._names, qweight.resident):
+            setattr(self, name, t)
         # transformers' weight initialization (of layers a checkpoint lacks) skips tensors marked loaded: a
         # quantized weight always is, and cannot be written.
         self._is_hf_initialized = True
@@ -73,17 +78,19 @@ class DequantizedWeight(Tensor):
 
         return func(*tree_map(materialize, args), **tree_map(materialize, kwargs or {}))
 
-    # torch.compile traces a tensor subclass through these two: the storage tensors and what describes them.
+    # torch.compile traces a tensor subclass through these two: the held tensors and what describes them.
     def __tensor_flatten__(self):
         qw, rotation = self.qweight, self.rotation
+        gemm = qw.is_gemm_resident
         if rotation is None:
-            return list(_STORAGE), (qw.bits, qw.shape, qw.dtype, 0)
+            return list(self._names), (qw.bits, qw.shape, qw.dtype, 0, gemm)
         self.rotation_signs = rotation.signs
-        return list(_STORAGE) + ["rotation_signs"], (qw.bits, qw.shape, qw.dtype, rotation.block)
+        return list(self._names) + ["rotation_signs"], (qw.bits, qw.shape, qw.dtype, rotation.block, gemm)
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
-        bits, shape, dtype, block = context
+        bits, shape, dtype, block, gemm = context
         rotation = Rotation(inner["rotation_signs"], block) if block else None
-        qw = QuantizedWeight.from_checked(*(inner[name] for name in _STORAGE), bits, shape, dtype)
+        make = QuantizedWeight.from_gemm_layout if gemm else QuantizedWeight.from_checked
+        qw = make(*(inner[name] for name in (_GEMM_RESIDENT if gemm else _STORAGE)), bits, shape, dtype)
         return DequantizedWeight(qw, rotation)

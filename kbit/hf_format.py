@@ -43,13 +43,28 @@ _ROTATION = ("rotation_signs", "rotation_block")  # a rotated layer's further en
 
 
 def saved_state_dict(model: nn.Module) -> dict:
-    """``model.state_dict()`` with each ``KbitLinear``'s ``packed`` under the layer's weight name."""
-    state = model.state_dict()
+    """``model.state_dict()`` with each ``KbitLinear``'s ``packed`` under the layer's weight name.
+
+    A kbit layer on the GPU derives its storage format from its GEMM layout for the state dict; each derived tensor
+    moves to the CPU as soon as its layer is saved, so that saving never holds a second copy of the model's codes on
+    the GPU (only one layer's)."""
+    hooks = [module.register_state_dict_post_hook(_derived_to_cpu) for module in model.modules()
+             if isinstance(module, (KbitLinear, KbitExperts)) and module.is_gemm_resident]
+    try:
+        state = model.state_dict()
+    finally:
+        for hook in hooks:
+            hook.remove()
     for name, module in model.named_modules():
         if isinstance(module, KbitLinear):
             prefix = f"{name}." if name else ""
             state[prefix + "weight"] = state.pop(prefix + "packed")
     return state
+
+
+def _derived_to_cpu(module, state, prefix, local_metadata) -> None:
+    for key in module.DERIVED_KEYS:
+        state[prefix + key] = state[prefix + key].cpu()
 
 
 def model_renamings(model: nn.Module) -> list:

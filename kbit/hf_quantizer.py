@@ -163,15 +163,16 @@ class KbitHfQuantizer(HfQuantizer):
         return [hf_format.packed_renaming(self._saved_names)] if self._saved_names else []
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        # The GEMM layouts are non-persistent buffers derived from the storage when a layer is built. After
-        # transformers (5.17, CUDA) finished loading, layers quantized during the load held layouts that no longer
-        # matched their (correct) storage, and generate drifted from quantize_model's tokens: whatever the loader
-        # does to buffers no checkpoint key filled, the layouts are derived again once it is done.
+        # A kbit folder's layers hold the storage format as loaded: each is checked, then (on CUDA) replaced by its
+        # GEMM layout, one layer at a time (load_state_dict). Layers quantized during the load hold their layout
+        # already; transformers re-creates non-persistent buffers empty once it has loaded, which is why the layout
+        # buffers are persistent ones that state_dict leaves out (kbit.nn). prepare() makes sure of both.
+        if self.pre_quantized:
+            hf_format.check_loaded_layers(model)
         for module in model.modules():
             if isinstance(module, (KbitLinear, KbitExperts)):
                 module.prepare()
         if self.pre_quantized:
-            hf_format.check_loaded_layers(model)
             return model
         config = self.quantization_config
         incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()

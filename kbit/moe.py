@@ -24,9 +24,13 @@ Storage (persistent buffers, what ``state_dict`` holds; H_pad = H rounded up to 
 Row e of each projection is exactly what ``kbit.quantize`` makes of that expert's weight alone
 (``QuantizedWeight.state_dict``), so ``expert_weight(proj, e)`` is a ``QuantizedWeight`` view of it.
 
-On a CUDA device the module also holds each projection's GEMM layout (``kbit.layout``), one per expert,
-stacked (``gate_up_gemm_codes`` [E, *B_gemm shape], ``gate_up_gemm_absmax`` [E, *absmax_gemm shape], the same
-for ``down``; non-persistent, never saved), derived when the module lands there. The gate/up layout is that of
+On a CUDA device where the grouped GEMM runs, the module holds each projection's GEMM layout (``kbit.layout``), one
+per expert, stacked (``gate_up_gemm_codes`` [E, *B_gemm shape], ``gate_up_gemm_absmax`` [E, *absmax_gemm shape],
+the same for ``down``), in place of the ``*_packed`` and ``*_absmax`` buffers (then None): one copy of the codes,
+derived when the module lands there (``prepare``; the storage format is dropped), and the storage format derived back
+from it whenever asked for (``state_dict``, ``.to("cpu")``, ``dequantize``, ``expert_weight``), bit for bit. The
+layout buffers are registered persistent (loaders that re-create non-persistent buffers empty leave them alone) but
+never saved. The gate/up layout is that of
 the weight with its rows interleaved by 8 (``kbit.grouped.gate_up_row_order``): each 16-row MMA tile then holds
 8 gate rows and their 8 up rows, so the grouped GEMM applies ``silu(gate) * up`` in its epilogue. The forward
 there runs ``kbit.ops.moe_route`` (the tokens sorted by expert on the GPU), two grouped GEMMs (every expert's
@@ -71,6 +75,7 @@ PROJECTIONS = ("gate_up", "down")
 FUSED_PARAMETERS = tuple(f"{proj}_proj" for proj in PROJECTIONS)  # transformers' names of the experts' weights
 _FORMAT_SUFFIXES = ("packed", "absmax", "scale")
 STORAGE = tuple(f"{p}_{s}" for p in PROJECTIONS for s in _FORMAT_SUFFIXES) + ("codebook", "meta")  # the state dict
+GEMM_LAYOUTS = tuple(f"{p}_gemm_{s}" for p in PROJECTIONS for s in ("codes", "absmax"))  # on CUDA (module docstring)
 # Experts per layer the routing kernel sorts in one CTA's shared memory (real models have up to 512).
 MAX_GROUPED_EXPERTS = 1024
 
@@ -110,6 +115,9 @@ class KbitExperts(nn.Module):
     ``from_experts``.
     """
 
+    # State-dict entries derived from the GEMM layouts when the module is GEMM-resident (module docstring).
+    DERIVED_KEYS = tuple(f"{p}_{s}" for p in PROJECTIONS for s in ("packed", "absmax"))
+
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, bits: int = 4,
                  dtype: torch.dtype = torch.float16, device=None, codebook: Optional[Tensor] = None,
                  act_fn: Optional[nn.Module] = None):
@@ -129,9 +137,8 @@ class KbitExperts(nn.Module):
         cb = create_normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)
         self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))
         self.register_buffer("meta", self._meta_tensor(device))
-        for proj in PROJECTIONS:  # the GEMM layouts, on CUDA only
-            self.register_buffer(f"{proj}_gemm_codes", None, persistent=False)
-            self.register_buffer(f"{proj}_gemm_absmax", None, persistent=False)
+        for name in GEMM_LAYOUTS:  # on CUDA, in place of the *_packed and *_absmax buffers (prepare)
+            self.register_buffer(name, None)
         self._rows_supported = ()  # rows per pass the device's grouped GEMM runs at these bits (prepare)
 
     # ------------------------------------------------------------------ shapes and views
@@ -149,15 +156,58 @@ class KbitExperts(nn.Module):
             raise ValueError(f"proj must be one of {PROJECTIONS}, got {proj!r}")
         return proj
 
+    @property
+    def is_gemm_resident(self) -> bool:
+        """Whether the module holds the GEMM layouts in place of the storage format (module docstring)."""
+        return self.gate_up_packed is None
+
     def expert_weight(self, proj: str, expert: int) -> QuantizedWeight:
-        """A ``QuantizedWeight`` view of expert ``expert``'s ``"gate_up"`` ([2I, H]) or ``"down"`` ([H, I]) weight."""
+        """A ``QuantizedWeight`` of expert ``expert``'s ``"gate_up"`` ([2I, H]) or ``"down"`` ([H, I]) weight in the
+        storage format: a view of the module's, or derived from its GEMM layout."""
         self._check_projection(proj)
         e = check_int(expert, "expert", 0)
         if e >= self.num_experts:
             raise ValueError(f"expert must be < {self.num_experts}, got {e}")
-        return QuantizedWeight.from_checked(
-            getattr(self, f"{proj}_packed")[e], getattr(self, f"{proj}_absmax")[e], self.codebook,
-            getattr(self, f"{proj}_scale")[e], self.bits, self.shapes()[proj], self.weight_dtype)
+        packed = getattr(self, f"{proj}_packed")
+        p, a = (packed[e], getattr(self, f"{proj}_absmax")[e]) if packed is not None else self._derive(proj, e)
+        return QuantizedWeight.from_checked(p, a, self.codebook, getattr(self, f"{proj}_scale")[e], self.bits,
+                                            self.shapes()[proj], self.weight_dtype)
+
+    def _derive(self, proj: str, e: int) -> tuple:
+        """(packed, absmax) of expert ``e``'s ``proj`` weight, derived from its GEMM layout: the inverse of
+        ``derive_gemm_layouts`` (for gate/up, the rows put back from the interleaved order)."""
+        N, K = self.shapes()[proj]
+        codes, absmax = getattr(self, f"{proj}_gemm_codes")[e], getattr(self, f"{proj}_gemm_absmax")[e]
+        p, a = ops.unrepack(codes, absmax, self.bits, N, padded_in_features(K))
+        if proj == "gate_up":  # row i of the layout is row order[i] of the weight (a storage row is whole blocks)
+            order = gate_up_row_order(self.intermediate_dim, p.device)
+            p = torch.empty_like(p).view(N, -1).index_copy_(0, order, p.view(N, -1)).reshape(-1)
+            a = torch.empty_like(a).view(N, -1).index_copy_(0, order, a.view(N, -1)).reshape(-1)
+        return p, a
+
+    def storage(self, proj: str) -> tuple:
+        """(packed [E, ...], absmax [E, ...]) of ``proj``: held, or derived from the GEMM layouts now (new tensors)."""
+        self._check_projection(proj)
+        packed, absmax = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_absmax")
+        if packed is not None:
+            return packed, absmax
+        N, K = self.shapes()[proj]
+        nb = block_count(N * padded_in_features(K))
+        device = self.codebook.device
+        packed = torch.empty(self.num_experts, nb * self.bits, dtype=torch.int32, device=device)
+        absmax = torch.empty(self.num_experts, nb, dtype=torch.uint8, device=device)
+        for e in range(self.num_experts):
+            packed[e], absmax[e] = self._derive(proj, e)
+        return packed, absmax
+
+    def _hold_storage(self) -> None:
+        """Hold the storage format (derived from the GEMM layouts on their device if need be) and no layouts."""
+        for proj in PROJECTIONS:
+            packed, absmax = self.storage(proj)
+            setattr(self, f"{proj}_packed", packed)
+            setattr(self, f"{proj}_absmax", absmax)
+        for name in GEMM_LAYOUTS:
+            setattr(self, name, None)
 
     def dequantize(self, proj: str, dtype=None) -> Tensor:
         """Every expert's reconstructed weight, [E, 2I, H] (``"gate_up"``) or [E, H, I] (``"down"``)."""
@@ -198,6 +248,7 @@ class KbitExperts(nn.Module):
         check_not_meta(weight, f"{name}.{proj}_proj")
         if tuple(weight.shape) != want:
             raise ValueError(f"{name}.{proj}_proj must be {list(want)}, got {list(weight.shape)}")
+        self._hold_storage()
         packed, absmax, scale = (getattr(self, f"{proj}_{s}") for s in _FORMAT_SUFFIXES)
         losses = []
         with torch.no_grad():
@@ -225,8 +276,8 @@ class KbitExperts(nn.Module):
                 and self.num_experts <= MAX_GROUPED_EXPERTS)
 
     def derive_gemm_layouts(self) -> None:
-        """Set the ``*_gemm_codes`` / ``*_gemm_absmax`` buffers from the storage, on its device (``prepare`` does
-        this on CUDA; on CPU the reference ops read them too)."""
+        """Set the ``*_gemm_codes`` / ``*_gemm_absmax`` buffers from the held storage format, on its device, keeping
+        the storage (``prepare`` does this on CUDA, then drops the storage; on CPU the reference ops read them too)."""
         device = self.gate_up_packed.device
         for proj, (N, K) in self.shapes().items():
             kp = padded_in_features(K)
@@ -245,21 +296,27 @@ class KbitExperts(nn.Module):
             setattr(self, f"{proj}_gemm_absmax", absmax)
 
     def prepare(self) -> "KbitExperts":
-        """On a CUDA device: derive the GEMM layouts now, as buffers marked static for ``torch.compile``.
+        """On a CUDA device where the grouped GEMM runs: hold the GEMM layouts (derived from the storage format,
+        which is then dropped), as buffers marked static for ``torch.compile``. Elsewhere: hold the storage format
+        alone. Returns self.
 
-        Called when the module moves to CUDA or loads a state dict there; call it yourself (or
-        ``kbit.prepare(model)``) after replacing a buffer by hand. Does nothing elsewhere. Returns self.
+        Called when the module moves to CUDA or loads a state dict there, and by ``from_weights``; call it yourself
+        (or ``kbit.prepare(model)``) after ``quantize_projection`` or replacing a buffer by hand.
         """
-        device = self.gate_up_packed.device
+        device = self.codebook.device
+        if device.type == "meta":
+            return self
         if device.type == "cuda" and self.grouped_supported():
             with torch.cuda.device(device):
                 self._rows_supported = tuple(cuda_ext().moe_rows_per_pass_supported(self.bits))
         if device.type != "cuda" or not self.grouped_supported() or not self._rows_supported:
-            for proj in PROJECTIONS:
-                setattr(self, f"{proj}_gemm_codes", None)
-                setattr(self, f"{proj}_gemm_absmax", None)
+            self._hold_storage()
             return self
-        self.derive_gemm_layouts()
+        if not self.is_gemm_resident:
+            self.derive_gemm_layouts()
+            for proj in PROJECTIONS:
+                setattr(self, f"{proj}_packed", None)
+                setattr(self, f"{proj}_absmax", None)
         for t in self.buffers():
             # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
             torch._dynamo.mark_static_address(t, guard=False)
@@ -336,26 +393,43 @@ class KbitExperts(nn.Module):
 
     # ------------------------------------------------------------------ device / dtype moves
     def _apply(self, fn, recurse=True):
+        # Leaving the GPU, the storage format travels (derived there by the CUDA kernel), not the layouts.
+        if self.is_gemm_resident and fn(self.gate_up_gemm_codes.new_empty(0)).device.type != "cuda":
+            self._hold_storage()
         # Module-wide dtype casts (.half(), .to(dtype)) must not change the format's buffers (codebook and scales
         # are float32 by definition): apply fn for the target device, then move the originals there unchanged.
-        before = {name: self._buffers.get(name) for name in STORAGE}
+        before = {name: self._buffers.get(name) for name in STORAGE + GEMM_LAYOUTS}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
-        if self.gate_up_packed.device.type != "meta":
-            self.prepare()
+        self.prepare()
         return self
 
     def __setattr__(self, name, value):
         refuse_assignment(self, name, FUSED_PARAMETERS)
         super().__setattr__(name, value)
 
+    # ------------------------------------------------------------------ saving
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The storage format, whichever form the module holds; never the GEMM layouts.
+        saved = {}
+        super()._save_to_state_dict(saved, prefix, keep_vars)
+        if self.is_gemm_resident:
+            for proj in PROJECTIONS:
+                saved[f"{prefix}{proj}_packed"], saved[f"{prefix}{proj}_absmax"] = self.storage(proj)
+        for name in self._buffers:  # in the order of a module that holds the storage format
+            if name in STORAGE and prefix + name in saved:
+                destination[prefix + name] = saved[prefix + name]
+
     # ------------------------------------------------------------------ loading
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # A checkpoint is untrusted: check everything it holds for this layer before any of it is assigned.
+        # A checkpoint is untrusted: check everything it holds for this layer before any of it is assigned. It holds
+        # the storage format: load into that (the current one derived, so that a partial load keeps the rest), then
+        # derive the layouts again (prepare), one layer at a time.
+        self._hold_storage()
         dtype = self.weight_dtype
         meta = state_dict.get(prefix + "meta")
         try:
@@ -368,8 +442,7 @@ class KbitExperts(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.weight_dtype = dtype
-        if self.gate_up_packed.device.type == "cuda":
-            self.prepare()
+        self.prepare()
 
     def _check_meta(self, meta, name: str) -> torch.dtype:
         bits, E, H, I, dtype = check_experts_meta(meta, name)
@@ -388,7 +461,7 @@ class KbitExperts(nn.Module):
             if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float32:
                 state_dict[prefix + name] = t.to(torch.float32)
         for name, want in self._buffers.items():
-            if name.endswith(("_gemm_codes", "_gemm_absmax")) or name == "meta" or prefix + name not in state_dict:
+            if name not in STORAGE or name == "meta" or prefix + name not in state_dict:
                 continue
             t = check_tensor(state_dict[prefix + name], prefix + name)
             if t.dtype != want.dtype or t.shape != want.shape:

@@ -16,10 +16,19 @@ buffers; device moves move everything. The module keeps one ``QuantizedWeight`` 
 buffers; the view is rebuilt whenever the buffers change (device moves, ``load_state_dict``, or
 assigning a new buffer).
 
-On a CUDA device the module also holds the weight's GEMM layout (``kbit.layout``) as two
-non-persistent buffers (never saved), derived as soon as the module lands there (``.to("cuda")``,
-``load_state_dict``, ``from_quantized``) or by ``kbit.prepare(model)``, and marked as static
-addresses for ``torch.compile``: nothing is allocated lazily inside a compiled or captured region.
+One resident copy of the codes. On a CUDA device the module holds the weight's GEMM layout
+(``kbit.layout``: buffers ``gemm_codes`` and ``gemm_absmax``) in place of ``packed`` and ``absmax``
+(then None), with ``codebook``, ``scale``, ``meta`` and the rotation: the layout is derived and the
+storage format dropped as soon as the module lands there (``.to("cuda")``, ``load_state_dict``,
+``from_quantized``, ``kbit.prepare(model)``), one layer at a time, and its buffers are marked as static
+addresses for ``torch.compile``: nothing is derived or allocated inside a compiled or captured region
+(the dequantize + cuBLAS path of long prompts derives the storage format of the layer it multiplies, a
+temporary like the dequantized weight itself). What is saved is still the storage format:
+``state_dict`` (so ``save_pretrained``), ``.to("cpu")`` and ``dequantize`` derive it from the layout
+(``kbit.ops.unrepack``), bit for bit the one the layer was built from. Elsewhere (CPU, meta) the module
+holds the storage format alone. The layout buffers are registered persistent, so that loaders that
+re-create non-persistent buffers empty (transformers' ``from_pretrained`` does) leave them alone, but
+``state_dict`` never holds them.
 
 A checkpoint is untrusted input: ``load_state_dict`` checks every tensor's dtype, shape and values
 (``kbit._validate``) before anything reaches a kernel.
@@ -64,6 +73,15 @@ __all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
 
 logger = logging.getLogger("kbit")
 
+GEMM_LAYOUT = ("gemm_codes", "gemm_absmax")  # KbitLinear's buffers of the GEMM layout (module docstring)
+
+
+def _same_tensors(a, b) -> bool:
+    for x, y in zip(a, b):
+        if x is not y:
+            return False
+    return True
+
 
 class KbitLinear(nn.Module):
     """``y = x @ W_hat.T + bias`` with ``W_hat`` stored quantized to ``bits`` bits per weight (``kbit.matmul``).
@@ -83,6 +101,9 @@ class KbitLinear(nn.Module):
     A module built this way holds an all-zero weight: fill it with ``load_state_dict`` or build
     it with ``from_linear`` / ``from_quantized``.
     """
+
+    # State-dict entries derived from the GEMM layout when the module is GEMM-resident (module docstring).
+    DERIVED_KEYS = ("packed", "absmax")
 
     def __init__(
         self,
@@ -124,13 +145,14 @@ class KbitLinear(nn.Module):
             self.register_buffer("rotation_signs", None)
             self.register_buffer("rotation_block", None)
         self._block = rotation_block  # the block as a Python int: reading the buffer in forward would sync
-        self.register_buffer("gemm_codes", None, persistent=False)  # the GEMM layout, on CUDA only
-        self.register_buffer("gemm_absmax", None, persistent=False)
+        for name in GEMM_LAYOUT:  # set on CUDA only, in place of packed and absmax (module docstring)
+            self.register_buffer(name, None)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
         self._qw: Optional[QuantizedWeight] = None
+        self.prepare()
 
     # ------------------------------------------------------------------ construction
     def _meta_tensor(self, device=None) -> Tensor:
@@ -139,7 +161,8 @@ class KbitLinear(nn.Module):
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: Optional[Tensor] = None,
                        rotation: Optional[Rotation] = None) -> "KbitLinear":
-        """Wrap an existing ``QuantizedWeight`` (its tensors are shared, not copied). ``rotation``: the
+        """Wrap an existing ``QuantizedWeight`` (its tensors are shared, not copied; on a CUDA device the module
+        keeps its GEMM layout, cached or derived now, and not its storage format). ``rotation``: the
         ``kbit.rotation.Rotation`` whose rotated weight ``qw`` holds, None for an unrotated one."""
         if not isinstance(qw, QuantizedWeight):
             raise TypeError(f"qw must be a kbit.QuantizedWeight, got {type(qw).__name__}")
@@ -161,7 +184,12 @@ class KbitLinear(nn.Module):
         out_features, in_features = qw.shape
         block = 0 if rotation is None else rotation.block
         mod._build(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook, block)
-        mod.packed, mod.absmax, mod.codebook, mod.scale = qw.packed, qw.absmax, qw.codebook, qw.scale
+        if qw.is_gemm_resident and qw.device.type == "cuda":
+            mod.packed = mod.absmax = None
+            mod.gemm_codes, mod.gemm_absmax = qw.gemm_layout()
+        else:
+            mod.packed, mod.absmax = qw.storage()
+        mod.codebook, mod.scale = qw.codebook, qw.scale
         mod.meta = mod._meta_tensor(qw.device)
         if rotation is not None:
             mod.rotation_signs = rotation.signs.to(device=qw.device, dtype=torch.int8).contiguous()
@@ -186,44 +214,54 @@ class KbitLinear(nn.Module):
 
     # ------------------------------------------------------------------ the QuantizedWeight view
     @property
+    def is_gemm_resident(self) -> bool:
+        """Whether the module holds the GEMM layout in place of the storage format (on CUDA; module docstring)."""
+        return self.packed is None
+
+    @property
     def qweight(self) -> QuantizedWeight:
-        """A ``QuantizedWeight`` view of the buffers (kept, so its GEMM layout stays cached)."""
+        """A ``QuantizedWeight`` view of the held tensors, GEMM-resident when the module is (kept while they stay
+        the same, so a GEMM layout derived from the storage format stays cached)."""
+        gemm = self.is_gemm_resident
+        codes = (self.gemm_codes, self.gemm_absmax) if gemm else (self.packed, self.absmax)
+        held = (*codes, self.codebook, self.scale)
         qw = self._qw
-        if (
-            qw is None
-            or qw.packed is not self.packed
-            or qw.absmax is not self.absmax
-            or qw.codebook is not self.codebook
-            or qw.scale is not self.scale
-        ):
+        if qw is None or qw.is_gemm_resident != gemm or not _same_tensors(qw.resident, held):
             # Checked: a buffer may have been assigned by hand, or left on meta by a partial assign-load.
-            qw = QuantizedWeight(
-                self.packed, self.absmax, self.codebook, self.scale,
-                self.bits, (self.out_features, self.in_features), self.weight_dtype,
-            )
-            if self.gemm_codes is not None and self.gemm_codes.device == qw.device:
-                qw.attach_gemm_layout(self.gemm_codes, self.gemm_absmax)
-            self._qw = qw
+            shape = (self.out_features, self.in_features)
+            make = QuantizedWeight.from_gemm_layout if gemm else QuantizedWeight
+            qw = self._qw = make(*held, self.bits, shape, self.weight_dtype)
         return qw
 
     def _invalidate(self) -> None:
         self._qw = None
 
-    def prepare(self) -> "KbitLinear":
-        """On a CUDA device: derive the GEMM layout now, as buffers marked static for ``torch.compile``.
+    def _hold_storage(self) -> None:
+        """Hold the storage format (derived from the GEMM layout on its device if need be) and no layout."""
+        if self.is_gemm_resident:
+            self.packed, self.absmax = self.qweight.storage()
+        self.gemm_codes = self.gemm_absmax = None
 
-        Called when the module moves to CUDA or loads a state dict there; call it yourself (or
-        ``kbit.prepare(model)``) after replacing a buffer by hand. Does nothing elsewhere. Returns self.
+    def prepare(self) -> "KbitLinear":
+        """On a CUDA device: hold the GEMM layout (derived from the storage format, which is then dropped), as
+        buffers marked static for ``torch.compile``. Does nothing elsewhere. Returns self.
+
+        Called when the module is built, moves to CUDA or loads a state dict there; call it yourself (or
+        ``kbit.prepare(model)``) after assigning ``packed`` or ``absmax`` by hand.
         """
-        if self.packed.device.type != "cuda":
-            self.gemm_codes = self.gemm_absmax = None
+        device = self.codebook.device
+        if device.type != "cuda":
             return self
-        qw = self.qweight
-        self.gemm_codes, self.gemm_absmax = qw.prepare().gemm_layout()
+        if not self.is_gemm_resident:
+            qw = self.qweight.gemm_resident()
+            self.packed = self.absmax = None
+            self.gemm_codes, self.gemm_absmax = qw.gemm_layout()
+            self._qw = qw
+        self.qweight.prepare()
         if self._block:  # the Hadamard matrices forward uses, made now rather than inside a captured region
             for dtype in GEMM_DTYPES:
-                hadamard(self._block, dtype, self.packed.device)
-        for t in (self.packed, self.absmax, self.codebook, self.scale, self.gemm_codes, self.gemm_absmax):
+                hadamard(self._block, dtype, device)
+        for t in (self.codebook, self.scale, self.gemm_codes, self.gemm_absmax):
             # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
             torch._dynamo.mark_static_address(t, guard=False)
         return self
@@ -258,19 +296,33 @@ class KbitLinear(nn.Module):
 
     # ------------------------------------------------------------------ device / dtype moves
     def _apply(self, fn, recurse=True):
+        # Leaving the GPU, the storage format travels (derived there by the CUDA kernel), not the layout.
+        if self.is_gemm_resident and fn(self.gemm_codes.new_empty(0)).device.type != "cuda":
+            self._hold_storage()
         # Module-wide dtype casts (.half(), .to(dtype), .float()) must not change the format's
         # buffers: codebook and scale are float32 by definition. Apply fn to find the target
         # device, then move the original tensor there without changing its dtype.
-        before = {name: self._buffers.get(name) for name in STATE_KEYS}
+        before = {name: self._buffers.get(name) for name in STATE_KEYS + GEMM_LAYOUT}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
         self._invalidate()
-        if self.packed.device.type != "meta":
+        if self.codebook.device.type != "meta":
             self.prepare()
         return self
+
+    # ------------------------------------------------------------------ saving
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The storage format, whichever form the module holds; never the GEMM layout.
+        saved = {}
+        super()._save_to_state_dict(saved, prefix, keep_vars)
+        if self.is_gemm_resident:
+            saved[prefix + "packed"], saved[prefix + "absmax"] = self.qweight.storage()
+        for name in (*self._parameters, *self._buffers):  # in the order of a module that holds the storage format
+            if name not in GEMM_LAYOUT and prefix + name in saved:
+                destination[prefix + name] = saved[prefix + name]
 
     # ------------------------------------------------------------------ loading
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -300,6 +352,9 @@ class KbitLinear(nn.Module):
         except (TypeError, ValueError) as e:
             error_msgs.append(str(e))
             return
+        # A state dict holds the storage format: load into it, then derive the layout again (prepare), one layer at a
+        # time. The current storage is derived, not left empty, so that a partial or failed load keeps the weight.
+        self._hold_storage()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.weight_dtype = dtype
@@ -307,8 +362,7 @@ class KbitLinear(nn.Module):
         if self.rotation_block is not None and isinstance(block, Tensor) and block.device.type != "meta":
             self._block = int(block)
         self._invalidate()
-        if self.packed.device.type == "cuda":
-            self.prepare()
+        self.prepare()
 
     def _check_incoming(self, state_dict, prefix: str, dtype: torch.dtype) -> None:
         """Dtype, shape and values of each storage tensor a state dict brings (missing ones keep the module's), and
@@ -526,7 +580,11 @@ def quantize_model(
             for label, loss in precision_losses(losses):
                 warnings.warn(loss.describe(label), PrecisionWarning, stacklevel=2)
             replaced[id(m)] = experts
-    modules = {key: KbitLinear._wrap(*new) if isinstance(new, tuple) else new for key, new in replaced.items()}
+    count = len(replaced)
+    modules = {}
+    for key in list(replaced):  # dropped as wrapped: on CUDA each storage format is freed once its layout is made
+        new = replaced.pop(key)
+        modules[key] = KbitLinear._wrap(*new) if isinstance(new, tuple) else new
     for name, m in targets + expert_targets:
         if name == "":
             return modules[id(m)]
@@ -534,7 +592,7 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, modules[id(m)])
     summary = (f"quantize_model: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized "
-               f"to {bits} bits ({len(replaced)} layers)")
+               f"to {bits} bits ({count} layers)")
     logger.info(summary)
     bar.close(summary)
     record_in_transformers_config(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook,

@@ -92,6 +92,11 @@ def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
     return b_gemm.new_empty(blocks * bits, dtype=torch.int32), absmax_gemm.new_empty(blocks, dtype=torch.uint8)
 
 
+@unrepack.register_kernel("cuda")
+def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
+    return cuda_ext().unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+
+
 # ----------------------------------------------------------------------------- settled weights
 EARLY_WEIGHTS_ENV = "KBIT_EARLY_WEIGHTS"
 _SEEN = "_kbit_gemm_seen"  # the (version, address) at which a GEMM last read a tensor

@@ -27,6 +27,7 @@ from ._validate import (
 from .formats import (
     BLOCK_SIZE,
     STATE_KEYS,
+    block_count,
     blocks_of,
     choose_tensor_scale,
     create_normal_float_codebook,
@@ -68,12 +69,17 @@ class PrecisionLoss(NamedTuple):
 
 
 class QuantizedWeight:
-    """A ``bits``-bit quantized [out_features, in_features] weight in the storage format, plus a cached GEMM layout.
+    """A ``bits``-bit quantized [out_features, in_features] weight: its codes and block scales in one of two forms.
 
-    Storage: the matrix zero-padded to ``padded_in_features`` columns (a multiple of 32), flattened row-major and
-    quantized in blocks of 32 (``kbit.formats``), so each block lies within one row. ``scale`` is the per-tensor
-    power of two (a 0-dim float32 tensor). The GEMM layout (``kbit.layout``) is derived on a CUDA device by
-    ``prepare()`` (or on first eager use) and cached; it is never saved.
+    Storage format: the matrix zero-padded to ``padded_in_features`` columns (a multiple of 32), flattened row-major
+    and quantized in blocks of 32 (``kbit.formats``), so each block lies within one row. ``scale`` is the per-tensor
+    power of two (a 0-dim float32 tensor). What ``kbit.quantize`` returns holds this form; on a CUDA device the GEMM
+    layout (``kbit.layout``) is derived from it by ``prepare()`` (or on first eager use) and cached beside it.
+
+    A weight made by ``from_gemm_layout`` (or ``gemm_resident()``) holds the GEMM layout alone, one copy of the codes:
+    what a kbit layer keeps on the GPU. Its storage format is derived from the layout whenever it is asked for
+    (``storage()``, ``packed``, ``absmax``, ``state_dict``, ``to("cpu")``, ``dequantize``), bit for bit the one it was
+    made from (``kbit.ops.unrepack``), and dropped after use.
 
     The constructor checks dtypes, shapes, devices and contiguity (no values: it is cheap and safe while
     tracing); ``from_state_dict`` also checks the values an untrusted checkpoint could get wrong.
@@ -96,15 +102,78 @@ class QuantizedWeight:
         qw._set(packed, absmax, codebook, scale, bits, tuple(shape), dtype)
         return qw
 
+    @classmethod
+    def from_gemm_layout(cls, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, bits: int, shape,
+                         dtype) -> "QuantizedWeight":
+        """A weight that holds only its GEMM layout (``kbit.layout``; dtypes, shapes and devices checked)."""
+        qw = cls.__new__(cls)
+        qw._set(None, None, codebook, scale, check_bits(bits), tuple(shape), dtype)
+        qw._check_gemm_layout(b_gemm, absmax_gemm)
+        qw._gemm = (b_gemm.device, b_gemm, absmax_gemm)
+        return qw
+
     def _set(self, packed, absmax, codebook, scale, bits, shape, dtype) -> None:
-        self.packed, self.absmax, self.codebook, self.scale = packed, absmax, codebook, scale
+        self._packed, self._absmax = packed, absmax  # None when only the GEMM layout is held
+        self.codebook, self.scale = codebook, scale
         self.bits, self.shape, self.dtype = bits, shape, dtype
         self._gemm = None  # (device, b_gemm, absmax_gemm)
+
+    def _check_gemm_layout(self, b_gemm: Tensor, absmax_gemm: Tensor) -> None:
+        want = gemm_shapes(self.bits, self.out_features, self.in_features_padded)
+        got = (tuple(b_gemm.shape), tuple(absmax_gemm.shape))
+        if got != want or (b_gemm.dtype, absmax_gemm.dtype) != (torch.int32, torch.uint8):
+            raise ValueError(f"a GEMM layout of int32 {want[0]} and uint8 {want[1]} was expected, got "
+                             f"{b_gemm.dtype} {got[0]} and {absmax_gemm.dtype} {got[1]}")
+        if not (b_gemm.device == absmax_gemm.device == self.codebook.device == self.scale.device):
+            raise ValueError(f"the GEMM layout ({b_gemm.device}, {absmax_gemm.device}), codebook "
+                             f"({self.codebook.device}) and scale ({self.scale.device}) must be on one device")
+        if not (b_gemm.is_contiguous() and absmax_gemm.is_contiguous()):
+            raise ValueError("the GEMM layout tensors must be contiguous")
+
+    # ------------------------------------------------------------------ the two forms
+    @property
+    def is_gemm_resident(self) -> bool:
+        """Whether this weight holds only the GEMM layout (its storage format derived on demand)."""
+        return self._packed is None
+
+    def storage(self) -> tuple:
+        """(packed, absmax): the held storage format, or for a GEMM-resident weight one derived from the layout now,
+        on its device (a new pair at every call: nothing is kept)."""
+        if self._packed is not None:
+            return self._packed, self._absmax
+        _, b, a = self._gemm
+        return ops.unrepack(b, a, self.bits, self.out_features, self.in_features_padded)
+
+    @property
+    def packed(self) -> Tensor:
+        """The bit-plane codes (``kbit.formats``); derived at each access on a GEMM-resident weight (``storage``)."""
+        return self.storage()[0]
+
+    @property
+    def absmax(self) -> Tensor:
+        """The E4M4 block scales; derived at each access on a GEMM-resident weight (``storage``)."""
+        return self.storage()[1]
+
+    @property
+    def resident(self) -> tuple:
+        """The tensors this weight holds: (packed, absmax, codebook, scale) or (b_gemm, absmax_gemm, codebook, scale)
+        for a GEMM-resident one (a layout cached beside the storage format is not listed)."""
+        codes = (self._packed, self._absmax) if self._packed is not None else self._gemm[1:]
+        return (*codes, self.codebook, self.scale)
+
+    def gemm_resident(self) -> "QuantizedWeight":
+        """This weight holding only its GEMM layout (the cached one, else derived now on its device), sharing the
+        codebook and scale: once the storage format is no longer referenced elsewhere, one copy of the codes."""
+        if self.is_gemm_resident:
+            return self
+        check_not_meta(self._packed, "packed")
+        b, a = self.gemm_layout()
+        return QuantizedWeight.from_gemm_layout(b, a, self.codebook, self.scale, self.bits, self.shape, self.dtype)
 
     # ------------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:
-        return self.packed.device
+        return self.resident[0].device
 
     @property
     def in_features(self) -> int:
@@ -121,8 +190,16 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored format (packed + absmax + codebook + scale)."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.absmax, self.codebook, self.scale))
+        """Bytes of the storage format (packed + absmax + codebook + scale), in either form."""
+        blocks = block_count(self.out_features * self.in_features_padded)
+        return blocks * (4 * self.bits + 1) + 4 * self.codebook.numel() + 4
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the tensors this weight holds on its device: ``resident``, plus a GEMM layout cached beside the
+        storage format."""
+        cached = self._gemm[1:] if self._gemm is not None and not self.is_gemm_resident else ()
+        return sum(t.numel() * t.element_size() for t in (*self.resident, *cached))
 
     @property
     def bits_per_weight(self) -> float:
@@ -136,12 +213,18 @@ class QuantizedWeight:
 
     # ------------------------------------------------------------------ conversions
     def to(self, device) -> "QuantizedWeight":
+        """The weight on ``device``: a GEMM-resident one stays so on a CUDA device; elsewhere it becomes the storage
+        format, derived on its current device first."""
         device = torch.device(device)
-        moved = QuantizedWeight.from_checked(
-            self.packed.to(device), self.absmax.to(device), self.codebook.to(device), self.scale.to(device),
-            self.bits, self.shape, self.dtype,
-        )
-        if self._gemm is not None:  # the layout is plain data: moving it is valid
+        codebook, scale = self.codebook.to(device), self.scale.to(device)
+        if self.is_gemm_resident and device.type == "cuda":  # the layout is plain data: moving it is valid
+            _, b, a = self._gemm
+            return QuantizedWeight.from_gemm_layout(b.to(device), a.to(device), codebook, scale, self.bits,
+                                                    self.shape, self.dtype)
+        packed, absmax = self.storage()
+        moved = QuantizedWeight.from_checked(packed.to(device), absmax.to(device), codebook, scale, self.bits,
+                                             self.shape, self.dtype)
+        if self._gemm is not None and not self.is_gemm_resident:
             moved._gemm = (device, self._gemm[1].to(device), self._gemm[2].to(device))
         return moved
 
@@ -152,7 +235,7 @@ class QuantizedWeight:
         return self.to("cpu")
 
     def gemm_layout(self):
-        """(B_gemm, absmax_gemm) on this weight's device, derived once and cached."""
+        """(B_gemm, absmax_gemm) on this weight's device: held, or derived once from the storage format and cached."""
         if self._gemm is None or self._gemm[0] != self.device:
             if torch.compiler.is_compiling() and self.device.type == "cuda":
                 # Derived inside a compiled region, the layout would be a graph output kept alive by this object:
@@ -161,23 +244,15 @@ class QuantizedWeight:
                     "kbit: this weight's GEMM layout was not prepared before torch.compile; call kbit.prepare(model) "
                     "(or QuantizedWeight.prepare()) after moving the model to the GPU"
                 )
-            b, a = ops.repack(self.packed, self.absmax, self.bits, self.out_features, self.in_features_padded)
+            b, a = ops.repack(self._packed, self._absmax, self.bits, self.out_features, self.in_features_padded)
             self._gemm = (self.device, b, a)
             if self.device.type == "cuda":  # kbit.matmul plans from these facts, also while torch.compile traces it
                 dispatch.device_facts(self.device)
         return self._gemm[1], self._gemm[2]
 
-    def attach_gemm_layout(self, b_gemm: Tensor, absmax_gemm: Tensor) -> None:
-        """Use an already derived GEMM layout of this weight (KbitLinear keeps it as module buffers)."""
-        want = gemm_shapes(self.bits, self.out_features, self.in_features_padded)
-        if (tuple(b_gemm.shape), tuple(absmax_gemm.shape)) != want or b_gemm.device != self.device:
-            raise ValueError(f"a GEMM layout of shapes {want} on {self.device} was expected, got "
-                             f"{tuple(b_gemm.shape)} and {tuple(absmax_gemm.shape)} on {b_gemm.device}")
-        self._gemm = (self.device, b_gemm, absmax_gemm)
-
     def prepare(self) -> "QuantizedWeight":
         """Derive the GEMM layout now when on a CUDA device, so that no later call allocates it. Returns self."""
-        check_not_meta(self.packed, "packed")
+        check_not_meta(self.resident[0], "packed")
         if self.device.type == "cuda":
             self.gemm_layout()
             dispatch.device_facts(self.device)
@@ -191,8 +266,8 @@ class QuantizedWeight:
     def _dequantize(self, dtype: torch.dtype) -> Tensor:
         out_features, in_features = self.shape
         padded = self.in_features_padded
-        flat = ops.dequantize(self.packed, self.absmax, self.codebook, self.bits, out_features * padded, dtype,
-                              self.scale)
+        packed, absmax = self.storage()
+        flat = ops.dequantize(packed, absmax, self.codebook, self.bits, out_features * padded, dtype, self.scale)
         w = flat.reshape(out_features, padded)
         return w if padded == in_features else w[:, :in_features].contiguous()
 
@@ -202,7 +277,8 @@ class QuantizedWeight:
 
     def state_dict(self, prefix: str = "") -> dict:
         """Tensors only (``formats.STATE_KEYS``), so the dict saves with torch.save and safetensors alike."""
-        tensors = {"packed": self.packed, "absmax": self.absmax, "codebook": self.codebook, "scale": self.scale,
+        packed, absmax = self.storage()
+        tensors = {"packed": packed, "absmax": absmax, "codebook": self.codebook, "scale": self.scale,
                    "meta": self.meta_tensor()}
         return {prefix + key: tensors[key] for key in STATE_KEYS}
 
@@ -228,11 +304,22 @@ class QuantizedWeight:
 
 
 # ---------------------------------------------------------------------- high-level API
+# Blocks per piece of the audit: its float32 temporaries (about 16 bytes per weight) stay near 64 MiB whatever the
+# layer's size, below the layer itself in 16 bits for large layers (quantizing while loading onto the GPU).
+AUDIT_BLOCKS = 1 << 17
+
+
 def _block_errors(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor):
     """Per block of the padded weight: (largest |error| in float32, true absmax, largest |reconstruction|)."""
-    w_hat = ops.dequantize(packed, absmax, cb, bits, Wp.numel(), torch.float32, scale).reshape(-1, BLOCK_SIZE)
-    w = Wp.reshape(-1, BLOCK_SIZE).to(torch.float32)
-    return (w - w_hat).abs().amax(dim=1), w.abs().amax(dim=1), w_hat.abs().amax(dim=1)
+    blocks = Wp.reshape(-1, BLOCK_SIZE)
+    pieces = []
+    for start in range(0, blocks.shape[0], AUDIT_BLOCKS):
+        stop = min(start + AUDIT_BLOCKS, blocks.shape[0])
+        w_hat = ops.dequantize(packed[start * bits:stop * bits], absmax[start:stop], cb, bits,
+                               (stop - start) * BLOCK_SIZE, torch.float32, scale).reshape(-1, BLOCK_SIZE)
+        w = blocks[start:stop].to(torch.float32)
+        pieces.append(((w - w_hat).abs().amax(dim=1), w.abs().amax(dim=1), w_hat.abs().amax(dim=1)))
+    return tuple(torch.cat(parts) for parts in zip(*pieces))
 
 
 def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor,
@@ -281,7 +368,7 @@ def quantize_checked(W: Tensor, bits: int, codebook: Optional[Tensor] = None):
     padded = padded_in_features(in_features)
     Wp = W.detach() if padded == in_features else torch.nn.functional.pad(W.detach(), (0, padded - in_features))
     Wp = Wp.contiguous()
-    scale = choose_tensor_scale(Wp.abs().amax())
+    scale = choose_tensor_scale(torch.maximum(Wp.amax(), -Wp.amin()))  # the largest |w|, with no |W| copy
     packed, absmax = ops.quantize(Wp, cb, bits, scale)
     loss = _audit(Wp, packed, absmax, cb, bits, scale)
     return QuantizedWeight.from_checked(packed, absmax, cb, scale, bits, tuple(W.shape), W.dtype), loss

@@ -597,5 +597,5 @@ def test_e2e_benchmark_runs_a_tiny_qwen3_moe(tmp_path):
     assert bench.main(argv) == 0
     result = json.loads((tmp_path / "e2e_smoke.json").read_text())
     assert [r["format"] for r in result["rows"]] == ["float32", "kbit K=4"]
-    assert result["rows"][1]["model_bytes"] < result["rows"][0]["model_bytes"] / 2
+    assert result["rows"][1]["resident_bytes"] < result["rows"][0]["resident_bytes"] / 2
     assert all(res["hf_generate_equals_eager"] for r in result["rows"] for res in r["batches"].values())

@@ -143,6 +143,28 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
   return {b, a};
 }
 
+std::tuple<at::Tensor, at::Tensor> unrepack(const at::Tensor& b_gemm, const at::Tensor& absmax_gemm, int64_t k,
+                                            int64_t N, int64_t K_dim) {
+  check_bits(k);
+  check_dim(N, "N", 1);
+  check_dim(K_dim, "K_dim", kbit::kBlock);
+  TORCH_CHECK(K_dim % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_dim));
+  TORCH_CHECK(b_gemm.is_cuda(), "kbit: b_gemm must be a CUDA tensor");
+  const at::Device on = b_gemm.device();
+  check_input(b_gemm, "b_gemm", at::kInt, layout_codes_shape(k, N, K_dim), on);
+  check_input(absmax_gemm, "absmax_gemm", at::kByte, layout_absmax_shape(N, K_dim), on);
+  const c10::cuda::CUDAGuard guard(on);
+  const int64_t nb = N * (K_dim / kbit::kBlock);
+  auto packed = at::empty({nb * k}, b_gemm.options().dtype(at::kInt));
+  auto absmax = at::empty({nb}, b_gemm.options().dtype(at::kByte));
+  check_launch(kbit::unrepack(reinterpret_cast<const uint32_t*>(b_gemm.data_ptr()), absmax_gemm.data_ptr<uint8_t>(),
+                              static_cast<int>(k), static_cast<int>(N), static_cast<int>(K_dim),
+                              reinterpret_cast<uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),
+                              c10::cuda::getCurrentCUDAStream()),
+               "unrepack");
+  return {packed, absmax};
+}
+
 // Split-K workspace: the CTAs' partial output tiles (GemmPlan::partial_floats), every word kbit::kPartialEmpty
 // between GEMMs (the kernel restores what it used), so a buffer filled once serves every later GEMM of its stream:
 // no fill kernel per call. One buffer per (device, stream), since GEMMs on different streams may overlap. Buffers are
@@ -469,6 +491,7 @@ TORCH_LIBRARY(kbit_cuda, m) {
   m.def("quantize(Tensor A, Tensor codebook, int k, Tensor scale) -> (Tensor, Tensor)");
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor scale) -> Tensor");
   m.def("repack(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)");
+  m.def("unrepack(Tensor b_gemm, Tensor absmax_gemm, int k, int N, int K_dim) -> (Tensor, Tensor)");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
         "int K_dim, int num_blocks, int mb, int wgmma_tiles, int k_split, int ws_tokens, bool weights_settled) -> Tensor");
   m.def("gemm_configs() -> str", &gemm_configs);  // no tensors: any backend
@@ -486,6 +509,7 @@ TORCH_LIBRARY_IMPL(kbit_cuda, CUDA, m) {
   m.impl("quantize", &quantize);
   m.impl("dequantize", &dequantize);
   m.impl("repack", &repack);
+  m.impl("unrepack", &unrepack);
   m.impl("gemm", &gemm);
   m.impl("moe_route", &moe_route);
   m.impl("moe_gemm", &moe_gemm);

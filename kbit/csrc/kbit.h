@@ -78,6 +78,9 @@ cudaError_t dequantize(const uint32_t* packed, const uint8_t* absmax, const floa
 // Storage format of an [N, K_dim] weight -> GEMM layout (kbit/layout.py documents the shapes).
 cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_dim, uint32_t* b_gemm,
                    uint8_t* absmax_gemm, cudaStream_t stream);
+// The inverse: GEMM layout -> storage format, bit for bit.
+cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, int N, int K_dim, uint32_t* packed,
+                     uint8_t* absmax, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------- fused GEMM
 // y[M, N] = (x[M, K_x] @ W_hat[N, K_w]^T) * scale + bias, with W_hat from the GEMM layout.

@@ -1,7 +1,8 @@
-// Storage format -> GEMM layout (kbit/layout.py documents the layout; repack_reference is the reference).
-// Runs once per weight at load time. One thread builds one lane's bit string for one (tile, k-group):
-// 16 runs of 8 codes (four column pairs), each cut from one storage block, every bit placed at the offset the fused
-// kernel reads it from (pair_bit_offset).
+// Storage format <-> GEMM layout (kbit/layout.py documents the layout; repack_reference and unrepack_reference are
+// the references). repack runs once per weight at load time; unrepack when the storage format of a layer that keeps
+// only the GEMM layout is asked for (saving, moving off the GPU, dequantizing). One thread handles one lane's bit
+// string for one (tile, k-group): 16 runs of 8 codes (four column pairs), each cut from one storage block, every bit
+// at the offset the fused kernel reads it from (pair_bit_offset).
 #include "common.cuh"
 
 namespace kbit {
@@ -52,24 +53,84 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
     b_gemm[(piece * K + v) * 32 + lane] = make_uint4(words[4 * v], words[4 * v + 1], words[4 * v + 2], words[4 * v + 3]);
 }
 
+// The inverse: the 8 bits a lane holds of each plane word of a storage block are ORed across the block's four lanes
+// (q = 0..3, adjacent in the warp) by two shuffles; lane q = 0 writes the word. Padding rows and k-groups are
+// dropped. Every thread count is a multiple of 32 and warps never straddle it, so whole warps return together.
 template <int K>
-cudaError_t launch(const uint32_t* packed, const uint8_t* absmax, int N, int K_dim, uint32_t* b_gemm,
-                   uint8_t* absmax_gemm, cudaStream_t stream) {
-  const int n_tiles16 = static_cast<int>(layout_tiles16(N)), k_groups = static_cast<int>(layout_k_groups(K_dim));
-  const int64_t total = static_cast<int64_t>(n_tiles16) * k_groups * 32;
-  const int64_t grid = (total + kThreads - 1) / kThreads;
-  repack_kernel<K><<<grid, kThreads, 0, stream>>>(packed, absmax, N, K_dim, k_groups, total,
-                                                  reinterpret_cast<uint4*>(b_gemm), absmax_gemm);
-  return cudaGetLastError();
+__global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restrict__ b_gemm,
+                                                            const uint8_t* __restrict__ a_gemm, int N, int K_dim,
+                                                            int k_groups, int64_t total_threads,
+                                                            uint32_t* __restrict__ packed, uint8_t* __restrict__ absmax) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (idx >= total_threads) return;
+  const int lane = static_cast<int>(idx & 31), g = lane >> 2, q = lane & 3;
+  const int64_t tj = idx >> 5;
+  const int j = static_cast<int>(tj % k_groups), tile = static_cast<int>(tj / k_groups);
+  const int64_t piece = layout_piece(tile, j, k_groups);
+  const int blocks_per_row = K_dim / kBlock;
+
+  uint32_t words[4 * K];
+#pragma unroll
+  for (int v = 0; v < K; ++v) {
+    const uint4 w = b_gemm[(piece * K + v) * 32 + lane];
+    words[4 * v] = w.x, words[4 * v + 1] = w.y, words[4 * v + 2] = w.z, words[4 * v + 3] = w.w;
+  }
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * tile + g + 8 * r, kb = 8 * j + t;
+      const bool inside = row < N && kb < blocks_per_row;
+      const int64_t blk = static_cast<int64_t>(row) * blocks_per_row + kb;
+#pragma unroll
+      for (int b = 0; b < K; ++b) {
+        uint32_t plane = 0;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const int pair = 8 * t + 2 * (s >> 1) + r, e = s & 1;
+          const int o = pair_bit_offset(K, pair, e * K + b);
+          plane |= ((words[o >> 5] >> (o & 31)) & 1u) << (8 * (s >> 1) + e + 2 * q);
+        }
+        plane |= __shfl_xor_sync(0xffffffffu, plane, 1);
+        plane |= __shfl_xor_sync(0xffffffffu, plane, 2);
+        if (inside && q == 0) packed[blk * K + b] = plane;
+      }
+      if (inside && q == 0) absmax[blk] = a_gemm[((piece * 2 + r) * 8 + g) * 8 + t];
+    }
+  }
 }
+
+// One thread per (16-row tile, k-group, lane), in blocks of kThreads.
+struct Grid {
+  int k_groups;
+  int64_t threads, blocks;
+  Grid(int N, int K_dim)
+      : k_groups(static_cast<int>(layout_k_groups(K_dim))),
+        threads(layout_tiles16(N) * k_groups * 32),
+        blocks((threads + kThreads - 1) / kThreads) {}
+};
 
 }  // namespace
 
 cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_dim, uint32_t* b_gemm,
                    uint8_t* absmax_gemm, cudaStream_t stream) {
   if (N <= 0 || K_dim <= 0 || K_dim % kBlock) return cudaErrorInvalidValue;
+  const Grid grid(N, K_dim);
   return with_bits(k, cudaErrorInvalidValue, [&](auto bits) {
-    return launch<decltype(bits)::value>(packed, absmax, N, K_dim, b_gemm, absmax_gemm, stream);
+    repack_kernel<decltype(bits)::value><<<grid.blocks, kThreads, 0, stream>>>(
+        packed, absmax, N, K_dim, grid.k_groups, grid.threads, reinterpret_cast<uint4*>(b_gemm), absmax_gemm);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, int N, int K_dim, uint32_t* packed,
+                     uint8_t* absmax, cudaStream_t stream) {
+  if (N <= 0 || K_dim <= 0 || K_dim % kBlock) return cudaErrorInvalidValue;
+  const Grid grid(N, K_dim);
+  return with_bits(k, cudaErrorInvalidValue, [&](auto bits) {
+    unrepack_kernel<decltype(bits)::value><<<grid.blocks, kThreads, 0, stream>>>(
+        reinterpret_cast<const uint4*>(b_gemm), absmax_gemm, N, K_dim, grid.k_groups, grid.threads, packed, absmax);
+    return cudaGetLastError();
   });
 }
 
