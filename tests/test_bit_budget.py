@@ -146,7 +146,7 @@ def test_budget_gives_the_unused_layer_the_fewest_bits():
 
 
 # ----------------------------------------------------------------------------- quantize_model
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_quantize_model_meets_the_budget_as_stored(method):
     model = _tiny_llama()
     ids = torch.randint(0, 256, (2, 32))
@@ -218,6 +218,7 @@ def test_builtin_text_is_diverse():
         assert marker in text, marker
 
 
+@pytest.mark.slow
 def test_gptq_without_calibration_uses_the_builtin_text():
     model, tok = _tiny_llama(), _WordTokenizer()
     a = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", tokenizer=tok, progress=False)
