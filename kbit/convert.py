@@ -183,7 +183,7 @@ def _progress_output(enabled: bool):
 def quantize_directory(
     model_dir,
     out_dir,
-    bits: int = 4,
+    bits=4,
     skip: Optional[Sequence[str]] = None,
     min_features: Optional[int] = None,
     dtype: str = "auto",
@@ -199,12 +199,12 @@ def quantize_directory(
     summary dict (layer count, share of the weights quantized, sizes, output path).
     """
     from ._atomic import atomic_directory
-    from ._validate import check_bits
+    from .bit_budget import check_bits_setting
     from .model_card import README, write_model_card
     from .nn import KbitLinear, quantized_fraction
 
     try:
-        check_bits(bits)
+        bits = check_bits_setting(bits)
     except (TypeError, ValueError) as e:
         raise ConversionError(str(e)) from None
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -279,6 +279,16 @@ def quantize_directory(
 
 
 # ---------------------------------------------------------------------- CLI
+def _bits(text: str):
+    """--bits: "3" is K = 3 on every layer, "3.25" (a decimal point) an average-bits budget."""
+    from .bit_budget import check_bits_setting
+
+    try:
+        return check_bits_setting(float(text) if "." in text else int(text))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _name_list(text: str) -> list:
     return [name for name in text.split(",") if name]
 
@@ -290,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "loading it, and save it as a kbit folder (load it with from_pretrained after import kbit).",
     )
     p.add_argument("model_dir", help="directory with config.json and safetensors / pytorch_model.bin weights")
-    p.add_argument("--bits", "-b", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
+    p.add_argument("--bits", "-b", type=_bits, default=4, metavar="K|BUDGET",
+                   help="bits per weight: an int K = 2..5 for every layer (default 4), or average bits per weight "
+                        "with a decimal point (2.25 .. 5.25, block scales counted), K chosen per layer from kbit's "
+                        "built-in calibration text")
     p.add_argument("--out", "-o", required=True, help="output directory")
     # One value per flag (comma-separated, repeatable): a list taking several values would also take model_dir.
     p.add_argument("--skip", type=_name_list, action="extend", default=None, metavar="NAME[,NAME...]",

@@ -34,7 +34,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import hf_format
 from ._progress import Progress
-from ._validate import check_bits, check_int, check_skip, codebook_values
+from ._validate import check_int, check_skip, codebook_values
+from .bit_budget import check_bits_setting
 from .moe import FUSED_PARAMETERS, KbitExperts
 from .nn import KbitLinear, experts_targets, linear_targets, quantized_fraction
 
@@ -48,7 +49,9 @@ class KbitConfig(QuantizationConfigMixin):
     """kbit's settings for ``from_pretrained(..., quantization_config=KbitConfig(...))``; saved in config.json.
 
     Args:
-        bits: bits per weight, 2..5.
+        bits: bits per weight, 2..5; or a float budget of average bits per weight, or a dict {layer name or
+            pattern: K} (``kbit.quantize_model``'s per-layer bits: the model is then loaded in full precision and
+            quantized once loaded, with kbit's built-in calibration text and the model's tokenizer).
         skip: module names, name suffixes or fnmatch patterns kept in full precision (as ``kbit.quantize_model``);
             default (None): ``lm_head``, the output embeddings, weights tied to others and the model's
             ``_keep_in_fp32_modules``.
@@ -71,9 +74,11 @@ class KbitConfig(QuantizationConfigMixin):
             raise ValueError(f"this kbit folder has format_version {format_version}, written by kbit {kbit_version}; "
                              f"kbit {__version__} reads up to {hf_format.FORMAT_VERSION}: upgrade kbit")
         self.quant_method = QUANT_METHOD
-        self.bits = check_bits(bits)
+        self.bits = check_bits_setting(bits)
         self.skip = None if skip is None else check_skip(skip)
         self.min_features = check_int(min_features, "min_features", 0)
+        if codebook is not None and not isinstance(self.bits, int):
+            raise ValueError("a custom codebook is for one K: pass an int bits with it")
         self.codebook = None if codebook is None else codebook_values(codebook, self.bits)
         if not isinstance(rotate, bool):
             raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
@@ -125,7 +130,8 @@ class KbitHfQuantizer(HfQuantizer):
 
     @property
     def quantized_element_size(self) -> float:  # transformers' memory planning for weights quantized on load
-        return self.quantization_config.bits / 8
+        bits = self.quantization_config.bits
+        return (max(bits.values()) if isinstance(bits, dict) else bits) / 8
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
@@ -135,6 +141,8 @@ class KbitHfQuantizer(HfQuantizer):
             self._saved_names = sorted(layers)
             return
         config = self.quantization_config
+        if not isinstance(config.bits, int):
+            return  # per-layer bits: quantized once the whole model is loaded
         skip = default_skip(model) if config.skip is None else config.skip
         targets, _, _ = linear_targets(model, skip, config.min_features)
         experts, _, _, unsupported = experts_targets(model, skip, config.min_features)
@@ -175,6 +183,12 @@ class KbitHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             return model
         config = self.quantization_config
+        if not isinstance(config.bits, int):  # the choice of K needs every layer and calibration: done now
+            from .nn import quantize_model
+
+            skip = default_skip(model) if config.skip is None else config.skip
+            return quantize_model(model, bits=config.bits, skip=skip, min_features=config.min_features,
+                                  rotate=config.rotate, progress=False)
         incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()
                       for missing in FUSED_PARAMETERS if missing not in loaded]
         if incomplete:

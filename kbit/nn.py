@@ -49,6 +49,7 @@ from ._progress import Progress
 from ._transformers_hook import record_in_transformers_config
 from ._validate import (
     GEMM_DTYPES,
+    SUPPORTED_BITS,
     check_bits,
     check_codebook,
     check_dtype,
@@ -61,10 +62,12 @@ from ._validate import (
     check_weight,
     refuse_assignment,
 )
+from .bit_budget import check_bits_setting, choose_layer_bits
 from .calibration import check_calibration, quantize_layers
+from .calibration_text import default_calibration
 from .dequantized_weight import DequantizedWeight
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
-from .methods import check_method
+from .methods import GPTQ_DAMP, check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
 from .rotation import Rotation, check_rotation, hadamard
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_checked, warn_precision
@@ -465,6 +468,7 @@ def quantize_model(
     method: str = "rtn",
     calibration=None,
     rotate: bool = False,
+    tokenizer=None,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
@@ -474,6 +478,13 @@ def quantize_model(
     from each layer's input Hessian; needs ``calibration``, token ids [n_seq, seq_len] or a list of dicts of model
     inputs, run block by block, on the GPU when there is one). All three give the same storage format and speed.
     Fused MoE experts are quantized with ``"rtn"`` whatever the method.
+
+    ``bits``: an int K for every layer; a float, a budget in average bits per weight (block scales counted, 2.25
+    .. 5.25), K chosen per layer (2..5) to minimise the estimated loss increase (``kbit.bit_budget``); or a dict
+    ``{name or pattern: K}`` matched against each layer's name as ``skip`` is (first key that matches). Without
+    ``calibration``, ``method="gptq"`` and a budget use kbit's built-in calibration text
+    (``kbit.calibration_text``), tokenized with ``tokenizer`` (default: the transformers tokenizer saved with
+    the model, from ``model.config._name_or_path``).
 
     ``rotate``: quantize each layer's weight in a rotated basis of its input features (``kbit.rotation``: random
     signs, then a block-diagonal Hadamard transform), which spreads outlier weights over many inputs and lowers
@@ -505,17 +516,21 @@ def quantize_model(
     more than the format's error bound gets a ``kbit.PrecisionWarning`` naming it and the count; a model
     with nothing eligible gets a ``UserWarning`` saying why.
     """
-    bits = check_bits(bits)
+    bits = check_bits_setting(bits)
+    uniform = isinstance(bits, int)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if codebook is not None:
+        if not uniform:
+            raise ValueError("a custom codebook is for one K: pass an int bits with it")
         codebook = check_codebook(codebook, bits)
     skip = tuple(check_skip(skip))
     min_features = check_int(min_features, "min_features", 0)
     method = check_method(method)
-    if (calibration is None) == (method == "gptq"):
-        raise ValueError(f"calibration is required by method='gptq' and used by no other method, got "
-                         f"method={method!r} and calibration={'None' if calibration is None else 'data'}")
+    calibrated = method == "gptq" or isinstance(bits, float)
+    if calibration is not None and not calibrated:
+        raise ValueError(f"calibration is used by method='gptq' and bit budgets only, got method={method!r} and "
+                         f"bits={bits!r}")
     if calibration is not None:
         check_calibration(calibration)
     if not isinstance(rotate, bool):
@@ -543,12 +558,23 @@ def quantize_model(
             rotation = Rotation.for_layer(name, linear_features(lin)[0])
             if rotation is not None:
                 rotations[id(lin)] = rotation
+    if not uniform and expert_targets:
+        raise ValueError("quantize_model: per-layer bits do not cover fused MoE experts; pass an int bits")
+    if calibrated and calibration is None and targets:
+        calibration = default_calibration(model, tokenizer)
+    ks = bits
+    if not uniform:
+        try:
+            ks = choose_layer_bits(model, unique, bits, check_calibration(calibration) if calibrated else None,
+                                   linear_weight, rotations, gptq=method == "gptq", damp=GPTQ_DAMP)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
     with torch.no_grad():
         bar = Progress(len(targets) + len(expert_targets), "kbit: quantizing", progress)
         chosen = {}
         if method != "rtn":  # kbit.calibration runs the method; the swap below is the same for every method
             try:
-                chosen = quantize_layers(model, unique, bits, method, codebook, calibration, on_layer=bar.update,
+                chosen = quantize_layers(model, unique, ks, method, codebook, calibration, on_layer=bar.update,
                                          weight_of=linear_weight, rotations=rotations)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
@@ -564,7 +590,7 @@ def quantize_model(
             if rotation is not None:
                 w = rotation.rotate(w.float()).to(w.dtype)
             try:
-                qw, loss = quantize_checked(check_weight(w, label), bits, codebook)
+                qw, loss = quantize_checked(check_weight(w, label), ks if uniform else ks[id(lin)], codebook)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: cannot quantize {name or 'the model'}: {e}; the model is unchanged") from e
             warn_precision(loss, label)
@@ -591,8 +617,13 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, modules[id(m)])
+    if uniform:
+        described = f"{bits} bits"
+    else:
+        counts = [sum(1 for key in modules if key in ks and ks[key] == k) for k in SUPPORTED_BITS]
+        described = "K = " + ", ".join(f"{k}: {c}" for k, c in zip(SUPPORTED_BITS, counts) if c) + " layers"
     summary = (f"quantize_model: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized "
-               f"to {bits} bits ({count} layers)")
+               f"to {described} ({count} layers)")
     logger.info(summary)
     bar.close(summary)
     record_in_transformers_config(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook,

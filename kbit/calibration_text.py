@@ -1,0 +1,249 @@
+"""kbit's built-in calibration text, and token ids from it (``calibration_tokens``).
+
+Used when ``kbit.quantize_model`` (``method="gptq"`` or a bit budget) is given no calibration data. The text was
+written for kbit and is released with it under the package's license: short pieces of many kinds -- narrative
+and expository prose, dialogue, instructions, lists, tables and numbers, markdown, source code in several
+languages, configuration files, and a few paragraphs in other languages -- so that a layer's input statistics
+are not those of one kind of text. Mixing it with the user's own text (``calibration_tokens(tok, text)``) keeps
+some of that variety when the user's text is narrow.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["CALIBRATION_TEXT", "calibration_tokens", "default_calibration"]
+
+_PIECES = (
+    # narrative prose
+    """The ferry left the harbour a little after six, when the fog was still lying low over the water. Mara stood
+at the rail with her coat buttoned to the chin and watched the town shrink into a row of grey roofs. She had
+meant to leave for years, and now that she was leaving she found she could not remember why it had seemed so
+urgent. A gull followed the boat for a while, then gave up and turned back toward the fish market.""",
+    # expository prose
+    """A bicycle stays upright mostly because of steering, not because of the spinning wheels. When the bike
+begins to lean, the front wheel turns into the lean and moves the point of contact back under the rider's
+centre of mass. The geometry of the fork makes this happen on its own at moderate speeds, which is why a
+riderless bicycle pushed down a gentle slope can travel surprisingly far before it falls.""",
+    # dialogue
+    """"Did you lock the back door?"
+"I think so. Why?"
+"Because the cat is in the garden, and the cat was inside ten minutes ago."
+"Maybe she used the window."
+"We don't have a window she can reach. Go and check, please."
+"Fine. But if the door is locked, you are making the tea.\"""",
+    # instructions
+    """How to repot a houseplant:
+1. Water the plant a day before, so the roots slide out in one piece.
+2. Choose a pot one size larger, with a hole in the bottom.
+3. Put a layer of fresh soil in the new pot.
+4. Turn the old pot on its side and ease the plant out; loosen circling roots with your fingers.
+5. Set the plant at the same depth as before, fill around it and press the soil down gently.
+6. Water until it drains, then keep it out of direct sun for a week.""",
+    # list and numbers
+    """Shopping list for Saturday: 2 kg potatoes, 500 g butter, 12 eggs, 3 lemons, 1 loaf of rye bread,
+olive oil (750 ml), coffee beans, 6 apples, a bag of rice (1.5 kg), washing-up liquid.
+Budget: 45.80 EUR. Spent last week: 52.15 EUR. Difference: -6.35 EUR.
+Train times: 07:42, 08:12, 08:42, then every 30 minutes until 19:12; Sundays 09:05 and 17:35 only.""",
+    # table in markdown
+    """| city | population (millions) | founded | average July temperature |
+|---|---:|---:|---:|
+| Lisbon | 0.55 | 1200 BC | 23.5 C |
+| Osaka | 2.75 | 645 | 28.1 C |
+| Nairobi | 4.40 | 1899 | 17.8 C |
+| Montreal | 1.76 | 1642 | 21.2 C |""",
+    # markdown document
+    """# Release notes
+
+## Version 2.3.0
+
+### Added
+- A `--dry-run` flag that prints the planned changes without writing anything.
+- Support for reading settings from `~/.config/tool/settings.toml`.
+
+### Fixed
+- Paths with spaces are now quoted correctly on Windows.
+- The progress bar no longer flickers when the output is redirected to a file.
+
+> **Note:** the old `--quiet` option still works but will be removed in 3.0; use `--log-level error`.""",
+    # python
+    '''def moving_average(values, window=3):
+    """Average of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    total, out = 0.0, []
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+
+
+class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name: str, count: int = 1) -> None:
+        self.items[name] = self.items.get(name, 0) + count
+
+    def __repr__(self):
+        return f"Inventory({self.items!r})"''',
+    # javascript
+    """async function fetchUser(id) {
+  const response = await fetch(`/api/users/${id}`);
+  if (!response.ok) {
+    throw new Error(`request failed with status ${response.status}`);
+  }
+  const user = await response.json();
+  return { ...user, fullName: `${user.first} ${user.last}` };
+}
+
+document.querySelectorAll("button.delete").forEach((button) => {
+  button.addEventListener("click", () => button.closest("li").remove());
+});""",
+    # C and SQL
+    """#include <stdio.h>
+
+static int gcd(int a, int b) {
+    while (b != 0) {
+        int t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+int main(void) {
+    printf("%d\\n", gcd(1071, 462));  /* prints 21 */
+    return 0;
+}
+
+SELECT customer_id, COUNT(*) AS orders, SUM(total) AS spent
+FROM orders
+WHERE created_at >= DATE '2024-01-01'
+GROUP BY customer_id
+HAVING COUNT(*) > 3
+ORDER BY spent DESC
+LIMIT 10;""",
+    # shell and configuration
+    """$ mkdir -p build && cd build
+$ cmake .. -DCMAKE_BUILD_TYPE=Release
+$ make -j8 2>&1 | tee build.log
+$ ./run_tests --filter "parser.*"
+
+# settings.yaml
+server:
+  host: 0.0.0.0
+  port: 8080
+  workers: 4
+logging:
+  level: info
+  file: /var/log/app.log
+features: [search, export, "dark-mode"]
+
+{"id": 1842, "name": "sensor-7", "readings": [12.5, 12.7, 13.1], "active": true, "tags": null}""",
+    # a letter
+    """Dear Ms. Okafor,
+
+Thank you for your letter of 14 March. I am sorry to hear that the replacement part arrived damaged. We have
+sent a new one by courier today (tracking number 7734-1190-52); it should reach you by Thursday. There is no
+need to return the broken part. Please let me know if anything else is wrong.
+
+Kind regards,
+Tomas Lindqvist
+Customer Service""",
+    # question and answer
+    """Q: Why does my bread come out dense?
+A: Usually the dough did not rise long enough, or the yeast was old. Test the yeast in warm water with a pinch
+of sugar: it should foam within ten minutes. Also check the flour; bread flour has more protein than cake flour
+and gives a lighter loaf.
+
+Q: Can I freeze it?
+A: Yes. Slice it first, wrap it well, and toast the slices straight from the freezer.""",
+    # mathematics
+    """Let f(x) = x^2 - 4x + 3. Then f(x) = (x - 1)(x - 3), so f has roots at x = 1 and x = 3, and its minimum is at
+x = 2, where f(2) = -1. The derivative is f'(x) = 2x - 4, and the area under f between 0 and 1 is
+1/3 - 2 + 3 = 4/3. In general, a quadratic ax^2 + bx + c has its vertex at x = -b / (2a).""",
+    # news style
+    """Heavy rain closed three roads in the northern valley on Tuesday, and about 1,200 homes were without power
+for several hours. The regional weather service said 85 millimetres fell in 24 hours, the most for that date
+since records began in 1951. Schools are expected to reopen on Wednesday.""",
+    # other languages
+    """Le marché ouvre à sept heures. Les premiers clients arrivent avant que les marchands aient fini d'installer
+leurs étals : ils veulent les meilleures tomates et le pain encore chaud.
+
+Am Wochenende fahren wir mit dem Fahrrad an den See. Wenn das Wetter gut bleibt, nehmen wir das Zelt mit und
+übernachten am Ufer.
+
+La biblioteca del barrio amplió su horario: ahora abre de lunes a sábado, de nueve de la mañana a ocho de la
+noche, y presta también herramientas y juegos de mesa.
+
+O trem atrasou vinte minutos, mas ninguém reclamou; a paisagem da serra compensava a espera.
+
+今日は朝から雨が降っていたので、家で本を読んで過ごしました。
+
+我们明天早上八点在图书馆门口见面，然后一起去博物馆。
+
+Сегодня вечером мы будем готовить суп из свёклы и капусты.""",
+    # poem-like text
+    """Morning, and the kettle sings;
+the window fogs, the radio hums.
+Somewhere a door, somewhere a bell,
+and the long grey street begins.""",
+    # log lines
+    """2024-05-02 10:14:03 INFO  worker-3 started job 5521 (queue=default, attempts=1)
+2024-05-02 10:14:07 WARN  worker-3 slow response from db-2: 1840 ms
+2024-05-02 10:14:09 ERROR worker-3 job 5521 failed: TimeoutError('connection reset by peer')
+2024-05-02 10:14:09 INFO  scheduler retrying job 5521 in 30 s""",
+)
+
+CALIBRATION_TEXT = "\n\n".join(_PIECES)
+
+
+def calibration_tokens(tokenizer, text: Optional[str] = None, n_seq: int = 16, seq_len: int = 256,
+                       builtin_share: float = 0.5) -> torch.Tensor:
+    """Token ids [n_seq, seq_len] for calibration: ``text`` mixed with kbit's built-in ``CALIBRATION_TEXT``.
+
+    ``builtin_share`` of the sequences (rounded, at least one when ``text`` is None) are cut from the built-in text,
+    the rest from ``text`` (the user's). Each source is tokenized once, repeated if it is shorter than needed, and
+    cut into consecutive sequences; the sequences of the two sources alternate.
+    """
+    if not 0.0 <= builtin_share <= 1.0:
+        raise ValueError(f"builtin_share must be in [0, 1], got {builtin_share}")
+    if n_seq < 1 or seq_len < 2:
+        raise ValueError(f"n_seq must be >= 1 and seq_len >= 2, got n_seq={n_seq}, seq_len={seq_len}")
+    n_builtin = n_seq if text is None else round(n_seq * builtin_share)
+
+    def sequences(source: str, n: int) -> list:
+        if n == 0:
+            return []
+        ids = torch.as_tensor(tokenizer(source, return_tensors="pt")["input_ids"][0], dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError("calibration text gives no tokens")
+        ids = ids.repeat(-(-n * seq_len // ids.numel()))
+        return list(ids[:n * seq_len].reshape(n, seq_len))
+
+    builtin, user = sequences(CALIBRATION_TEXT, n_builtin), sequences(text or "", n_seq - n_builtin)
+    mixed = [s for pair in zip(user, builtin) for s in pair] + user[len(builtin):] + builtin[len(user):]
+    return torch.stack(mixed)
+
+
+def default_calibration(model, tokenizer=None) -> torch.Tensor:
+    """``calibration_tokens(tokenizer)`` (the built-in text only); ``tokenizer`` defaults to the transformers
+    tokenizer saved with ``model`` (``model.config._name_or_path``). Raises ValueError when there is none."""
+    if tokenizer is None:
+        path = getattr(getattr(model, "config", None), "_name_or_path", None)
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # no transformers, no path, no tokenizer files there, ...
+            raise ValueError(
+                f"no calibration was given, and kbit's built-in calibration text needs a tokenizer: none was passed "
+                f"and none loads from the model's path {path!r} ({type(e).__name__}); pass calibration= (token ids "
+                f"[n_seq, seq_len]) or tokenizer=") from None
+    return calibration_tokens(tokenizer)
