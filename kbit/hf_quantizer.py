@@ -9,9 +9,9 @@ quantized the moment transformers reads it from the checkpoint, and its layer re
 then (``kbit.hf_quantize_op``); so is each projection of a fused mixture-of-experts module
 (``kbit.nn.experts_targets``: ``gate_up_proj`` and ``down_proj``, each assembled by transformers from the
 checkpoint's per-expert weights), the module replaced by a ``KbitExperts`` once both are in. Host memory
-peaks near the quantized model plus one layer in full precision. The calibrated method (``method="gptq"``) needs
-every layer's inputs, which only the whole model produces: the checkpoint is loaded in full precision and the
-model then quantized block by block (``kbit.quantize_model``, as transformers' GPTQ integration does), so host
+peaks near the quantized model plus one layer in full precision. The other methods (``"mse"``, ``"gptq"``) go
+through ``kbit.quantize_model`` once the checkpoint is loaded in full precision (gptq needs every layer's inputs,
+which only the whole model produces, and runs block by block, as transformers' GPTQ integration does), so host
 memory peaks at the full-precision model plus its quantized copy. Loading a kbit folder builds ``KbitLinear`` and
 ``KbitExperts`` modules for the layers the checkpoint holds quantized (``kbit.hf_format``) and checks every loaded
 tensor as untrusted input.
