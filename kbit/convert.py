@@ -192,10 +192,15 @@ def quantize_directory(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    method: str = "rtn",
+    calibration: Optional[str] = None,
+    rotate: bool = False,
 ) -> dict:
     """Quantize the transformers model in ``model_dir`` while loading it and save it to ``out_dir``.
 
-    Raises ``ConversionError`` (with the reason) for directories it cannot convert. Returns a
+    ``method``, ``rotate``: as ``kbit.KbitConfig``; ``calibration``: a text file for ``method="gptq"``, tokenized
+    with the model's tokenizer (``calibration_ids``). Raises ``ConversionError`` (with the reason) for directories
+    it cannot convert. Returns a
     summary dict (layer count, share of the weights quantized, sizes, output path).
     """
     from ._atomic import atomic_directory
@@ -225,6 +230,11 @@ def quantize_directory(
     if dtype not in _DTYPES and dtype != "auto":
         raise ConversionError(f"dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
     torch_dtype = _pick_dtype(dtype, raw)
+    if method == "gptq" and calibration is None:
+        raise ConversionError("--method gptq needs --calibration FILE (a text file, tokenized with the model's "
+                              "tokenizer)")
+    if calibration is not None and method != "gptq":
+        raise ConversionError(f"--calibration is used by --method gptq only, got --method {method}")
 
     try:
         import transformers
@@ -241,10 +251,17 @@ def quantize_directory(
             f"{raw['model_type']!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
         ) from None
     cls = _resolve_class(transformers, config, raw, trust_remote_code)
-    qconfig = KbitConfig(bits=bits, skip=skip, **({} if min_features is None else {"min_features": min_features}))
+    if calibration is not None:
+        calibration = calibration_ids(model_dir, Path(calibration), trust_remote_code)
+    qconfig = KbitConfig(bits=bits, skip=skip, method=method, calibration=calibration, rotate=rotate,
+                         **({} if min_features is None else {"min_features": min_features}))
+    saved = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if dtype == "auto" and saved != str(torch_dtype).replace("torch.", ""):
+        log(f"kbit: {saved} checkpoint: its layers kept in full precision become float16, the dtype the kbit "
+            "kernels compute in (--dtype float32 or bfloat16 to choose)")
 
     log(f"kbit: loading {getattr(cls, '__name__', cls)} from {model_dir} ({str(torch_dtype).replace('torch.', '')}) "
-        f"and quantizing its layers to {bits} bits")
+        f"and quantizing its layers to {bits} bits ({method}{', rotated' if rotate else ''})")
     t0 = time.perf_counter()
     kwargs = {dtype_kwarg(): torch_dtype, "quantization_config": qconfig, "device_map": device}
     if trust_remote_code:
@@ -276,6 +293,30 @@ def quantize_directory(
     )
     return {"out_dir": str(out_dir), "layers": len(layers), "bits": bits, "quantized_fraction": fraction,
             "linear_bytes_before": fp_bytes, "linear_bytes_after": q_bytes, "total_bytes": total, "copied": copied}
+
+
+CALIBRATION_WINDOWS, CALIBRATION_TOKENS = 16, 512  # docs/QUALITY.md's gptq calibration: 16 x 512 tokens
+
+
+def calibration_ids(model_dir: Path, text_file: Path, trust_remote_code: bool = False) -> torch.Tensor:
+    """Token ids [n_seq, seq_len] for gptq: ``text_file`` tokenized with the model's tokenizer and cut into at most
+    ``CALIBRATION_WINDOWS`` windows of ``CALIBRATION_TOKENS`` tokens (one shorter window for a short text)."""
+    import transformers
+
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConversionError(f"--calibration {text_file}: cannot read it as UTF-8 text ({e})") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"--calibration needs the model's tokenizer in {model_dir}: {e}") from None
+    ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    if ids.numel() == 0:
+        raise ConversionError(f"--calibration {text_file} holds no text")
+    seq_len = min(CALIBRATION_TOKENS, ids.numel())
+    windows = min(CALIBRATION_WINDOWS, ids.numel() // seq_len)
+    return ids[:windows * seq_len].reshape(windows, seq_len)
 
 
 # ---------------------------------------------------------------------- CLI
@@ -311,6 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeatable (default: lm_head, the output embeddings and tied weights)")
     p.add_argument("--min-features", type=int, default=None,
                    help="leave layers with min(in, out) below this in high precision (default: kbit's)")
+    p.add_argument("--method", default="rtn", choices=("rtn", "mse", "gptq"),
+                   help="rtn (default, each layer quantized as it is read), mse (data-free, fitted codebooks) or gptq "
+                        "(calibrated, needs --calibration; the most accurate with --rotate, docs/QUALITY.md)")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help=f"gptq's calibration text (UTF-8), tokenized with the model's tokenizer; up to "
+                        f"{CALIBRATION_WINDOWS} x {CALIBRATION_TOKENS} tokens are used")
+    p.add_argument("--rotate", action="store_true",
+                   help="quantize each layer in a rotated basis of its inputs (lower error, a small extra cost)")
     p.add_argument("--dtype", default="auto", choices=("auto", *_DTYPES),
                    help="dtype of the layers kept in high precision (default: the checkpoint's if fp16/bf16, else fp16)")
     p.add_argument("--device", default="cpu", help="device to quantize on, e.g. cuda (default cpu)")
@@ -331,7 +380,8 @@ def cli_quantize(argv: Optional[Sequence[str]] = None) -> int:
         quantize_directory(
             args.model_dir, args.out, bits=args.bits, skip=args.skip, min_features=args.min_features,
             dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-            overwrite=args.overwrite, progress=not args.no_progress,
+            overwrite=args.overwrite, progress=not args.no_progress, method=args.method,
+            calibration=args.calibration, rotate=args.rotate,
             log=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
     except ConversionError as e:

@@ -5,7 +5,10 @@ sometimes computes with it (``F.linear(x, proj.weight)``). A ``DequantizedWeight
 original weight without computing anything, and dequantizes only inside an operation that reads its values; the
 result of that operation is a plain tensor and nothing is kept, so holding the view holds no full-precision copy.
 
-It is read-only: an in-place operation on it raises (it would change a temporary copy, not the stored weight).
+It is read-only: an in-place operation on it, on its ``.data`` (which is itself) or assigning ``.data`` raises
+``TypeError`` (it would change a temporary copy, not the stored weight; writing the stored one would re-quantize
+it). That is also what refuses PEFT's ``merge_and_unload`` on a kbit layer. ``.tolist()`` and ``.numpy()`` give the
+dequantized values, as any operation does.
 The weight of a rotated layer (``kbit.rotation``) is the un-rotated one, in the layer's own input basis.
 """
 
@@ -26,6 +29,10 @@ __all__ = ["DequantizedWeight"]
 # Names of the tensors a QuantizedWeight holds (``QuantizedWeight.resident``), in the storage format or GEMM-resident.
 _STORAGE = ("packed", "absmax", "codebook", "scale")
 _GEMM_RESIDENT = ("gemm_codes", "gemm_absmax", "codebook", "scale")
+_READ_ONLY = ("a KbitLinear's weight is stored quantized and is read-only: writing it (or merging a LoRA adapter "
+              "into it) would re-quantize it, lossy. dequantize() it for a writable copy; to merge an adapter, load "
+              "the model in full precision, apply the adapter there (PeftModel.from_pretrained) and "
+              "merge_and_unload() that")
 
 
 class DequantizedWeight(Tensor):
@@ -57,6 +64,21 @@ class DequantizedWeight(Tensor):
         w = self.rotation.unrotate(self.qweight.dequantize(torch.float32))
         return warn_overflow(w.to(self.qweight.dtype if dtype is None else dtype), self.qweight.dtype)
 
+    # Tensor's own .data of a wrapper is a storage-less plain tensor that accepts writes and drops them.
+    @property
+    def data(self) -> "DequantizedWeight":
+        return self
+
+    @data.setter
+    def data(self, value) -> None:
+        raise TypeError(f"assigning .data: {_READ_ONLY}")
+
+    def tolist(self) -> list:
+        return self.dequantize().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.dequantize().numpy(force=force)
+
     def __repr__(self, *, tensor_contents=None) -> str:  # printing must not dequantize
         qw = self.qweight
         return (f"DequantizedWeight(shape={list(qw.shape)}, dtype={str(qw.dtype).replace('torch.', '')}, "
@@ -70,8 +92,7 @@ class DequantizedWeight(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func._schema.is_mutable:
-            raise TypeError(f"{func.__name__}: a KbitLinear's weight is stored quantized and is read-only; "
-                            "dequantize() it for a writable copy")
+            raise TypeError(f"{func.__name__}: {_READ_ONLY}")
 
         def materialize(t):
             return t.dequantize() if isinstance(t, DequantizedWeight) else t

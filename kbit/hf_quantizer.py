@@ -9,7 +9,10 @@ quantized the moment transformers reads it from the checkpoint, and its layer re
 then (``kbit.hf_quantize_op``); so is each projection of a fused mixture-of-experts module
 (``kbit.nn.experts_targets``: ``gate_up_proj`` and ``down_proj``, each assembled by transformers from the
 checkpoint's per-expert weights), the module replaced by a ``KbitExperts`` once both are in. Host memory
-peaks near the quantized model plus one layer in full precision. Loading a kbit folder builds ``KbitLinear`` and
+peaks near the quantized model plus one layer in full precision. The other methods (``"mse"``, ``"gptq"``) go
+through ``kbit.quantize_model`` once the checkpoint is loaded in full precision (gptq needs every layer's inputs,
+which only the whole model produces, and runs block by block, as transformers' GPTQ integration does), so host
+memory peaks at the full-precision model plus its quantized copy. Loading a kbit folder builds ``KbitLinear`` and
 ``KbitExperts`` modules for the layers the checkpoint holds quantized (``kbit.hf_format``) and checks every loaded
 tensor as untrusted input.
 
@@ -36,8 +39,10 @@ from . import hf_format
 from ._progress import Progress
 from ._validate import check_int, check_skip, codebook_values
 from .bit_budget import check_bits_setting
+from .calibration import check_calibration
+from .methods import check_method
 from .moe import FUSED_PARAMETERS, KbitExperts
-from .nn import KbitLinear, experts_targets, linear_targets, quantized_fraction
+from .nn import KbitLinear, experts_targets, linear_targets, quantize_model, quantized_fraction
 
 __all__ = ["KbitConfig", "KbitHfQuantizer", "register", "record_quantization", "default_skip"]
 
@@ -58,13 +63,19 @@ class KbitConfig(QuantizationConfigMixin):
         min_features: layers with ``min(in_features, out_features)`` below this stay in full precision.
         codebook: a custom codebook, 2**bits sorted values with max |value| 1; default: normal-float.
         rotate: quantize each layer in a rotated basis of its input features (as ``kbit.quantize_model``).
+        method: ``"rtn"`` (default, quantized as each weight is read), ``"mse"`` (data-free, fitted codebooks) or
+            ``"gptq"`` (calibrated; ``method="gptq", rotate=True`` is the most accurate, docs/QUALITY.md); the
+            last two quantize the loaded model (module docstring). Saved in config.json.
+        calibration: what ``method="gptq"`` and a bit budget run through the model (``kbit.quantize_model``'s
+            forms: token ids [n_seq, seq_len] or a list of dicts of model inputs); default: kbit's built-in text,
+            tokenized with the model's tokenizer; used by no other setting, never saved.
 
     ``format_version`` is the version of the saved format; a folder from a newer kbit is refused with a message.
     """
 
     def __init__(self, bits: int = 4, skip=None, min_features: int = 128, codebook=None,
                  format_version: int = hf_format.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
-                 kbit_version: Optional[str] = None, rotate: bool = False):
+                 kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None):
         from . import __version__
 
         if quant_method != QUANT_METHOD:
@@ -83,11 +94,21 @@ class KbitConfig(QuantizationConfigMixin):
         if not isinstance(rotate, bool):
             raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
         self.rotate = rotate
+        self.method = check_method(method)
+        if calibration is not None:
+            if self.method != "gptq" and isinstance(self.bits, int):
+                raise ValueError(f"calibration is used by method='gptq' and bit budgets only, got "
+                                 f"method={self.method!r} and bits={self.bits!r}")
+            check_calibration(calibration)
+        self.calibration = calibration
         self.format_version = format_version
         self.kbit_version = kbit_version or __version__
 
     def codebook_tensor(self) -> Optional[torch.Tensor]:
         return None if self.codebook is None else torch.tensor(self.codebook, dtype=torch.float32)
+
+    def to_dict(self) -> dict:  # config.json: the settings, not the calibration data
+        return {key: value for key, value in super().to_dict().items() if key != "calibration"}
 
     def to_diff_dict(self) -> dict:  # every field: early transformers 5.x have no default for this
         return self.to_dict()
@@ -129,6 +150,13 @@ class KbitHfQuantizer(HfQuantizer):
             raise ValueError("kbit layers cannot be offloaded to disk: give device_map only cpu and cuda devices")
 
     @property
+    def quantized_while_loading(self) -> bool:
+        """rtn at one K quantizes each weight as it is read; the other methods and per-layer K (which needs every
+        layer's sensitivity) quantize the loaded model."""
+        config = self.quantization_config
+        return not self.pre_quantized and config.method == "rtn" and isinstance(config.bits, int)
+
+    @property
     def quantized_element_size(self) -> float:  # transformers' memory planning for weights quantized on load
         bits = self.quantization_config.bits
         return (max(bits.values()) if isinstance(bits, dict) else bits) / 8
@@ -140,9 +168,9 @@ class KbitHfQuantizer(HfQuantizer):
             hf_format.swap_in_kbit_experts(model, experts)
             self._saved_names = sorted(layers)
             return
+        if not self.quantized_while_loading:
+            return
         config = self.quantization_config
-        if not isinstance(config.bits, int):
-            return  # per-layer bits: quantized once the whole model is loaded
         skip = default_skip(model) if config.skip is None else config.skip
         targets, _, _ = linear_targets(model, skip, config.min_features)
         experts, _, _, unsupported = experts_targets(model, skip, config.min_features)
@@ -155,7 +183,7 @@ class KbitHfQuantizer(HfQuantizer):
         self.progress = Progress(total, "kbit: quantized while loading", bar=False, log=logger.info)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        if self.pre_quantized:
+        if not self.quantized_while_loading:
             return False
         module_name, _, tensor_name = param_name.rpartition(".")
         if tensor_name == "weight":
@@ -183,12 +211,11 @@ class KbitHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             return model
         config = self.quantization_config
-        if not isinstance(config.bits, int):  # the choice of K needs every layer and calibration: done now
-            from .nn import quantize_model
-
-            skip = default_skip(model) if config.skip is None else config.skip
-            return quantize_model(model, bits=config.bits, skip=skip, min_features=config.min_features,
-                                  rotate=config.rotate, progress=False)
+        if not self.quantized_while_loading:  # the whole model is loaded: quantize it block by block
+            quantize_model(model, config.bits, config.codebook_tensor(),
+                           default_skip(model) if config.skip is None else config.skip, config.min_features,
+                           method=config.method, calibration=config.calibration, rotate=config.rotate)
+            return model
         incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()
                       for missing in FUSED_PARAMETERS if missing not in loaded]
         if incomplete:
@@ -198,6 +225,11 @@ class KbitHfQuantizer(HfQuantizer):
                    f"{config.bits} bits ({layers} layers)")
         logger.info(summary)
         return model
+
+    def _dequantize(self, model, dtype=None):  # model.dequantize(): kbit layers back to full precision
+        from .hf_dequantize import dequantize_model
+
+        return dequantize_model(model, dtype)
 
     def get_state_dict_and_metadata(self, model, *args, **kwargs):
         return hf_format.saved_state_dict(model), {}

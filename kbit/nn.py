@@ -86,8 +86,13 @@ def _same_tensors(a, b) -> bool:
     return True
 
 
-class KbitLinear(nn.Module):
+class KbitLinear(nn.Linear):
     """``y = x @ W_hat.T + bias`` with ``W_hat`` stored quantized to ``bits`` bits per weight (``kbit.matmul``).
+
+    It subclasses ``nn.Linear`` (as bitsandbytes' quantized layers do) so that code which picks layers by type treats
+    it as one: PEFT's LoRA wraps it with its own ``lora.Linear`` (``get_peft_model``, ``target_modules="all-linear"``),
+    with no kbit-specific step. It shares none of ``nn.Linear``'s state: ``weight`` is a read-only view of the
+    quantized storage (``DequantizedWeight``), not a parameter.
 
     Args:
         in_features, out_features: the shape of the original ``nn.Linear``.
@@ -119,7 +124,7 @@ class KbitLinear(nn.Module):
         codebook: Optional[Tensor] = None,
         rotation_block: int = 0,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a full-precision weight
         bits = check_bits(bits)
         in_features, out_features = check_int(in_features, "in_features", 1), check_int(out_features, "out_features", 1)
         check_dtype(dtype, "dtype")
@@ -205,8 +210,8 @@ class KbitLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: Optional[Tensor] = None) -> "KbitLinear":
         """Quantize an ``nn.Linear`` (on its own device) into a new ``KbitLinear``."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        if not isinstance(linear, nn.Linear) or isinstance(linear, KbitLinear):
+            raise TypeError(f"linear must be an nn.Linear (not already a KbitLinear), got {type(linear).__name__}")
         w = linear.weight
         if w.device.type == "meta":
             raise ValueError("cannot quantize a Linear whose weight is on the meta device (it holds no values); "
@@ -285,6 +290,9 @@ class KbitLinear(nn.Module):
         it (``F.linear(x, layer.weight)``) dequantizes (and un-rotates) for that operation only. Not a parameter
         or buffer, so ``state_dict`` holds only the quantized storage."""
         return DequantizedWeight(self.qweight, self.rotation)
+
+    def reset_parameters(self) -> None:  # nn.Linear's would write random values into the read-only weight
+        raise TypeError("a KbitLinear's weight is stored quantized and cannot be re-initialized")
 
     def forward(self, x: Tensor) -> Tensor:
         rotation = self.rotation
@@ -427,7 +435,7 @@ def linear_targets(model: nn.Module, skip: Iterable[str], min_features: int):
     targets, skipped, small = [], 0, 0
     for name, m in model.named_modules(remove_duplicate=False):
         features = linear_features(m)
-        if features is None:
+        if features is None or isinstance(m, KbitLinear):  # a KbitLinear is an nn.Linear, already quantized
             continue
         if id(m) in mha_children or _matches(name, skip):
             skipped += 1

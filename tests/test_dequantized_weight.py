@@ -56,12 +56,32 @@ def test_operations_see_the_dequantized_values(layer):
 def test_the_weight_is_read_only(layer):
     before = layer.packed.clone()
     for write in (lambda w: w.mul_(2), lambda w: w.zero_(), lambda w: w.copy_(torch.zeros(48, 72)),
-                  lambda w: nn.init.normal_(w)):
+                  lambda w: nn.init.normal_(w), lambda w: w.data.zero_(), lambda w: w.data.add_(1),
+                  lambda w: setattr(w, "data", torch.zeros(48, 72, dtype=torch.bfloat16))):
         with pytest.raises(TypeError, match="read-only"):
             write(layer.weight)
     assert torch.equal(layer.packed, before)
     with pytest.raises((AttributeError, KeyError)):  # a property, not a parameter slot
         layer.weight = nn.Parameter(torch.zeros(48, 72))
+
+
+def test_tolist_and_numpy_give_the_dequantized_values(layer):
+    w_hat = layer.dequantize().float()
+    assert layer.weight.float().tolist() == w_hat.tolist()
+    assert torch.tensor(layer.weight.tolist(), dtype=torch.bfloat16).equal(layer.dequantize())
+    f32 = kbit.KbitLinear.from_linear(nn.Linear(40, 8), bits=4)
+    assert (f32.weight.numpy() == f32.dequantize().numpy()).all()
+
+
+def test_a_kbit_layer_is_an_nn_linear_that_quantize_model_leaves_alone(layer):
+    assert isinstance(layer, nn.Linear) and "weight" not in dict(layer.named_parameters())
+    with pytest.raises(TypeError, match="re-initialized"):
+        layer.reset_parameters()
+    with pytest.raises(TypeError, match="not already a KbitLinear"):
+        kbit.KbitLinear.from_linear(layer)
+    model = nn.Sequential(layer)
+    with pytest.warns(UserWarning, match="nothing to quantize"):
+        assert kbit.quantize_model(model, bits=4, min_features=1, progress=False)[0] is layer
 
 
 def test_follows_the_layer(layer):

@@ -1,6 +1,9 @@
-"""PEFT LoRA on kbit layers (kbit.lora): adapters train through kbit.matmul while the k-bit weights stay frozen."""
+"""PEFT LoRA on kbit models through PEFT's own calls (get_peft_model, PeftModel.from_pretrained): adapters train
+through kbit.matmul while the k-bit weights stay frozen, save, reload, stack; merging is refused."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -10,43 +13,59 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import kbit  # noqa: E402
-import kbit.lora  # noqa: E402
 from kbit.hf import from_config  # noqa: E402
 
 VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=256)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)),
+}
 
 
-@pytest.fixture
-def model(tmp_path):
-    """A tiny Llama quantized while loading (K=4), as a user of from_pretrained gets it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, one_thread):
+    """Each family's tiny random model saved once in full precision (fp32)."""
+    out = {}
+    for family, (config_name, class_name, extra) in FAMILIES.items():
+        path = tmp_path_factory.mktemp(family)
+        config = getattr(transformers, config_name)(**COMMON, **extra)
+        from_config(getattr(transformers, class_name), config, dtype=torch.float32).save_pretrained(str(path))
+        out[family] = str(path)
+    return out
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2)
-    from_config(LlamaForCausalLM, config, dtype=torch.float32).save_pretrained(str(tmp_path))
-    return transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=kbit.KbitConfig(bits=4))
+
+@pytest.fixture(scope="module")
+def models(folders):
+    """Each folder quantized while loading (K=4), as a user of from_pretrained gets it; tests take copies."""
+    return {family: transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=kbit.KbitConfig(bits=4))
+            for family, path in folders.items()}
 
 
 def lora_config(**kwargs):
-    return kbit.lora.register(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **kwargs))
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **kwargs)
 
 
-def test_peft_refuses_kbit_layers_without_registration(model):
-    with pytest.raises(ValueError, match="not supported"):
-        peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+def lora_layers(pm):
+    return {n: m for n, m in pm.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
 
 
-def test_lora_trains_through_kbit_layers(model):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_plain_peft_trains_saves_and_reloads(models, family, tmp_path):
+    model = copy.deepcopy(models[family])
+    if family == "qwen3_moe":
+        assert any(isinstance(m, kbit.KbitExperts) for m in model.modules())
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         base_logits = model(ids).logits
     frozen = {name: t.clone() for name, t in model.state_dict().items()}
-    pm = peft.get_peft_model(model, lora_config())
-    wrapped = pm.base_model.model.model.layers[0].self_attn.q_proj
-    assert isinstance(wrapped, kbit.lora.KbitLoraLinear) and isinstance(wrapped.base_layer, kbit.KbitLinear)
+    pm = peft.get_peft_model(model, lora_config(modules_to_save=["lm_head"]))
+    layers = lora_layers(pm)
+    assert len(layers) == 2 * 2 and all(isinstance(m.get_base_layer(), kbit.KbitLinear) for m in layers.values())
     trainable = {n for n, p in pm.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    assert len(trainable) == 2 * 2 * 2  # A and B, q and v, two layers
+    assert sum("lora_" in n for n in trainable) == 2 * 2 * 2  # A and B, q and v, two layers
+    assert trainable - {n for n in trainable if "lora_" in n} == {"base_model.model.lm_head.modules_to_save.default.weight"}
     with torch.no_grad():  # LoRA B starts at zero: the model is unchanged
         assert torch.equal(pm(ids).logits, base_logits)
 
@@ -65,39 +84,85 @@ def test_lora_trains_through_kbit_layers(model):
 
     state = pm.base_model.model.state_dict()
     for name, t in frozen.items():  # the quantized storage (and every other base tensor) is untouched
-        key = name if name in state else name.replace(".q_proj.", ".q_proj.base_layer.").replace(
-            ".v_proj.", ".v_proj.base_layer.")
+        key = name.replace(".q_proj.", ".q_proj.base_layer.").replace(".v_proj.", ".v_proj.base_layer.")
+        key = key.replace("lm_head.", "lm_head.original_module.")
         assert torch.equal(state[key], t), name
-    # the adapted layer computes x @ (W_hat + s * B @ A).T
+    # an adapted layer computes x @ (W_hat + s * B @ A).T
+    wrapped = next(iter(layers.values()))
     x = torch.randn(3, 128)
     delta = wrapped.lora_B["default"].weight @ wrapped.lora_A["default"].weight * wrapped.scaling["default"]
     with torch.no_grad():
-        torch.testing.assert_close(wrapped(x), x @ (wrapped.base_layer.dequantize() + delta).T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(wrapped(x), x @ (wrapped.get_base_layer().dequantize() + delta).T,
+                                   rtol=1e-5, atol=1e-5)
+        expect = pm(ids).logits
+
+    pm.save_pretrained(str(tmp_path / "adapter"))
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(models[family]), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, expect)  # adapters and the trained lm_head copy came back
 
 
-def test_adapters_save_and_load(model, tmp_path):
+def test_several_adapters(models, tmp_path):
+    model = copy.deepcopy(models["llama"])
+    ids = torch.randint(0, VOCAB, (1, 7))
     pm = peft.get_peft_model(model, lora_config())
+    pm.add_adapter("other", peft.LoraConfig(r=2, target_modules=["o_proj"]))
     with torch.no_grad():
         for name, p in pm.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    ids = torch.randint(0, VOCAB, (1, 7))
+        outputs = {}
+        for adapter in ("default", "other"):
+            pm.set_adapter(adapter)
+            outputs[adapter] = pm(ids).logits
+    assert not torch.equal(outputs["default"], outputs["other"])
+    pm.save_pretrained(str(tmp_path / "adapters"))  # "other" goes to a subfolder of its name
+
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(models["llama"]), str(tmp_path / "adapters"))
+    again.load_adapter(str(tmp_path / "adapters" / "other"), adapter_name="other")
     with torch.no_grad():
-        expect = pm(ids).logits
-    pm.save_pretrained(str(tmp_path / "adapter"))
-    base = pm.unload()  # the kbit model without adapters
-    config = kbit.lora.register(peft.LoraConfig.from_pretrained(str(tmp_path / "adapter")))
-    again = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"), config=config)
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, expect)
+        for adapter in ("default", "other"):
+            again.set_adapter(adapter)
+            assert torch.equal(again(ids).logits, outputs[adapter]), adapter
 
 
-def test_merge_is_refused(model):
-    pm = peft.get_peft_model(model, lora_config())
-    with pytest.raises(NotImplementedError, match="re-quantize"):
-        pm.merge_and_unload()
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_is_refused(models, safe_merge):
+    pm = peft.get_peft_model(copy.deepcopy(models["llama"]), lora_config())
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        before = pm(ids).logits
+    with pytest.raises(TypeError, match="re-quantize"):
+        pm.merge_and_unload(safe_merge=safe_merge)
+    assert not any(m.merged for m in lora_layers(pm).values())
+    with torch.no_grad():  # nothing was merged, nothing lost
+        assert torch.equal(pm(ids).logits, before)
+
+
+def test_register_is_deprecated_and_harmless(models):
+    import kbit.lora
+
+    config = lora_config()
+    with pytest.warns(DeprecationWarning, match="no longer needed"):
+        assert kbit.lora.register(config) is config
+    assert config._custom_modules is None
     with pytest.raises(TypeError, match="LoraConfig"):
         kbit.lora.register({"r": 4})
+    with pytest.warns(DeprecationWarning):
+        pm = peft.get_peft_model(copy.deepcopy(models["llama"]), kbit.lora.register(lora_config()))
+    assert len(lora_layers(pm)) == 4
+
+
+def test_all_linear_targets_the_kbit_layers(models):
+    model = copy.deepcopy(models["llama"])
+    kbit_names = {n for n, m in model.named_modules() if isinstance(m, kbit.KbitLinear)}
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules="all-linear"))
+    wrapped = {n.removeprefix("base_model.model.") for n in lora_layers(pm)}
+    assert wrapped == kbit_names  # every projection; lm_head is PEFT's to leave out
 
 
 def test_lora_on_a_gpt2_conv1d_model():
@@ -106,14 +171,14 @@ def test_lora_on_a_gpt2_conv1d_model():
 
     config = GPT2Config(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=128, n_positions=32)
     q = kbit.quantize_model(from_config(GPT2LMHeadModel, config).eval(), bits=4, progress=False)
-    pm = peft.get_peft_model(q, kbit.lora.register(peft.LoraConfig(r=4, target_modules=["c_attn"],
-                                                                     fan_in_fan_out=True)))
+    with pytest.warns(UserWarning, match="fan_in_fan_out"):  # PEFT's note: the layer is an nn.Linear
+        pm = peft.get_peft_model(q, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
     layer = pm.base_model.model.transformer.h[0].attn.c_attn
-    assert isinstance(layer, kbit.lora.KbitLoraLinear) and not layer.fan_in_fan_out
+    assert isinstance(layer.base_layer, kbit.KbitLinear) and not layer.fan_in_fan_out
     assert layer.lora_A["default"].weight.shape == (4, 128) and layer.lora_B["default"].weight.shape == (384, 4)
     ids = torch.randint(0, VOCAB, (1, 6))
     loss = pm(input_ids=ids, labels=ids).loss
     loss.backward()
     assert layer.lora_A["default"].weight.grad is not None
-    assert isinstance(layer.base_layer, kbit.KbitLinear) and type(layer.base_layer.weight) is kbit.DequantizedWeight
-    assert not any(isinstance(m, nn.Linear) and "c_attn" in n for n, m in pm.named_modules() if "lora" not in n)
+    assert type(layer.base_layer.weight) is kbit.DequantizedWeight
+    assert not any(type(m) is nn.Linear and "c_attn" in n for n, m in pm.named_modules() if "lora_" not in n)

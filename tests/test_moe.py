@@ -22,6 +22,8 @@ from test_formats import DTYPES, KS, _name
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
 TOP_KS = (1, 2, 4, 6, 8)
 ROUTINGS = ("random", "one_expert", "some_empty", "unrouted")
 
@@ -404,7 +406,9 @@ def logits(model, ids):
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# Every family in CI (-m slow); by default the plain one and the one with shared experts, dense first layers and MLA.
+@pytest.fixture(scope="module", params=[f if f in ("qwen3_moe", "deepseek_v2") else pytest.param(f, marks=pytest.mark.slow)
+                                        for f in FAMILIES])
 def moe_pair(request):
     """(original fp32 model, K=4 quantized copy) per family."""
     torch.manual_seed(4321)
@@ -483,8 +487,9 @@ def _perturb(m: nn.Module) -> None:
             p.add_(torch.randn_like(p) * 0.01)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_name)
-@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("k, dtype", [  # every pair in CI (-m slow)
+    pytest.param(k, dtype, marks=() if (k, dtype) in ((4, torch.float16), (2, torch.bfloat16)) else pytest.mark.slow,
+                 id=f"{k}-{_name(dtype)}") for k in KS for dtype in (torch.bfloat16, torch.float16)])
 def test_quantize_model_16_bit_moe(k, dtype):
     model = tiny_moe("qwen3_moe", dtype)
     q = kbit.quantize_model(copy.deepcopy(model), bits=k, progress=False)
@@ -579,6 +584,7 @@ def test_per_expert_linear_layout_is_quantized():
 
 
 # ----------------------------------------------------------------------------- end-to-end benchmark
+@pytest.mark.slow
 def test_e2e_benchmark_runs_a_tiny_qwen3_moe(tmp_path):
     """benchmarks/bench_e2e.py --model qwen3-moe in its CPU smoke size: both rows built, kbit's experts quantized,
     the static-cache decode equal to model.generate."""

@@ -33,7 +33,7 @@ def test_opcheck_quantize_dequantize(k):
     torch.library.opcheck(ops.quantize, (torch.randn(0), cb, k, scale))
 
 
-@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("k", [k if k == 4 else pytest.param(k, marks=pytest.mark.slow) for k in KS])
 def test_opcheck_repack_unrepack_gemm(k):
     N, K_dim = 100, 96
     _, cb, scale, packed, absmax = _storage(k, N, K_dim)
@@ -212,6 +212,7 @@ def test_weights_settled_once_read_at_their_version_and_address(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- torch.compile on CPU
+@pytest.mark.slow
 def test_compile_matmul_fullgraph():
     torch._dynamo.reset()
     qw = kbit.quantize(torch.randn(200, 96), bits=3)
@@ -259,6 +260,7 @@ class TinyLM(nn.Module):
         return self.lm_head(h)
 
 
+@pytest.mark.slow
 def test_compile_model_with_kbit_linear_fullgraph():
     torch._dynamo.reset()
     model = TinyLM().eval()

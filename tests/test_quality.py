@@ -57,6 +57,7 @@ def test_nf4_reference_matches_qlora_definition(eq):
         torch.testing.assert_close(dblk, expect)
 
 
+@pytest.mark.slow
 def test_minilm_k4_quality(eq):
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     sentences = eq.make_sentences(N_SENTENCES)

@@ -181,7 +181,6 @@ def test_rotation_round_trips_through_transformers(tmp_path):
 def test_lora_on_rotated_layers(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    import kbit.lora
 
     _, src = _tiny_llama_dir(tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, quantization_config=kbit.KbitConfig(
@@ -189,7 +188,7 @@ def test_lora_on_rotated_layers(tmp_path):
     ids = torch.randint(0, 320, (2, 12))
     with torch.no_grad():
         base = model(ids).logits
-    pm = peft.get_peft_model(model, kbit.lora.register(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
         assert torch.equal(pm(ids).logits, base)
     wrapped = pm.base_model.model.model.layers[0].self_attn.q_proj

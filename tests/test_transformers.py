@@ -24,6 +24,8 @@ import kbit  # noqa: E402
 from kbit import hf_quantize_op  # noqa: E402
 from kbit.hf import from_config  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320  # differs from every projection dimension, so no weight shape collides with the embedding's
 
@@ -169,7 +171,8 @@ def test_quantization_settings(tmp_path, caplog):
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "glm4_moe")
 
 
-@pytest.fixture(scope="module", params=MOE_FAMILIES)
+@pytest.fixture(scope="module", params=[f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow)
+                                        for f in MOE_FAMILIES])  # every family in CI (-m slow)
 def moe_loaded(request, tmp_path_factory):
     """(family, original model, its folder, quantized while loading, quantize_model of the original)."""
     from test_moe import tiny_moe

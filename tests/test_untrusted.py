@@ -118,6 +118,7 @@ def _assert_valid_weight(qw: kbit.QuantizedWeight):
     assert torch.equal(w, ref)
 
 
+@pytest.mark.slow  # fuzzing: CI runs it (-m slow)
 @FUZZ
 @given(mutated_states())
 def test_fuzz_quantized_weight_from_state_dict(case):
@@ -129,6 +130,7 @@ def test_fuzz_quantized_weight_from_state_dict(case):
     _assert_valid_weight(qw)
 
 
+@pytest.mark.slow  # fuzzing: CI runs it (-m slow)
 @FUZZ
 @given(mutated_states())
 def test_fuzz_kbit_linear_load_state_dict(case):
@@ -149,6 +151,7 @@ def test_fuzz_kbit_linear_load_state_dict(case):
     assert bool(torch.isfinite(y).all())
 
 
+@pytest.mark.slow  # fuzzing: CI runs it (-m slow)
 @FUZZ
 @given(
     st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
