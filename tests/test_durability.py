@@ -242,6 +242,32 @@ def test_lock_timeout_from_the_environment(monkeypatch):
     assert _build.lock_timeout() == _build.DEFAULT_LOCK_TIMEOUT_S
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0", "-1", "-0.5"])
+def test_lock_timeout_must_be_finite_and_positive(raw, monkeypatch):
+    """A NaN timeout never expires (every comparison with it is false); zero or less gives up at once."""
+    monkeypatch.setenv("KBIT_BUILD_LOCK_TIMEOUT", raw)
+    with pytest.raises(ValueError, match=f"KBIT_BUILD_LOCK_TIMEOUT must be a finite number of seconds above 0, "
+                                         f"got '{raw}'"):
+        _build.lock_timeout()
+
+
+@pytest.mark.parametrize("timeout, shown", [(0.25, "0.25 s"), (1.5, "1.5 s"), (2, "2 s"), (1800, "1800 s")])
+def test_build_lock_timeout_message_is_exact(timeout, shown, tmp_path, monkeypatch):
+    import fcntl
+    import types
+
+    # flock locks belong to an open file: a second open in this process waits like another process would
+    with open(tmp_path / _build.LOCK_NAME, "a+") as held:
+        held.write("4242")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        clock = iter(range(0, 10**6, 1000))  # each look at the clock is 1000 s later: gives up at the first poll
+        monkeypatch.setattr(_build, "time", types.SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda s: None))
+        with pytest.raises(TimeoutError, match=f"gave up after {shown} waiting for process 4242"):
+            with _build.build_lock(tmp_path, timeout=timeout):
+                pass
+
+
 @pytest.mark.parametrize("before", [None, "8.0"])
 def test_arch_list_is_restored_after_the_build(before, monkeypatch):
     if before is None:
