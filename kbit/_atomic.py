@@ -165,7 +165,7 @@ def _carry_over(old: Path, new: Path) -> None:
             shutil.copy2(p, new / p.name)
 
 
-def _fsync(path) -> None:
+def fsync_path(path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -179,8 +179,8 @@ def _fsync_tree(directory: Path) -> None:
         for name in files:
             path = os.path.join(root, name)
             if not os.path.islink(path):
-                _fsync(path)
-        _fsync(root)
+                fsync_path(path)
+        fsync_path(root)
 
 
 def _remove_old(old: Path) -> None:
@@ -222,10 +222,10 @@ def _replace(tmp: Path, target: Path) -> None:
     """Put ``tmp`` in ``target``'s place, make the parent's entries durable, then delete the old directory."""
     if not target.exists():
         os.rename(tmp, target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
         return
     if _exchange(tmp, target):
-        _fsync(target.parent)
+        fsync_path(target.parent)
         _remove_old(tmp)  # tmp now names the old directory
         return
     aside = target.parent / f".{target.name}{_OLD_MARK}{os.getpid()}"
@@ -235,5 +235,5 @@ def _replace(tmp: Path, target: Path) -> None:
     except BaseException:
         os.rename(aside, target)
         raise
-    _fsync(target.parent)
+    fsync_path(target.parent)
     _remove_old(aside)
