@@ -104,8 +104,8 @@ def build_lock(directory: Path, timeout: float, poll_s: float = 0.2) -> Iterator
                 holder = f.read().strip() or "unknown"
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
-                        f"kbit: gave up after {timeout:.15g} s waiting for process {holder} to finish building the CUDA "
-                        f"extension in {directory} (set KBIT_BUILD_LOCK_TIMEOUT to wait longer)") from None
+                        f"kbit: gave up after {timeout:.15g} s waiting for process {holder} to finish building the "
+                        f"CUDA extension in {directory} (set KBIT_BUILD_LOCK_TIMEOUT to wait longer)") from None
                 if not told:
                     print(f"kbit: waiting for process {holder}, which is building the CUDA extension in {directory}",
                           file=sys.stderr, flush=True)

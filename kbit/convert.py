@@ -3,9 +3,10 @@
 A thin wrapper over transformers: ``from_pretrained(<model-dir>, quantization_config=kbit.KbitConfig(...))``
 quantizes each layer as it is read (host memory peaks near the quantized model plus one layer in full precision,
 not at the full-precision model's size), then ``save_pretrained`` writes ``<dir>`` atomically, together with the
-source's tokenizer and other small files, once the written folder has loaded back (``kbit.hf.check_loads``). A
-failed write (a full disk, say) is a one-line error and leaves ``<dir>`` as it was. ``AutoModelForCausalLM.from_pretrained(<dir>)`` (after ``import kbit``)
-and ``AutoTokenizer.from_pretrained(<dir>)`` load the result.
+source's tokenizer and other small files, once the written folder has loaded back (``kbit.hf.check_loads``); a
+failed write (a full disk, say) is a one-line error and leaves ``<dir>`` as it was.
+``AutoModelForCausalLM.from_pretrained(<dir>)`` (after ``import kbit``) and ``AutoTokenizer.from_pretrained(<dir>)``
+load the result.
 
 Progress: transformers' bars on a terminal; in a log (stderr not a terminal), one line per tenth of the layers.
 """

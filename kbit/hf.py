@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -54,19 +55,17 @@ def check_ties(model: nn.Module) -> None:
     from .moe import KbitExperts
     from .nn import KbitLinear, tied_weights
 
-    for name, partner in tied_weights(model).items():
+    for name, (key, partner) in tied_weights(model).items():
         if isinstance(model.get_submodule(name), (KbitLinear, KbitExperts)):
             raise ValueError(
-                f"cannot save {type(model).__name__}: {name}.weight is tied to {partner} but {name} is quantized, so "
+                f"cannot save {type(model).__name__}: {key} is tied to {partner} but {name} is quantized, so "
                 "the saved folder would not load; keep it in full precision (kbit.quantize_model and KbitConfig do) "
-                "- nothing was written")
+                "- nothing written")
 
 
 def check_loads(model: nn.Module, folder: Path) -> None:
     """Load the folder just written as ``from_pretrained`` would, on the meta device (names, shapes and dtypes; no
     tensor data is read): ValueError if it fails or reports missing, unexpected or mismatched keys."""
-    import warnings
-
     from transformers.utils import logging as hf_logging
 
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()

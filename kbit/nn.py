@@ -345,9 +345,10 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def tied_weights(model: nn.Module) -> dict:
-    """``{module name: the parameter its own is tied to}``: ties transformers declares (``all_tied_weights_keys``:
-    ``lm_head`` to the input embeddings, a masked-LM decoder to the word embeddings) and one parameter held by two
-    modules. Quantizing such a module would break the tie, and a transformers checkpoint saved so would not load."""
+    """``{module name: (its tied parameter, the parameter it is tied to)}``: ties transformers declares
+    (``all_tied_weights_keys``: ``lm_head`` to the input embeddings, a masked-LM decoder to the word embeddings) and
+    one parameter held by two modules. Quantizing such a module would break the tie, and a transformers checkpoint
+    saved so would not load."""
     names_of = {}
     for name, m in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(m), []).append(name)
@@ -360,7 +361,7 @@ def tied_weights(model: nn.Module) -> dict:
         except AttributeError:  # a declared key this model does not have
             return
         for name in names_of.get(id(module), [module_name]):
-            ties.setdefault(name, partner)
+            ties.setdefault(name, (key, partner))
 
     for key, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         tie(key, source)

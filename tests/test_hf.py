@@ -192,7 +192,8 @@ def test_save_errors(tmp_path):
 
 # ----------------------------------------------------------------------------- tied weights, unloadable saves
 def _tied_models():
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
+    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, T5Config,
+                              T5ForConditionalGeneration)
 
     v = TINY["vocab_size"]
     return {  # (model, the tied layer, what it is tied to, skip given to quantize_model)
@@ -204,8 +205,8 @@ def _tied_models():
         "bert": (lambda: from_config(BertForMaskedLM, BertConfig(vocab_size=v, hidden_size=128, intermediate_size=256,
                                                                  num_hidden_layers=1, num_attention_heads=2)),
                  "cls.predictions.decoder", "bert.embeddings.word_embeddings", ("lm_head",)),
-        "t5": (lambda: from_config(T5ForConditionalGeneration, T5Config(vocab_size=v, d_model=128, d_ff=256, num_layers=1,
-                                                                        num_heads=2, d_kv=64)),
+        "t5": (lambda: from_config(T5ForConditionalGeneration, T5Config(vocab_size=v, d_model=128, d_ff=256,
+                                                                        num_layers=1, num_heads=2, d_kv=64)),
                "lm_head", "shared", []),
     }
 
@@ -234,7 +235,7 @@ def test_save_refuses_a_quantized_tied_weight_before_writing(tmp_path):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     broken = kbit.quantize_model(tiny_llama(True), bits=4, progress=False)
     broken.lm_head = kbit.KbitLinear.from_linear(broken.lm_head, bits=4)  # by hand: the tie to embed_tokens is gone
-    with pytest.raises(ValueError, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight.*nothing was written"):
+    with pytest.raises(ValueError, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight.*nothing written"):
         kbit.save_quantized(broken, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
