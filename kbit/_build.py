@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import sys
 import time
@@ -71,11 +72,17 @@ DEFAULT_LOCK_TIMEOUT_S = 1800.0
 
 
 def lock_timeout() -> float:
+    """``$KBIT_BUILD_LOCK_TIMEOUT``: finite and above 0 (a NaN deadline never passes, 0 or less never waits)."""
     raw = os.environ.get("KBIT_BUILD_LOCK_TIMEOUT", "")
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT_S
     try:
-        return float(raw) if raw else DEFAULT_LOCK_TIMEOUT_S
+        value = float(raw)
     except ValueError:
-        raise ValueError(f"KBIT_BUILD_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"KBIT_BUILD_LOCK_TIMEOUT must be a finite number of seconds above 0, got {raw!r}")
+    return value
 
 
 @contextlib.contextmanager
@@ -95,8 +102,8 @@ def build_lock(directory: Path, timeout: float, poll_s: float = 0.2) -> Iterator
                 holder = f.read().strip() or "unknown"
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
-                        f"kbit: gave up after {timeout:.0f} s waiting for process {holder} to finish building the CUDA "
-                        f"extension in {directory} (set KBIT_BUILD_LOCK_TIMEOUT to wait longer)") from None
+                        f"kbit: gave up after {timeout:.15g} s waiting for process {holder} to finish building the "
+                        f"CUDA extension in {directory} (set KBIT_BUILD_LOCK_TIMEOUT to wait longer)") from None
                 if not told:
                     print(f"kbit: waiting for process {holder}, which is building the CUDA extension in {directory}",
                           file=sys.stderr, flush=True)

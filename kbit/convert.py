@@ -3,9 +3,11 @@
 A thin wrapper over transformers: ``from_pretrained(<model-dir>, quantization_config=kbit.KbitConfig(...))``
 quantizes each layer as it is read (host memory peaks near the quantized model plus one layer in full precision,
 not at the full-precision model's size), then ``save_pretrained`` writes ``<dir>`` atomically, together with the
-source's tokenizer and other small files, its README.md starting with how to load the folder (``kbit.model_card``).
-``AutoModelForCausalLM.from_pretrained(<dir>)`` (after ``import kbit``)
-and ``AutoTokenizer.from_pretrained(<dir>)`` load the result.
+source's tokenizer and other small files, its README.md starting with how to load the folder (``kbit.model_card``),
+once the written folder has loaded back (``kbit.hf.check_loads``); a failed write (a full disk, say) is a
+one-line error and leaves ``<dir>`` as it was.
+``AutoModelForCausalLM.from_pretrained(<dir>)`` (after ``import kbit``) and ``AutoTokenizer.from_pretrained(<dir>)``
+load the result.
 
 Progress: transformers' bars on a terminal; in a log (stderr not a terminal), one line per tenth of the layers.
 """
@@ -240,7 +242,9 @@ def quantize_directory(
         import transformers
     except ImportError:
         raise ConversionError("converting a transformers model needs transformers: pip install transformers") from None
-    from .hf import dtype_kwarg
+    from safetensors import SafetensorError  # transformers' weights writer
+
+    from .hf import check_loads, dtype_kwarg
     from .hf_quantizer import KbitConfig
 
     try:
@@ -277,10 +281,16 @@ def quantize_directory(
             raise ConversionError(
                 "no layer was eligible for quantization (all skipped or smaller than min_features); nothing to write"
             )
-        with atomic_directory(out_dir) as tmp:
-            model.save_pretrained(tmp)
-            copied = _copy_side_files(model_dir, tmp)
-            write_model_card(tmp, previous=out_dir / README)
+        try:
+            with atomic_directory(out_dir) as tmp:
+                model.save_pretrained(tmp)
+                check_loads(model, tmp)
+                copied = _copy_side_files(model_dir, tmp)
+                write_model_card(tmp, previous=out_dir / README)
+        except (OSError, ValueError, SafetensorError) as e:  # a full disk, a write-protected --out, ...
+            lines = str(e).strip().splitlines()
+            raise ConversionError(f"could not write {out_dir} ({lines[0] if lines else type(e).__name__}); "
+                                  f"{out_dir} was left as it was") from e
 
     fp_bytes = sum(m.in_features * m.out_features for m in layers) * torch.finfo(torch_dtype).bits // 8
     q_bytes = sum(m.qweight.nbytes for m in layers)

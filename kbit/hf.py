@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -20,7 +21,7 @@ from torch import nn
 from ._atomic import atomic_directory
 from .model_card import README, write_model_card
 
-__all__ = ["save_quantized", "from_config", "dtype_kwarg"]
+__all__ = ["save_quantized", "check_ties", "check_loads", "from_config", "dtype_kwarg"]
 
 
 def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], **save_pretrained_kwargs) -> Path:
@@ -30,6 +31,8 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], **save_pr
     (``kbit._atomic``): a save killed at any point leaves the previous checkpoint whole, never a mix of two.
     Files of a previous ``out_dir`` that the save does not write (a tokenizer) are kept. Its README.md starts with
     how to load the folder (``kbit.model_card``). Returns the directory.
+    Nothing that does not load is written: a quantized layer whose weight is tied to another is refused before
+    writing (``check_ties``), and the written folder must load back structurally before the swap (``check_loads``).
     """
     from .hf_quantizer import KbitHfQuantizer
 
@@ -40,11 +43,55 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], **save_pr
         )
     if save_pretrained_kwargs.get("push_to_hub"):
         raise ValueError("save_quantized writes a local folder; push it with model.push_to_hub(repo_id)")
+    check_ties(model)
     out = Path(out_dir)
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp, **save_pretrained_kwargs)
         write_model_card(tmp, previous=out / README)
+        check_loads(model, tmp)
     return out
+
+
+def check_ties(model: nn.Module) -> None:
+    """Refuse a model with a quantized layer whose weight transformers ties to another: the tie is broken and
+    ``from_pretrained`` could not load its folder ('weight' is not an nn.Parameter)."""
+    from .moe import KbitExperts
+    from .nn import KbitLinear, tied_weights
+
+    for name, (key, partner) in tied_weights(model).items():
+        if isinstance(model.get_submodule(name), (KbitLinear, KbitExperts)):
+            raise ValueError(
+                f"cannot save {type(model).__name__}: {key} is tied to {partner} but {name} is quantized, so "
+                "the saved folder would not load; keep it in full precision (kbit.quantize_model and KbitConfig do) "
+                "- nothing written")
+
+
+def check_loads(model: nn.Module, folder: Path) -> None:
+    """Load the folder just written as ``from_pretrained`` would, on the meta device (names, shapes and dtypes; no
+    tensor data is read): ValueError if it fails or reports missing, unexpected or mismatched keys."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    problem = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, info = type(model).from_pretrained(str(folder), device_map="meta", output_loading_info=True,
+                                                  ignore_mismatched_sizes=True)  # reported in info, not raised
+        problem = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(map(str, list(keys)[:4]))}"
+                            + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+                            for kind, keys in info.items() if keys) or None
+    except Exception as e:  # noqa: BLE001 - whatever the loader raises, the folder does not load
+        lines = str(e).strip().splitlines()
+        problem = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    if problem:
+        raise ValueError(f"the checkpoint written does not load back ({problem}); nothing was replaced")
 
 
 def _transformers_version() -> tuple:

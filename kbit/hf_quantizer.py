@@ -58,8 +58,8 @@ class KbitConfig(QuantizationConfigMixin):
             pattern: K} (``kbit.quantize_model``'s per-layer bits: the model is then loaded in full precision and
             quantized once loaded, with kbit's built-in calibration text and the model's tokenizer).
         skip: module names, name suffixes or fnmatch patterns kept in full precision (as ``kbit.quantize_model``);
-            default (None): ``lm_head``, the output embeddings, weights tied to others and the model's
-            ``_keep_in_fp32_modules``.
+            default (None): ``lm_head``, the output embeddings and the model's ``_keep_in_fp32_modules``. Weights
+            tied to others stay in full precision whatever ``skip`` says (``kbit.nn.tied_weights``).
         min_features: layers with ``min(in_features, out_features)`` below this stay in full precision.
         codebook: a custom codebook, 2**bits sorted values with max |value| 1; default: normal-float.
         rotate: quantize each layer in a rotated basis of its input features (as ``kbit.quantize_model``).
@@ -121,8 +121,6 @@ def default_skip(model: torch.nn.Module) -> list:
     output = get_output() if callable(get_output) else None
     if output is not None:
         names.update(name for name, m in model.named_modules() if m is output and name)
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    names.update(key.rpartition(".")[0] for pair in tied.items() for key in pair)
     for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
         names.update(getattr(model, attr, None) or ())
     return sorted(n for n in names if n)

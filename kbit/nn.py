@@ -421,13 +421,47 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return False
 
 
+def tied_weights(model: nn.Module) -> dict:
+    """``{module name: (its tied parameter, the parameter it is tied to)}``: ties transformers declares
+    (``all_tied_weights_keys``: ``lm_head`` to the input embeddings, a masked-LM decoder to the word embeddings) and
+    one parameter held by two modules. Quantizing such a module would break the tie, and a transformers checkpoint
+    saved so would not load."""
+    names_of = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(m), []).append(name)
+    ties = {}
+
+    def tie(key: str, partner: str) -> None:
+        module_name = key.rpartition(".")[0]
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:  # a declared key this model does not have
+            return
+        for name in names_of.get(id(module), [module_name]):
+            ties.setdefault(name, (key, partner))
+
+    for key, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        tie(key, source)
+        tie(source, key)
+    holders = {}
+    for name, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    for keys in holders.values():
+        for i, key in enumerate(keys if len(keys) > 1 else ()):
+            tie(key, keys[1 if i == 0 else 0])
+    return ties
+
+
 def linear_targets(model: nn.Module, skip: Iterable[str], min_features: int):
     """The layers ``quantize_model`` swaps, as ``([(name, layer)], skipped, small)``.
 
     A layer is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2 family) whose name does not match ``skip``, that
-    is not inside an ``nn.MultiheadAttention`` (which reads its projection's weight directly) and whose
-    ``min(in_features, out_features)`` is at least ``min_features``; ``skipped`` and ``small`` count the others.
+    is not inside an ``nn.MultiheadAttention`` (which reads its projection's weight directly), whose weight is not
+    tied to another module's (``tied_weights``) and whose ``min(in_features, out_features)`` is at least
+    ``min_features``; ``skipped`` and ``small`` count the others.
     """
+    tied = tied_weights(model)
     mha_children = set()
     for m in model.modules():
         if isinstance(m, nn.MultiheadAttention):
@@ -437,7 +471,7 @@ def linear_targets(model: nn.Module, skip: Iterable[str], min_features: int):
         features = linear_features(m)
         if features is None or isinstance(m, KbitLinear):  # a KbitLinear is an nn.Linear, already quantized
             continue
-        if id(m) in mha_children or _matches(name, skip):
+        if id(m) in mha_children or name in tied or _matches(name, skip):
             skipped += 1
         elif min(features) < min_features:
             small += 1
@@ -505,7 +539,9 @@ def quantize_model(
     (exact name, a name suffix after a dot such as ``"lm_head"`` for ``"model.lm_head"``, or an ``fnmatch``
     pattern such as ``"*.mlp.gate"``), or ``min(in_features, out_features) < min_features`` (tiny layers such as
     MoE routers are better left in full precision), or it is the output projection of an
-    ``nn.MultiheadAttention`` (which reads its weight directly). A Linear shared under several
+    ``nn.MultiheadAttention`` (which reads its weight directly), or its weight is tied to another module's
+    (``lm_head`` under ``tie_word_embeddings``, a masked-LM decoder): whatever ``skip`` says, quantizing a tied
+    weight would break the tie. A Linear shared under several
     names becomes one shared ``KbitLinear``. Returns the model (or the new module if ``model``
     itself is an eligible Linear).
 

@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path as FilePath
 from typing import NamedTuple, Optional
 
+from ._atomic import fsync_path
 from ._build import cache_root
 from .dispatch import Device, Path
 from .formats import padded_in_features
@@ -64,7 +65,10 @@ def save(device: Device, shapes: list) -> FilePath:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())  # else a power loss after the rename can leave an empty file
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         os.unlink(tmp)
         raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path as FilePath
 
 import pytest
@@ -248,6 +249,21 @@ def test_cache_round_trip(cache_dir):
     assert shape.tokens == (32, 128, 512)
     assert shape.us[Path.WARP_SPECIALIZED] == (40.0, 100.0, None)
     assert tune_cache.load(H200) is None  # another GPU: another file, none here
+
+
+def test_cache_file_is_fsynced_before_it_replaces_the_old(cache_dir, monkeypatch):
+    """Replaced by rename: without an fsync of the file first, a power loss can leave an empty file in its place."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tune_cache.save(H100, [TUNED])
+    assert len(synced) == 2 and synced[0].startswith(str(path.parent / f".{path.name}."))  # the file, under its
+    assert synced[1] == str(path.parent)  # temporary name; then the folder, after the rename
 
 
 def test_planner_honours_the_cache(cache_dir):

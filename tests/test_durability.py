@@ -185,6 +185,174 @@ def test_save_without_rename_exchange(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def _dot_entries(directory: Path) -> list:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def _write_folder(target: Path, **files) -> None:
+    with _atomic.atomic_directory(target) as tmp:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+
+
+# ----------------------------------------------------------------------------- write-protected targets
+def _unprivileged(fn):
+    """``fn()`` as a user without CAP_DAC_OVERRIDE: root (as here and in CI) ignores write protection, so a forked
+    child drops to ``nobody`` first. Returns what ``fn`` returned; an exception in the child fails the test."""
+    if os.geteuid() != 0:
+        return fn()
+    import pwd
+
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("running as root and there is no user 'nobody' to drop the privileges to")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: plain file operations only, then _exit (no pytest or torch teardown)
+        os.close(read_end)
+        try:
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            result = {"ok": fn()}
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            result = {"error": f"{type(e).__name__}: {e}"}
+        with os.fdopen(write_end, "w") as f:
+            json.dump(result, f)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    result = json.loads(text)
+    assert "error" not in result, result["error"]
+    return result["ok"]
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder the unprivileged child owns (pytest's own tmp_path is private to root)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="kbit-durability-"))
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            nobody = pwd.getpwnam("nobody")
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        except KeyError:
+            pass  # _unprivileged skips
+    yield path
+    for p in [path, *path.rglob("*")]:
+        if p.is_dir() and not p.is_symlink():
+            p.chmod(0o755)
+    shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("protected", ["folder", "subfolder"])
+def test_write_protected_checkpoint_is_refused_and_left_alone(protected, shared_tmp):
+    target = shared_tmp / "ckpt"
+
+    def attempt():
+        _write_folder(target, **{"model.safetensors": "old", "README.md": "notes"})
+        (target / "tokenizer").mkdir()
+        (target / "tokenizer" / "vocab.txt").write_text("a b")
+        (target if protected == "folder" else target / "tokenizer").chmod(0o555)
+        try:
+            _write_folder(target, **{"model.safetensors": "new"})
+            raised = None
+        except PermissionError as e:
+            raised = str(e)
+        return {"raised": raised, "weights": (target / "model.safetensors").read_text(),
+                "vocab": (target / "tokenizer" / "vocab.txt").read_text(), "left": _dot_entries(shared_tmp)}
+
+    seen = _unprivileged(attempt)
+    assert seen["raised"] is not None and "write-protected" in seen["raised"], seen
+    assert str(target) in seen["raised"]
+    assert seen["weights"] == "old" and seen["vocab"] == "a b"
+    assert seen["left"] == []
+
+
+# ----------------------------------------------------------------------------- symlinked targets
+def test_save_through_a_symlink_replaces_the_linked_folder(tmp_path):
+    """``latest -> ckpt-1``: the save goes to ckpt-1 (as save_pretrained's would); the link stays as it is."""
+    _write_folder(tmp_path / "ckpt-1", **{"model.safetensors": "one", "tokenizer.json": "tok"})
+    (tmp_path / "latest").symlink_to("ckpt-1")
+    _write_folder(tmp_path / "latest", **{"model.safetensors": "two"})
+    assert (tmp_path / "latest").is_symlink() and os.readlink(tmp_path / "latest") == "ckpt-1"
+    assert (tmp_path / "ckpt-1" / "model.safetensors").read_text() == "two"
+    assert (tmp_path / "ckpt-1" / "tokenizer.json").read_text() == "tok"
+    assert _dot_entries(tmp_path) == []
+
+    (tmp_path / "next").symlink_to("ckpt-2")  # a link to a folder not written yet: the save creates ckpt-2
+    _write_folder(tmp_path / "next", **{"model.safetensors": "three"})
+    assert (tmp_path / "next").is_symlink() and (tmp_path / "ckpt-2" / "model.safetensors").read_text() == "three"
+    assert _dot_entries(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- stale temporaries
+def test_cleanup_spares_a_live_save_whose_pid_is_not_ours(tmp_path, monkeypatch):
+    """Two containers sharing a volume: a live save's process id means nothing in the other PID namespace."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    monkeypatch.setattr(os, "getpid", lambda: int(gone.stdout))  # the saving process as the other namespace sees it
+    target = tmp_path / "ckpt"
+    with _atomic.atomic_directory(target) as tmp:
+        (tmp / "model.safetensors").write_text("live")
+        monkeypatch.undo()
+        assert _atomic.remove_stale_temporaries(target) == []  # the other container's next save into the same parent
+        _write_folder(tmp_path / "ckpt", **{"model.safetensors": "other"})
+        assert tmp.is_dir() and (tmp / "model.safetensors").read_text() == "live"
+    assert (target / "model.safetensors").read_text() == "live"
+    assert _dot_entries(tmp_path) == []
+
+
+def test_cleanup_removes_what_a_killed_save_left(tmp_path):
+    target = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from kbit import _atomic
+        with _atomic.atomic_directory(Path({str(target)!r})) as tmp:
+            (tmp / "model.safetensors").write_text("half")
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert _dot_entries(tmp_path)
+    assert _atomic.remove_stale_temporaries(target)
+    assert _dot_entries(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- directory fsync
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "fallback"])
+@pytest.mark.parametrize("existing", [True, False], ids=["replace", "first"])
+def test_new_folder_and_parent_are_fsynced(exchange, existing, tmp_path, monkeypatch):
+    """The files, the new folder's own entries and the parent's entry for it reach the disk before the save returns."""
+    target = tmp_path / "ckpt"
+    if existing:
+        _write_folder(target, **{"old.txt": "old"})
+    if not exchange:
+        monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), (target / "new.txt").exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with _atomic.atomic_directory(target) as tmp:
+        (tmp / "new.txt").write_text("new")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "f.txt").write_text("f")
+    before = {path for path, swapped in synced if not swapped}
+    assert {str(tmp), str(tmp / "sub"), str(tmp / "new.txt"), str(tmp / "sub" / "f.txt")} <= before
+    assert synced[-1] == (str(tmp_path), True)  # the parent, after the swap
+
+
 # ----------------------------------------------------------------------------- the CUDA build's lock
 pytest.importorskip("fcntl")
 
@@ -240,6 +408,32 @@ def test_lock_timeout_from_the_environment(monkeypatch):
         _build.lock_timeout()
     monkeypatch.delenv("KBIT_BUILD_LOCK_TIMEOUT")
     assert _build.lock_timeout() == _build.DEFAULT_LOCK_TIMEOUT_S
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0", "-1", "-0.5"])
+def test_lock_timeout_must_be_finite_and_positive(raw, monkeypatch):
+    """A NaN timeout never expires (every comparison with it is false); zero or less gives up at once."""
+    monkeypatch.setenv("KBIT_BUILD_LOCK_TIMEOUT", raw)
+    with pytest.raises(ValueError, match=f"KBIT_BUILD_LOCK_TIMEOUT must be a finite number of seconds above 0, "
+                                         f"got '{raw}'"):
+        _build.lock_timeout()
+
+
+@pytest.mark.parametrize("timeout, shown", [(0.25, "0.25 s"), (1.5, "1.5 s"), (2, "2 s"), (1800, "1800 s")])
+def test_build_lock_timeout_message_is_exact(timeout, shown, tmp_path, monkeypatch):
+    import fcntl
+    import types
+
+    # flock locks belong to an open file: a second open in this process waits like another process would
+    with open(tmp_path / _build.LOCK_NAME, "a+") as held:
+        held.write("4242")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        clock = iter(range(0, 10**6, 1000))  # each look at the clock is 1000 s later: gives up at the first poll
+        monkeypatch.setattr(_build, "time", types.SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda s: None))
+        with pytest.raises(TimeoutError, match=f"gave up after {shown} waiting for process 4242"):
+            with _build.build_lock(tmp_path, timeout=timeout):
+                pass
 
 
 @pytest.mark.parametrize("before", [None, "8.0"])

@@ -190,6 +190,77 @@ def test_save_errors(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+# ----------------------------------------------------------------------------- tied weights, unloadable saves
+def _tied_models():
+    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, T5Config,
+                              T5ForConditionalGeneration)
+
+    v = TINY["vocab_size"]
+    return {  # (model, the tied layer, what it is tied to, skip given to quantize_model)
+        "llama": (lambda: tiny_llama(True), "lm_head", "model.embed_tokens", ["*.mlp.gate"]),
+        "gpt2": (lambda: from_config(GPT2LMHeadModel, GPT2Config(vocab_size=v, n_layer=1, n_head=2, n_embd=128,
+                                                                  n_positions=64, bos_token_id=0, eos_token_id=0)),
+                 "lm_head", "transformer.wte", []),
+        # an encoder: the masked-LM decoder is tied to the word embeddings; the default skip (lm_head) misses it
+        "bert": (lambda: from_config(BertForMaskedLM, BertConfig(vocab_size=v, hidden_size=128, intermediate_size=256,
+                                                                 num_hidden_layers=1, num_attention_heads=2)),
+                 "cls.predictions.decoder", "bert.embeddings.word_embeddings", ("lm_head",)),
+        "t5": (lambda: from_config(T5ForConditionalGeneration, T5Config(vocab_size=v, d_model=128, d_ff=256,
+                                                                        num_layers=1, num_heads=2, d_kv=64)),
+               "lm_head", "shared", []),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "t5"])
+def test_quantize_model_keeps_tied_weights(family, tmp_path):
+    """A weight tied to another stays in full precision whatever ``skip`` says: quantizing it broke the tie and
+    save_quantized wrote a folder that did not load ('weight' is not an nn.Parameter)."""
+    torch.manual_seed(5)
+    build, head, embedding, skip = _tied_models()[family]
+    q = kbit.quantize_model(build().eval(), bits=4, skip=skip, min_features=0, progress=False)
+    assert isinstance(q.get_submodule(head), nn.Linear)
+    assert q.get_submodule(head).weight is q.get_submodule(embedding).weight
+    assert any(isinstance(m, kbit.KbitLinear) for m in q.modules())
+    kbit.save_quantized(q, tmp_path)
+    loaded = type(q).from_pretrained(str(tmp_path))
+    assert loaded.get_submodule(head).weight is loaded.get_submodule(embedding).weight
+    qs, ls = q.state_dict(), loaded.state_dict()
+    assert set(qs) == set(ls) and all(torch.equal(qs[k], ls[k]) for k in qs)
+
+
+def test_save_refuses_a_quantized_tied_weight_before_writing(tmp_path):
+    out = tmp_path / "ckpt"
+    good = kbit.quantize_model(tiny_llama(True), bits=4, progress=False)
+    kbit.save_quantized(good, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    broken = kbit.quantize_model(tiny_llama(True), bits=4, progress=False)
+    broken.lm_head = kbit.KbitLinear.from_linear(broken.lm_head, bits=4)  # by hand: the tie to embed_tokens is gone
+    with pytest.raises(ValueError, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight.*nothing written"):
+        kbit.save_quantized(broken, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_save_refuses_a_folder_that_does_not_load(tmp_path, monkeypatch):
+    """Whatever the cause, a written folder that from_pretrained cannot load never replaces the old one."""
+    out = tmp_path / "ckpt"
+    q = kbit.quantize_model(tiny_llama(False), bits=4, progress=False)
+    kbit.save_quantized(q, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = kbit.hf_format.saved_state_dict
+
+    def lossy(model):  # a save that loses a layer's block scales
+        state = real(model)
+        del state["model.layers.1.mlp.up_proj.absmax"]
+        return state
+
+    monkeypatch.setattr(kbit.hf_format, "saved_state_dict", lossy)
+    with pytest.raises(ValueError, match=r"does not load back.*model\.layers\.1\.mlp\.up_proj.*nothing was replaced"):
+        kbit.save_quantized(q, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 # ----------------------------------------------------------------------------- CLI
 @pytest.fixture(scope="module")
 def src_dir(tmp_path_factory):
@@ -319,6 +390,32 @@ def test_cli_quantize_device_errors(device, msg, src_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "kbit quantize: error:" in err and msg in err, err
     assert not out.exists()
+
+
+def _no_space(*args, **kwargs):
+    from safetensors import SafetensorError  # what safetensors' writer raises for an I/O error
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _no_space_os(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("writer", [_no_space, _no_space_os], ids=["safetensors", "os"])
+def test_cli_quantize_on_a_full_disk_is_one_line_and_keeps_the_old_output(writer, src_dir, tmp_path, capsys,
+                                                                          monkeypatch):
+    out = tmp_path / "out"
+    assert cli_quantize([str(src_dir), "--bits", "3", "--out", str(out), "--no-progress"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", writer)
+    assert cli_quantize([str(src_dir), "--bits", "5", "--out", str(out), "--overwrite", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kbit quantize: error: ") and "No space left on device" in err[-1], err
+    assert f"{out} was left as it was" in err[-1] and not any("Traceback" in line for line in err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_cli_quantize_usage(capsys):
