@@ -321,7 +321,8 @@ def dequantize(qw: QuantizedWeight, dtype=None) -> Tensor:
 def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_override: int = 0) -> Tensor:
     """``x @ dequantize(qw).T (+ bias)`` for x of shape [..., in_features]; fused kernel on CUDA.
 
-    On CPU, the weight is dequantized in float32 and multiplied in float32. Never synchronizes.
+    On CPU, a kernel that dequantizes each block of 32 into registers multiplies it in float32 (``kbit._build_cpu``;
+    else the weight is dequantized in float32 and multiplied in float32). Never synchronizes.
     ``grid_override`` > 0 forces the CUDA kernel's grid size (tests use it to force split-K).
     """
     check_tensor(x, "x")
@@ -354,8 +355,6 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
             y = ops.gemm(x2, b, a, qw.codebook, qw.scale, bias_c, qw.bits, out_features, qw.in_features_padded,
                          grid_override)
     else:
-        y = x2.to(torch.float32) @ qw._dequantize(torch.float32).T
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        y = y.to(x.dtype)
+        y = ops.matmul_stored(x2, qw.packed, qw.absmax, qw.codebook, qw.scale, bias, qw.bits, out_features,
+                              qw.in_features_padded)
     return y.reshape(*lead, out_features)
