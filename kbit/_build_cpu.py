@@ -1,9 +1,9 @@
 """Just-in-time build of the CPU kernels (``kbit/csrc/cpu``), cached and locked like the CUDA extension (``kbit._build``).
 
 The first CPU quantize, dequantize or matmul compiles ``kbit_cpu.cpp`` with the host's C++ compiler, with the
-instruction-set flags this CPU supports (AVX-512, else AVX2 + FMA on x86-64; NEON is part of arm64), into a folder of
+instruction-set flags this CPU supports (AVX-512 with GFNI and VBMI, else AVX-512, else AVX2 + FMA on x86-64; NEON is part of arm64), into a folder of
 ``$KBIT_CACHE_DIR`` named after a hash of the source, the torch version and those flags. ``KBIT_CPU_ISA`` picks a
-smaller set (``avx2``, ``scalar``) to compare or test them; ``KBIT_CPU_KERNELS=0`` keeps the reference path.
+smaller set (``avx512``, ``avx2``, ``scalar``) to compare or test them; ``KBIT_CPU_KERNELS=0`` keeps the reference path.
 
 Without a compiler (or ninja), or when the build fails, the ops keep their pure-PyTorch reference path and one
 warning says how to get the fast one.
@@ -28,7 +28,9 @@ from ._build import build_lock, cache_root, lock_timeout
 SOURCE = Path(__file__).parent / "csrc" / "cpu" / "kbit_cpu.cpp"
 ISA_ENV, ENABLE_ENV = "KBIT_CPU_ISA", "KBIT_CPU_KERNELS"
 # Instruction sets, best first, with the CPU flags (/proc/cpuinfo) each needs and the compiler flags that enable it.
-X86_ISAS = {"avx512": ({"avx512f", "avx2", "fma"}, ["-mavx512f", "-mavx2", "-mfma"]),
+X86_ISAS = {"avx512_gfni": ({"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "gfni", "avx2", "fma"},
+                            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi", "-mgfni", "-mavx2", "-mfma"]),
+            "avx512": ({"avx512f", "avx2", "fma"}, ["-mavx512f", "-mavx2", "-mfma"]),
             "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"]),
             "scalar": (set(), [])}
 

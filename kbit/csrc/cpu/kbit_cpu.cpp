@@ -26,6 +26,9 @@
 namespace {
 
 constexpr int BLOCK = 32;
+#ifndef KBIT_CPU_CHUNK
+#define KBIT_CPU_CHUNK 8
+#endif
 
 // ----------------------------------------------------------------------------- E4M4 (bit for bit as kbit.formats)
 float decode_e4m4(uint8_t code) {
@@ -57,12 +60,12 @@ struct BlockScales {
 // Each provides: lanes W, accumulators it can hold in registers (MAX_ACC), a vector type V, and
 //   Codebook(cb32)            the codebook in registers (32 floats, zero-padded)
 //   table<BITS>(cb, s)        the codebook times a block scale
-//   weights<BITS>(p, t, g)    lanes g*W .. g*W+W-1 of a block from its bit-plane words p: t[code]
+//   codes<BITS>(p)            what weights() reads of a block's bit-plane words p (p itself, or its codes)
+//   weights<BITS>(c, t, g)    lanes g*W .. g*W+W-1 of that block: t[code]
 //   zero / load / store / fma / hsum.
 #if defined(__AVX512F__)
 struct Simd {
-  static constexpr int W = 16, MAX_ACC = 16;
-  static constexpr const char* name = "avx512";
+  static constexpr int W = 16, MAX_ACC = 24;
   using V = __m512;
   struct Codebook {
     __m512 lo, hi;
@@ -78,14 +81,43 @@ struct Simd {
     if (BITS == 5) t.hi = _mm512_mul_ps(cb.hi, sv);
     return t;
   }
+#if defined(__GFNI__) && defined(__AVX512VBMI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+  // All 32 codes of a block at once, one byte each: the block's planes as 8x8 bit matrices (row b of matrix q =
+  // byte q of plane b, one vpermb) transposed by one gf2p8affineqb against the identity.
+  static constexpr const char* name = "avx512_gfni";
+  using Codes = __m256i;
   template <int BITS>
-  static inline V weights(const uint32_t* p, const Table& t, int g) {
+  static inline Codes codes(const uint32_t* p) {
+    alignas(32) static const uint8_t order[32] = {
+#define KBIT_ROW(q) BITS > 7 ? 4 * 7 + q : 31, BITS > 6 ? 4 * 6 + q : 31, BITS > 5 ? 4 * 5 + q : 31, \
+                    BITS > 4 ? 4 * 4 + q : 31, BITS > 3 ? 4 * 3 + q : 31, BITS > 2 ? 4 * 2 + q : 31, \
+                    BITS > 1 ? 4 * 1 + q : 31, 4 * 0 + q
+        KBIT_ROW(0), KBIT_ROW(1), KBIT_ROW(2), KBIT_ROW(3)
+#undef KBIT_ROW
+    };
+    const __m256i planes = _mm256_maskz_loadu_epi8((1u << (4 * BITS)) - 1, p);  // byte 31 stays zero
+    const __m256i matrices = _mm256_permutexvar_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(order)), planes);
+    return _mm256_gf2p8affine_epi64_epi8(_mm256_set1_epi64x(0x8040201008040201LL), matrices, 0);
+  }
+  template <int BITS>
+  static inline V weights(const Codes& c, const Table& t, int g) {
+    const __m512i idx = _mm512_cvtepu8_epi32(g == 0 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1));
+    return BITS == 5 ? _mm512_permutex2var_ps(t.lo, idx, t.hi) : _mm512_permutexvar_ps(idx, t.lo);
+  }
+#else
+  static constexpr const char* name = "avx512";
+  using Codes = const uint32_t*;
+  template <int BITS>
+  static inline Codes codes(const uint32_t* p) { return p; }
+  template <int BITS>
+  static inline V weights(const Codes& p, const Table& t, int g) {
     // Bit j of plane b is bit b of lane j's code: each half plane is the lane mask of an OR.
     __m512i c = _mm512_setzero_si512();
     for (int b = 0; b < BITS; ++b)
       c = _mm512_mask_or_epi32(c, static_cast<__mmask16>(p[b] >> (16 * g)), c, _mm512_set1_epi32(1 << b));
     return BITS == 5 ? _mm512_permutex2var_ps(t.lo, c, t.hi) : _mm512_permutexvar_ps(c, t.lo);
   }
+#endif
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V load(const float* x) { return _mm512_loadu_ps(x); }
   static inline void store(float* y, V v) { _mm512_storeu_ps(y, v); }
@@ -97,6 +129,9 @@ struct Simd {
   static constexpr int W = 8, MAX_ACC = 8;
   static constexpr const char* name = "avx2";
   using V = __m256;
+  using Codes = const uint32_t*;
+  template <int BITS>
+  static inline Codes codes(const uint32_t* p) { return p; }
   struct Codebook {
     __m256 q[4];
     Codebook() = default;
@@ -113,7 +148,7 @@ struct Simd {
     return t;
   }
   template <int BITS>
-  static inline V weights(const uint32_t* p, const Table& t, int g) {
+  static inline V weights(const Codes& p, const Table& t, int g) {
     const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * g));
     const __m256i one = _mm256_set1_epi32(1);
     __m256i c = _mm256_setzero_si256();
@@ -146,6 +181,9 @@ struct Simd {
   static constexpr int W = 4, MAX_ACC = 16;
   static constexpr const char* name = "neon";
   using V = float32x4_t;
+  using Codes = const uint32_t*;
+  template <int BITS>
+  static inline Codes codes(const uint32_t* p) { return p; }
   struct Codebook {
     float32x4_t q[8];
     explicit Codebook(const float* cb) {
@@ -171,7 +209,7 @@ struct Simd {
     return t;
   }
   template <int BITS>
-  static inline V weights(const uint32_t* p, const Table& t, int g) {
+  static inline V weights(const Codes& p, const Table& t, int g) {
     const int32_t base[4] = {-4 * g, -4 * g - 1, -4 * g - 2, -4 * g - 3};
     const int32x4_t right = vld1q_s32(base);  // vshl by a negative count shifts right
     uint32x4_t c = vdupq_n_u32(0);
@@ -196,6 +234,9 @@ struct Simd {  // plain C++, one lane
   static constexpr int W = 1, MAX_ACC = 16;
   static constexpr const char* name = "scalar";
   using V = float;
+  using Codes = const uint32_t*;
+  template <int BITS>
+  static inline Codes codes(const uint32_t* p) { return p; }
   struct Codebook {
     const float* cb;
     explicit Codebook(const float* c) : cb(c) {}
@@ -210,7 +251,7 @@ struct Simd {  // plain C++, one lane
     return t;
   }
   template <int BITS>
-  static inline V weights(const uint32_t* p, const Table& t, int j) {
+  static inline V weights(const Codes& p, const Table& t, int j) {
     uint32_t c = 0;
     for (int b = 0; b < BITS; ++b) c |= ((p[b] >> j) & 1u) << b;
     return t.q[c];
@@ -227,7 +268,7 @@ constexpr int GROUPS = BLOCK / Simd::W;  // vectors per block
 
 // ----------------------------------------------------------------------------- GEMM
 struct GemmArgs {
-  const float* x;  // [M, K] row-major, K = padded in_features
+  const float* x;  // the activations as panels (panel_of): K = padded in_features
   const uint32_t* planes;  // [N * K / 32 * bits]
   const uint8_t* absmax;  // [N * K / 32]
   const float* bias;  // [N] or null
@@ -243,20 +284,20 @@ inline void tile(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales&
   Simd::V acc[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = Simd::zero();
-  const float* x = a.x + m0 * a.K;
+  const float* x = a.x + m0 * a.K;  // this chunk's panel
   for (int64_t kb = 0; kb < blocks; ++kb) {
     Simd::Table t[NR];
-    const uint32_t* p[NR];
+    Simd::Codes p[NR];
     for (int r = 0; r < NR; ++r) {
       const int64_t block = (n0 + r) * blocks + kb;
-      p[r] = a.planes + block * BITS;
+      p[r] = Simd::codes<BITS>(a.planes + block * BITS);
       t[r] = Simd::table<BITS>(cb, bs.of[a.absmax[block]]);
     }
     for (int g = 0; g < GROUPS; ++g) {
       Simd::V w[NR];
       for (int r = 0; r < NR; ++r) w[r] = Simd::weights<BITS>(p[r], t[r], g);
       for (int m = 0; m < MT; ++m) {
-        const Simd::V xv = Simd::load(x + m * a.K + kb * BLOCK + g * Simd::W);
+        const Simd::V xv = Simd::load(x + (kb * MT + m) * BLOCK + g * Simd::W);
         for (int r = 0; r < NR; ++r) acc[r][m] = Simd::fma(xv, w[r], acc[r][m]);
       }
     }
@@ -268,7 +309,7 @@ inline void tile(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales&
 }
 
 // Weight rows per tile for MT activation rows: as many as the accumulator registers allow, at most 4.
-constexpr int rows_for(int mt) { return Simd::MAX_ACC / mt >= 4 ? 4 : (Simd::MAX_ACC / mt >= 2 ? 2 : 1); }
+constexpr int rows_for(int mt) { return Simd::MAX_ACC / mt >= 4 ? 4 : Simd::MAX_ACC / mt; }
 
 template <int BITS, int MT>
 void rows(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales& bs, int64_t m0, int64_t n0, int64_t n1) {
@@ -278,16 +319,36 @@ void rows(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales& bs, in
   for (; n < n1; ++n) tile<BITS, MT, 1>(a, cb, bs, m0, n);
 }
 
-// Activation rows in chunks of 16, 8, 4, 2, 1 (as many as fit the accumulators).
+// Activation rows go in chunks of CHUNK, 4, 2, 1 (the largest that fits what is left).
+constexpr int CHUNK = KBIT_CPU_CHUNK;
+int64_t chunk_at(int64_t left) { return left >= CHUNK ? CHUNK : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+// x [M, K] -> panels: chunk by chunk (rows m0 .. m0+mt), block by block, its mt rows of 32 back to back, so that
+// the tile loop reads each chunk's activations in one sequential stream (rows K apart would share cache sets).
+at::Tensor panel_of(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK;
+  at::Tensor out = at::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
+    mt = chunk_at(M - m0);
+    for (int64_t kb = 0; kb < blocks; ++kb)
+      for (int64_t m = 0; m < mt; ++m)
+        std::memcpy(dst + m0 * K + (kb * mt + m) * BLOCK, src + (m0 + m) * K + kb * BLOCK, BLOCK * sizeof(float));
+  }
+  return out;
+}
+
 template <int BITS>
 void gemm_rows(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales& bs, int64_t n0, int64_t n1) {
-  int64_t m = 0;
-  if constexpr (Simd::MAX_ACC >= 16)
-    for (; m + 16 <= a.M; m += 16) rows<BITS, 16>(a, cb, bs, m, n0, n1);
-  for (; m + 8 <= a.M; m += 8) rows<BITS, 8>(a, cb, bs, m, n0, n1);
-  if (m + 4 <= a.M) rows<BITS, 4>(a, cb, bs, m, n0, n1), m += 4;
-  if (m + 2 <= a.M) rows<BITS, 2>(a, cb, bs, m, n0, n1), m += 2;
-  if (m < a.M) rows<BITS, 1>(a, cb, bs, m, n0, n1);
+  for (int64_t m0 = 0, mt; m0 < a.M; m0 += mt) {
+    switch (mt = chunk_at(a.M - m0)) {
+      case CHUNK: rows<BITS, CHUNK>(a, cb, bs, m0, n0, n1); break;
+      case 4: rows<BITS, 4>(a, cb, bs, m0, n0, n1); break;
+      case 2: rows<BITS, 2>(a, cb, bs, m0, n0, n1); break;
+      default: rows<BITS, 1>(a, cb, bs, m0, n0, n1);
+    }
+  }
 }
 
 template <typename F>
@@ -333,7 +394,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   alignas(64) float cb32[32];
   padded_codebook(codebook, cb32);
   const BlockScales bs(s);
-  GemmArgs a{xf.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+  const at::Tensor panels = panel_of(xf);
+  GemmArgs a{panels.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
              absmax.data_ptr<uint8_t>(), bias ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K};
   // Tasks of whole 4-row tiles; at least ~2^16 weights each, so that small layers do not pay for waking threads.
   const int64_t grain = std::max<int64_t>(4, ((1 << 16) / std::max<int64_t>(K, 1) + 3) / 4 * 4);
@@ -362,7 +424,8 @@ at::Tensor dequantize_fp32(const at::Tensor& packed, const at::Tensor& absmax, c
       const Simd::Codebook cb(cb32);
       for (int64_t b = b0; b < b1; ++b) {
         const Simd::Table t = Simd::table<BITS>(cb, bs.of[am[b]]);
-        for (int g = 0; g < GROUPS; ++g) Simd::store(o + b * BLOCK + g * Simd::W, Simd::weights<BITS>(planes + b * BITS, t, g));
+        const Simd::Codes c = Simd::codes<BITS>(planes + b * BITS);
+        for (int g = 0; g < GROUPS; ++g) Simd::store(o + b * BLOCK + g * Simd::W, Simd::weights<BITS>(c, t, g));
       }
     });
   });
