@@ -195,6 +195,11 @@ class QuantizedWeight:
         w = flat.reshape(out_features, padded)
         return w if padded == in_features else w[:, :in_features].contiguous()
 
+    def _matmul_stored(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        """x [M, in_features] @ W_hat^T (+ bias) from the storage format (``ops.matmul_stored``), unchecked."""
+        return ops.matmul_stored(x, self.packed, self.absmax, self.codebook, self.scale, bias, self.bits,
+                                 self.out_features, self.in_features_padded)
+
     # ------------------------------------------------------------------ serialization
     def meta_tensor(self) -> Tensor:
         return meta_tensor(self.bits, self.shape, self.dtype)
@@ -355,6 +360,5 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
             y = ops.gemm(x2, b, a, qw.codebook, qw.scale, bias_c, qw.bits, out_features, qw.in_features_padded,
                          grid_override)
     else:
-        y = ops.matmul_stored(x2, qw.packed, qw.absmax, qw.codebook, qw.scale, bias, qw.bits, out_features,
-                              qw.in_features_padded)
+        y = qw._matmul_stored(x2, bias)
     return y.reshape(*lead, out_features)
