@@ -259,11 +259,11 @@ def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int,
 
 def _audit(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor) -> PrecisionLoss:
     """Fix blocks that would dequantize past the dtype's range, then count blocks beyond the format's bound."""
-    _, true_absmax, peak = _block_errors(Wp, packed, absmax, cb, bits, scale)
+    err, true_absmax, peak = _block_errors(Wp, packed, absmax, cb, bits, scale)
     overflow = (peak > torch.finfo(Wp.dtype).max).nonzero().flatten()
-    if overflow.numel():
+    if overflow.numel():  # rare: only then is a second pass over the weight needed
         _saturate(Wp, packed, absmax, cb, bits, scale, overflow)
-    err, true_absmax, _ = _block_errors(Wp, packed, absmax, cb, bits, scale)
+        err, true_absmax, _ = _block_errors(Wp, packed, absmax, cb, bits, scale)
     gaps = cb[1:] - cb[:-1]
     slack = 1e-6 * true_absmax + torch.finfo(torch.float32).tiny  # float32 rounding of the comparison itself
     bound = (float(gaps.max()) / 2 + 1 / 16) * true_absmax + slack
