@@ -98,3 +98,21 @@ def gemm(x: Tensor, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale
     _codebook_and_scale(codebook, scale, bits, x.device)
     if bias is not None:
         _tensor(bias, "bias", x.dtype, (out_features,), x.device)
+
+
+def matmul_stored(x: Tensor, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bias, bits: int,
+                  out_features: int, in_features_padded: int) -> None:
+    repack(packed, absmax, bits, out_features, in_features_padded)
+    if x.dim() != 2:
+        raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
+    check_dtype(x.dtype, "kbit: x", INPUT_DTYPES)
+    if x.shape[1] > in_features_padded:
+        raise ValueError(f"kbit: x has {x.shape[1]} columns, more than the weight's {in_features_padded}")
+    if x.device != packed.device:
+        raise ValueError(f"kbit: x must be on {packed.device} with the weight, got {x.device}")
+    _codebook_and_scale(codebook, scale, bits, x.device)
+    if bias is not None:
+        check_dtype(bias.dtype, "kbit: bias", INPUT_DTYPES)
+        if tuple(bias.shape) != (out_features,) or bias.device != x.device:
+            raise ValueError(f"kbit: bias must have shape ({out_features},) on {x.device}, got "
+                             f"{tuple(bias.shape)} on {bias.device}")

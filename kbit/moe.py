@@ -354,8 +354,9 @@ class KbitExperts(nn.Module):
         return self.act_fn(gate) * up
 
     def _forward_reference(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        """Per routed expert: its weights dequantized to float32, products rounded to x's dtype like
-        ``kbit.matmul``; the weighted sum in float32. Synchronizes with the device (it lists the routed experts)."""
+        """Per routed expert: its products from the storage format as ``kbit.matmul`` makes them off CUDA (the CPU
+        kernel, or the weights dequantized to float32), rounded to x's dtype; the weighted sum in float32.
+        Synchronizes with the device (it lists the routed experts)."""
         top_k = idx.shape[1]
         out = torch.zeros(x.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         flat, weights = idx.reshape(-1), w.reshape(-1).to(torch.float32)
@@ -363,9 +364,8 @@ class KbitExperts(nn.Module):
         for e in torch.unique(routed).tolist():
             slots = (flat == e).nonzero().flatten()
             tokens = slots // top_k
-            gu = x[tokens].to(torch.float32) @ self.expert_weight("gate_up", e).dequantize(torch.float32).T
-            h = self._activate(gu.to(x.dtype))
-            y = (h.to(torch.float32) @ self.expert_weight("down", e).dequantize(torch.float32).T).to(x.dtype)
+            h = self._activate(self.expert_weight("gate_up", e)._matmul_stored(x[tokens]))
+            y = self.expert_weight("down", e)._matmul_stored(h)
             out.index_add_(0, tokens, y.to(torch.float32) * weights[slots, None])
         return out.to(x.dtype)
 

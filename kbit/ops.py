@@ -1,10 +1,12 @@
 """The ``torch.library`` custom ops of kbit.
 
 Each op has one default implementation (the pure-PyTorch reference, which runs on any device),
-a CUDA kernel that calls the JIT-built extension (``kbit._build``), and a fake implementation
-for ``torch.compile``. The ops never synchronize with the host. Their contract -- dtypes, shapes, sizes -- is
-checked by the CUDA binding in C++ and, for every other implementation, by ``kbit._op_contract`` (no values read);
-the public functions (``kbit._validate``) check their own arguments, values included, before calling them.
+a CUDA kernel that calls the JIT-built extension (``kbit._build``), for quantize, dequantize and
+matmul_stored a CPU kernel (``kbit._build_cpu``; the reference where it cannot be built), and a fake
+implementation for ``torch.compile``. The ops never synchronize with the host. Their contract -- dtypes, shapes,
+sizes -- is checked by the CUDA binding in C++ and, for every other implementation, by ``kbit._op_contract`` (no
+values read); the public functions (``kbit._validate``) check their own arguments, values included, before calling
+them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from . import _op_contract, dispatch, formats, grouped, layout
 from ._build import cuda_ext
+from ._build_cpu import cpu_ext
 
 
 # ----------------------------------------------------------------------------- quantize
@@ -38,6 +41,15 @@ def _(A, codebook, bits, scale):
     return cuda_ext().quantize(A.contiguous(), codebook, bits, scale)
 
 
+@quantize.register_kernel("cpu")
+def _(A, codebook, bits, scale):
+    _op_contract.quantize(A, codebook, bits, scale)
+    ext = cpu_ext()
+    if ext is None:
+        return formats.quantize_reference(A, codebook, bits, scale)
+    return ext.quantize(A, codebook, bits, scale)
+
+
 # ----------------------------------------------------------------------------- dequantize
 @torch.library.custom_op("kbit::dequantize", mutates_args=())
 def dequantize(
@@ -56,6 +68,72 @@ def _(packed, absmax, codebook, bits, n, dtype, scale):
 @dequantize.register_kernel("cuda")
 def _(packed, absmax, codebook, bits, n, dtype, scale):
     return cuda_ext().dequantize(packed, absmax, codebook, bits, n, dtype, scale)
+
+
+@dequantize.register_kernel("cpu")
+def _(packed, absmax, codebook, bits, n, dtype, scale):
+    _op_contract.dequantize(packed, absmax, codebook, bits, n, dtype, scale)
+    ext = cpu_ext()
+    if ext is None:
+        return formats.dequantize_reference(packed, absmax, codebook, bits, n, dtype, scale)
+    return ext.dequantize(packed.contiguous(), absmax.contiguous(), codebook, bits, n, dtype, scale)
+
+
+# ----------------------------------------------------------------------------- GEMM from the storage format
+def matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
+    """The reference of ``matmul_stored``: the weight dequantized in float32, multiplied in float32."""
+    w = formats.dequantize_reference(packed, absmax, codebook, bits, out_features * in_features_padded,
+                                     torch.float32, scale)
+    y = x.to(torch.float32) @ w.reshape(out_features, in_features_padded)[:, : x.shape[1]].T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+@torch.library.custom_op("kbit::matmul_stored", mutates_args=())
+def matmul_stored(x: Tensor, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bias: Optional[Tensor],
+                  bits: int, out_features: int, in_features_padded: int) -> Tensor:
+    """y[M, N] = x[M, in_features] @ W_hat[N, :in_features]^T (+ bias) with W_hat read from the storage format
+    (no GEMM layout), fp32 accumulation, y in x's dtype: kbit.matmul off CUDA (CPU kernel or the reference)."""
+    _op_contract.matmul_stored(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
+    return matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
+
+
+@matmul_stored.register_fake
+def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
+    return x.new_empty(x.shape[0], out_features)
+
+
+@matmul_stored.register_kernel("cpu")
+def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
+    _op_contract.matmul_stored(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
+    ext = cpu_ext()
+    if ext is None:
+        return matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features,
+                                       in_features_padded)
+    return ext.gemm(x, packed.contiguous(), absmax.contiguous(), codebook, scale, bias, bits, out_features,
+                    in_features_padded)
+
+
+def _matmul_stored_setup_context(ctx, inputs, output):
+    x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded = inputs
+    ctx.save_for_backward(packed, absmax, codebook, scale)
+    ctx.dims = (bits, out_features, in_features_padded, x.shape[1], x.dtype, None if bias is None else bias.dtype)
+
+
+def _matmul_stored_backward(ctx, grad):
+    packed, absmax, codebook, scale = ctx.saved_tensors
+    bits, N, K, x_columns, x_dtype, bias_dtype = ctx.dims
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+        grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
+    if bias_dtype is not None and ctx.needs_input_grad[5]:
+        grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
+    return grad_x, None, None, None, None, grad_bias, None, None, None
+
+
+matmul_stored.register_autograd(_matmul_stored_backward, setup_context=_matmul_stored_setup_context)
 
 
 # ----------------------------------------------------------------------------- repack

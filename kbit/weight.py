@@ -271,6 +271,11 @@ class QuantizedWeight:
         w = flat.reshape(out_features, padded)
         return w if padded == in_features else w[:, :in_features].contiguous()
 
+    def _matmul_stored(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        """x [M, in_features] @ W_hat^T (+ bias) from the storage format (``ops.matmul_stored``), unchecked."""
+        return ops.matmul_stored(x, self.packed, self.absmax, self.codebook, self.scale, bias, self.bits,
+                                 self.out_features, self.in_features_padded)
+
     # ------------------------------------------------------------------ serialization
     def meta_tensor(self) -> Tensor:
         return meta_tensor(self.bits, self.shape, self.dtype)
@@ -318,8 +323,15 @@ def _block_errors(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: 
         w_hat = ops.dequantize(packed[start * bits:stop * bits], absmax[start:stop], cb, bits,
                                (stop - start) * BLOCK_SIZE, torch.float32, scale).reshape(-1, BLOCK_SIZE)
         w = blocks[start:stop].to(torch.float32)
-        pieces.append(((w - w_hat).abs().amax(dim=1), w.abs().amax(dim=1), w_hat.abs().amax(dim=1)))
+        peak = _abs_max(w_hat)
+        pieces.append((_abs_max(w_hat.sub_(w)), _abs_max(w), peak))  # |w - w_hat| == |w_hat - w|
     return tuple(torch.cat(parts) for parts in zip(*pieces))
+
+
+def _abs_max(blocks: Tensor) -> Tensor:
+    """max |x| per row without an |x| temporary (one pass; the CPU quantize is bound by such passes)."""
+    lo, hi = torch.aminmax(blocks, dim=1)
+    return torch.maximum(-lo, hi)
 
 
 def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor,
@@ -344,11 +356,11 @@ def _saturate(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int,
 
 def _audit(Wp: Tensor, packed: Tensor, absmax: Tensor, cb: Tensor, bits: int, scale: Tensor) -> PrecisionLoss:
     """Fix blocks that would dequantize past the dtype's range, then count blocks beyond the format's bound."""
-    _, true_absmax, peak = _block_errors(Wp, packed, absmax, cb, bits, scale)
+    err, true_absmax, peak = _block_errors(Wp, packed, absmax, cb, bits, scale)
     overflow = (peak > torch.finfo(Wp.dtype).max).nonzero().flatten()
-    if overflow.numel():
+    if overflow.numel():  # rare: only then is a second pass over the weight needed
         _saturate(Wp, packed, absmax, cb, bits, scale, overflow)
-    err, true_absmax, _ = _block_errors(Wp, packed, absmax, cb, bits, scale)
+        err, true_absmax, _ = _block_errors(Wp, packed, absmax, cb, bits, scale)
     gaps = cb[1:] - cb[:-1]
     slack = 1e-6 * true_absmax + torch.finfo(torch.float32).tiny  # float32 rounding of the comparison itself
     bound = (float(gaps.max()) / 2 + 1 / 16) * true_absmax + slack
@@ -425,7 +437,8 @@ def dequantize(qw: QuantizedWeight, dtype=None) -> Tensor:
 def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_override: int = 0) -> Tensor:
     """``x @ dequantize(qw).T (+ bias)`` for x of shape [..., in_features]; fused kernel on CUDA.
 
-    On CPU, the weight is dequantized in float32 and multiplied in float32. Never synchronizes.
+    On CPU, a kernel that dequantizes each block of 32 into registers multiplies it in float32 (``kbit._build_cpu``;
+    else the weight is dequantized in float32 and multiplied in float32). Never synchronizes.
     ``grid_override`` > 0 forces the CUDA kernel's grid size (tests use it to force split-K).
     """
     check_tensor(x, "x")
@@ -458,8 +471,5 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
             y = ops.gemm(x2, b, a, qw.codebook, qw.scale, bias_c, qw.bits, out_features, qw.in_features_padded,
                          grid_override)
     else:
-        y = x2.to(torch.float32) @ qw._dequantize(torch.float32).T
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        y = y.to(x.dtype)
+        y = qw._matmul_stored(x2, bias)
     return y.reshape(*lead, out_features)

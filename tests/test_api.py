@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import re
+
 import pytest
 import torch
 
@@ -352,7 +354,9 @@ def test_cli_demo_small(capsys):
     assert "| bits | bits/weight |" in out and "M=1 fp32 µs" in out and "M=16 speedup" in out
     rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 5 |")]
     assert len(rows) == 2, out
-    assert "worst relative error 0.00e+00" in out, out  # CPU: matmul == x @ dequantize(W).T exactly
+    # CPU: the kernel sums in another order than x @ dequantize(W).T, so they agree to float32 rounding
+    worst = re.search(r"worst relative error ([0-9.e+-]+)", out)
+    assert worst and float(worst.group(1)) < 1e-5, out
 
 
 def test_demo_results():

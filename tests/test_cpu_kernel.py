@@ -1,0 +1,200 @@
+"""The CPU kernels (kbit/csrc/cpu, built by kbit._build_cpu) against the pure-PyTorch reference path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import kbit
+from kbit import _build_cpu, formats, ops
+from kbit.weight import quantize_with_report
+from kbit.moe import KbitExperts
+
+BITS = formats.SUPPORTED_BITS
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The built kernels; where a compiler exists they must build (a broken build fails here, not skips)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the reference path is all there is")
+    built = _build_cpu.cpu_ext()
+    assert built is not None, "a C++ compiler exists but the CPU kernels did not build"
+    return built
+
+
+@pytest.fixture(params=[1, 2], ids=["threads1", "threads2"])
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def _weight(out_features: int, in_features: int, bits: int, dtype=torch.float32) -> kbit.QuantizedWeight:
+    W = torch.randn(out_features, in_features, dtype=dtype)
+    W[0, : min(in_features, 40)] *= 1e-4  # blocks far below the largest: small E4M4 exponents and subnormals
+    if out_features > 2:
+        W[2] = 0  # all-zero blocks (absmax 0)
+    qw, _ = quantize_with_report(W, bits)
+    return qw
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_is_bit_exact(ext, threads, bits, dtype):
+    qw = _weight(37, 75, bits)
+    n = qw.out_features * qw.in_features_padded - 5  # a flat length that ends inside a block
+    got = ops.dequantize(qw.packed, qw.absmax, qw.codebook, bits, n, dtype, qw.scale)
+    want = formats.dequantize_reference(qw.packed, qw.absmax, qw.codebook, bits, n, dtype, qw.scale)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_gives_the_reference_codes(ext, threads, bits, dtype):
+    A = torch.randn(4099, dtype=dtype) * torch.logspace(-6, 2, 4099).to(dtype)  # absmax across E4M4's range
+    A[100:164] = 0
+    cb = formats.create_normal_float_codebook(bits)
+    scale = formats.choose_tensor_scale(A.abs().amax())
+    packed, absmax = ops.quantize(A, cb, bits, scale)
+    want_packed, want_absmax = formats.quantize_reference(A, cb, bits, scale)
+    assert torch.equal(absmax, want_absmax) and torch.equal(packed, want_packed)
+
+
+def _assert_within_rounding(got: torch.Tensor, want_fp32: torch.Tensor, dtype) -> None:
+    """Equal up to a different fp32 summation order, then one rounding to ``dtype``."""
+    assert got.dtype == dtype and got.shape == want_fp32.shape
+    sum_order = 1e-5 * want_fp32.abs().amax()  # K <= ~300 terms of magnitude <= max|y|
+    rounding = want_fp32.abs() * (torch.finfo(dtype).eps if dtype != torch.float32 else 0.0)
+    err = (got.to(torch.float32) - want_fp32).abs()
+    assert bool((err <= sum_order + rounding).all()), f"max error {err.max()}"
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 16, 70])  # every chunk size, and the BLAS path from 64
+def test_matmul_matches_reference(ext, threads, bits, dtype, rows):
+    out_features, in_features = 19, 83  # odd: tails of every tile, a partial last block
+    qw = _weight(out_features, in_features, bits)
+    x = torch.randn(rows, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    got = kbit.matmul(x, qw, bias)
+    want = ops.matmul_stored_reference(x.to(torch.float32), qw.packed, qw.absmax, qw.codebook, qw.scale,
+                                       bias.to(torch.float32), bits, out_features, qw.in_features_padded)
+    _assert_within_rounding(got, want, dtype)
+
+
+def test_matmul_3d_input_and_no_bias(ext):
+    qw = _weight(33, 64, 3)
+    x = torch.randn(2, 5, 64)
+    want = x @ qw.dequantize(torch.float32).T
+    got = kbit.matmul(x, qw)
+    assert got.shape == (2, 5, 33)
+    _assert_within_rounding(got, want, torch.float32)
+
+
+def test_matmul_gradients_through_the_kernel(ext):
+    qw = _weight(17, 45, 4)
+    x = torch.randn(3, 45, requires_grad=True)
+    bias = torch.randn(17, requires_grad=True)
+    kbit.matmul(x, qw, bias).square().sum().backward()
+    x_ref, bias_ref = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    (x_ref @ qw.dequantize(torch.float32).T + bias_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bias.grad, bias_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_kbit_linear_and_experts_use_the_kernel(ext, monkeypatch):
+    calls = []
+    real = ext.gemm
+
+    class Counting:  # torch.ops namespaces are read-only: stand in for the one the ops call
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def gemm(self, *args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+    monkeypatch.setattr(ops, "cpu_ext", lambda: Counting())
+    linear = torch.nn.Linear(70, 24)
+    layer = kbit.KbitLinear.from_linear(linear, bits=4)
+    x = torch.randn(4, 70)
+    want = x @ layer.qweight.dequantize(torch.float32).T + linear.bias.detach()
+    _assert_within_rounding(layer(x), want, torch.float32)
+    assert calls == [(4, 70)]
+
+    experts = KbitExperts(3, 32, 16, bits=4)
+    idx = torch.tensor([[0, 2], [2, 1]])
+    experts(torch.randn(2, 32), idx, torch.rand(2, 2))
+    assert len(calls) == 1 + 2 * 3  # gate_up and down of each routed expert
+
+
+def test_without_a_compiler_one_warning_and_the_reference(monkeypatch):
+    qw = _weight(9, 40, 4)
+    x = torch.randn(2, 40)
+    monkeypatch.setattr(_build_cpu, "_compiler", lambda: None)
+    monkeypatch.delenv(_build_cpu.ENABLE_ENV, raising=False)
+    _build_cpu.cpu_ext.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = kbit.matmul(x, qw)
+            kbit.matmul(x, qw)
+            kbit.quantize(torch.randn(8, 32))
+        ours = [w for w in caught if issubclass(w.category, _build_cpu.CpuKernelWarning)]
+        assert len(ours) == 1 and "C++ compiler" in str(ours[0].message)
+        want = ops.matmul_stored_reference(x, qw.packed, qw.absmax, qw.codebook, qw.scale, None, 4, 9, 64)
+        assert torch.equal(got, want)
+    finally:
+        _build_cpu.cpu_ext.cache_clear()
+
+
+def test_isa_choice_errors(monkeypatch):
+    if not _build_cpu.isa() in _build_cpu.X86_ISAS:
+        pytest.skip("an x86-64 choice")
+    monkeypatch.setenv(_build_cpu.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="KBIT_CPU_ISA must be one of"):
+        _build_cpu.isa()
+    monkeypatch.setenv(_build_cpu.ISA_ENV, "avx2")
+    monkeypatch.setattr(_build_cpu, "_cpu_flags", lambda: {"sse2"})
+    with pytest.raises(ValueError, match="lacks"):
+        _build_cpu.isa()
+
+
+_VARIANT_CHECK = """
+import torch, kbit, kbit.weight
+from kbit import _build_cpu, ops
+assert _build_cpu.cpu_ext().isa() == {isa!r}
+for bits in (2, 3, 4, 5):
+    qw, _ = kbit.weight.quantize_with_report(torch.randn(21, 70), bits)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 70)
+        want = ops.matmul_stored_reference(x, qw.packed, qw.absmax, qw.codebook, qw.scale, None, bits, 21, 96)
+        assert (kbit.matmul(x, qw) - want).abs().max() <= 1e-5 * want.abs().max()
+    n = 21 * 96
+    assert torch.equal(qw.dequantize(torch.float32), qw.dequantize(torch.float32))
+    assert torch.equal(ops.dequantize(qw.packed, qw.absmax, qw.codebook, bits, n, torch.float32, qw.scale),
+                       kbit.formats.dequantize_reference(qw.packed, qw.absmax, qw.codebook, bits, n, torch.float32,
+                                                         qw.scale))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_smaller_instruction_sets(ext, isa):
+    """The other SIMD layers this CPU can run, each built and checked in a fresh process (a minute each)."""
+    if isa not in _build_cpu.X86_ISAS or not _build_cpu.X86_ISAS[isa][0] <= _build_cpu._cpu_flags():
+        pytest.skip(f"this CPU cannot run {isa}")
+    env = dict(os.environ, KBIT_CPU_ISA=isa)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _VARIANT_CHECK.format(isa=isa)], env=env, cwd=repo,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
