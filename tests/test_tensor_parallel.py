@@ -1,0 +1,227 @@
+"""Tensor parallel kbit models (kbit.tensor_parallel): storage shards against the whole weight, then two processes
+on gloo (CPU) running a tiny Llama and a tiny Qwen3-MoE at TP=2 against TP=1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import kbit
+from kbit import tensor_parallel as tp
+from kbit.rotation import Rotation
+
+transformers = pytest.importorskip("transformers")
+
+WORLD = 2
+JOB_TIMEOUT_S = 120
+VOCAB = 320
+
+
+# ----------------------------------------------------------------------------- storage shards, one process
+@pytest.mark.parametrize("bits", [2, 4, 5])
+def test_column_shards_are_the_rows_of_the_whole_weight(bits):
+    W = torch.randn(96, 200)  # in_features padded to 224: shards keep the padding of each row
+    qw = kbit.quantize(W, bits=bits)
+    whole = qw.dequantize()
+    parts = [tp.column_shard(qw, r, 3) for r in range(3)]
+    assert torch.equal(torch.cat([p.dequantize() for p in parts]), whole)
+    assert sum(p.packed.numel() for p in parts) == qw.packed.numel()
+    assert parts[0].packed.untyped_storage().data_ptr() != qw.packed.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_row_shards_are_whole_blocks_of_every_row(bits):
+    W = torch.randn(40, 256)
+    qw = kbit.quantize(W, bits=bits)
+    parts = [tp.row_shard(qw, r, 4) for r in range(4)]
+    assert all(p.shape == (40, 64) for p in parts)
+    assert torch.equal(torch.cat([p.dequantize() for p in parts], dim=1), qw.dequantize())
+    x = torch.randn(3, 256)
+    partial = sum(kbit.matmul(x[:, 64 * r:64 * (r + 1)], p) for r, p in enumerate(parts))
+    torch.testing.assert_close(partial, kbit.matmul(x, qw), rtol=1e-5, atol=1e-5)
+
+
+def test_row_split_needs_whole_blocks_and_whole_hadamard_blocks():
+    assert tp.row_split_problem(256, 2) is None
+    assert tp.row_split_problem(256, 2, rotation_block=128) is None
+    assert "Hadamard blocks of 256" in tp.row_split_problem(256, 2, rotation_block=256)
+    assert "blocks of 32" in tp.row_split_problem(96, 2)  # 48 per rank: a block would straddle two ranks
+    with pytest.raises(ValueError, match="blocks of 32"):
+        tp.row_shard(kbit.quantize(torch.randn(8, 96)), 0, 2)
+    with pytest.raises(ValueError, match="out_features=9"):
+        tp.column_shard(kbit.quantize(torch.randn(9, 64)), 0, 2)
+
+
+def test_shard_model_needs_torch_distributed():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tp.shard_model(torch.nn.Linear(4, 4))
+
+
+# ----------------------------------------------------------------------------- two processes on gloo
+def tiny_llama(intermediate_size=256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=intermediate_size, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def tiny_qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(config)
+
+
+def quantized(build, rotate: bool):
+    torch.manual_seed(11)
+    model = build().eval()
+    with torch.no_grad():  # non-trivial norms, so that a mix-up of tensors would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return kbit.quantize_model(model, bits=4, min_features=32, progress=False, rotate=rotate)
+
+
+# Rotated: o_proj (in 128, Hadamard blocks of 128) cannot split in two and stays whole; down_proj (in 1024, blocks
+# of 512) splits into one Hadamard block per rank.
+MODELS = {"llama": (tiny_llama, False), "llama_rotated": (lambda: tiny_llama(1024), True),
+          "qwen3_moe": (tiny_qwen3_moe, False)}
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, folder: str) -> None:
+    """One rank: every model at TP=2 (logits, resident bytes, report), then whole again and saved by rank 0."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=WORLD, timeout=timedelta(seconds=JOB_TIMEOUT_S))
+    try:
+        root = Path(folder)
+        ids = torch.load(root / "ids.pt")
+        out = {}
+        for name in MODELS:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32).eval()
+            whole_bytes = tp.kbit_bytes(model)
+            report = tp.shard_model(model)
+            out[name] = {"report": report, "whole_bytes": whole_bytes, "bytes": tp.kbit_bytes(model)}
+            torch.save(logits(model, ids), root / f"{name}.tp2.rank{rank}.pt")
+            tp.unshard_model(model)
+            torch.save(logits(model, ids), root / f"{name}.unsharded.rank{rank}.pt")
+            if rank == 0:
+                kbit.save_quantized(model, root / f"{name}.saved_at_tp2")
+            torch.distributed.barrier()
+        (root / f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_two_ranks(folder: Path) -> None:
+    """Both ranks in spawned processes; a bounded wait, then they are terminated."""
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {WORLD} gloo ranks did not finish within {JOB_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """{model: (TP=1 model, TP=1 logits)} and the folder the ranks wrote into."""
+    root = tmp_path_factory.mktemp("tp")
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    torch.save(ids, root / "ids.pt")
+    whole = {}
+    for name, (build, rotate) in MODELS.items():
+        model = quantized(build, rotate)
+        kbit.save_quantized(model, root / name)
+        whole[name] = (model, logits(model, ids))
+    sys.stdout.flush()
+    run_two_ranks(root)
+    results = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return whole, root, ids, results
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp2_logits_equal_tp1(job, name):
+    whole, root, _, _ = job
+    ref = whole[name][1]
+    for rank in range(WORLD):
+        got = torch.load(root / f"{name}.tp2.rank{rank}.pt")
+        # the same products summed in two parts: float32 rounding of the all-reduced sums only
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_each_rank_holds_about_half_the_kbit_bytes(job, name):
+    *_, results = job
+    for rank in range(WORLD):
+        r = results[rank][name]
+        # codebooks, scales and metadata are replicated: a little over half
+        assert 0.45 * r["whole_bytes"] < r["bytes"] < 0.56 * r["whole_bytes"], r
+
+
+def test_every_kbit_layer_is_sharded(job):
+    *_, results = job
+    llama = results[0]["llama"]["report"]
+    assert llama and all(how in ("column shard", "row shard") for how in llama.values()), llama
+    moe = results[0]["qwen3_moe"]["report"]
+    assert {how for name, how in moe.items() if name.endswith("experts")} == {"shard of every expert"}
+    assert all(how in ("column shard", "row shard") for name, how in moe.items() if not name.endswith("experts"))
+
+
+def test_rotated_row_layers_shard_where_whole_hadamard_blocks_allow(job):
+    """Rotated o_proj (in 128: one Hadamard block of 128) cannot split in two: it stays whole on each rank and
+    gathers its input; down_proj (in 1024, blocks of 512) row-shards with its signs; column-parallel layers shard."""
+    *_, results = job
+    report = results[0]["llama_rotated"]["report"]
+    gathered = {name for name, how in report.items() if how.startswith("whole (input gathered)")}
+    assert gathered == {n for n in report if n.endswith("o_proj")}, report
+    assert all("Hadamard blocks of 128" in report[n] for n in gathered)
+    assert {report[n] for n in report if n.endswith("down_proj")} == {"row shard"}
+    r = results[0]["llama_rotated"]
+    assert r["bytes"] < 0.6 * r["whole_bytes"], r  # everything but the two o_proj halves
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_saved_at_tp2_loads_at_tp1_as_the_same_model(job, name):
+    whole, root, ids, _ = job
+    model, ref = whole[name]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(root / f"{name}.saved_at_tp2"),
+                                                               dtype=torch.float32).eval()
+    want, got = model.state_dict(), loaded.state_dict()
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    assert torch.equal(logits(loaded, ids), ref)
+    for rank in range(WORLD):
+        assert torch.equal(torch.load(root / f"{name}.unsharded.rank{rank}.pt"), ref)
