@@ -154,6 +154,12 @@ class KbitHfQuantizer(HfQuantizer):
             return module_name in self._targets
         return tensor_name in FUSED_PARAMETERS and module_name in self.experts
 
+    def update_parallel_plan(self, model, plan):  # tp_plan: kbit layers take kbit's styles (kbit.hf_tensor_parallel)
+        from .hf_tensor_parallel import kbit_plan
+
+        super().update_parallel_plan(model, plan)
+        kbit_plan(model, plan, self._targets | frozenset(self.experts))
+
     def get_quantize_ops(self):
         from .hf_quantize_op import QuantizeWhileLoading
 
@@ -163,6 +169,10 @@ class KbitHfQuantizer(HfQuantizer):
         return [hf_format.packed_renaming(self._saved_names)] if self._saved_names else []
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if getattr(model, "_tp_size", None) and model._tp_size > 1:  # loaded with a tp_plan: this rank's shards
+            from .hf_tensor_parallel import finish_loading
+
+            finish_loading(model)
         # The GEMM layouts are non-persistent buffers derived from the storage when a layer is built. After
         # transformers (5.17, CUDA) finished loading, layers quantized during the load held layouts that no longer
         # matched their (correct) storage, and generate drifted from quantize_model's tokens: whatever the loader

@@ -113,7 +113,7 @@ def kbit_bytes(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------- communication
-class _Group:
+class RankGroup:
     """The process group a sharded layer talks over, with this rank's place in it."""
 
     def __init__(self, group):
@@ -135,7 +135,7 @@ class ColumnParallelKbitLinear(KbitLinear):
     """A ``KbitLinear`` holding rows ``[rank * N / world, ...)`` of a [N, in_features] weight (and of its bias):
     a replicated input, this rank's slice of the output features. No communication."""
 
-    tp: _Group
+    tp: RankGroup
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", column shard {self.tp.rank} of {self.tp.world}"
@@ -146,7 +146,7 @@ class RowParallelKbitLinear(KbitLinear):
     this rank's slice of the features, its output the all-reduced sum of every rank's product, plus the bias (kept
     whole on every rank, added once)."""
 
-    tp: _Group
+    tp: RankGroup
 
     def forward(self, x: Tensor) -> Tensor:
         rotation = self.rotation
@@ -161,7 +161,7 @@ class GatheredInputKbitLinear(KbitLinear):
     """A whole ``KbitLinear`` planned row parallel whose weight does not split into whole blocks
     (``row_split_problem``): it gathers its input's feature slices from every rank, then computes on every rank."""
 
-    tp: _Group
+    tp: RankGroup
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(_all_gather(x, -1, self.tp.group))
@@ -174,7 +174,7 @@ class TensorParallelKbitExperts(KbitExperts):
     """``KbitExperts`` holding, for every expert, gate and up rows ``[rank * I / world, ...)`` and the same input
     features of down: experts of intermediate size I / world whose outputs the ranks sum (one all-reduce)."""
 
-    tp: _Group
+    tp: RankGroup
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return _all_reduce(super().forward(hidden_states, top_k_index, top_k_weights), self.tp.group)
@@ -186,7 +186,9 @@ class TensorParallelKbitExperts(KbitExperts):
 _PARALLEL = (ColumnParallelKbitLinear, RowParallelKbitLinear, GatheredInputKbitLinear, TensorParallelKbitExperts)
 
 
-def _linear(cls, qw: QuantizedWeight, bias: Optional[Tensor], rotation: Optional[Rotation], tp: _Group):
+def local_linear(cls, qw: QuantizedWeight, bias: Optional[Tensor], rotation: Optional[Rotation],
+                 tp: RankGroup) -> KbitLinear:
+    """A sharded layer of class ``cls`` (``linear_split``) from this rank's weight, bias and rotation."""
     layer = cls.from_quantized(qw, bias, rotation)
     layer.tp = tp
     return layer
@@ -199,55 +201,70 @@ def _head_dim(model: nn.Module, name: str) -> int:
     return int(getattr(parent, "head_dim", 1) or 1)
 
 
-def _shard_linear(layer: KbitLinear, style: str, tp: _Group, head_dim: int, name: str):
+def linear_split(style: str, shape, world: int, head_dim: int = 1, rotation_block: int = 0, name: str = "layer"):
+    """How a [out_features, in_features] ``KbitLinear`` planned ``style`` (``"colwise"`` / ``"rowwise"``) splits over
+    ``world`` ranks: (the sharded class, what becomes of it). A column split must keep heads of ``head_dim`` whole
+    (ValueError otherwise); a row split that would cut a block leaves the layer whole, its input gathered."""
+    out_features, in_features = shape
+    if style == COLWISE:
+        if out_features % (world * head_dim):
+            unit = f"heads of {head_dim}" if head_dim > 1 else "rows"
+            raise ValueError(f"{name}: out_features={out_features} does not split into {world} equal shards of "
+                             f"whole {unit}")
+        return ColumnParallelKbitLinear, "column shard"
+    problem = row_split_problem(in_features, world, rotation_block)
+    if problem:
+        return GatheredInputKbitLinear, f"whole (input gathered): {problem}"
+    return RowParallelKbitLinear, "row shard"
+
+
+def _shard_linear(layer: KbitLinear, style: str, tp: RankGroup, head_dim: int, name: str):
     qw, bias, rotation = layer.qweight, layer.bias, layer.rotation
     bias = None if bias is None else bias.detach()
-    if style == COLWISE:
-        N = layer.out_features
-        if N % (tp.world * head_dim):
-            unit = f"heads of {head_dim}" if head_dim > 1 else "rows"
-            raise ValueError(f"{name}: out_features={N} does not split into {tp.world} equal shards of whole {unit}")
-        lo, hi = _even_part(N, tp.rank, tp.world)
-        return (_linear(ColumnParallelKbitLinear, column_shard(qw, tp.rank, tp.world),
-                        None if bias is None else bias[lo:hi].clone(), rotation, tp), "column shard")
-    block = 0 if rotation is None else rotation.block
-    problem = row_split_problem(layer.in_features, tp.world, block)
-    if problem:
-        return _linear(GatheredInputKbitLinear, qw, bias, rotation, tp), f"whole (input gathered): {problem}"
-    if rotation is not None:
-        lo, hi = _even_part(layer.in_features, tp.rank, tp.world)
-        rotation = Rotation(rotation.signs[lo:hi].clone(), rotation.block)
-    return _linear(RowParallelKbitLinear, row_shard(qw, tp.rank, tp.world), bias, rotation, tp), "row shard"
+    cls, how = linear_split(style, qw.shape, tp.world, head_dim, 0 if rotation is None else rotation.block, name)
+    if cls is ColumnParallelKbitLinear:
+        lo, hi = _even_part(qw.out_features, tp.rank, tp.world)
+        qw, bias = column_shard(qw, tp.rank, tp.world), None if bias is None else bias[lo:hi].clone()
+    elif cls is RowParallelKbitLinear:
+        lo, hi = _even_part(qw.in_features, tp.rank, tp.world)
+        qw = row_shard(qw, tp.rank, tp.world)
+        rotation = None if rotation is None else Rotation(rotation.signs[lo:hi].clone(), rotation.block)
+    return local_linear(cls, qw, bias, rotation, tp), how
 
 
-def _experts_replicated(experts: KbitExperts, new: KbitExperts) -> dict:
-    """The storage every rank holds whole (codebook, per-expert scales), and ``new``'s own ``meta``."""
-    return {"codebook": experts.codebook, "gate_up_scale": experts.gate_up_scale, "down_scale": experts.down_scale,
-            "meta": new._meta_tensor(experts.codebook.device)}
-
-
-def _experts_problem(experts: KbitExperts, world: int) -> Optional[str]:
+def experts_split_problem(experts: KbitExperts, world: int) -> Optional[str]:
+    """None if every expert's intermediate size splits into ``world`` shards of whole blocks, else why not."""
     return row_split_problem(experts.intermediate_dim, world)
 
 
-def _shard_experts(experts: KbitExperts, tp: _Group):
-    problem = _experts_problem(experts, tp.world)
-    if problem:  # replicated input, replicated output: whole experts compute the same on every rank
-        return experts, f"whole: intermediate {problem}"
+def local_experts(experts: KbitExperts, state: dict, tp: RankGroup) -> "TensorParallelKbitExperts":
+    """This rank's ``TensorParallelKbitExperts`` of ``experts``' shape from its shard of the storage: ``state`` holds
+    ``gate_up_*`` / ``down_*`` packed and absmax of intermediate size I / world (``_shard_experts`` slices them, a
+    tensor-parallel load reads them), and the replicated codebook and scales. The values are checked as on load."""
     E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
     lo, hi = _even_part(I, tp.rank, tp.world)
     local = TensorParallelKbitExperts(E, H, hi - lo, bits=experts.bits, dtype=experts.weight_dtype, device="meta",
                                       act_fn=experts.act_fn)
-    state = _experts_replicated(experts, local)
+    state = dict(state, meta=local._meta_tensor(state["codebook"].device))
+    local.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True)
+    local.tp = tp
+    return local.prepare()
+
+
+def _shard_experts(experts: KbitExperts, tp: RankGroup):
+    problem = experts_split_problem(experts, tp.world)
+    if problem:  # replicated input, replicated output: whole experts compute the same on every rank
+        return experts, f"whole: intermediate {problem}"
+    E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    lo, hi = _even_part(I, tp.rank, tp.world)
+    state = {"codebook": experts.codebook, "gate_up_scale": experts.gate_up_scale, "down_scale": experts.down_scale}
     for key in ("packed", "absmax"):
         rows = getattr(experts, f"gate_up_{key}").view(E, 2 * I, -1)  # gate rows, then up rows: split each
         state[f"gate_up_{key}"] = torch.cat([rows[:, lo:hi], rows[:, I + lo:I + hi]], 1).reshape(E, -1)
         per_block = experts.bits if key == "packed" else 1
         down = getattr(experts, f"down_{key}").view(E, H, -1, per_block)
         state[f"down_{key}"] = down[:, :, lo // BLOCK_SIZE:hi // BLOCK_SIZE].reshape(E, -1)
-    local.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=False, assign=True)
-    local.tp = tp
-    return local.prepare(), "shard of every expert"
+    return local_experts(experts, state, tp), "shard of every expert"
 
 
 # ---------------------------------------------------------------------- whole models
@@ -290,7 +307,7 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
         raise RuntimeError("shard_model needs torch.distributed initialized (dist.init_process_group, e.g. torchrun)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    tp = _Group(group if group is not None else dist.group.WORLD)
+    tp = RankGroup(group if group is not None else dist.group.WORLD)
     plan = model_plan(model) if plan is None else dict(plan)
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
         raise TypeError("plan must be a dict of layer name -> style name")
@@ -336,7 +353,8 @@ def _gathered_experts(experts: TensorParallelKbitExperts) -> KbitExperts:
     E, H, I_local = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
     whole = KbitExperts(E, H, I_local * tp.world, bits=experts.bits, dtype=experts.weight_dtype, device="meta",
                         act_fn=experts.act_fn)
-    state = _experts_replicated(experts, whole)
+    state = {"codebook": experts.codebook, "gate_up_scale": experts.gate_up_scale, "down_scale": experts.down_scale,
+             "meta": whole._meta_tensor(experts.codebook.device)}
     for key in ("packed", "absmax"):
         gate, up = getattr(experts, f"gate_up_{key}").view(E, 2 * I_local, -1).chunk(2, dim=1)
         state[f"gate_up_{key}"] = torch.cat([_all_gather(gate, 1, tp.group), _all_gather(up, 1, tp.group)],

@@ -223,5 +223,6 @@ def test_saved_at_tp2_loads_at_tp1_as_the_same_model(job, name):
     for key in want:
         assert torch.equal(want[key], got[key]), key
     assert torch.equal(logits(loaded, ids), ref)
-    for rank in range(WORLD):
-        assert torch.equal(torch.load(root / f"{name}.unsharded.rank{rank}.pt"), ref)
+    for rank in range(WORLD):  # the ranks run one thread: float32 sums in another order than this process
+        got = torch.load(root / f"{name}.unsharded.rank{rank}.pt")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
