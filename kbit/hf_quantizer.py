@@ -169,10 +169,9 @@ class KbitHfQuantizer(HfQuantizer):
         return [hf_format.packed_renaming(self._saved_names)] if self._saved_names else []
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        if getattr(model, "_tp_size", None) and model._tp_size > 1:  # loaded with a tp_plan: this rank's shards
-            from .hf_tensor_parallel import finish_loading
+        from .hf_tensor_parallel import finish_loading
 
-            finish_loading(model)
+        finish_loading(model)  # under a tp_plan: this rank's sharded layers; in any case the plan's own style names
         # The GEMM layouts are non-persistent buffers derived from the storage when a layer is built. After
         # transformers (5.17, CUDA) finished loading, layers quantized during the load held layouts that no longer
         # matched their (correct) storage, and generate drifted from quantize_model's tokens: whatever the loader

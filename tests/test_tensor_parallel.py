@@ -113,15 +113,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _recording_reads(reads: list):
+    """transformers' shard-on-read, recording (checkpoint tensor's elements, elements read) of each int32 tensor (in
+    a kbit folder: only the ``packed`` bit planes are int32)."""
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    shard_tensor = DtensorShardOperation.shard_tensor
+
+    def recorded(self, source, *args, **kwargs):
+        local = shard_tensor(self, source, *args, **kwargs)
+        shape = list(source.shape) if isinstance(source, torch.Tensor) else source.get_shape()
+        if local is not None and local.dtype == torch.int32:
+            reads.append((int(torch.tensor(shape).prod()), local.numel()))
+        return local
+
+    DtensorShardOperation.shard_tensor = recorded
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
-    """One rank: every model at TP=2 (logits, resident bytes, report), then whole again and saved by rank 0."""
+    """One rank: every model at TP=2, sharded by shard_model (logits, resident bytes, report), then whole again and
+    saved by rank 0; then loaded with tp_plan="auto" (logits, greedy tokens, what was read)."""
     torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=WORLD, timeout=timedelta(seconds=JOB_TIMEOUT_S))
     try:
         root = Path(folder)
         ids = torch.load(root / "ids.pt")
-        out = {}
+        out, reads = {}, []
+        _recording_reads(reads)
         for name in MODELS:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32).eval()
             whole_bytes = tp.kbit_bytes(model)
@@ -133,6 +154,14 @@ def _worker(rank: int, port: int, folder: str) -> None:
             if rank == 0:
                 kbit.save_quantized(model, root / f"{name}.saved_at_tp2")
             torch.distributed.barrier()
+            reads.clear()
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32,
+                                                                      tp_plan="auto").eval()
+            out[name]["tp_plan_reads"] = list(reads)
+            out[name]["tp_plan_bytes"] = tp.kbit_bytes(model)
+            torch.save(logits(model, ids), root / f"{name}.tp_plan.rank{rank}.pt")
+            with torch.no_grad():
+                out[name]["tokens"] = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
         (root / f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         torch.distributed.destroy_process_group()
@@ -164,7 +193,9 @@ def job(tmp_path_factory):
     for name, (build, rotate) in MODELS.items():
         model = quantized(build, rotate)
         kbit.save_quantized(model, root / name)
-        whole[name] = (model, logits(model, ids))
+        with torch.no_grad():
+            tokens = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
+        whole[name] = (model, logits(model, ids), tokens)
     sys.stdout.flush()
     run_two_ranks(root)
     results = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -175,8 +206,8 @@ def job(tmp_path_factory):
 def test_tp2_logits_equal_tp1(job, name):
     whole, root, _, _ = job
     ref = whole[name][1]
-    for rank in range(WORLD):
-        got = torch.load(root / f"{name}.tp2.rank{rank}.pt")
+    for rank, how in ((r, h) for r in range(WORLD) for h in ("tp2", "tp_plan")):
+        got = torch.load(root / f"{name}.{how}.rank{rank}.pt")
         # the same products summed in two parts: float32 rounding of the all-reduced sums only
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
@@ -188,6 +219,26 @@ def test_each_rank_holds_about_half_the_kbit_bytes(job, name):
         r = results[rank][name]
         # codebooks, scales and metadata are replicated: a little over half
         assert 0.45 * r["whole_bytes"] < r["bytes"] < 0.56 * r["whole_bytes"], r
+        assert r["tp_plan_bytes"] == r["bytes"], r
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp_plan_auto_reads_only_this_ranks_shard(job, name):
+    """transformers read half of the packed tensor of every sharded layer (two of a sharded experts module), and
+    nothing else through its shard-on-read (the rotated o_proj, whole on each rank, is read whole)."""
+    *_, results = job
+    for rank in range(WORLD):
+        reads, report = results[rank][name]["tp_plan_reads"], results[rank][name]["report"]
+        sharded = sum(2 if how == "shard of every expert" else how.endswith("shard") for how in report.values())
+        assert sharded and len(reads) == sharded, (reads, report)
+        assert all(2 * got == full for full, got in reads), reads
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp_plan_auto_generates_tp1s_greedy_tokens(job, name):
+    whole, *_, results = job
+    for rank in range(WORLD):
+        assert results[rank][name]["tokens"] == whole[name][2]
 
 
 def test_every_kbit_layer_is_sharded(job):
@@ -215,7 +266,7 @@ def test_rotated_row_layers_shard_where_whole_hadamard_blocks_allow(job):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_saved_at_tp2_loads_at_tp1_as_the_same_model(job, name):
     whole, root, ids, _ = job
-    model, ref = whole[name]
+    model, ref, _ = whole[name]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(root / f"{name}.saved_at_tp2"),
                                                                dtype=torch.float32).eval()
     want, got = model.state_dict(), loaded.state_dict()
