@@ -277,3 +277,83 @@ def test_saved_at_tp2_loads_at_tp1_as_the_same_model(job, name):
     for rank in range(WORLD):  # the ranks run one thread: float32 sums in another order than this process
         got = torch.load(root / f"{name}.unsharded.rank{rank}.pt")
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+# ----------------------------------------------------------------------------- two GPUs on NCCL
+# Llama-3-70B's layer shapes, 4 layers; a smaller vocabulary keeps the replicated embeddings small.
+SHAPE_70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                 num_hidden_layers=4, vocab_size=32000)
+NEW_TOKENS = 16
+
+
+def _greedy(model, prompt):
+    """Greedy tokens and each step's scores (transformers' generate, eager)."""
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, prompt.shape[1]:].tolist(), [s[0].float() for s in out.scores]
+
+
+def _cuda_worker(rank: int, port: int, folder: str) -> None:
+    """One GPU: the 70B-shaped model quantized to K=4 at TP=1, then sharded over both GPUs (TP=2), in fp16 and
+    bf16: greedy tokens, prefill logits, the TP=1 score margins (to tell a near-tie from an error), kbit bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kbit.hf import from_config
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=WORLD, timeout=timedelta(seconds=600), device_id=device)
+    try:
+        out = {}
+        for dtype in (torch.float16, torch.bfloat16):
+            torch.manual_seed(0)  # the same weights on both GPUs
+            with device:
+                model = from_config(LlamaForCausalLM, LlamaConfig(**SHAPE_70B), dtype=dtype).eval()
+            kbit.quantize_model(model, bits=4, progress=False)
+            prompt = torch.randint(0, SHAPE_70B["vocab_size"], (1, 32), device=device)
+            want, scores = _greedy(model, prompt)
+            ref = logits(model, prompt).float()
+            whole_bytes = tp.kbit_bytes(model)
+            report = tp.shard_model(model)
+            got, _ = _greedy(model, prompt)
+            diverged = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+            margin = None
+            if diverged is not None:
+                top2 = scores[diverged].topk(2).values
+                margin = float(top2[0] - top2[1])
+            out[str(dtype)] = dict(
+                want=want, got=got, margin=margin, whole_bytes=whole_bytes, bytes=tp.kbit_bytes(model),
+                report=sorted(set(report.values())), logit_scale=float(ref.abs().max()),
+                logit_diff=float((logits(model, prompt).float() - ref).abs().max()))
+            del model
+            torch.cuda.empty_cache()
+        (Path(folder) / f"cuda_rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(tmp_path):
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs")
+    ctx = mp.start_processes(_cuda_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 900
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the NCCL ranks did not finish within 900 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    for rank in range(WORLD):
+        for dtype, r in json.loads((tmp_path / f"cuda_rank{rank}.json").read_text()).items():
+            print(rank, dtype, {k: v for k, v in r.items() if k not in ("want", "got")})
+            assert r["report"] == ["column shard", "row shard"], r["report"]
+            assert 0.45 * r["whole_bytes"] < r["bytes"] < 0.55 * r["whole_bytes"]
+            # 16-bit all-reduces sum in another order than one GPU's GEMM: logits agree to a few 16-bit roundings
+            assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
+            # greedy tokens equal; a divergence is allowed only at a near-tie of TP=1's two best scores
+            assert r["got"] == r["want"] or r["margin"] <= 2 * r["logit_diff"], (dtype, r)
