@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-from transformers.distributed.tensor_parallel import TensorParallelLayer
+from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
+from transformers.quantizers.base import HfQuantizer
 
 from . import tensor_parallel as tp
 from .formats import meta_tensor
@@ -128,6 +128,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def finish_loading(model) -> None:
     """Replace each kbit layer loaded under kbit's styles by its sharded layer, and restore the plan's names."""
+    if (getattr(model, "_tp_size", None) or 1) > 1 and not hasattr(HfQuantizer, "update_parallel_plan"):
+        raise ValueError("this transformers applies its tp_plan to kbit layers without asking kbit (no "
+                         "HfQuantizer.update_parallel_plan): load without tp_plan and shard with "
+                         "kbit.tensor_parallel.shard_model, or use a transformers that has it")
     for name, module in list(model.named_modules()):
         pending = module.__dict__.pop("_kbit_tp", None)
         if pending is None:
