@@ -104,12 +104,9 @@ def row_shard(qw: QuantizedWeight, rank: int, world: int) -> QuantizedWeight:
 
 
 def kbit_bytes(model: nn.Module) -> int:
-    """Bytes of kbit storage (every kbit layer's persistent buffers) this process holds for ``model``."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, (KbitLinear, KbitExperts)):
-            total += sum(t.numel() * t.element_size() for t in m.state_dict().values())
-    return total
+    """Bytes this process holds in kbit layers' buffers (storage, and on CUDA the GEMM layout) for ``model``."""
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, (KbitLinear, KbitExperts))
+               for t in m.buffers(recurse=False))
 
 
 # ---------------------------------------------------------------------- communication

@@ -17,7 +17,6 @@ import torch.multiprocessing as mp
 
 import kbit
 from kbit import tensor_parallel as tp
-from kbit.rotation import Rotation
 
 transformers = pytest.importorskip("transformers")
 
