@@ -308,9 +308,9 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     tp = RankGroup(group if group is not None else dist.group.WORLD)
-    plan = model_plan(model) if plan is None else dict(plan)
+    plan = model_plan(model) if plan is None else plan
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
-        raise TypeError("plan must be a dict of layer name -> style name")
+        raise TypeError(f"plan must be a dict of layer name -> style name, got {type(plan).__name__}")
     report = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, _PARALLEL):

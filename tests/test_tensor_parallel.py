@@ -161,9 +161,35 @@ def _worker(rank: int, port: int, folder: str) -> None:
             torch.save(logits(model, ids), root / f"{name}.tp_plan.rank{rank}.pt")
             with torch.no_grad():
                 out[name]["tokens"] = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
+        out["errors"] = _refusals()
         (root / f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _refusals() -> list:
+    """What shard_model says to a model sharded twice, to 3 heads over 2 ranks, and to a plan that is not a dict."""
+    class Attention(torch.nn.Module):
+        head_dim = 32
+
+        def __init__(self):
+            super().__init__()
+            self.q_proj = kbit.KbitLinear(64, 96, bias=False)
+
+    messages = []
+    for model, plan in ((Attention(), {"q_proj": "colwise"}), (Attention(), ["q_proj"])):
+        try:
+            tp.shard_model(model, plan=plan)
+            tp.shard_model(model, plan=plan)
+        except (TypeError, ValueError) as e:
+            messages.append(str(e))
+    model = torch.nn.Sequential(kbit.KbitLinear(64, 64, bias=False))
+    tp.shard_model(model, plan={"0": "colwise"})
+    try:
+        tp.shard_model(model, plan={"0": "colwise"})
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
 
 
 def run_two_ranks(folder: Path) -> None:
@@ -260,6 +286,14 @@ def test_rotated_row_layers_shard_where_whole_hadamard_blocks_allow(job):
     assert {report[n] for n in report if n.endswith("down_proj")} == {"row shard"}
     r = results[0]["llama_rotated"]
     assert r["bytes"] < 0.6 * r["whole_bytes"], r  # everything but the two o_proj halves
+
+
+def test_shard_model_refusals(job):
+    *_, results = job
+    heads, plan, twice = results[0]["errors"]
+    assert "q_proj: out_features=96 does not split into 2 equal shards of whole heads of 32" in heads
+    assert "plan must be a dict" in plan
+    assert "sharded already" in twice
 
 
 @pytest.mark.parametrize("name", list(MODELS))
