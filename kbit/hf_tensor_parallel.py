@@ -108,18 +108,17 @@ def kbit_plan(model, plan: dict, to_quantize=frozenset()) -> None:
     """Give the kbit layers of ``model`` that ``plan`` (transformers' ``tp_plan``, keys with ``*``) shards kbit's
     styles, in place; the layers ``to_quantize`` while loading get a style that refuses with a message."""
     register()
+    original = model.__dict__.setdefault("_kbit_original_styles", {})  # finish_loading puts them back
     for name, module in model.named_modules():
         key = next((k for k in plan if tp._pattern(k).fullmatch(name)), None)
         if key is None:
             continue
-        if name in to_quantize:
-            plan[key] = PREFIX + "quantize_while_loading"
-            continue
+        if isinstance(module, KbitLinear):  # an attention projection splits at whole heads
+            module._kbit_head_dim = tp._head_dim(model, name)
         styles = next((s for cls, s in _KBIT_STYLES.items() if isinstance(module, cls)), ())
-        if plan[key] in styles:
-            plan[key] = PREFIX + plan[key]
-            if isinstance(module, KbitLinear):  # an attention projection splits at whole heads
-                module._kbit_head_dim = tp._head_dim(model, name)
+        if key not in original and (name in to_quantize or plan[key] in styles):
+            original[key] = plan[key]
+            plan[key] = PREFIX + ("quantize_while_loading" if name in to_quantize else plan[key])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -163,7 +162,6 @@ def finish_loading(model) -> None:
         bias = None if module.bias is None else _local(module.bias)
         model.set_submodule(name, tp.local_linear(cls, qw, bias, rotation, group))
     plan = getattr(model, "_tp_plan", None)
+    original = model.__dict__.pop("_kbit_original_styles", {})
     if isinstance(plan, dict):
-        for key, style in plan.items():
-            if style.startswith(PREFIX):
-                plan[key] = style[len(PREFIX):]
+        plan.update((key, style) for key, style in original.items() if key in plan)

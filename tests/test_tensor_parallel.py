@@ -60,6 +60,20 @@ def test_row_split_needs_whole_blocks_and_whole_hadamard_blocks():
         tp.column_shard(kbit.quantize(torch.randn(9, 64)), 0, 2)
 
 
+def test_loading_without_tp_plan_keeps_transformers_plan(tmp_path):
+    """kbit renames the plan's styles of its layers while transformers loads; the model keeps the class's plan."""
+    torch.manual_seed(3)
+    model = tiny_llama()
+    want = dict(model.tp_plan)
+    model.save_pretrained(str(tmp_path / "fp"))
+    q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp"), quantization_config=kbit.KbitConfig(
+        bits=4, min_features=32))
+    assert isinstance(q.model.layers[0].self_attn.q_proj, kbit.KbitLinear)
+    assert dict(q.tp_plan) == want
+    kbit.save_quantized(q, tmp_path / "kbit")
+    assert dict(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "kbit")).tp_plan) == want
+
+
 def test_shard_model_needs_torch_distributed():
     if torch.distributed.is_initialized():
         pytest.skip("a process group is initialized in this process")
