@@ -188,6 +188,12 @@ class KbitHfQuantizer(HfQuantizer):
             return module_name in self._targets
         return tensor_name in FUSED_PARAMETERS and module_name in self.experts
 
+    def update_parallel_plan(self, model, plan):  # tp_plan: kbit layers take kbit's styles (kbit.hf_tensor_parallel)
+        from .hf_tensor_parallel import kbit_plan
+
+        super().update_parallel_plan(model, plan)
+        kbit_plan(model, plan, self._targets | frozenset(self.experts))
+
     def get_quantize_ops(self):
         from .hf_quantize_op import QuantizeWhileLoading
 
@@ -197,6 +203,9 @@ class KbitHfQuantizer(HfQuantizer):
         return [hf_format.packed_renaming(self._saved_names)] if self._saved_names else []
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        from .hf_tensor_parallel import finish_loading
+
+        finish_loading(model)  # under a tp_plan: this rank's sharded layers; in any case the plan's own style names
         # A kbit folder's layers hold the storage format as loaded: each is checked, then (on CUDA) replaced by its
         # GEMM layout, one layer at a time (load_state_dict). Layers quantized during the load hold their layout
         # already; transformers re-creates non-persistent buffers empty once it has loaded, which is why the layout

@@ -1,0 +1,195 @@
+"""Tensor-parallel decode speed: TP=1 vs TP=2 greedy decode at batch 1, kbit vs 16-bit, on a Llama-3-70B-shaped
+model (hidden 8192, intermediate 28672, 64 heads / 8 KV heads, vocab 128256; 4 layers by default). Run it with
+torchrun, one process per GPU:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py                       # H200 x2: fp16 and kbit K=4
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --mode graph          # CUDA graphs instead of compile
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --layers 2 --hidden 256 --intermediate 512 \\
+        --heads 4 --kv-heads 2 --vocab 1000 --new-tokens 4 --repeats 1 --no-write      # tiny gloo smoke run
+
+Each format starts from the same seeded random model (``bench_e2e.build_model``: kbit rows quantize q/k/v/o and
+gate/up/down with ``kbit.quantize_model``; embeddings and lm_head stay 16-bit). TP=1 runs on rank 0 alone (the
+other ranks wait); TP=2 shards the model over every rank: kbit layers with ``kbit.tensor_parallel.shard_model``,
+the 16-bit baseline's Linear layers with torch's own ``parallelize_module`` (``ColwiseParallel`` /
+``RowwiseParallel``), both from the model's transformers ``tp_plan``; embeddings and lm_head stay replicated on
+both sides. Decoding is ``bench_e2e.GreedyDecoder`` (static KV cache; ``--mode compile``: torch.compile
+reduce-overhead, CUDA graphs; ``graph``: one captured CUDA graph per step), the same on both sides. Throughput is
+``new_tokens / time`` (median of ``--repeats``); the run also checks that TP=2's greedy tokens equal TP=1's
+(``--check-tokens``) and reports the first divergence otherwise. Results: ``benchmarks/results/tp_<device>.md`` and
+``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from bench_e2e import GreedyDecoder, build_model, llama_config  # noqa: E402
+from common import env_info, markdown_table, write_outputs  # noqa: E402
+
+from kbit import tensor_parallel as tp  # noqa: E402
+
+SHAPE = dict(layers=4, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=128256)  # Llama-3-70B
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    for k, v in SHAPE.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--mode", default=None, choices=("compile", "graph", "eager"),
+                   help="default: compile on CUDA, eager on CPU")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--check-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--no-write", action="store_true")
+    return p.parse_args(argv)
+
+
+def torch_tp_plan(model) -> dict:
+    """The 16-bit baseline's plan for torch's ``parallelize_module``: every Linear the transformers plan shards."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = tp.model_plan(model)
+    out = {}
+    for name, module in model.named_modules():
+        style = next((s for key, s in plan.items() if tp._pattern(key).fullmatch(name)), None)
+        if isinstance(module, torch.nn.Linear) and style in styles:
+            out[name] = styles[style]()
+    return out
+
+
+def shard(model, quantized: bool, device) -> None:
+    if not quantized:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+        parallelize_module(model, mesh, torch_tp_plan(model))
+    else:
+        tp.shard_model(model)
+
+
+def resident_bytes(model) -> int:
+    """Weight bytes this rank holds: kbit storage plus every parameter's local part."""
+    params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                 for p in model.parameters())
+    return tp.kbit_bytes(model) + params
+
+
+def measure(model, prompt, args, mode) -> dict:
+    dec = GreedyDecoder(model, 1, args.prompt_len + max(args.new_tokens, args.check_tokens) + 8, mode).prepare(prompt)
+    seconds = dec.time_decode(prompt, args.new_tokens, args.repeats)
+    tokens = dec.generate(prompt, args.check_tokens)[0].tolist()
+    return {"tokens_per_s": args.new_tokens / seconds, "tokens": tokens, "bytes": resident_bytes(model)}
+
+
+def first_divergence(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def run(args):
+    """Every format at TP=1 (rank 0) and TP=world; the results on rank 0, None on the others."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mode = args.mode or ("compile" if device.type == "cuda" else "eager")
+    dtype = getattr(torch, args.dtype)
+    config = llama_config(**{k: getattr(args, k) for k in SHAPE})
+    torch.manual_seed(args.seed)
+    prompt = torch.randint(0, args.vocab, (1, args.prompt_len), device=device)
+    rows = {}
+    dense = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    for fmt in (dense, f"kbit{args.bits}"):
+        bits = None if fmt == dense else args.bits
+        if rank == 0:  # TP=1 on one GPU; the others wait
+            model = build_model(config, device, dtype, args.seed, bits=bits)
+            rows[(fmt, 1)] = measure(model, prompt, args, mode)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        dist.barrier()
+        model = build_model(config, device, dtype, args.seed, bits=bits)
+        shard(model, bits is not None, device)
+        rows[(fmt, world)] = measure(model, prompt, args, mode)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        dist.barrier()
+    if rank != 0:
+        return None
+    info = env_info()
+    info.update(world=world, mode=mode, dtype=args.dtype, bits=args.bits, shape={k: getattr(args, k) for k in SHAPE},
+                prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
+                backend=dist.get_backend(), transformers=__import__("transformers").__version__)
+    results = []
+    for (fmt, size), r in rows.items():
+        one = rows[(fmt, 1)]
+        results.append(dict(format=fmt, tp=size, tokens_per_s=r["tokens_per_s"], bytes_per_rank=r["bytes"],
+                            speedup_vs_tp1=r["tokens_per_s"] / one["tokens_per_s"],
+                            tokens_equal_tp1=r["tokens"] == one["tokens"],
+                            first_divergence=first_divergence(r["tokens"], one["tokens"])))
+    kbit_tp, fp16_tp = rows[(f"kbit{args.bits}", world)], rows[(dense, world)]
+    summary = {"kbit_tp_speedup": kbit_tp["tokens_per_s"] / rows[(f"kbit{args.bits}", 1)]["tokens_per_s"],
+               "kbit_vs_fp16_at_tp": kbit_tp["tokens_per_s"] / fp16_tp["tokens_per_s"]}
+    return {"env": info, "results": results, "summary": summary}
+
+
+def markdown(result: dict) -> str:
+    env, s = result["env"], result["summary"]
+    shape = env["shape"]
+    head = (f"# Tensor-parallel decode, batch 1\n\nLlama-3-70B-shaped model ({shape['layers']} layers, hidden "
+            f"{shape['hidden']}, intermediate {shape['intermediate']}, {shape['heads']} heads / {shape['kv_heads']} "
+            f"KV heads, vocab {shape['vocab']}), random weights, {env['dtype']}, greedy decode with a static KV "
+            f"cache, mode `{env['mode']}`, prompt {env['prompt_len']}, {env['new_tokens']} timed tokens, median of "
+            f"{env['repeats']}; {env.get('device', 'cpu')} x{env['world']} ({env['backend']}), torch {env['torch']}, "
+            f"transformers {env['transformers']}, commit {env['commit']}, {env['date']}.\n\n")
+    rows = [[r["format"], r["tp"], f"{r['tokens_per_s']:.1f}", f"{r['bytes_per_rank'] / 2**30:.2f}",
+             f"{r['speedup_vs_tp1']:.2f}x", "yes" if r["tokens_equal_tp1"] else f"no (from {r['first_divergence']})"]
+            for r in result["results"]]
+    table = markdown_table(["weights", "TP", "tokens/s", "GiB per rank", "vs TP=1", "greedy tokens == TP=1"], rows)
+    return (head + table + f"\n\nkbit TP={env['world']} vs TP=1: {s['kbit_tp_speedup']:.2f}x (target >= 1.6x); "
+            f"kbit vs {env['dtype']} at TP={env['world']}: {s['kbit_vs_fp16_at_tp']:.2f}x (target >= 2x).\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))  # TP=1 compiles while the others wait
+    try:
+        if dist.get_world_size() < 2:
+            raise SystemExit("run with torchrun --nproc-per-node 2 (or more)")
+        result = run(args)
+        if dist.get_rank() == 0:
+            md = markdown(result)
+            print(md)
+            if not args.no_write:
+                tag = "cpu" if args.device != "cuda" else env_info().get("device", "gpu").split()[-1].lower()
+                for path in write_outputs(Path(args.out_dir), f"tp_{tag}", md, result):
+                    print("wrote", path)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""``from_pretrained(kbit_folder, tp_plan="auto")``: transformers' tensor-parallel loading of a kbit folder, each rank
+reading only its shard of every kbit weight.
+
+transformers (5.2x: ``HfQuantizer.update_parallel_plan``) builds the model on the meta device, applies its
+``tp_plan`` to it (each style turns the parameters it shards into meta DTensors: placeholders whose placements tell
+the loader which slice of each checkpoint tensor this rank reads, via safetensors slices) and then loads. kbit's
+storage is buffers its styles do not know, so ``KbitHfQuantizer.update_parallel_plan`` gives the kbit layers
+kbit's styles instead (``kbit_colwise``, ``kbit_rowwise``, ``kbit_moe_tp_experts``), whose placeholders describe the
+storage as ``kbit.tensor_parallel`` splits it:
+
+* column parallel: ``packed`` and ``absmax`` (rows after rows, flat) ``Shard(0)``: a contiguous run of whole rows;
+  the bias ``Shard(0)``.
+* row parallel: ``packed`` and ``absmax`` ``_StridedShard(0, split_factor=out_features)``: in every row (a group),
+  this rank's run of whole blocks; ``rotation_signs`` ``Shard(0)``. A layer whose shards would cut a block (of 32 or
+  of its Hadamard transform) gets no placeholders: it loads whole and gathers its input.
+* experts: ``*_packed`` / ``*_absmax`` [E, ...] ``_StridedShard(1, ...)``: gate and up halves (2 groups) of every
+  expert for ``gate_up``, every row (H groups) of ``down``.
+* codebook, scales, ``meta``: whole on every rank.
+
+Once loaded (``finish_loading``, from ``_process_model_after_weight_loading``), each kbit layer's local tensors become
+a ``kbit.tensor_parallel`` sharded layer (checked as untrusted input like any load; its GEMM layout derived on its
+device), and the plan gets transformers' own style names back (``generate`` reads them to size the KV cache).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
+from transformers.quantizers.base import HfQuantizer
+
+from . import tensor_parallel as tp
+from .formats import meta_tensor
+from .moe import KbitExperts
+from .nn import KbitLinear
+from .rotation import Rotation
+from .weight import QuantizedWeight
+
+PREFIX = "kbit_"
+_KBIT_STYLES = {KbitLinear: (tp.COLWISE, tp.ROWWISE), KbitExperts: (tp.EXPERTS,)}
+
+
+def _placeholder(module, name: str, mesh, placement) -> None:
+    module._buffers[name] = distribute_tensor(module._buffers[name], mesh, [placement], src_data_rank=None)
+
+
+class KbitParallel(TensorParallelLayer):
+    """A kbit layer's placeholders for one of ``tensor_parallel``'s splits; the layer itself is built after
+    loading (``finish_loading``), so nothing wraps its forward."""
+
+    def __init__(self, style: str):
+        self.style = style
+
+    def shard_param(self, module, param, mesh):  # the bias, the layer's only parameter
+        bias = module._parameters.get(param)
+        if bias is not None and self.style == tp.COLWISE:
+            module._parameters[param] = torch.nn.Parameter(
+                distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None), requires_grad=bias.requires_grad)
+
+    def install_forward(self, module, mesh):
+        if isinstance(module, KbitExperts):
+            self._experts(module, mesh)
+        elif isinstance(module, KbitLinear):
+            self._linear(module, mesh)
+        else:
+            raise ValueError(f"the tp_plan gives kbit's {self.style!r} style to a {type(module).__name__}")
+        return module
+
+    def _linear(self, layer: KbitLinear, mesh) -> None:
+        cls, _ = tp.linear_split(self.style, (layer.out_features, layer.in_features), mesh.size(),
+                                 int(getattr(layer, "_kbit_head_dim", 1)), layer._block)
+        layer._kbit_tp = (cls, mesh)
+        if cls is tp.ColumnParallelKbitLinear:
+            for key in ("packed", "absmax"):
+                _placeholder(layer, key, mesh, Shard(0))
+        elif cls is tp.RowParallelKbitLinear:
+            for key in ("packed", "absmax"):
+                _placeholder(layer, key, mesh, _StridedShard(0, split_factor=layer.out_features))
+            if layer.rotation_signs is not None:
+                _placeholder(layer, "rotation_signs", mesh, Shard(0))
+
+    def _experts(self, experts: KbitExperts, mesh) -> None:
+        if tp.experts_split_problem(experts, mesh.size()):
+            return  # whole on every rank
+        experts._kbit_tp = (tp.TensorParallelKbitExperts, mesh)
+        for key in ("packed", "absmax"):
+            _placeholder(experts, f"gate_up_{key}", mesh, _StridedShard(1, split_factor=2))
+            _placeholder(experts, f"down_{key}", mesh, _StridedShard(1, split_factor=experts.hidden_dim))
+
+
+class QuantizeWhileLoadingParallel(TensorParallelLayer):
+    """A layer quantized while loading under a tp_plan: refused (its weight would be quantized shard by shard)."""
+
+    def install_forward(self, module, mesh):
+        raise ValueError("kbit quantizes while loading on one process only: quantize with "
+                         "quantization_config=KbitConfig(...), save the kbit folder (kbit.save_quantized), then load "
+                         "that folder with tp_plan='auto'")
+
+
+def register() -> None:
+    for style in (tp.COLWISE, tp.ROWWISE, tp.EXPERTS):
+        ALL_PARALLEL_STYLES.register(PREFIX + style, KbitParallel(style))
+    ALL_PARALLEL_STYLES.register(PREFIX + "quantize_while_loading", QuantizeWhileLoadingParallel())
+
+
+def kbit_plan(model, plan: dict, to_quantize=frozenset()) -> None:
+    """Give the kbit layers of ``model`` that ``plan`` (transformers' ``tp_plan``, keys with ``*``) shards kbit's
+    styles, in place; the layers ``to_quantize`` while loading get a style that refuses with a message."""
+    register()
+    original = model.__dict__.setdefault("_kbit_original_styles", {})  # finish_loading puts them back
+    for name, module in model.named_modules():
+        key = next((k for k in plan if tp._pattern(k).fullmatch(name)), None)
+        if key is None:
+            continue
+        if isinstance(module, KbitLinear):  # an attention projection splits at whole heads
+            module._kbit_head_dim = tp._head_dim(model, name)
+        styles = next((s for cls, s in _KBIT_STYLES.items() if isinstance(module, cls)), ())
+        if key not in original and (name in to_quantize or plan[key] in styles):
+            original[key] = plan[key]
+            plan[key] = PREFIX + ("quantize_while_loading" if name in to_quantize else plan[key])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+def finish_loading(model) -> None:
+    """Replace each kbit layer loaded under kbit's styles by its sharded layer, and restore the plan's names."""
+    if (getattr(model, "_tp_size", None) or 1) > 1 and not hasattr(HfQuantizer, "update_parallel_plan"):
+        raise ValueError("this transformers applies its tp_plan to kbit layers without asking kbit (no "
+                         "HfQuantizer.update_parallel_plan): load without tp_plan and shard with "
+                         "kbit.tensor_parallel.shard_model, or use a transformers that has it")
+    for name, module in list(model.named_modules()):
+        pending = module.__dict__.pop("_kbit_tp", None)
+        if pending is None:
+            continue
+        cls, mesh = pending
+        group = tp.RankGroup(mesh.get_group())
+        if isinstance(module, KbitExperts):
+            state = {key: _local(t) for key, t in module.state_dict().items() if key != "meta"}
+            model.set_submodule(name, tp.local_experts(module, state, group))
+            continue
+        state = {key: _local(getattr(module, key)) for key in ("packed", "absmax", "codebook", "scale")}
+        out_features, in_features = module.out_features, module.in_features
+        if cls is tp.ColumnParallelKbitLinear:
+            out_features //= group.world
+        elif cls is tp.RowParallelKbitLinear:
+            in_features //= group.world
+        state["meta"] = meta_tensor(module.bits, (out_features, in_features), module.weight_dtype)
+        try:
+            qw = QuantizedWeight.from_state_dict(state)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"kbit checkpoint, layer {name}: {e}") from None
+        rotation = None
+        if module.rotation_signs is not None:
+            block = int(_local(module.rotation_block))
+            if cls is tp.RowParallelKbitLinear and tp.row_split_problem(module.in_features, group.world, block):
+                raise ValueError(f"kbit checkpoint, layer {name}: rotation_block={block} cuts its row shards "
+                                 f"(in_features={module.in_features} over {group.world} ranks)")
+            rotation = Rotation(_local(module.rotation_signs), block)
+        bias = None if module.bias is None else _local(module.bias)
+        model.set_submodule(name, tp.local_linear(cls, qw, bias, rotation, group))
+    plan = getattr(model, "_tp_plan", None)
+    original = model.__dict__.pop("_kbit_original_styles", {})
+    if isinstance(plan, dict):
+        plan.update((key, style) for key, style in original.items() if key in plan)

@@ -1,0 +1,378 @@
+"""Tensor parallel kbit models over ``torch.distributed``: each rank holds a shard of every kbit weight.
+
+    # torchrun --nproc-per-node 2 script.py
+    import torch.distributed as dist, kbit
+    from kbit.tensor_parallel import shard_model
+    dist.init_process_group("nccl")                      # "gloo" on CPU
+    model = kbit.quantize_model(model, bits=4)           # or from_pretrained(kbit_folder), on the CPU
+    shard_model(model)                                   # the default group; the model's own tp_plan
+    model.to(f"cuda:{dist.get_rank()}")
+
+How a kbit weight splits, at the storage level (no re-quantization; ``column_shard``, ``row_shard``):
+
+* column parallel (transformers' ``"colwise"``: q/k/v, gate, up): whole rows of the [out_features, in_features]
+  weight, i.e. each row's bit-plane words and block scales. The input is replicated, the output is this rank's
+  slice of the features. Attention projections split at whole heads.
+* row parallel (``"rowwise"``: o_proj, down): whole blocks of every row, at multiples of 32 input features. Each
+  rank multiplies its slice of the input (what the column-parallel layer before it produced) and the partial
+  products are summed by an all-reduce (``torch.distributed``'s functional collectives, which ``torch.compile``
+  and CUDA graphs take); the bias is added once, after it. A rotated layer (``kbit.rotation``) rotates its input in
+  Hadamard blocks: the shards must hold whole Hadamard blocks too (each rank then rotates its own slice). A
+  row-parallel layer whose shards would cut a block (of 32 or of its Hadamard transform) stays whole on every
+  rank and gathers its input instead (``GatheredInputKbitLinear``); ``shard_model`` says so in its report.
+* codebook and per-tensor scale are replicated (they are a few bytes).
+* ``KbitExperts`` (a MoE layer's routed experts, transformers' ``"moe_tp_experts"``): every expert's projections
+  split as above on every rank (gate and up rows column parallel, down row parallel), one all-reduce per layer.
+  Not expert parallel: at decode a token routes to ``top_k`` experts, and with whole experts per rank the step
+  waits on the rank that holds the most of them and tokens need an all-to-all; with each expert split, every
+  rank reads half of each routed expert's bytes, the router and routing stay unchanged, and the communication is
+  the dense MLP's all-reduce.
+
+Other modules (embeddings, norms, the router, an ``lm_head`` left in full precision) stay replicated. Each rank
+keeps only its shard: the full storage is released once ``shard_model`` returns, and a layer re-derives its GEMM
+layout from its shard on its device. ``unshard_model`` gathers the shards back into whole layers (every rank),
+so a tensor-parallel model saves like any other (``kbit.save_quantized`` on rank 0) and loads at any TP size.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from .formats import BLOCK_SIZE
+from .moe import KbitExperts
+from .nn import KbitLinear
+from .rotation import Rotation
+from .weight import QuantizedWeight, matmul
+
+__all__ = ["shard_model", "unshard_model", "column_shard", "row_shard", "row_split_problem", "kbit_bytes",
+           "ColumnParallelKbitLinear", "RowParallelKbitLinear", "GatheredInputKbitLinear",
+           "TensorParallelKbitExperts"]
+
+# transformers' names for the styles kbit layers take (its ``tp_plan``); any other style leaves a layer whole.
+COLWISE, ROWWISE, EXPERTS = "colwise", "rowwise", "moe_tp_experts"
+
+
+# ---------------------------------------------------------------------- storage-level shards
+def _own(t: Tensor) -> Tensor:
+    """A contiguous 1-D copy: the shard must not keep the full tensor's storage alive."""
+    return t.clone(memory_format=torch.contiguous_format).reshape(-1)
+
+
+def _even_part(size: int, rank: int, world: int) -> tuple:
+    return rank * size // world, (rank + 1) * size // world
+
+
+def column_shard(qw: QuantizedWeight, rank: int, world: int) -> QuantizedWeight:
+    """Rows ``[rank * N / world, (rank + 1) * N / world)`` of ``qw`` (N = out_features, divisible by ``world``):
+    those rows' bit-plane words and block scales, copied; codebook and scale shared."""
+    N, K = qw.shape
+    if N % world:
+        raise ValueError(f"out_features={N} does not split into {world} equal column shards")
+    lo, hi = _even_part(N, rank, world)
+    packed, absmax = (_own(t.view(N, -1)[lo:hi]) for t in (qw.packed, qw.absmax))
+    return QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits, (hi - lo, K), qw.dtype)
+
+
+def row_split_problem(in_features: int, world: int, rotation_block: int = 0) -> Optional[str]:
+    """None if ``world`` row shards of ``in_features`` each hold whole blocks of 32 (and whole Hadamard blocks of
+    ``rotation_block``), else why not."""
+    unit = max(BLOCK_SIZE, rotation_block)  # both powers of two: the larger is a multiple of the smaller
+    if in_features % (world * unit):
+        what = f"Hadamard blocks of {rotation_block}" if rotation_block > BLOCK_SIZE else f"blocks of {BLOCK_SIZE}"
+        return f"in_features={in_features} does not split into {world} shards of whole {what}"
+    return None
+
+
+def row_shard(qw: QuantizedWeight, rank: int, world: int) -> QuantizedWeight:
+    """Input features ``[rank * K / world, (rank + 1) * K / world)`` of ``qw``: whole blocks of every row, copied
+    (``row_split_problem`` must find none); codebook and scale shared."""
+    N, K = qw.shape
+    problem = row_split_problem(K, world)
+    if problem:
+        raise ValueError(problem)
+    lo, hi = (b // BLOCK_SIZE for b in _even_part(K, rank, world))
+    packed = _own(qw.packed.view(N, -1, qw.bits)[:, lo:hi])
+    absmax = _own(qw.absmax.view(N, -1)[:, lo:hi])
+    return QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits,
+                                        (N, (hi - lo) * BLOCK_SIZE), qw.dtype)
+
+
+def kbit_bytes(model: nn.Module) -> int:
+    """Bytes this process holds in kbit layers' buffers (storage, and on CUDA the GEMM layout) for ``model``."""
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, (KbitLinear, KbitExperts))
+               for t in m.buffers(recurse=False))
+
+
+# ---------------------------------------------------------------------- communication
+class RankGroup:
+    """The process group a sharded layer talks over, with this rank's place in it."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def __deepcopy__(self, memo):  # a copied model talks over the same group
+        return self
+
+
+def _all_reduce(y: Tensor, group) -> Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(y, "sum", group))
+
+
+def _all_gather(x: Tensor, dim: int, group) -> Tensor:
+    """The ranks' ``x`` concatenated along ``dim`` in rank order."""
+    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim % x.dim(), group))
+
+
+# ---------------------------------------------------------------------- sharded layers
+class ColumnParallelKbitLinear(KbitLinear):
+    """A ``KbitLinear`` holding rows ``[rank * N / world, ...)`` of a [N, in_features] weight (and of its bias):
+    a replicated input, this rank's slice of the output features. No communication."""
+
+    tp: RankGroup
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", column shard {self.tp.rank} of {self.tp.world}"
+
+
+class RowParallelKbitLinear(KbitLinear):
+    """A ``KbitLinear`` holding input features ``[rank * K / world, ...)`` of a [out_features, K] weight: its input is
+    this rank's slice of the features, its output the all-reduced sum of every rank's product, plus the bias (kept
+    whole on every rank, added once)."""
+
+    tp: RankGroup
+
+    def forward(self, x: Tensor) -> Tensor:
+        rotation = self.rotation
+        y = _all_reduce(matmul(x if rotation is None else rotation.rotate(x), self.qweight), self.tp.group)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", row shard {self.tp.rank} of {self.tp.world}"
+
+
+class GatheredInputKbitLinear(KbitLinear):
+    """A whole ``KbitLinear`` planned row parallel whose weight does not split into whole blocks
+    (``row_split_problem``): it gathers its input's feature slices from every rank, then computes on every rank."""
+
+    tp: RankGroup
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(_all_gather(x, -1, self.tp.group))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", whole on each of {self.tp.world} ranks (input gathered)"
+
+
+class TensorParallelKbitExperts(KbitExperts):
+    """``KbitExperts`` holding, for every expert, gate and up rows ``[rank * I / world, ...)`` and the same input
+    features of down: experts of intermediate size I / world whose outputs the ranks sum (one all-reduce)."""
+
+    tp: RankGroup
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return _all_reduce(super().forward(hidden_states, top_k_index, top_k_weights), self.tp.group)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", shard {self.tp.rank} of {self.tp.world} of every expert"
+
+
+_PARALLEL = (ColumnParallelKbitLinear, RowParallelKbitLinear, GatheredInputKbitLinear, TensorParallelKbitExperts)
+
+
+def local_linear(cls, qw: QuantizedWeight, bias: Optional[Tensor], rotation: Optional[Rotation],
+                 tp: RankGroup) -> KbitLinear:
+    """A sharded layer of class ``cls`` (``linear_split``) from this rank's weight, bias and rotation."""
+    layer = cls.from_quantized(qw, bias, rotation)
+    layer.tp = tp
+    return layer
+
+
+def _head_dim(model: nn.Module, name: str) -> int:
+    """The head size of the attention module holding layer ``name`` (1 where there is none): a column split of an
+    attention projection must keep heads whole."""
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    return int(getattr(parent, "head_dim", 1) or 1)
+
+
+def linear_split(style: str, shape, world: int, head_dim: int = 1, rotation_block: int = 0, name: str = "layer"):
+    """How a [out_features, in_features] ``KbitLinear`` planned ``style`` (``"colwise"`` / ``"rowwise"``) splits over
+    ``world`` ranks: (the sharded class, what becomes of it). A column split must keep heads of ``head_dim`` whole
+    (ValueError otherwise); a row split that would cut a block leaves the layer whole, its input gathered."""
+    out_features, in_features = shape
+    if style == COLWISE:
+        if out_features % (world * head_dim):
+            unit = f"heads of {head_dim}" if head_dim > 1 else "rows"
+            raise ValueError(f"{name}: out_features={out_features} does not split into {world} equal shards of "
+                             f"whole {unit}")
+        return ColumnParallelKbitLinear, "column shard"
+    problem = row_split_problem(in_features, world, rotation_block)
+    if problem:
+        return GatheredInputKbitLinear, f"whole (input gathered): {problem}"
+    return RowParallelKbitLinear, "row shard"
+
+
+def _shard_linear(layer: KbitLinear, style: str, tp: RankGroup, head_dim: int, name: str):
+    qw, bias, rotation = layer.qweight, layer.bias, layer.rotation
+    bias = None if bias is None else bias.detach()
+    cls, how = linear_split(style, qw.shape, tp.world, head_dim, 0 if rotation is None else rotation.block, name)
+    if cls is ColumnParallelKbitLinear:
+        lo, hi = _even_part(qw.out_features, tp.rank, tp.world)
+        qw, bias = column_shard(qw, tp.rank, tp.world), None if bias is None else bias[lo:hi].clone()
+    elif cls is RowParallelKbitLinear:
+        lo, hi = _even_part(qw.in_features, tp.rank, tp.world)
+        qw = row_shard(qw, tp.rank, tp.world)
+        rotation = None if rotation is None else Rotation(rotation.signs[lo:hi].clone(), rotation.block)
+    return local_linear(cls, qw, bias, rotation, tp), how
+
+
+def experts_split_problem(experts: KbitExperts, world: int) -> Optional[str]:
+    """None if every expert's intermediate size splits into ``world`` shards of whole blocks, else why not."""
+    return row_split_problem(experts.intermediate_dim, world)
+
+
+def local_experts(experts: KbitExperts, state: dict, tp: RankGroup) -> "TensorParallelKbitExperts":
+    """This rank's ``TensorParallelKbitExperts`` of ``experts``' shape from its shard of the storage: ``state`` holds
+    ``gate_up_*`` / ``down_*`` packed and absmax of intermediate size I / world (``_shard_experts`` slices them, a
+    tensor-parallel load reads them), and the replicated codebook and scales. The values are checked as on load."""
+    E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    lo, hi = _even_part(I, tp.rank, tp.world)
+    local = TensorParallelKbitExperts(E, H, hi - lo, bits=experts.bits, dtype=experts.weight_dtype, device="meta",
+                                      act_fn=experts.act_fn)
+    state = dict(state, meta=local._meta_tensor(state["codebook"].device))
+    local.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True)
+    local.tp = tp
+    return local.prepare()
+
+
+def _shard_experts(experts: KbitExperts, tp: RankGroup):
+    problem = experts_split_problem(experts, tp.world)
+    if problem:  # replicated input, replicated output: whole experts compute the same on every rank
+        return experts, f"whole: intermediate {problem}"
+    E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    lo, hi = _even_part(I, tp.rank, tp.world)
+    state = {"codebook": experts.codebook, "gate_up_scale": experts.gate_up_scale, "down_scale": experts.down_scale}
+    for key in ("packed", "absmax"):
+        rows = getattr(experts, f"gate_up_{key}").view(E, 2 * I, -1)  # gate rows, then up rows: split each
+        state[f"gate_up_{key}"] = torch.cat([rows[:, lo:hi], rows[:, I + lo:I + hi]], 1).reshape(E, -1)
+        per_block = experts.bits if key == "packed" else 1
+        down = getattr(experts, f"down_{key}").view(E, H, -1, per_block)
+        state[f"down_{key}"] = down[:, :, lo // BLOCK_SIZE:hi // BLOCK_SIZE].reshape(E, -1)
+    return local_experts(experts, state, tp), "shard of every expert"
+
+
+# ---------------------------------------------------------------------- whole models
+def _pattern(key: str) -> re.Pattern:
+    """transformers' plan keys name layers with ``*`` for the layer number."""
+    return re.compile(re.escape(key).replace(r"\*", r"\d+"))
+
+
+def model_plan(model: nn.Module) -> dict:
+    """The tensor-parallel plan of a transformers model (``model.tp_plan``, or its config's
+    ``base_model_tp_plan`` under the base model's prefix); {} for other modules."""
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        return {f"{prefix}.{key}": style for key, style in base.items()}
+    return dict(base)
+
+
+def _style(name: str, plan: dict) -> Optional[str]:
+    for key, style in plan.items():
+        if _pattern(key).fullmatch(name):
+            return style
+    return None
+
+
+def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> dict:
+    """Shard every kbit layer of ``model`` in place over ``group`` (default: the default process group).
+
+    ``plan`` maps layer names (``*`` for a layer number) to ``"colwise"``, ``"rowwise"`` or (``KbitExperts``)
+    ``"moe_tp_experts"``, as transformers' ``tp_plan``; default ``model_plan(model)``. kbit layers it does not name
+    (and modules that are not kbit layers) stay whole on every rank. Every rank of ``group`` must call this with
+    the same model; the storage is sliced where it lies (shard on the CPU, then move each rank's model to its GPU).
+    Returns {layer name: what became of it}.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard_model needs torch.distributed initialized (dist.init_process_group, e.g. torchrun)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    tp = RankGroup(group if group is not None else dist.group.WORLD)
+    plan = model_plan(model) if plan is None else plan
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+        raise TypeError(f"plan must be a dict of layer name -> style name, got {type(plan).__name__}")
+    report = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, _PARALLEL):
+            raise ValueError(f"{name} is sharded already: shard_model runs once per model")
+        style = _style(name, plan)
+        if isinstance(module, KbitLinear) and style in (COLWISE, ROWWISE):
+            new, report[name] = _shard_linear(module, style, tp, _head_dim(model, name), name)
+        elif isinstance(module, KbitExperts) and style == EXPERTS:
+            new, report[name] = _shard_experts(module, tp)
+        else:
+            if isinstance(module, (KbitLinear, KbitExperts)):
+                report[name] = f"whole: style {style!r}"
+            continue
+        if not name:
+            raise ValueError("model is itself a kbit layer: shard it inside a model that has a plan for it")
+        model.set_submodule(name, new)
+    return report
+
+
+def _gathered_linear(layer: KbitLinear) -> KbitLinear:
+    tp, qw, bias, rotation = layer.tp, layer.qweight, layer.bias, layer.rotation
+    bias = None if bias is None else bias.detach()
+    N, K = qw.shape
+    if isinstance(layer, ColumnParallelKbitLinear):
+        packed, absmax = (_all_gather(t.view(N, -1), 0, tp.group) for t in (qw.packed, qw.absmax))
+        shape = (N * tp.world, K)
+        bias = None if bias is None else _all_gather(bias, 0, tp.group)
+    else:
+        packed, absmax = (_all_gather(t.view(N, -1), 1, tp.group) for t in (qw.packed, qw.absmax))
+        shape = (N, K * tp.world)
+        if rotation is not None:
+            rotation = Rotation(_all_gather(rotation.signs, 0, tp.group), rotation.block)
+    whole = QuantizedWeight.from_checked(packed.reshape(-1), absmax.reshape(-1), qw.codebook, qw.scale, qw.bits,
+                                         shape, qw.dtype)
+    return KbitLinear.from_quantized(whole, bias, rotation)
+
+
+def _gathered_experts(experts: TensorParallelKbitExperts) -> KbitExperts:
+    tp = experts.tp
+    E, H, I_local = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    whole = KbitExperts(E, H, I_local * tp.world, bits=experts.bits, dtype=experts.weight_dtype, device="meta",
+                        act_fn=experts.act_fn)
+    state = {"codebook": experts.codebook, "gate_up_scale": experts.gate_up_scale, "down_scale": experts.down_scale,
+             "meta": whole._meta_tensor(experts.codebook.device)}
+    for key in ("packed", "absmax"):
+        gate, up = getattr(experts, f"gate_up_{key}").view(E, 2 * I_local, -1).chunk(2, dim=1)
+        state[f"gate_up_{key}"] = torch.cat([_all_gather(gate, 1, tp.group), _all_gather(up, 1, tp.group)],
+                                            1).reshape(E, -1)
+        state[f"down_{key}"] = _all_gather(getattr(experts, f"down_{key}").view(E, H, -1), 2, tp.group).reshape(E, -1)
+    whole.load_state_dict(state, strict=False, assign=True)
+    return whole.prepare()
+
+
+def unshard_model(model: nn.Module) -> nn.Module:
+    """Gather every sharded kbit layer of ``model`` back into a whole ``KbitLinear`` / ``KbitExperts``, in place, on
+    every rank (each rank of the group must call it). Layers kept whole by ``shard_model`` become plain kbit layers
+    again. Returns the model, which then saves (``kbit.save_quantized`` on rank 0) and loads at any TP size."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, TensorParallelKbitExperts):
+            model.set_submodule(name, _gathered_experts(module))
+        elif isinstance(module, GatheredInputKbitLinear):
+            model.set_submodule(name, KbitLinear.from_quantized(module.qweight, module.bias, module.rotation))
+        elif isinstance(module, (ColumnParallelKbitLinear, RowParallelKbitLinear)):
+            model.set_submodule(name, _gathered_linear(module))
+    return model
