@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from bench_e2e import GreedyDecoder, build_model, llama_config  # noqa: E402
-from common import env_info, markdown_table, write_outputs  # noqa: E402
+from common import env_info, free_memory, markdown_table, write_outputs  # noqa: E402
 
 from kbit import tensor_parallel as tp  # noqa: E402
 
@@ -125,15 +124,13 @@ def run(args):
             model = build_model(config, device, dtype, args.seed, bits=bits)
             rows[(fmt, 1)] = measure(model, prompt, args, mode)
             del model
-            gc.collect()
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            free_memory()
         dist.barrier()
         model = build_model(config, device, dtype, args.seed, bits=bits)
         shard(model, bits is not None, device)
         rows[(fmt, world)] = measure(model, prompt, args, mode)
         del model
-        gc.collect()
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        free_memory()
         dist.barrier()
     if rank != 0:
         return None

@@ -176,6 +176,12 @@ def _worker(rank: int, port: int, folder: str) -> None:
             with torch.no_grad():
                 out[name]["tokens"] = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
         out["errors"] = _refusals()
+        try:  # quantizing while loading under a tp_plan would quantize each shard apart: refused
+            transformers.AutoModelForCausalLM.from_pretrained(
+                str(root / "llama_fp"), tp_plan="auto", quantization_config=kbit.KbitConfig(bits=4, min_features=32))
+            out["errors"].append("loaded")
+        except ValueError as e:
+            out["errors"].append(str(e))
         (root / f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         torch.distributed.destroy_process_group()
@@ -228,6 +234,8 @@ def job(tmp_path_factory):
     torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (2, 12))
     torch.save(ids, root / "ids.pt")
+    torch.manual_seed(11)
+    tiny_llama().save_pretrained(str(root / "llama_fp"))
     whole = {}
     for name, (build, rotate) in MODELS.items():
         model = quantized(build, rotate)
@@ -304,10 +312,11 @@ def test_rotated_row_layers_shard_where_whole_hadamard_blocks_allow(job):
 
 def test_shard_model_refusals(job):
     *_, results = job
-    heads, plan, twice = results[0]["errors"]
+    heads, plan, twice, quantize_while_loading = results[0]["errors"]
     assert "q_proj: out_features=96 does not split into 2 equal shards of whole heads of 32" in heads
     assert "plan must be a dict" in plan
     assert "sharded already" in twice
+    assert "quantizes while loading on one process only" in quantize_while_loading
 
 
 @pytest.mark.parametrize("name", list(MODELS))
