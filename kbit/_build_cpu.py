@@ -1,9 +1,10 @@
 """Just-in-time build of the CPU kernels (``kbit/csrc/cpu``), cached and locked like the CUDA extension (``kbit._build``).
 
 The first CPU quantize, dequantize or matmul compiles ``kbit_cpu.cpp`` with the host's C++ compiler, with the
-instruction-set flags this CPU supports (AVX-512 with GFNI and VBMI, else AVX-512, else AVX2 + FMA on x86-64; NEON is part of arm64), into a folder of
-``$KBIT_CACHE_DIR`` named after a hash of the source, the torch version and those flags. ``KBIT_CPU_ISA`` picks a
-smaller set (``avx512``, ``avx2``, ``scalar``) to compare or test them; ``KBIT_CPU_KERNELS=0`` keeps the reference path.
+instruction-set flags this CPU supports (AVX-512 with GFNI and VBMI, else AVX-512, else AVX2 + FMA on x86-64; NEON
+is part of arm64), into a folder of ``$KBIT_CACHE_DIR`` named after a hash of the source (its text and path), the
+torch version and those flags. ``KBIT_CPU_ISA`` picks a smaller set (``avx512``, ``avx2``, ``scalar``) to compare or
+test them; ``KBIT_CPU_KERNELS=0`` keeps the reference path.
 
 Without a compiler (or ninja), or when the build fails, the ops keep their pure-PyTorch reference path and one
 warning says how to get the fast one.
@@ -73,7 +74,9 @@ def compile_flags() -> list:
 
 def build_dir() -> Path:
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(f"{torch.__version__}|{compile_flags()}".encode())
+    # The source's path too: ninja rebuilds when the compile command (which names it) changes, so two copies of
+    # kbit (a checkout and an installed wheel) sharing one folder would rebuild each other's library in turn.
+    h.update(f"{SOURCE}|{torch.__version__}|{compile_flags()}".encode())
     return cache_root() / f"kbit_cpu_{isa()}_{h.hexdigest()[:16]}"
 
 
