@@ -35,7 +35,8 @@ def _linear(layer: KbitLinear, like: nn.Module, dtype: torch.dtype) -> nn.Module
     bias = None if layer.bias is None else layer.bias.detach().to(dtype)
     if is_conv1d(like):  # Conv1D(nf=out_features, nx=in_features) stores [in, out]
         new = copy.deepcopy(like).to_empty(device=weight.device)
-        new.weight, new.bias = nn.Parameter(weight.t().contiguous()), nn.Parameter(bias)
+        new.weight = nn.Parameter(weight.t().contiguous())
+        new.bias = None if bias is None else nn.Parameter(bias)
         return new
     new = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, device="meta")
     new.weight = nn.Parameter(weight)

@@ -72,6 +72,14 @@ def test_method_errors(llama_dir):
         kbit.KbitConfig(bits=4, method="gptq", calibration=torch.zeros(3, dtype=torch.long))
 
 
+def test_cli_says_when_it_turns_float32_into_float16(llama_dir, tmp_path, capsys):
+    assert cli_quantize([str(llama_dir), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    assert "float32 checkpoint" in capsys.readouterr().err
+    assert load(tmp_path / "a").model.embed_tokens.weight.dtype == torch.float16
+    assert cli_quantize([str(llama_dir), "--out", str(tmp_path / "b"), "--dtype", "float32", "--no-progress"]) == 0
+    assert "float32 checkpoint" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_gptq_from_a_text_file(llama_dir, tmp_path, capsys):
     pytest.importorskip("tokenizers")
