@@ -470,7 +470,8 @@ def test_cuda_load_and_generate(quantized, tmp_path):
     kbit.save_quantized(q, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), device_map="cuda",
                                                               **{kbit.hf.dtype_kwarg(): torch.float16})
-    assert model.model.layers[0].self_attn.q_proj.packed.is_cuda
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.gemm_codes.is_cuda and q_proj.packed is None  # one resident copy: the GEMM layout
     ids = torch.randint(0, TINY["vocab_size"], (2, 5), device="cuda")
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
                          do_sample=False, pad_token_id=0)
