@@ -419,8 +419,8 @@ class KbitExperts(nn.Module):
         if self.is_gemm_resident:
             for proj in PROJECTIONS:
                 saved[f"{prefix}{proj}_packed"], saved[f"{prefix}{proj}_absmax"] = self.storage(proj)
-        for name in self._buffers:  # in the order of a module that holds the storage format
-            if name in STORAGE and prefix + name in saved:
+        for name in (*self._parameters, *self._buffers):  # in the order of a module that holds the storage format
+            if name not in GEMM_LAYOUTS and prefix + name in saved:
                 destination[prefix + name] = saved[prefix + name]
 
     # ------------------------------------------------------------------ loading

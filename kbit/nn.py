@@ -390,8 +390,10 @@ class KbitLinear(nn.Linear):
                 check_codebook(t, self.bits, prefix + key)
             elif key == "scale":
                 check_scale(t, t.device, prefix + key)
-        absmax, scale, codebook = (state_dict.get(prefix + key, self._buffers[key]) for key in ("absmax", "scale",
-                                                                                                 "codebook"))
+        absmax = state_dict.get(prefix + "absmax")
+        if absmax is None:  # the module's own block scales: held, or derived from the GEMM layout
+            absmax = self.absmax if self.absmax is not None else self.qweight.absmax
+        scale, codebook = (state_dict.get(prefix + key, self._buffers[key]) for key in ("scale", "codebook"))
         if all(t.device.type != "meta" for t in (absmax, scale, codebook)):
             check_range(absmax, scale, codebook, dtype, f"{prefix}absmax with {prefix}scale")
         if self.rotation_signs is None:
