@@ -91,6 +91,17 @@ def test_matmul_matches_reference(ext, threads, bits, dtype, rows):
     _assert_within_rounding(got, want, dtype)
 
 
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_matmul_split_over_threads(ext, threads, bits, rows):
+    """A layer large enough (over 2^19 weights per thread) that both threads take output rows."""
+    qw = _weight(1100, 1000, bits)
+    x = torch.randn(rows, 1000)
+    want = ops.matmul_stored_reference(x, qw.packed, qw.absmax, qw.codebook, qw.scale, None, bits, 1100,
+                                       qw.in_features_padded)
+    _assert_within_rounding(kbit.matmul(x, qw), want, torch.float32)
+
+
 def test_matmul_3d_input_and_no_bias(ext):
     qw = _weight(33, 64, 3)
     x = torch.randn(2, 5, 64)

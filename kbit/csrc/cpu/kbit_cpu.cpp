@@ -397,8 +397,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   const at::Tensor panels = panel_of(xf);
   GemmArgs a{panels.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
              absmax.data_ptr<uint8_t>(), bias ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K};
-  // Tasks of whole 4-row tiles; at least ~2^16 weights each, so that small layers do not pay for waking threads.
-  const int64_t grain = std::max<int64_t>(4, ((1 << 16) / std::max<int64_t>(K, 1) + 3) / 4 * 4);
+  // At least 2^19 weights (~0.1 ms) per thread: a small layer runs on the calling thread, where waking the pool
+  // would cost more than it saves (on a machine shared with other work, a descheduled thread stalls the barrier).
+  const int64_t grain = std::max<int64_t>(4, (1 << 19) / K);
   with_bits(bits, [&](auto B) {
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       const Simd::Codebook cb(cb32);
