@@ -52,7 +52,13 @@ uint8_t encode_e4m4(float x) {
 struct BlockScales {
   float of[256];
   explicit BlockScales(float scale) {
-    for (int c = 0; c < 256; ++c) of[c] = decode_e4m4(static_cast<uint8_t>(c)) * scale;
+    static const struct Decoded {  // once per process: ldexp costs microseconds per call at small layers
+      float of[256];
+      Decoded() {
+        for (int c = 0; c < 256; ++c) of[c] = decode_e4m4(static_cast<uint8_t>(c));
+      }
+    } decoded;
+    for (int c = 0; c < 256; ++c) of[c] = decoded.of[c] * scale;
   }
 };
 
