@@ -85,16 +85,20 @@ def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, bits: int, out_features: int, 
     _tensor(absmax_gemm, "absmax_gemm", torch.uint8, a_shape, b_gemm.device)
 
 
+def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.device) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
+    check_dtype(x.dtype, "kbit: x", allowed)
+    if x.shape[1] > in_features_padded:
+        raise ValueError(f"kbit: x has {x.shape[1]} columns, more than the weight's {in_features_padded}")
+    if x.device != device:
+        raise ValueError(f"kbit: x must be on {device} with the weight, got {x.device}")
+
+
 def gemm(x: Tensor, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, bias, bits: int,
          out_features: int, in_features_padded: int) -> None:
     unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
-    if x.dim() != 2:
-        raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
-    check_dtype(x.dtype, "kbit: x", GEMM_DTYPES)
-    if x.shape[1] > in_features_padded:
-        raise ValueError(f"kbit: x has {x.shape[1]} columns, more than the weight's {in_features_padded}")
-    if x.device != b_gemm.device:
-        raise ValueError(f"kbit: x must be on {b_gemm.device} with the weight, got {x.device}")
+    _activations(x, GEMM_DTYPES, in_features_padded, b_gemm.device)
     _codebook_and_scale(codebook, scale, bits, x.device)
     if bias is not None:
         _tensor(bias, "bias", x.dtype, (out_features,), x.device)
@@ -102,14 +106,9 @@ def gemm(x: Tensor, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale
 
 def matmul_stored(x: Tensor, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bias, bits: int,
                   out_features: int, in_features_padded: int) -> None:
+    # The storage-format GEMM (CPU kernel or reference) takes any float activations and a bias of any float dtype.
     repack(packed, absmax, bits, out_features, in_features_padded)
-    if x.dim() != 2:
-        raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
-    check_dtype(x.dtype, "kbit: x", INPUT_DTYPES)
-    if x.shape[1] > in_features_padded:
-        raise ValueError(f"kbit: x has {x.shape[1]} columns, more than the weight's {in_features_padded}")
-    if x.device != packed.device:
-        raise ValueError(f"kbit: x must be on {packed.device} with the weight, got {x.device}")
+    _activations(x, INPUT_DTYPES, in_features_padded, packed.device)
     _codebook_and_scale(codebook, scale, bits, x.device)
     if bias is not None:
         check_dtype(bias.dtype, "kbit: bias", INPUT_DTYPES)
