@@ -164,9 +164,27 @@ def bench_quantize(repeats: int) -> dict:
             "Mweights_per_cpu_s_per_core": round(W.numel() / cpu / 1e3, 1)}
 
 
+def bnb_nf4(model):
+    """``model`` with every linear layer but lm_head in bitsandbytes NF4 (fp32 compute), or the reason there is none."""
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:  # noqa: BLE001 -- any import failure means no comparison row, with its reason
+        return f"bitsandbytes not importable: {e}"
+    for name, lin in list(model.named_modules()):
+        if isinstance(lin, torch.nn.Linear) and not name.endswith("lm_head"):
+            nf4 = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                    compute_dtype=torch.float32, quant_type="nf4")
+            nf4.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4")
+            if lin.bias is not None:
+                nf4.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+            model.set_submodule(name, nf4.to("cpu"))  # the move quantizes
+    return model
+
+
 def bench_generate(new_tokens: int, repeats: int) -> dict:
-    """SmolLM2-135M greedy ``generate``: tokens/s of the fp32 model and of its K=4 quantization (every linear layer
-    but lm_head) with the CPU kernels, and whether the kernels give the reference path's tokens."""
+    """SmolLM2-135M greedy ``generate``: tokens/s of the fp32 model, of its K=4 quantization (every linear layer
+    but lm_head) with the CPU kernels and of bitsandbytes NF4 where it is installed, and whether the kernels give
+    the reference path's tokens."""
     import copy
 
     from benchmarks.eval_quality import load_smollm2
@@ -179,9 +197,13 @@ def bench_generate(new_tokens: int, repeats: int) -> dict:
         return m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     quantized = kbit.quantize_model(copy.deepcopy(model), bits=4, progress=False)
-    seconds = {name: [] for name in ("fp32", "kbit K=4")}
+    models = {"fp32": model, "kbit K=4": quantized}
+    nf4 = bnb_nf4(copy.deepcopy(model))
+    if not isinstance(nf4, str):
+        models["bnb NF4"] = nf4
+    seconds = {name: [] for name in models}
     for _ in range(repeats):  # interleaved, as the GEMMs
-        for name, m in (("fp32", model), ("kbit K=4", quantized)):
+        for name, m in models.items():
             t = time.perf_counter()
             out = generate(m)
             seconds[name].append(time.perf_counter() - t)
@@ -197,6 +219,7 @@ def bench_generate(new_tokens: int, repeats: int) -> dict:
     return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32)", "new_tokens": new_tokens,
             "fp32_tokens_per_s": round(rate["fp32"], 2), "kbit_k4_tokens_per_s": round(rate["kbit K=4"], 2),
             "speedup": round(rate["kbit K=4"] / rate["fp32"], 2),
+            "bnb_nf4_tokens_per_s": round(rate["bnb NF4"], 2) if "bnb NF4" in rate else nf4,
             "same_tokens_as_reference_path": bool(torch.equal(tokens, reference_tokens)),
             "text": tok.decode(out[0, ids.shape[1]:])}
 
@@ -225,7 +248,8 @@ def write(facts: dict, bandwidth: float, gemm: list, quant: dict, gen: Optional[
     if gen:
         lines += [f"{gen['model']}, greedy generate of {gen['new_tokens']} tokens (median of repeats): fp32 "
                   f"{gen['fp32_tokens_per_s']} tokens/s, kbit K=4 {gen['kbit_k4_tokens_per_s']} tokens/s "
-                  f"({gen['speedup']}x); same tokens as the reference path: {gen['same_tokens_as_reference_path']}.",
+                  f"({gen['speedup']}x), bitsandbytes NF4 {gen['bnb_nf4_tokens_per_s']} tokens/s; same tokens as "
+                  f"the reference path: {gen['same_tokens_as_reference_path']}.",
                   ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     return out
@@ -256,7 +280,8 @@ def main(argv=None) -> int:
     if args.generate:
         gen = bench_generate(args.new_tokens, max(3, args.repeats // 4))
         print(f"SmolLM2 generate: fp32 {gen['fp32_tokens_per_s']} tokens/s, kbit K=4 {gen['kbit_k4_tokens_per_s']} "
-              f"tokens/s; same tokens as the reference path: {gen['same_tokens_as_reference_path']}")
+              f"tokens/s, bnb NF4 {gen['bnb_nf4_tokens_per_s']} tokens/s;"
+              f" same tokens as the reference path: {gen['same_tokens_as_reference_path']}")
         if not args.no_save:
             print("wrote", write(facts, bandwidth, gemm, quant, gen))
     return 0

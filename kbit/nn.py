@@ -49,6 +49,7 @@ from ._progress import Progress
 from ._transformers_hook import record_in_transformers_config
 from ._validate import (
     GEMM_DTYPES,
+    INPUT_DTYPES,
     SUPPORTED_BITS,
     check_bits,
     check_codebook,
@@ -160,6 +161,7 @@ class KbitLinear(nn.Linear):
         else:
             self.register_parameter("bias", None)
         self._qw: Optional[QuantizedWeight] = None
+        self._direct = None  # (qweight, bias, kernel) of _direct_cpu_kernel
         self.prepare()
 
     # ------------------------------------------------------------------ construction
@@ -296,7 +298,29 @@ class KbitLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rotation = self.rotation
-        return matmul(x if rotation is None else rotation.rotate(x), self.qweight, self.bias)
+        if rotation is not None:
+            x = rotation.rotate(x)
+        kernel = self._direct_cpu_kernel(x)
+        if kernel is not None:
+            return kernel(x.reshape(-1, self.in_features), self.bias).view(*x.shape[:-1], self.out_features)
+        return matmul(x, self.qweight, self.bias)
+
+    def _direct_cpu_kernel(self, x: Tensor):
+        """The CPU kernel bound to this layer's weight and bias, for a call that needs neither autograd nor
+        torch.compile's tracing: the ``kbit::matmul_stored`` op and ``kbit.matmul``'s checks cost more Python per
+        call than a small layer's GEMM at one token. None otherwise (then ``kbit.matmul`` checks x and runs the
+        op). Bound once, checked then by the op's contract, again when the weight (``qweight``) or bias changes."""
+        bias = self.bias
+        if (type(x) is not Tensor or x.device.type != "cpu" or x.dtype not in INPUT_DTYPES or x.dim() == 0
+                or x.shape[-1] != self.in_features or torch.compiler.is_compiling()
+                or torch.is_grad_enabled() and (x.requires_grad or bias is not None and bias.requires_grad)):
+            return None
+        qw = self.qweight
+        bound = self._direct
+        if bound is None or bound[0] is not qw or bound[1] is not bias:
+            kernel = qw._stored_cpu_kernel(x.reshape(-1, self.in_features), bias)
+            self._direct = bound = (qw, bias, kernel)
+        return bound[2]
 
     def extra_repr(self) -> str:
         return (
@@ -405,6 +429,9 @@ class KbitLinear(nn.Linear):
             raise ValueError(f"{prefix}rotation_signs and {prefix}rotation_block come together; got only one")
         if signs.device.type != "meta" and block.device.type != "meta":
             check_rotation(signs, block, self.in_features, prefix)
+
+    def __getstate__(self):  # the bound kernel holds its own references to the tensors: a copy binds its own
+        return {**super().__getstate__(), "_direct": None}
 
     def __setstate__(self, state):
         super().__setstate__(state)

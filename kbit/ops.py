@@ -107,12 +107,21 @@ def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_
 @matmul_stored.register_kernel("cpu")
 def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
     _op_contract.matmul_stored(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
-    ext = cpu_ext()
-    if ext is None:
+    kernel = stored_cpu_kernel(packed, absmax, codebook, scale, bits, out_features, in_features_padded)
+    if kernel is None:
         return matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features,
                                        in_features_padded)
-    return ext.gemm(x, packed.contiguous(), absmax.contiguous(), codebook, scale, bias, bits, out_features,
-                    in_features_padded)
+    return kernel(x, bias)
+
+
+def stored_cpu_kernel(packed, absmax, codebook, scale, bits, out_features, in_features_padded):
+    """The CPU kernel of ``matmul_stored`` with the weight's arguments bound: a function (x, bias) -> y, or None
+    where the kernels cannot be built. Unchecked: callers check the arguments with ``_op_contract`` first."""
+    ext = cpu_ext()
+    if ext is None:
+        return None
+    packed, absmax = packed.contiguous(), absmax.contiguous()
+    return lambda x, bias: ext.gemm(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
 
 
 def _matmul_stored_setup_context(ctx, inputs, output):

@@ -209,3 +209,68 @@ def test_smaller_instruction_sets(ext, isa):
     done = subprocess.run([sys.executable, "-c", _VARIANT_CHECK.format(isa=isa)], env=env, cwd=repo,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _counting_op(monkeypatch):
+    """Counts the calls of the ``kbit::matmul_stored`` op made through ``QuantizedWeight._matmul_stored``."""
+    calls = []
+    real = ops.matmul_stored
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(ops, "matmul_stored", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kbit_linear_skips_the_op_without_autograd(ext, monkeypatch, dtype):
+    layer = kbit.KbitLinear.from_linear(torch.nn.Linear(83, 24).to(dtype), bits=3)
+    x = torch.randn(2, 3, 83, dtype=dtype)
+    with torch.no_grad():
+        want = layer.qweight._matmul_stored(x.reshape(6, 83), layer.bias).reshape(2, 3, 24)
+    calls = _counting_op(monkeypatch)
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), want)
+    assert calls == []
+    y = layer(x)  # the bias is a parameter: autograd needs the op
+    assert calls == [(6, 83)] and y.requires_grad and torch.equal(y.detach(), want)
+    layer.bias.requires_grad_(False)
+    x.requires_grad_(True)
+    layer(x).sum().backward()
+    assert len(calls) == 2 and x.grad is not None
+
+
+def test_kbit_linear_direct_kernel_follows_the_buffers(ext):
+    import copy
+
+    layer = kbit.KbitLinear.from_linear(torch.nn.Linear(64, 16), bits=4)
+    other = kbit.KbitLinear.from_linear(torch.nn.Linear(64, 16), bits=4)
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        before = layer(x)
+        twin = copy.deepcopy(layer)
+        twin.absmax.zero_()  # the copy binds its own tensors, the original keeps its own
+        assert torch.equal(layer(x), before) and torch.equal(twin(x), twin.bias.expand(1, 16))
+        layer.packed, layer.absmax = other.packed, other.absmax
+        layer.bias = other.bias
+        assert torch.equal(layer(x), other(x))
+
+
+def test_kbit_linear_compiled_uses_the_op(ext):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    layer = kbit.KbitLinear.from_linear(torch.nn.Linear(64, 16), bits=4)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        y = torch.compile(layer, backend=backend, fullgraph=True)(x)
+        assert torch.equal(y, layer(x))
+    targets = [node.target for gm in graphs for node in gm.graph.nodes]
+    assert torch.ops.kbit.matmul_stored.default in targets
