@@ -85,7 +85,9 @@ def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, bits: int, out_features: int, 
     _tensor(absmax_gemm, "absmax_gemm", torch.uint8, a_shape, b_gemm.device)
 
 
-def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.device) -> None:
+def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.device, codebook: Tensor, scale: Tensor,
+                 bits: int) -> None:
+    """x [tokens, <= in_features_padded] of an ``allowed`` dtype on the weight's device; codebook and scale."""
     if x.dim() != 2:
         raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
     check_dtype(x.dtype, "kbit: x", allowed)
@@ -93,13 +95,13 @@ def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.devi
         raise ValueError(f"kbit: x has {x.shape[1]} columns, more than the weight's {in_features_padded}")
     if x.device != device:
         raise ValueError(f"kbit: x must be on {device} with the weight, got {x.device}")
+    _codebook_and_scale(codebook, scale, bits, device)
 
 
 def gemm(x: Tensor, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, bias, bits: int,
          out_features: int, in_features_padded: int) -> None:
     unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
-    _activations(x, GEMM_DTYPES, in_features_padded, b_gemm.device)
-    _codebook_and_scale(codebook, scale, bits, x.device)
+    _activations(x, GEMM_DTYPES, in_features_padded, b_gemm.device, codebook, scale, bits)
     if bias is not None:
         _tensor(bias, "bias", x.dtype, (out_features,), x.device)
 
@@ -108,8 +110,7 @@ def matmul_stored(x: Tensor, packed: Tensor, absmax: Tensor, codebook: Tensor, s
                   out_features: int, in_features_padded: int) -> None:
     # The storage-format GEMM (CPU kernel or reference) takes any float activations and a bias of any float dtype.
     repack(packed, absmax, bits, out_features, in_features_padded)
-    _activations(x, INPUT_DTYPES, in_features_padded, packed.device)
-    _codebook_and_scale(codebook, scale, bits, x.device)
+    _activations(x, INPUT_DTYPES, in_features_padded, packed.device, codebook, scale, bits)
     if bias is not None:
         check_dtype(bias.dtype, "kbit: bias", INPUT_DTYPES)
         if tuple(bias.shape) != (out_features,) or bias.device != x.device:

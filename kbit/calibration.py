@@ -196,6 +196,19 @@ def _capture_inputs(model: nn.Module, block: nn.Module, batches: list) -> list:
     return captured
 
 
+def _block_pass(block: nn.Module, inputs: list, masks: list, layers: dict):
+    """Run ``block`` on every captured input with Hessian hooks on ``layers``: (outputs, Hessians, the hooks)."""
+    hooks = _HessianHooks(layers)
+    try:
+        outputs = []
+        for (a, kw), mask in zip(inputs, masks):
+            hooks.mask = mask
+            outputs.append(block(*a, **kw))
+    finally:
+        hessians = hooks.remove()
+    return outputs, hessians, hooks
+
+
 def _with_hidden(args: tuple, kwargs: dict, output):
     """The next block's inputs: the same arguments with the hidden states replaced by ``output``'s."""
     hidden = output[0] if isinstance(output, (tuple, list)) else output
@@ -236,15 +249,7 @@ def collect_hessians_by_block(model: nn.Module, layers: dict, batches: list, mea
             masks = [_token_mask(kw) for _, kw in batches]
             for i, block in enumerate(block_list):
                 mine = {n: m for n, m in layers.items() if n.startswith(f"{prefix}.{i}.")}
-                hooks = _HessianHooks(mine)
-                try:
-                    outputs = []
-                    for (a, kw), mask in zip(inputs, masks):
-                        hooks.mask = mask
-                        outputs.append(block(*a, **kw))
-                finally:
-                    hessians = hooks.remove()
-                del hooks
+                outputs, hessians, _ = _block_pass(block, inputs, masks, mine)
                 measure(hessians)
                 done.update(mine)
                 inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
@@ -312,14 +317,7 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                 for i, block in enumerate(block_list):
                     remaining = dict((n, m) for n, m in layers if n.startswith(f"{prefix}.{i}."))
                     while True:  # one pass per group of layers, and one for the output of the quantized block
-                        hooks = _HessianHooks(remaining)
-                        try:
-                            outputs = []
-                            for (a, kw), mask in zip(inputs, masks):
-                                hooks.mask = mask
-                                outputs.append(block(*a, **kw))
-                        finally:
-                            hessians = hooks.remove()
+                        outputs, hessians, hooks = _block_pass(block, inputs, masks, remaining)
                         if not remaining:
                             break
                         group = hooks.first_group() or list(remaining)  # layers never run: quantized with "mse"
