@@ -124,25 +124,33 @@ def stored_cpu_kernel(packed, absmax, codebook, scale, bits, out_features, in_fe
     return lambda x, bias: ext.gemm(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
 
 
-def _matmul_stored_setup_context(ctx, inputs, output):
-    x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded = inputs
-    ctx.save_for_backward(packed, absmax, codebook, scale)
-    ctx.dims = (bits, out_features, in_features_padded, x.shape[1], x.dtype, None if bias is None else bias.dtype)
+# Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside a graph that
+# autograd records (torch.compile outside no_grad, adapters trained on top of it). Both GEMM ops take
+# (x, weight codes, weight scales, codebook, scale, bias, bits, out_features, in_features_padded, ...); ``storage``
+# turns their weight tensors into the storage format the backward dequantizes.
+def _register_gemm_autograd(op, storage) -> None:
+    def setup_context(ctx, inputs, output):
+        x, codes, block_scales, codebook, scale, bias, bits, out_features, in_features_padded = inputs[:9]
+        ctx.save_for_backward(codes, block_scales, codebook, scale)
+        ctx.dims = (bits, out_features, in_features_padded, x.shape[1], x.dtype, None if bias is None else bias.dtype)
+        ctx.other_inputs = len(inputs) - 9
+
+    def backward(ctx, grad):
+        codes, block_scales, codebook, scale = ctx.saved_tensors
+        bits, N, K, x_columns, x_dtype, bias_dtype = ctx.dims
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            packed, absmax = storage(codes, block_scales, bits, N, K)
+            w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+            grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
+        if bias_dtype is not None and ctx.needs_input_grad[5]:
+            grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
+        return (grad_x, None, None, None, None, grad_bias, None, None, None) + (None,) * ctx.other_inputs
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _matmul_stored_backward(ctx, grad):
-    packed, absmax, codebook, scale = ctx.saved_tensors
-    bits, N, K, x_columns, x_dtype, bias_dtype = ctx.dims
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
-        grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
-    if bias_dtype is not None and ctx.needs_input_grad[5]:
-        grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
-    return grad_x, None, None, None, None, grad_bias, None, None, None
-
-
-matmul_stored.register_autograd(_matmul_stored_backward, setup_context=_matmul_stored_setup_context)
+_register_gemm_autograd(matmul_stored, lambda packed, absmax, bits, N, K: (packed, absmax))
 
 
 # ----------------------------------------------------------------------------- repack
@@ -257,28 +265,7 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
                            weights_settled(b_gemm, absmax_gemm, codebook))
 
 
-# Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside
-# a graph that autograd records (torch.compile outside no_grad, adapters trained on top of it).
-def _gemm_setup_context(ctx, inputs, output):
-    x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, _ = inputs
-    ctx.save_for_backward(b_gemm, absmax_gemm, codebook, scale)
-    ctx.dims = (bits, out_features, in_features_padded, x.shape[1], x.dtype, None if bias is None else bias.dtype)
-
-
-def _gemm_backward(ctx, grad):
-    b_gemm, absmax_gemm, codebook, scale = ctx.saved_tensors
-    bits, N, K, x_columns, x_dtype, bias_dtype = ctx.dims
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        packed, absmax = unrepack(b_gemm, absmax_gemm, bits, N, K)
-        w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
-        grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
-    if bias_dtype is not None and ctx.needs_input_grad[5]:
-        grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
-    return grad_x, None, None, None, None, grad_bias, None, None, None, None
-
-
-gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+_register_gemm_autograd(gemm, unrepack)
 
 
 # ----------------------------------------------------------------------------- mixture of experts (kbit.grouped)
