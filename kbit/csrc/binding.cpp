@@ -120,12 +120,17 @@ std::vector<int64_t> layout_absmax_shape(int64_t N, int64_t K_dim) {
   return {kbit::layout_tiles16(N) / kbit::kLayoutBlockTiles, kbit::layout_k_groups(K_dim), kbit::kLayoutBlockTiles, 2, 8, 8};
 }
 
-std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Tensor& absmax, int64_t k, int64_t N,
-                                          int64_t K_dim) {
+// bits and the [N, K_dim] weight shape of a storage-format <-> GEMM-layout conversion.
+void check_layout_sizes(int64_t k, int64_t N, int64_t K_dim) {
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(K_dim, "K_dim", kbit::kBlock);
   TORCH_CHECK(K_dim % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_dim));
+}
+
+std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Tensor& absmax, int64_t k, int64_t N,
+                                          int64_t K_dim) {
+  check_layout_sizes(k, N, K_dim);
   TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
   const at::Device on = packed.device();
   const int64_t nb = N * (K_dim / kbit::kBlock);
@@ -145,10 +150,7 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
 
 std::tuple<at::Tensor, at::Tensor> unrepack(const at::Tensor& b_gemm, const at::Tensor& absmax_gemm, int64_t k,
                                             int64_t N, int64_t K_dim) {
-  check_bits(k);
-  check_dim(N, "N", 1);
-  check_dim(K_dim, "K_dim", kbit::kBlock);
-  TORCH_CHECK(K_dim % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_dim));
+  check_layout_sizes(k, N, K_dim);
   TORCH_CHECK(b_gemm.is_cuda(), "kbit: b_gemm must be a CUDA tensor");
   const at::Device on = b_gemm.device();
   check_input(b_gemm, "b_gemm", at::kInt, layout_codes_shape(k, N, K_dim), on);

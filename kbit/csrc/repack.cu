@@ -10,6 +10,18 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// What one thread handles: a lane (g = lane / 4 row pair, q = lane % 4 column quad) of one (16-row tile, k-group).
+struct LaneOfPiece {
+  int lane, g, q, j, tile;
+  int64_t piece;
+  __device__ LaneOfPiece(int64_t idx, int k_groups) {
+    lane = static_cast<int>(idx & 31), g = lane >> 2, q = lane & 3;
+    const int64_t tj = idx >> 5;  // tile * k_groups + kgroup
+    j = static_cast<int>(tj % k_groups), tile = static_cast<int>(tj / k_groups);
+    piece = layout_piece(tile, j, k_groups);
+  }
+};
+
 template <int K>
 __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __restrict__ packed,
                                                           const uint8_t* __restrict__ absmax, int N, int K_dim,
@@ -17,10 +29,9 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
                                                           uint4* __restrict__ b_gemm, uint8_t* __restrict__ a_gemm) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= total_threads) return;
-  const int lane = static_cast<int>(idx & 31), g = lane >> 2, q = lane & 3;
-  const int64_t tj = idx >> 5;  // tile * k_groups + kgroup
-  const int j = static_cast<int>(tj % k_groups), tile = static_cast<int>(tj / k_groups);
-  const int64_t piece = layout_piece(tile, j, k_groups);
+  const LaneOfPiece at(idx, k_groups);
+  const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
+  const int64_t piece = at.piece;
   const int blocks_per_row = K_dim / kBlock;
 
   uint32_t words[4 * K];
@@ -63,10 +74,9 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
                                                             uint32_t* __restrict__ packed, uint8_t* __restrict__ absmax) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= total_threads) return;
-  const int lane = static_cast<int>(idx & 31), g = lane >> 2, q = lane & 3;
-  const int64_t tj = idx >> 5;
-  const int j = static_cast<int>(tj % k_groups), tile = static_cast<int>(tj / k_groups);
-  const int64_t piece = layout_piece(tile, j, k_groups);
+  const LaneOfPiece at(idx, k_groups);
+  const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
+  const int64_t piece = at.piece;
   const int blocks_per_row = K_dim / kBlock;
 
   uint32_t words[4 * K];
