@@ -255,7 +255,7 @@ class KbitExperts(nn.Module):
             for e in range(self.num_experts):
                 label = f"{name}.{proj}_proj[{e}]"
                 qw, loss = quantize_checked(check_weight(weight[e].detach(), label), self.bits, self.codebook)
-                packed[e], absmax[e], scale[e] = qw.packed, qw.absmax, qw.scale
+                (packed[e], absmax[e]), scale[e] = qw.storage(), qw.scale
                 losses.append((label, loss))
         return losses
 

@@ -75,7 +75,7 @@ def column_shard(qw: QuantizedWeight, rank: int, world: int) -> QuantizedWeight:
     if N % world:
         raise ValueError(f"out_features={N} does not split into {world} equal column shards")
     lo, hi = _even_part(N, rank, world)
-    packed, absmax = (_own(t.view(N, -1)[lo:hi]) for t in (qw.packed, qw.absmax))
+    packed, absmax = (_own(t.view(N, -1)[lo:hi]) for t in qw.storage())
     return QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits, (hi - lo, K), qw.dtype)
 
 
@@ -97,8 +97,9 @@ def row_shard(qw: QuantizedWeight, rank: int, world: int) -> QuantizedWeight:
     if problem:
         raise ValueError(problem)
     lo, hi = (b // BLOCK_SIZE for b in _even_part(K, rank, world))
-    packed = _own(qw.packed.view(N, -1, qw.bits)[:, lo:hi])
-    absmax = _own(qw.absmax.view(N, -1)[:, lo:hi])
+    packed, absmax = qw.storage()  # derived once from a GEMM-resident weight
+    packed = _own(packed.view(N, -1, qw.bits)[:, lo:hi])
+    absmax = _own(absmax.view(N, -1)[:, lo:hi])
     return QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits,
                                         (N, (hi - lo) * BLOCK_SIZE), qw.dtype)
 
@@ -335,11 +336,11 @@ def _gathered_linear(layer: KbitLinear) -> KbitLinear:
     bias = None if bias is None else bias.detach()
     N, K = qw.shape
     if isinstance(layer, ColumnParallelKbitLinear):
-        packed, absmax = (_all_gather(t.view(N, -1), 0, tp.group) for t in (qw.packed, qw.absmax))
+        packed, absmax = (_all_gather(t.view(N, -1), 0, tp.group) for t in qw.storage())
         shape = (N * tp.world, K)
         bias = None if bias is None else _all_gather(bias, 0, tp.group)
     else:
-        packed, absmax = (_all_gather(t.view(N, -1), 1, tp.group) for t in (qw.packed, qw.absmax))
+        packed, absmax = (_all_gather(t.view(N, -1), 1, tp.group) for t in qw.storage())
         shape = (N, K * tp.world)
         if rotation is not None:
             rotation = Rotation(_all_gather(rotation.signs, 0, tp.group), rotation.block)

@@ -273,17 +273,19 @@ class QuantizedWeight:
 
     def _matmul_stored(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         """x [M, in_features] @ W_hat^T (+ bias) from the storage format (``ops.matmul_stored``), unchecked."""
-        return ops.matmul_stored(x, self.packed, self.absmax, self.codebook, self.scale, bias, self.bits,
-                                 self.out_features, self.in_features_padded)
+        packed, absmax = self.storage()
+        return ops.matmul_stored(x, packed, absmax, self.codebook, self.scale, bias, self.bits, self.out_features,
+                                 self.in_features_padded)
 
     def _stored_cpu_kernel(self, x: Tensor, bias: Optional[Tensor]):
         """``_matmul_stored`` as a CPU kernel bound to this weight (a function (x, bias) -> y that skips the custom
         op), its arguments checked here once against a sample x [M, in_features] and bias; None without the
         kernels."""
-        _op_contract.matmul_stored(x, self.packed, self.absmax, self.codebook, self.scale, bias, self.bits,
-                                   self.out_features, self.in_features_padded)
-        return ops.stored_cpu_kernel(self.packed, self.absmax, self.codebook, self.scale, self.bits,
-                                     self.out_features, self.in_features_padded)
+        packed, absmax = self.storage()
+        _op_contract.matmul_stored(x, packed, absmax, self.codebook, self.scale, bias, self.bits, self.out_features,
+                                   self.in_features_padded)
+        return ops.stored_cpu_kernel(packed, absmax, self.codebook, self.scale, self.bits, self.out_features,
+                                     self.in_features_padded)
 
     # ------------------------------------------------------------------ serialization
     def meta_tensor(self) -> Tensor:
