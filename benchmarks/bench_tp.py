@@ -11,8 +11,10 @@ Each format starts from the same seeded random model (``bench_e2e.build_model``:
 gate/up/down with ``kbit.quantize_model``; embeddings and lm_head stay 16-bit). TP=1 runs on rank 0 alone (the
 other ranks wait); TP=2 shards the model over every rank: kbit layers with ``kbit.tensor_parallel.shard_model``,
 the 16-bit baseline's Linear layers with torch's own ``parallelize_module`` (``ColwiseParallel`` /
-``RowwiseParallel``), both from the model's transformers ``tp_plan``; embeddings and lm_head stay replicated on
-both sides. Decoding is ``bench_e2e.GreedyDecoder`` (static KV cache; ``--mode compile``: torch.compile
+``RowwiseParallel``), both from the model's transformers ``tp_plan``: the 16-bit lm_head split by vocabulary with
+its logits gathered on both sides, the embeddings replicated. A greedy divergence between TP=2 and TP=1 on random
+weights comes from near-ties of the two best logits (all-reduces sum in another order);
+``tests/test_tensor_parallel.py``'s NCCL test checks the margin at each divergence. Decoding is ``bench_e2e.GreedyDecoder`` (static KV cache; ``--mode compile``: torch.compile
 reduce-overhead, CUDA graphs; ``graph``: one captured CUDA graph per step), the same on both sides. Throughput is
 ``new_tokens / time`` (median of ``--repeats``); the run also checks that TP=2's greedy tokens equal TP=1's
 (``--check-tokens``) and reports the first divergence otherwise. Results: ``benchmarks/results/tp_<device>.md`` and
@@ -62,10 +64,13 @@ def parse_args(argv=None):
 
 
 def torch_tp_plan(model) -> dict:
-    """The 16-bit baseline's plan for torch's ``parallelize_module``: every Linear the transformers plan shards."""
+    """The 16-bit baseline's plan for torch's ``parallelize_module``: every Linear the transformers plan shards (the
+    lm_head by vocabulary, its logits gathered, as ``shard_model`` does)."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}
     plan = tp.model_plan(model)
     out = {}
     for name, module in model.named_modules():
@@ -183,6 +188,7 @@ def main(argv=None) -> int:
                 tag = "cpu" if args.device != "cuda" else env_info().get("device", "gpu").split()[-1].lower()
                 for path in write_outputs(Path(args.out_dir), f"tp_{tag}", md, result):
                     print("wrote", path)
+        dist.barrier()  # rank 0 writes while the others wait: no rank tears NCCL down under another's work
     finally:
         dist.destroy_process_group()
     return 0

@@ -28,7 +28,12 @@ How a kbit weight splits, at the storage level (no re-quantization; ``column_sha
   rank reads half of each routed expert's bytes, the router and routing stay unchanged, and the communication is
   the dense MLP's all-reduce.
 
-Other modules (embeddings, norms, the router, an ``lm_head`` left in full precision) stay replicated. Each rank
+* a 16-bit ``lm_head`` (transformers' ``"colwise_gather_output"``): rows of the vocabulary, its logits gathered
+  (``ColumnParallelLinear``). At batch 1 it is the largest tensor a decode step reads (128256 x 8192 in 16 bits
+  is 2 GiB, the same as four K=4 layers of a 70B model): replicated, it would cap a two-way split at ~1.3x. An
+  ``lm_head`` tied to the input embeddings stays whole (a shard of it would be a second copy).
+
+Other modules (embeddings, norms, the router) stay replicated. Each rank
 keeps only its shard: the full storage is released once ``shard_model`` returns, and a layer re-derives its GEMM
 layout from its shard on its device. ``unshard_model`` gathers the shards back into whole layers (every rank),
 so a tensor-parallel model saves like any other (``kbit.save_quantized`` on rank 0) and loads at any TP size.
@@ -52,10 +57,11 @@ from .weight import QuantizedWeight, matmul
 
 __all__ = ["shard_model", "unshard_model", "column_shard", "row_shard", "row_split_problem", "kbit_bytes",
            "ColumnParallelKbitLinear", "RowParallelKbitLinear", "GatheredInputKbitLinear",
-           "TensorParallelKbitExperts"]
+           "TensorParallelKbitExperts", "ColumnParallelLinear"]
 
 # transformers' names for the styles kbit layers take (its ``tp_plan``); any other style leaves a layer whole.
 COLWISE, ROWWISE, EXPERTS = "colwise", "rowwise", "moe_tp_experts"
+GATHERED_OUTPUT = ("colwise_gather_output", "colwise_rep")  # a 16-bit layer's rows, its output gathered
 
 
 # ---------------------------------------------------------------------- storage-level shards
@@ -184,7 +190,21 @@ class TensorParallelKbitExperts(KbitExperts):
         return super().extra_repr() + f", shard {self.tp.rank} of {self.tp.world} of every expert"
 
 
-_PARALLEL = (ColumnParallelKbitLinear, RowParallelKbitLinear, GatheredInputKbitLinear, TensorParallelKbitExperts)
+class ColumnParallelLinear(nn.Linear):
+    """A 16-bit ``nn.Linear`` holding rows ``[rank * N / world, ...)`` of its weight and bias (an ``lm_head``): a
+    replicated input; every rank's slice of the output gathered, so the output is whole on every rank."""
+
+    tp: RankGroup
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _all_gather(super().forward(x), -1, self.tp.group)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", column shard {self.tp.rank} of {self.tp.world}, output gathered"
+
+
+_PARALLEL = (ColumnParallelKbitLinear, RowParallelKbitLinear, GatheredInputKbitLinear, TensorParallelKbitExperts,
+             ColumnParallelLinear)
 
 
 def local_linear(cls, qw: QuantizedWeight, bias: Optional[Tensor], rotation: Optional[Rotation],
@@ -299,8 +319,9 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
     """Shard every kbit layer of ``model`` in place over ``group`` (default: the default process group).
 
     ``plan`` maps layer names (``*`` for a layer number) to ``"colwise"``, ``"rowwise"`` or (``KbitExperts``)
-    ``"moe_tp_experts"``, as transformers' ``tp_plan``; default ``model_plan(model)``. kbit layers it does not name
-    (and modules that are not kbit layers) stay whole on every rank. Every rank of ``group`` must call this with
+    ``"moe_tp_experts"``, as transformers' ``tp_plan``, and a 16-bit ``nn.Linear`` (the ``lm_head``) to
+    ``"colwise_gather_output"``; default ``model_plan(model)``. Layers it does not name (and other modules) stay
+    whole on every rank. Every rank of ``group`` must call this with
     the same model; the storage is sliced where it lies (shard on the CPU, then move each rank's model to its GPU).
     Returns {layer name: what became of it}.
     """
@@ -321,6 +342,8 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
             new, report[name] = _shard_linear(module, style, tp, _head_dim(model, name), name)
         elif isinstance(module, KbitExperts) and style == EXPERTS:
             new, report[name] = _shard_experts(module, tp)
+        elif type(module) is nn.Linear and style in GATHERED_OUTPUT:
+            new, report[name] = _shard_dense(model, module, tp)
         else:
             if isinstance(module, (KbitLinear, KbitExperts)):
                 report[name] = f"whole: style {style!r}"
@@ -329,6 +352,31 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
             raise ValueError("model is itself a kbit layer: shard it inside a model that has a plan for it")
         model.set_submodule(name, new)
     return report
+
+
+def _shard_dense(model: nn.Module, layer: nn.Linear, tp: RankGroup):
+    N = layer.out_features
+    if any(p is layer.weight for mod in model.modules() if mod is not layer for p in mod.parameters(recurse=False)):
+        return layer, "whole: tied to another module's weight"
+    if N % tp.world:
+        return layer, f"whole: out_features={N} does not split into {tp.world} equal shards"
+    lo, hi = _even_part(N, tp.rank, tp.world)
+    local = ColumnParallelLinear(layer.in_features, hi - lo, bias=layer.bias is not None, device="meta")
+    local.weight = nn.Parameter(layer.weight.detach()[lo:hi].clone(), requires_grad=layer.weight.requires_grad)
+    if layer.bias is not None:
+        local.bias = nn.Parameter(layer.bias.detach()[lo:hi].clone(), requires_grad=layer.bias.requires_grad)
+    local.tp = tp
+    return local, "column shard, output gathered"
+
+
+def _gathered_dense(layer: ColumnParallelLinear) -> nn.Linear:
+    weight = _all_gather(layer.weight.detach(), 0, layer.tp.group)
+    whole = nn.Linear(layer.in_features, weight.shape[0], bias=layer.bias is not None, device="meta")
+    whole.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+    if layer.bias is not None:
+        whole.bias = nn.Parameter(_all_gather(layer.bias.detach(), 0, layer.tp.group),
+                                  requires_grad=layer.bias.requires_grad)
+    return whole
 
 
 def _gathered_linear(layer: KbitLinear) -> KbitLinear:
@@ -366,12 +414,14 @@ def _gathered_experts(experts: TensorParallelKbitExperts) -> KbitExperts:
 
 
 def unshard_model(model: nn.Module) -> nn.Module:
-    """Gather every sharded kbit layer of ``model`` back into a whole ``KbitLinear`` / ``KbitExperts``, in place, on
-    every rank (each rank of the group must call it). Layers kept whole by ``shard_model`` become plain kbit layers
+    """Gather every sharded layer of ``model`` back into a whole ``KbitLinear`` / ``KbitExperts`` / ``nn.Linear``, in
+    place, on every rank (each rank of the group must call it). Layers kept whole by ``shard_model`` become plain kbit layers
     again. Returns the model, which then saves (``kbit.save_quantized`` on rank 0) and loads at any TP size."""
     for name, module in list(model.named_modules()):
         if isinstance(module, TensorParallelKbitExperts):
             model.set_submodule(name, _gathered_experts(module))
+        elif isinstance(module, ColumnParallelLinear):
+            model.set_submodule(name, _gathered_dense(module))
         elif isinstance(module, GatheredInputKbitLinear):
             model.set_submodule(name, KbitLinear.from_quantized(module.qweight, module.bias, module.rotation))
         elif isinstance(module, (ColumnParallelKbitLinear, RowParallelKbitLinear)):

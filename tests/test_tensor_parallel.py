@@ -160,7 +160,8 @@ def _worker(rank: int, port: int, folder: str) -> None:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32).eval()
             whole_bytes = tp.kbit_bytes(model)
             report = tp.shard_model(model)
-            out[name] = {"report": report, "whole_bytes": whole_bytes, "bytes": tp.kbit_bytes(model)}
+            out[name] = {"report": report, "whole_bytes": whole_bytes, "bytes": tp.kbit_bytes(model),
+                         "lm_head_rows": model.lm_head.weight.shape[0]}
             torch.save(logits(model, ids), root / f"{name}.tp2.rank{rank}.pt")
             tp.unshard_model(model)
             torch.save(logits(model, ids), root / f"{name}.unsharded.rank{rank}.pt")
@@ -175,6 +176,10 @@ def _worker(rank: int, port: int, folder: str) -> None:
             torch.save(logits(model, ids), root / f"{name}.tp_plan.rank{rank}.pt")
             with torch.no_grad():
                 out[name]["tokens"] = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
+        tied = tiny_llama()
+        tied.config.tie_word_embeddings = True
+        tied.tie_weights()
+        out["tied_report"] = tp.shard_model(tied)
         out["errors"] = _refusals()
         try:  # quantizing while loading under a tp_plan would quantize each shard apart: refused
             transformers.AutoModelForCausalLM.from_pretrained(
@@ -290,11 +295,23 @@ def test_tp_plan_auto_generates_tp1s_greedy_tokens(job, name):
 
 def test_every_kbit_layer_is_sharded(job):
     *_, results = job
-    llama = results[0]["llama"]["report"]
+    llama = dict(results[0]["llama"]["report"])
+    assert llama.pop("lm_head") == "column shard, output gathered"
     assert llama and all(how in ("column shard", "row shard") for how in llama.values()), llama
-    moe = results[0]["qwen3_moe"]["report"]
+    moe = dict(results[0]["qwen3_moe"]["report"])
+    assert moe.pop("lm_head") == "column shard, output gathered"
     assert {how for name, how in moe.items() if name.endswith("experts")} == {"shard of every expert"}
     assert all(how in ("column shard", "row shard") for name, how in moe.items() if not name.endswith("experts"))
+
+
+def test_the_16_bit_lm_head_is_split_by_vocabulary_unless_tied(job):
+    """The lm_head is a decode step's largest read at batch 1: each rank holds half its rows (its logits gathered,
+    as test_tp2_logits_equal_tp1 shows); tied to the embeddings it stays whole."""
+    *_, results = job
+    for rank in range(WORLD):
+        for name in MODELS:
+            assert results[rank][name]["lm_head_rows"] == VOCAB // WORLD
+        assert results[rank]["tied_report"] == {"lm_head": "whole: tied to another module's weight"}
 
 
 def test_rotated_row_layers_shard_where_whole_hadamard_blocks_allow(job):
@@ -407,7 +424,7 @@ def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(tmp_path):
     for rank in range(WORLD):
         for dtype, r in json.loads((tmp_path / f"cuda_rank{rank}.json").read_text()).items():
             print(rank, dtype, {k: v for k, v in r.items() if k not in ("want", "got")})
-            assert r["report"] == ["column shard", "row shard"], r["report"]
+            assert r["report"] == ["column shard", "column shard, output gathered", "row shard"], r["report"]
             assert 0.45 * r["whole_bytes"] < r["bytes"] < 0.55 * r["whole_bytes"]
             # 16-bit all-reduces sum in another order than one GPU's GEMM: logits agree to a few 16-bit roundings
             assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
