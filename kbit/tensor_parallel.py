@@ -134,7 +134,7 @@ def _all_reduce(y: Tensor, group) -> Tensor:
 
 def _all_gather(x: Tensor, dim: int, group) -> Tensor:
     """The ranks' ``x`` concatenated along ``dim`` in rank order."""
-    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim % x.dim(), group))
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim % x.dim(), group))
 
 
 # ---------------------------------------------------------------------- sharded layers
