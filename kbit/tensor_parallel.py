@@ -133,8 +133,12 @@ def _all_reduce(y: Tensor, group) -> Tensor:
 
 
 def _all_gather(x: Tensor, dim: int, group) -> Tensor:
-    """The ranks' ``x`` concatenated along ``dim`` in rank order."""
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim % x.dim(), group))
+    """The ranks' ``x`` concatenated along ``dim`` in rank order. Gathered along dim 0, then laid side by side: for
+    another dim funcol waits outside the traced graph, which breaks a compiled step and keeps CUDA graphs out."""
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    if dim % x.dim() == 0:
+        return gathered
+    return torch.cat(gathered.chunk(gathered.shape[0] // x.shape[0], 0), dim)
 
 
 # ---------------------------------------------------------------------- sharded layers
