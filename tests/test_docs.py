@@ -25,3 +25,13 @@ def test_design_configuration_table_is_generated_from_the_pinned_report():
     assert _generated_block(ROOT / "docs" / "DESIGN.md", "scripts/gemm_config_table.py") == module.table(rows), (
         "docs/DESIGN.md's configuration table differs from tests/gemm_configs.json: "
         "run python scripts/gemm_config_table.py and paste its output")
+
+
+def test_readme_file_list_names_every_module_and_only_existing_ones():
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Development\n\n```\n(.*?)\n```", text, re.S)
+    assert block, "README.md: no file list under ## Development"
+    listed = set(re.findall(r"kbit/[\w/]+\.py", block.group(1)))
+    modules = {f"kbit/{p.name}" for p in (ROOT / "kbit").glob("*.py") if p.name != "__init__.py"}
+    assert not modules - listed, f"README.md's file list lacks {sorted(modules - listed)}"
+    assert all((ROOT / name).is_file() for name in listed), f"README.md lists missing files: {sorted(listed - modules)}"
