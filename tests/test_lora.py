@@ -149,8 +149,9 @@ def test_modules_to_save_naming_a_kbit_layer_asks_for_deepspeed(models):
         peft.get_peft_model(copy.deepcopy(models["llama"]), lora_config(modules_to_save=["mlp"]))
 
 
-def test_several_adapters(models, tmp_path):
-    model = copy.deepcopy(models["llama"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_several_adapters(models, family, tmp_path):
+    model = copy.deepcopy(models[family])
     ids = torch.randint(0, VOCAB, (1, 7))
     pm = peft.get_peft_model(model, lora_config())
     pm.add_adapter("other", peft.LoraConfig(r=2, target_modules=["o_proj"]))
@@ -165,7 +166,7 @@ def test_several_adapters(models, tmp_path):
     assert not torch.equal(outputs["default"], outputs["other"])
     pm.save_pretrained(str(tmp_path / "adapters"))  # "other" goes to a subfolder of its name
 
-    again = peft.PeftModel.from_pretrained(copy.deepcopy(models["llama"]), str(tmp_path / "adapters"))
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(models[family]), str(tmp_path / "adapters"))
     again.load_adapter(str(tmp_path / "adapters" / "other"), adapter_name="other")
     with torch.no_grad():
         for adapter in ("default", "other"):
@@ -173,9 +174,9 @@ def test_several_adapters(models, tmp_path):
             assert torch.equal(again(ids).logits, outputs[adapter]), adapter
 
 
-@pytest.mark.parametrize("safe_merge", [False, True])
-def test_merge_is_refused(models, safe_merge):
-    pm = peft.get_peft_model(copy.deepcopy(models["llama"]), lora_config())
+@pytest.mark.parametrize("family, safe_merge", [("llama", False), ("llama", True), ("qwen3_moe", False)])
+def test_merge_is_refused(models, family, safe_merge):
+    pm = peft.get_peft_model(copy.deepcopy(models[family]), lora_config())
     with torch.no_grad():
         for name, p in pm.named_parameters():
             if "lora_B" in name:
