@@ -35,3 +35,19 @@ def test_readme_file_list_names_every_module_and_only_existing_ones():
     modules = {f"kbit/{p.name}" for p in (ROOT / "kbit").glob("*.py") if p.name != "__init__.py"}
     assert not modules - listed, f"README.md's file list lacks {sorted(modules - listed)}"
     assert all((ROOT / name).is_file() for name in listed), f"README.md lists missing files: {sorted(listed - modules)}"
+
+
+def test_readme_signatures_are_the_code_s():
+    """The README's signatures of KbitConfig and quantize_model name every argument with its default (KbitConfig's
+    fields that a save records, not a user, left out)."""
+    import inspect
+
+    import kbit
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    recorded = {"format_version", "quant_method", "kbit_version"}
+    for name, func in (("KbitConfig", kbit.KbitConfig.__init__), ("quantize_model", kbit.quantize_model)):
+        params = [p for p in inspect.signature(func).parameters.values() if p.name not in recorded | {"self"}]
+        code = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params)
+        code = code.replace("'", '"')  # the README quotes strings as the code style does
+        assert f"`{name}({code})`" in text, f"README.md should give {name}({code})"
