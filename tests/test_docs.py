@@ -51,3 +51,13 @@ def test_readme_signatures_are_the_code_s():
         code = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params)
         code = code.replace("'", '"')  # the README quotes strings as the code style does
         assert f"`{name}({code})`" in text, f"README.md should give {name}({code})"
+
+
+def test_readme_format_section_names_every_saved_config_field():
+    import kbit
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    listed = re.search(r'`quantization_config: \{(.*?)\}`', text)
+    assert listed, "README.md's Format section: no quantization_config field list"
+    keys = re.findall(r'"(\w+)"', re.sub(r':\s*"\w+"', "", listed.group(1)))  # "quant_method": "kbit" names a value
+    assert set(keys) == set(kbit.KbitConfig(bits=4).to_dict())
