@@ -52,8 +52,8 @@ class KbitParallel(TensorParallelLayer):
     def __init__(self, style: str):
         self.style = style
 
-    def shard_param(self, module, param, mesh):  # the bias, the layer's only parameter
-        bias = module._parameters.get(param)
+    def shard_param(self, module, param, mesh):  # the bias; the weights' counts (kbit._counted) hold nothing
+        bias = module._parameters.get(param) if param == "bias" else None
         if bias is not None and self.style == tp.COLWISE:
             module._parameters[param] = torch.nn.Parameter(
                 distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None), requires_grad=bias.requires_grad)

@@ -10,7 +10,9 @@ decorated with ``use_experts_implementation``). ``kbit.quantize_model`` replaces
 transformers versions keep one ``nn.Linear`` per expert projection; ``quantize_model`` swaps those like
 any other Linear.
 
-Storage (persistent buffers, what ``state_dict`` holds; H_pad = H rounded up to 32, I_pad likewise):
+Storage (persistent buffers, what ``state_dict`` holds; H_pad = H rounded up to 32, I_pad likewise; the module's
+only parameters, ``gate_up_proj_count`` and ``down_proj_count``, hold nothing: they make parameter counts see the
+experts' weights, ``kbit._counted``):
 
     gate_up_packed  int32   [E, 2I * H_pad / 32 * bits] row e: the ``packed`` of expert e's [2I, H] weight
     gate_up_absmax  uint8   [E, 2I * H_pad / 32]       row e: its ``absmax``
@@ -51,6 +53,7 @@ from torch import Tensor, nn
 
 from . import ops
 from ._build import cuda_ext
+from ._counted import count_name, counts_hidden, hold_count
 from ._validate import (
     GEMM_DTYPES,
     check_bits,
@@ -73,6 +76,7 @@ __all__ = ["KbitExperts", "find_experts", "rows_per_pass", "MAX_GROUPED_EXPERTS"
 
 PROJECTIONS = ("gate_up", "down")
 FUSED_PARAMETERS = tuple(f"{proj}_proj" for proj in PROJECTIONS)  # transformers' names of the experts' weights
+WEIGHT_COUNTS = tuple(count_name(name) for name in FUSED_PARAMETERS)  # empty parameters counting them (kbit._counted)
 _FORMAT_SUFFIXES = ("packed", "absmax", "scale")
 STORAGE = tuple(f"{p}_{s}" for p in PROJECTIONS for s in _FORMAT_SUFFIXES) + ("codebook", "meta")  # the state dict
 GEMM_LAYOUTS = tuple(f"{p}_gemm_{s}" for p in PROJECTIONS for s in ("codes", "absmax"))  # on CUDA (module docstring)
@@ -140,6 +144,7 @@ class KbitExperts(nn.Module):
         for name in GEMM_LAYOUTS:  # on CUDA, in place of the *_packed and *_absmax buffers (prepare)
             self.register_buffer(name, None)
         self._rows_supported = ()  # rows per pass the device's grouped GEMM runs at these bits (prepare)
+        self._hold_counts()
 
     # ------------------------------------------------------------------ shapes and views
     def shapes(self) -> dict:
@@ -150,6 +155,11 @@ class KbitExperts(nn.Module):
     def _meta_tensor(self, device=None) -> Tensor:
         return experts_meta_tensor(self.bits, self.num_experts, self.hidden_dim, self.intermediate_dim,
                                    self.weight_dtype, device)
+
+    def _hold_counts(self) -> None:
+        for proj, (N, K) in self.shapes().items():
+            hold_count(self, count_name(f"{proj}_proj"), self.num_experts * N * K, self.weight_dtype,
+                       self.codebook.device)
 
     def _check_projection(self, proj: str) -> str:
         if proj not in PROJECTIONS:
@@ -304,6 +314,7 @@ class KbitExperts(nn.Module):
         (or ``kbit.prepare(model)``) after ``quantize_projection`` or replacing a buffer by hand.
         """
         device = self.codebook.device
+        self._hold_counts()
         if device.type == "meta":
             return self
         if device.type == "cuda" and self.grouped_supported():
@@ -399,7 +410,8 @@ class KbitExperts(nn.Module):
         # Module-wide dtype casts (.half(), .to(dtype)) must not change the format's buffers (codebook and scales
         # are float32 by definition): apply fn for the target device, then move the originals there unchanged.
         before = {name: self._buffers.get(name) for name in STORAGE + GEMM_LAYOUTS}
-        super()._apply(fn, recurse)
+        with counts_hidden(self, WEIGHT_COUNTS):
+            super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
@@ -411,11 +423,16 @@ class KbitExperts(nn.Module):
         refuse_assignment(self, name, FUSED_PARAMETERS)
         super().__setattr__(name, value)
 
+    def __setstate__(self, state):  # a copied parameter loses its attributes: the counts are made again
+        super().__setstate__(state)
+        self._hold_counts()
+
     # ------------------------------------------------------------------ saving
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # The storage format, whichever form the module holds; never the GEMM layouts.
         saved = {}
-        super()._save_to_state_dict(saved, prefix, keep_vars)
+        with counts_hidden(self, WEIGHT_COUNTS):
+            super()._save_to_state_dict(saved, prefix, keep_vars)
         if self.is_gemm_resident:
             for proj in PROJECTIONS:
                 saved[f"{prefix}{proj}_packed"], saved[f"{prefix}{proj}_absmax"] = self.storage(proj)
@@ -439,8 +456,9 @@ class KbitExperts(nn.Module):
         except (TypeError, ValueError) as e:
             error_msgs.append(str(e))
             return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        with counts_hidden(self, WEIGHT_COUNTS):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
         self.weight_dtype = dtype
         self.prepare()
 

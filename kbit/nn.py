@@ -6,7 +6,8 @@
 A ``KbitLinear`` holds the storage format of its weight as buffers named like the keys of
 ``QuantizedWeight.state_dict()`` (``packed``, ``absmax``, ``codebook``, ``scale``, ``meta``) plus
 an optional ``bias`` parameter, so it saves and loads through ``state_dict`` (``torch.save`` or
-safetensors) and loads into a module built from its shape alone::
+safetensors) and loads into a module built from its shape alone (its other parameter, ``weight_count``, holds
+nothing and is never saved: it makes parameter counts see the weight, ``kbit._counted``)::
 
     fresh = kbit.KbitLinear(in_features, out_features, bias=True, bits=4)
     fresh.load_state_dict(state)
@@ -44,6 +45,7 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ._counted import count_name, counts_hidden, hold_count
 from ._layers import linear_features, linear_weight
 from ._progress import Progress
 from ._transformers_hook import record_in_transformers_config
@@ -78,6 +80,7 @@ __all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
 logger = logging.getLogger("kbit")
 
 GEMM_LAYOUT = ("gemm_codes", "gemm_absmax")  # KbitLinear's buffers of the GEMM layout (module docstring)
+WEIGHT_COUNT = count_name("weight")  # the empty parameter that counts the weight's elements (kbit._counted)
 
 
 def _same_tensors(a, b) -> bool:
@@ -93,7 +96,8 @@ class KbitLinear(nn.Linear):
     It subclasses ``nn.Linear`` (as bitsandbytes' quantized layers do) so that code which picks layers by type treats
     it as one: PEFT's LoRA wraps it with its own ``lora.Linear`` (``get_peft_model``, ``target_modules="all-linear"``),
     with no kbit-specific step. It shares none of ``nn.Linear``'s state: ``weight`` is a read-only view of the
-    quantized storage (``DequantizedWeight``), not a parameter.
+    quantized storage (``DequantizedWeight``), not a parameter; PEFT's parameter counts see it through the empty
+    ``weight_count`` parameter (``kbit._counted``).
 
     Args:
         in_features, out_features: the shape of the original ``nn.Linear``.
@@ -260,6 +264,7 @@ class KbitLinear(nn.Linear):
         ``kbit.prepare(model)``) after assigning ``packed`` or ``absmax`` by hand.
         """
         device = self.codebook.device
+        self._hold_count()
         if device.type != "cuda":
             return self
         if not self.is_gemm_resident:
@@ -276,6 +281,9 @@ class KbitLinear(nn.Linear):
             torch._dynamo.mark_static_address(t, guard=False)
         return self
 
+    def _hold_count(self) -> None:
+        hold_count(self, WEIGHT_COUNT, self.out_features * self.in_features, self.weight_dtype, self.codebook.device)
+
     @property
     def rotation(self) -> Optional[Rotation]:
         """The input rotation of the stored weight, None for an unrotated one."""
@@ -290,7 +298,8 @@ class KbitLinear(nn.Linear):
     def weight(self) -> DequantizedWeight:
         """The weight as a read-only tensor: the original shape, dtype and device, free to read; an operation on
         it (``F.linear(x, layer.weight)``) dequantizes (and un-rotates) for that operation only. Not a parameter
-        or buffer, so ``state_dict`` holds only the quantized storage."""
+        or buffer, so ``state_dict`` holds only the quantized storage; parameter counts see the weight through
+        ``weight_count`` (``kbit._counted``)."""
         return DequantizedWeight(self.qweight, self.rotation)
 
     def reset_parameters(self) -> None:  # nn.Linear's would write random values into the read-only weight
@@ -338,12 +347,14 @@ class KbitLinear(nn.Linear):
         # buffers: codebook and scale are float32 by definition. Apply fn to find the target
         # device, then move the original tensor there without changing its dtype.
         before = {name: self._buffers.get(name) for name in STATE_KEYS + GEMM_LAYOUT}
-        super()._apply(fn, recurse)
+        with counts_hidden(self, (WEIGHT_COUNT,)):
+            super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
         self._invalidate()
+        self._hold_count()
         if self.codebook.device.type != "meta":
             self.prepare()
         return self
@@ -352,7 +363,8 @@ class KbitLinear(nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # The storage format, whichever form the module holds; never the GEMM layout.
         saved = {}
-        super()._save_to_state_dict(saved, prefix, keep_vars)
+        with counts_hidden(self, (WEIGHT_COUNT,)):
+            super()._save_to_state_dict(saved, prefix, keep_vars)
         if self.is_gemm_resident:
             saved[prefix + "packed"], saved[prefix + "absmax"] = self.qweight.storage()
         for name in (*self._parameters, *self._buffers):  # in the order of a module that holds the storage format
@@ -390,8 +402,9 @@ class KbitLinear(nn.Linear):
         # A state dict holds the storage format: load into it, then derive the layout again (prepare), one layer at a
         # time. The current storage is derived, not left empty, so that a partial or failed load keeps the weight.
         self._hold_storage()
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        with counts_hidden(self, (WEIGHT_COUNT,)):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
         self.weight_dtype = dtype
         block = state_dict.get(prefix + "rotation_block")
         if self.rotation_block is not None and isinstance(block, Tensor) and block.device.type != "meta":
@@ -433,9 +446,10 @@ class KbitLinear(nn.Linear):
     def __getstate__(self):  # the bound kernel holds its own references to the tensors: a copy binds its own
         return {**super().__getstate__(), "_direct": None}
 
-    def __setstate__(self, state):
+    def __setstate__(self, state):  # a copied parameter loses its attributes: the count is made again
         super().__setstate__(state)
         self._qw = None
+        self._hold_count()
 
     def __setattr__(self, name, value):
         refuse_assignment(self, name, ("weight",))

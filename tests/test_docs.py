@@ -25,3 +25,39 @@ def test_design_configuration_table_is_generated_from_the_pinned_report():
     assert _generated_block(ROOT / "docs" / "DESIGN.md", "scripts/gemm_config_table.py") == module.table(rows), (
         "docs/DESIGN.md's configuration table differs from tests/gemm_configs.json: "
         "run python scripts/gemm_config_table.py and paste its output")
+
+
+def test_readme_file_list_names_every_module_and_only_existing_ones():
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Development\n\n```\n(.*?)\n```", text, re.S)
+    assert block, "README.md: no file list under ## Development"
+    listed = set(re.findall(r"kbit/[\w/]+\.py", block.group(1)))
+    modules = {f"kbit/{p.name}" for p in (ROOT / "kbit").glob("*.py") if p.name != "__init__.py"}
+    assert not modules - listed, f"README.md's file list lacks {sorted(modules - listed)}"
+    assert all((ROOT / name).is_file() for name in listed), f"README.md lists missing files: {sorted(listed - modules)}"
+
+
+def test_readme_signatures_are_the_code_s():
+    """The README's signatures of KbitConfig and quantize_model name every argument with its default (KbitConfig's
+    fields that a save records, not a user, left out)."""
+    import inspect
+
+    import kbit
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    recorded = {"format_version", "quant_method", "kbit_version"}
+    for name, func in (("KbitConfig", kbit.KbitConfig.__init__), ("quantize_model", kbit.quantize_model)):
+        params = [p for p in inspect.signature(func).parameters.values() if p.name not in recorded | {"self"}]
+        code = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params)
+        code = code.replace("'", '"')  # the README quotes strings as the code style does
+        assert f"`{name}({code})`" in text, f"README.md should give {name}({code})"
+
+
+def test_readme_format_section_names_every_saved_config_field():
+    import kbit
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    listed = re.search(r'`quantization_config: \{(.*?)\}`', text)
+    assert listed, "README.md's Format section: no quantization_config field list"
+    keys = re.findall(r'"(\w+)"', re.sub(r':\s*"\w+"', "", listed.group(1)))  # "quant_method": "kbit" names a value
+    assert set(keys) == set(kbit.KbitConfig(bits=4).to_dict())

@@ -102,8 +102,56 @@ def test_plain_peft_trains_saves_and_reloads(models, family, tmp_path):
         assert torch.equal(again(ids).logits, expect)  # adapters and the trained lm_head copy came back
 
 
-def test_several_adapters(models, tmp_path):
-    model = copy.deepcopy(models["llama"])
+def stored_elements(model):
+    """Elements of the weights a kbit model holds quantized (buffers, not parameters)."""
+    return sum(m.out_features * m.in_features if isinstance(m, kbit.KbitLinear)
+               else 3 * m.num_experts * m.hidden_dim * m.intermediate_dim
+               for m in model.modules() if isinstance(m, (kbit.KbitLinear, kbit.KbitExperts)))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_peft_counts_the_quantized_weights(folders, models, family, capsys, tmp_path):
+    """print_trainable_parameters' "all params" is the unquantized model's count (plus the adapters), with nothing
+    kbit-specific; state_dict, num_parameters() and get_memory_footprint() still describe what is stored."""
+    original = transformers.AutoModelForCausalLM.from_pretrained(folders[family])
+    everything = sum(p.numel() for p in original.parameters())
+    model = copy.deepcopy(models[family])
+    if family == "qwen3_moe":
+        assert any(isinstance(m, kbit.KbitExperts) for m in model.modules())
+    assert model.num_parameters() == everything - stored_elements(model)
+    state = model.state_dict()  # the footprint is what is held: the saved tensors and the unsaved buffers (rotary)
+    unsaved = sum(b.nbytes for name, b in model.named_buffers() if name not in state)
+    assert model.get_memory_footprint() == sum(t.nbytes for t in state.values()) + unsaved
+    assert not any(key.endswith("_count") for key in state)
+
+    pm = peft.get_peft_model(model, lora_config())
+    lora = sum(p.numel() for n, p in pm.named_parameters() if "lora_" in n)
+    assert lora == 2 * 2 * 4 * (128 + 128)  # A [4, 128] and B [128, 4] on q_proj and v_proj of two layers
+    assert pm.get_nb_trainable_parameters() == (lora, everything + lora)
+    pm.print_trainable_parameters()
+    assert f"trainable params: {lora:,d} || all params: {everything + lora:,d}" in capsys.readouterr().out
+    models[family].save_pretrained(str(tmp_path / "kbit"))  # a kbit folder loads with the same count
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "kbit"))
+    assert peft.get_peft_model(reloaded, lora_config()).get_nb_trainable_parameters() == (lora, everything + lora)
+
+
+def test_modules_to_save_naming_a_kbit_layer_asks_for_deepspeed(models):
+    """The README's caveat: PEFT's modules_to_save takes a module with an empty parameter carrying ds_numel (a kbit
+    layer's count, kbit._counted) for a DeepSpeed ZeRO-3 one. Full-precision modules are unaffected (lm_head in
+    test_plain_peft_trains_saves_and_reloads)."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("deepspeed is installed: PEFT's gathering is then a no-op")
+    with pytest.raises(ModuleNotFoundError, match="deepspeed"):
+        peft.get_peft_model(copy.deepcopy(models["llama"]), lora_config(modules_to_save=["mlp"]))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_several_adapters(models, family, tmp_path):
+    model = copy.deepcopy(models[family])
     ids = torch.randint(0, VOCAB, (1, 7))
     pm = peft.get_peft_model(model, lora_config())
     pm.add_adapter("other", peft.LoraConfig(r=2, target_modules=["o_proj"]))
@@ -118,7 +166,7 @@ def test_several_adapters(models, tmp_path):
     assert not torch.equal(outputs["default"], outputs["other"])
     pm.save_pretrained(str(tmp_path / "adapters"))  # "other" goes to a subfolder of its name
 
-    again = peft.PeftModel.from_pretrained(copy.deepcopy(models["llama"]), str(tmp_path / "adapters"))
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(models[family]), str(tmp_path / "adapters"))
     again.load_adapter(str(tmp_path / "adapters" / "other"), adapter_name="other")
     with torch.no_grad():
         for adapter in ("default", "other"):
@@ -126,9 +174,9 @@ def test_several_adapters(models, tmp_path):
             assert torch.equal(again(ids).logits, outputs[adapter]), adapter
 
 
-@pytest.mark.parametrize("safe_merge", [False, True])
-def test_merge_is_refused(models, safe_merge):
-    pm = peft.get_peft_model(copy.deepcopy(models["llama"]), lora_config())
+@pytest.mark.parametrize("family, safe_merge", [("llama", False), ("llama", True), ("qwen3_moe", False)])
+def test_merge_is_refused(models, family, safe_merge):
+    pm = peft.get_peft_model(copy.deepcopy(models[family]), lora_config())
     with torch.no_grad():
         for name, p in pm.named_parameters():
             if "lora_B" in name:

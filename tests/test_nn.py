@@ -310,6 +310,42 @@ def test_module_deepcopy_and_pickle():
     assert_same_output(loaded, layer, torch.randn(2, 64), "pickle")
 
 
+def _counts(module):
+    """{name: (numel, ds_numel, requires_grad, dtype, device type)} of the module's count parameters."""
+    return {n: (p.numel(), getattr(p, "ds_numel", None), p.requires_grad, p.dtype, p.device.type)
+            for n, p in module.named_parameters() if n.endswith("_count")}
+
+
+def test_count_parameters_follow_the_layer_and_are_never_saved():
+    """kbit._counted: one empty frozen parameter per quantized weight, carrying its element count as ds_numel, kept
+    through copies, casts, device moves and loads, and never in the state dict."""
+    layer = kbit.KbitLinear.from_linear(make_linear(64, 96, dtype=torch.bfloat16), bits=3)
+    experts = kbit.KbitExperts(4, 64, 32, bits=4)
+    want_linear = {"weight_count": (0, 96 * 64, False, torch.bfloat16, "cpu")}
+    want_experts = {"gate_up_proj_count": (0, 4 * 64 * 64, False, torch.float16, "cpu"),
+                    "down_proj_count": (0, 4 * 64 * 32, False, torch.float16, "cpu")}
+    for module, want in ((layer, want_linear), (experts, want_experts)):
+        keys = list(module.state_dict())
+        assert _counts(module) == want and not any(k.endswith("_count") for k in keys)
+        buf = io.BytesIO()
+        torch.save(module, buf)
+        buf.seek(0)
+        for copied in (copy.deepcopy(module), torch.load(buf, weights_only=False)):
+            assert _counts(copied) == want
+        count = dict(module.named_parameters())[next(iter(want))]
+        module.half()  # a dtype cast moves nothing kbit holds (the bias, a parameter, is cast)
+        assert _counts(module) == want and dict(module.named_parameters())[next(iter(want))] is count
+        module.to("meta")
+        assert {n: c[:4] + ("meta",) for n, c in want.items()} == _counts(module)
+        module.to_empty(device="cpu")
+        assert _counts(module) == want and list(module.state_dict()) == keys
+    fresh = kbit.KbitLinear(64, 96, bits=3, dtype=torch.float16)
+    fresh.load_state_dict(kbit.KbitLinear.from_linear(make_linear(64, 96), bits=3).state_dict(), strict=True)
+    assert _counts(fresh) == {"weight_count": (0, 96 * 64, False, torch.float32, "cpu")}  # the checkpoint's dtype
+    with pytest.raises(RuntimeError, match='Unexpected key\\(s\\) in state_dict: "weight"'):
+        fresh.load_state_dict(make_linear(64, 96).state_dict())
+
+
 # ----------------------------------------------------------------------------- quantize_model
 class Block(nn.Module):
     def __init__(self, d, f):
