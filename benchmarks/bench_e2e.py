@@ -214,7 +214,9 @@ class GreedyDecoder:
         """Capture the graph / compile the step (this dirties the cache: ``prefill`` again after)."""
         self.prefill(prompt)
         if self.mode == "graph":  # warm-up calls derive kbit's GEMM layouts before the capture
-            self.graph = capture_cuda_graph([self._step], warmup_calls=warmup)
+            # one replay after capture, not warm_seconds of them: each step advances the cache, and on a small model
+            # 30 ms of replays wrote past max_len (index_copy_ out of bounds in the StaticCache)
+            self.graph = capture_cuda_graph([self._step], warmup_calls=warmup, warm_seconds=0.0)
         elif self.mode == "compile":
             kbit.prepare(self.model)  # GEMM layouts exist (and are static) before anything is captured
             self.compiled = torch.compile(self._next_token, mode="reduce-overhead")
