@@ -1,4 +1,4 @@
-// CPU kernels of kbit: quantize, dequantize and y = x @ W_hat^T straight from the storage format
+// CPU kernels of kbit: quantize, dequantize, y = x @ W_hat^T straight from the storage format, and unrepack
 // (kbit/formats.py: blocks of 32, one 32-bit word per bit plane, an E4M4 absmax byte per block, a codebook of
 // 2**bits floats, a per-tensor power-of-two scale). No derived layout: a weight row is a run of blocks, each
 // `bits` consecutive words, so the weight stays the one resident copy.
@@ -768,6 +768,66 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tenso
   return {packed, absmax};
 }
 
+// ----------------------------------------------------------------------------- unrepack
+// GEMM layout -> storage format, bit for bit as kbit.layout.unrepack_reference (kbit/layout.py describes the layout:
+// 16-row tiles, k-groups of 256 columns, per lane a string of 128 * bits bits holding pairs of codes).
+constexpr int LAYOUT_TILE_ROWS = 16, LAYOUT_TILES = 16, LAYOUT_K_GROUP = 256, LAYOUT_LANES = 32, LAYOUT_PAIRS = 64;
+
+// String bit of bit n of pair P's index (layout.pair_bit_offsets).
+int pair_bit_offset(int bits, int P, int n) {
+  if (bits != 3) return 2 * bits * P + n;
+  const int u = P / 16, s = P / 4 % 4, i = P % 4;
+  return s < 3 ? 96 * u + 32 * s + 8 * i + n : 96 * u + 32 * (n / 2) + 8 * i + 6 + n % 2;
+}
+
+std::tuple<at::Tensor, at::Tensor> unrepack(const at::Tensor& b_gemm, const at::Tensor& absmax_gemm, int64_t bits,
+                                            int64_t out_features, int64_t in_features_padded) {
+  const int64_t N = out_features, K = in_features_padded, blocks = K / BLOCK, k = bits;
+  const int64_t nb = b_gemm.size(0), kg = b_gemm.size(1);
+  at::Tensor packed = at::zeros({N * blocks * k}, b_gemm.options());
+  at::Tensor absmax = at::empty({N * blocks}, absmax_gemm.options());
+  const at::Tensor bc = b_gemm.contiguous(), ac = absmax_gemm.contiguous();
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(bc.data_ptr<int32_t>());
+  const uint8_t* codes = ac.data_ptr<uint8_t>();
+  uint32_t* planes = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  uint8_t* am = absmax.data_ptr<uint8_t>();
+  int offset[LAYOUT_PAIRS][10];
+  for (int P = 0; P < LAYOUT_PAIRS; ++P)
+    for (int n = 0; n < 2 * k; ++n) offset[P][n] = pair_bit_offset(static_cast<int>(k), P, n);
+  // Threads take 16-row tiles (each writes only its own rows).
+  at::parallel_for(0, nb * LAYOUT_TILES, 1, [&](int64_t T0, int64_t T1) {
+    for (int64_t T = T0; T < T1; ++T) {
+      const int64_t bi = T / LAYOUT_TILES, i = T % LAYOUT_TILES;
+      for (int64_t j = 0; j < kg; ++j) {
+        const int64_t tile = (bi * kg + j) * LAYOUT_TILES + i;  // [block, kgroup, i]
+        for (int l = 0; l < LAYOUT_LANES; ++l) {
+          const int g = l / 4, q = l % 4;
+          auto bit = [&](int o) {  // string bit o: vec o / 128, word (o % 128) / 32, bit o % 32
+            return (words[((tile * k + o / 128) * LAYOUT_LANES + l) * 4 + (o % 128) / 32] >> (o % 32)) & 1u;
+          };
+          for (int P = 0; P < LAYOUT_PAIRS; ++P) {
+            const int t = P / 8, p = P / 2 % 4, r = P % 2;
+            const int64_t row = T * LAYOUT_TILE_ROWS + g + 8 * r;
+            for (int e = 0; e < 2; ++e) {
+              const int64_t col = j * LAYOUT_K_GROUP + 32 * t + 8 * p + 2 * q + e;
+              if (row >= N || col >= K) continue;
+              uint32_t* block_planes = planes + (row * blocks + col / BLOCK) * k;
+              for (int b = 0; b < k; ++b) block_planes[b] |= bit(offset[P][e * k + b]) << (col % BLOCK);
+            }
+          }
+        }
+        for (int r = 0; r < 2; ++r)  // absmax_gemm [block, kgroup, i, r, g, t]
+          for (int g = 0; g < 8; ++g)
+            for (int t = 0; t < 8; ++t) {
+              const int64_t row = T * LAYOUT_TILE_ROWS + g + 8 * r, block = j * 8 + t;
+              if (row < N && block < blocks) am[row * blocks + block] = codes[((tile * 2 + r) * 8 + g) * 8 + t];
+            }
+      }
+    }
+  });
+  return {packed, absmax};
+}
+
 std::string isa() { return Simd::name; }
 
 }  // namespace
@@ -778,8 +838,11 @@ TORCH_LIBRARY(kbit_cpu, m) {
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, ScalarType dtype, "
         "Tensor scale) -> Tensor");
   m.def("quantize(Tensor A, Tensor codebook, int bits, Tensor scale) -> (Tensor, Tensor)");
+  m.def("unrepack(Tensor b_gemm, Tensor absmax_gemm, int bits, int out_features, int in_features_padded) -> "
+        "(Tensor, Tensor)");
   m.def("isa() -> str", &isa);
   m.impl("gemm", c10::DispatchKey::CPU, &gemm);
   m.impl("dequantize", c10::DispatchKey::CPU, &dequantize);
   m.impl("quantize", c10::DispatchKey::CPU, &quantize);
+  m.impl("unrepack", c10::DispatchKey::CPU, &unrepack);
 }
