@@ -94,10 +94,10 @@ def test_matmul_matches_reference(ext, threads, bits, dtype, rows):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 16])
 def test_matmul_row_lanes_match_reference(ext, threads, bits, rows):
-    """Shapes for the row-lane kernels (AVX-512, K <= 4): groups of 16 output rows in tiles of 32 and 16, 5 rows
+    """Shapes for the row-lane kernels (AVX-512, K <= 4): groups of 16 output rows in tiles of 64, 32 and 16, 5 rows
     left for the other path, 42 blocks per row (spans of 16 blocks, the last one partial), odd in_features, bias;
     and the output's memory last held NaNs, so a row the kernels skip cannot pass."""
-    out_features, in_features = 53, 1313
+    out_features, in_features = 85, 1313
     qw = _weight(out_features, in_features, bits)
     bias = torch.randn(out_features)
     torch.ops.kbit_cpu.gemm(torch.full((rows, in_features), float("nan")), qw.packed, qw.absmax, qw.codebook,

@@ -583,18 +583,20 @@ void tile(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0) {
 }
 
 // Rows n0 .. n1 (whole lane groups) for every activation row, in chunks of up to 8 activation rows.
+template <int BITS, int MT, int NG, bool PAIRS>
+void groups_of(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NG * L <= n1; n += NG * L) tile<BITS, MT, NG, PAIRS>(a, in, m0, n);
+  for (; n < n1; n += L) tile<BITS, MT, 1, PAIRS>(a, in, m0, n);
+}
+
+// Lane groups per tile: with one activation row, several (independent chains for the adds' and FMAs' latency; the
+// pair lookups have registers for 4, the codebook's nibble words for 2).
 template <int BITS, int MT>
 void groups(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0, int64_t n1) {
-  constexpr int NG = MT == 1 ? 2 : 1;
-  auto run = [&](auto ng, int64_t n) {
-    constexpr int G = decltype(ng)::value;
-    if constexpr (BITS == 2 && MT == 1)
-      if (in.tables) return tile<BITS, MT, G, true>(a, in, m0, n);
-    tile<BITS, MT, G, false>(a, in, m0, n);
-  };
-  int64_t n = n0;
-  for (; n + NG * L <= n1; n += NG * L) run(std::integral_constant<int, NG>(), n);
-  for (; n < n1; n += L) run(std::integral_constant<int, 1>(), n);
+  if constexpr (BITS == 2 && MT == 1)
+    if (in.tables) return groups_of<BITS, MT, 4, true>(a, in, m0, n0, n1);
+  groups_of<BITS, MT, MT == 1 ? 2 : 1, false>(a, in, m0, n0, n1);
 }
 
 template <int BITS>
