@@ -15,9 +15,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -368,7 +368,7 @@ void gemm_rows(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales& b
 //        codes): one lookup and one add per two weights;
 //   K=3, 4: the codebook itself; one lookup per weight, multiplied by the broadcast activation.
 // The block scale multiplies each block's partial sum once. A lane's index comes from its row's bit-plane words
-// (one gather per plane and block) by shifts and bit selects, so the decoding cost falls with K.
+// (transposed from 16 rows, see Group) by shifts and bit selects, so the decoding cost falls with K.
 namespace row_lanes {
 
 constexpr int L = 16;  // rows per lane group
@@ -454,7 +454,7 @@ struct Group {
     transpose16(r);
     for (int i = 0; i < SPAN; ++i) scales[i] = block_scales(r[i], tensor_scale);
     // 16 rows far apart are too many streams for the hardware prefetcher: each span fetches its share of the lane
-    // group `ahead` groups on (a contiguous region, one group's time away) into L2.
+    // group `ahead` groups on (a contiguous region, the next tile's) into L2.
     const int64_t region_span = SPAN * L;  // blocks of that region per span of this one
     const char* words_ahead = reinterpret_cast<const char*>(planes + (ahead * blocks + kb0) * L * BITS);
     for (int64_t at = 0; at < region_span * BITS * 4; at += 64) _mm_prefetch(words_ahead + at, _MM_HINT_T1);
