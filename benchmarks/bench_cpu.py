@@ -207,6 +207,7 @@ def bench_generate(new_tokens: int, repeats: int) -> dict:
             t = time.perf_counter()
             out = generate(m)
             seconds[name].append(time.perf_counter() - t)
+    cpu_seconds = one_thread_cpu_ms({name: lambda m=m: generate(m) for name, m in models.items()}, repeats)
     tokens = generate(quantized)
     os.environ[_build_cpu.ENABLE_ENV] = "0"
     _build_cpu.cpu_ext.cache_clear()
@@ -216,10 +217,12 @@ def bench_generate(new_tokens: int, repeats: int) -> dict:
         del os.environ[_build_cpu.ENABLE_ENV]
         _build_cpu.cpu_ext.cache_clear()
     rate = {name: new_tokens / statistics.median(ts) for name, ts in seconds.items()}
+    cpu_rate = {name: new_tokens / (ms / 1e3) for name, ms in cpu_seconds.items()}
     return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32)", "new_tokens": new_tokens,
             "fp32_tokens_per_s": round(rate["fp32"], 2), "kbit_k4_tokens_per_s": round(rate["kbit K=4"], 2),
             "speedup": round(rate["kbit K=4"] / rate["fp32"], 2),
             "bnb_nf4_tokens_per_s": round(rate["bnb NF4"], 2) if "bnb NF4" in rate else nf4,
+            "tokens_per_cpu_s_1thread": {name: round(r, 2) for name, r in cpu_rate.items()},
             "same_tokens_as_reference_path": bool(torch.equal(tokens, reference_tokens)),
             "text": tok.decode(out[0, ids.shape[1]:])}
 
@@ -249,7 +252,8 @@ def write(facts: dict, bandwidth: float, gemm: list, quant: dict, gen: Optional[
         lines += [f"{gen['model']}, greedy generate of {gen['new_tokens']} tokens (median of repeats): fp32 "
                   f"{gen['fp32_tokens_per_s']} tokens/s, kbit K=4 {gen['kbit_k4_tokens_per_s']} tokens/s "
                   f"({gen['speedup']}x), bitsandbytes NF4 {gen['bnb_nf4_tokens_per_s']} tokens/s; same tokens as "
-                  f"the reference path: {gen['same_tokens_as_reference_path']}.",
+                  f"the reference path: {gen['same_tokens_as_reference_path']}. On one thread, tokens per CPU-second: "
+                  + ", ".join(f"{name} {r}" for name, r in gen["tokens_per_cpu_s_1thread"].items()) + ".",
                   ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     return out
@@ -281,7 +285,8 @@ def main(argv=None) -> int:
         gen = bench_generate(args.new_tokens, max(3, args.repeats // 4))
         print(f"SmolLM2 generate: fp32 {gen['fp32_tokens_per_s']} tokens/s, kbit K=4 {gen['kbit_k4_tokens_per_s']} "
               f"tokens/s, bnb NF4 {gen['bnb_nf4_tokens_per_s']} tokens/s;"
-              f" same tokens as the reference path: {gen['same_tokens_as_reference_path']}")
+              f" same tokens as the reference path: {gen['same_tokens_as_reference_path']}; 1 thread, tokens per "
+              f"CPU-second: {gen['tokens_per_cpu_s_1thread']}")
         if not args.no_save:
             print("wrote", write(facts, bandwidth, gemm, quant, gen))
     return 0

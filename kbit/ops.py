@@ -1,8 +1,9 @@
 """The ``torch.library`` custom ops of kbit.
 
 Each op has one default implementation (the pure-PyTorch reference, which runs on any device),
-a CUDA kernel that calls the JIT-built extension (``kbit._build``), for quantize, dequantize and
-matmul_stored a CPU kernel (``kbit._build_cpu``; the reference where it cannot be built), and a fake
+a CUDA kernel that calls the JIT-built extension (``kbit._build``), for quantize, dequantize, matmul_stored,
+unrepack and gemm (unrepack, then matmul_stored's kernel) a CPU kernel (``kbit._build_cpu``; the reference where it
+cannot be built), and a fake
 implementation for ``torch.compile``. The ops never synchronize with the host. Their contract -- dtypes, shapes,
 sizes -- is checked by the CUDA binding in C++ and, for every other implementation, by ``kbit._op_contract`` (no
 values read); the public functions (``kbit._validate``) check their own arguments, values included, before calling
@@ -187,6 +188,15 @@ def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
     return b_gemm.new_empty(blocks * bits, dtype=torch.int32), absmax_gemm.new_empty(blocks, dtype=torch.uint8)
 
 
+@unrepack.register_kernel("cpu")
+def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
+    _op_contract.unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+    ext = cpu_ext()
+    if ext is None:
+        return layout.unrepack_reference(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+    return ext.unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+
+
 @unrepack.register_kernel("cuda")
 def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
     return cuda_ext().unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
@@ -263,6 +273,19 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
     return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded,
                            grid_override, chosen.mb, chosen.wgmma_tiles, chosen.k_split, chosen.ws_tokens,
                            weights_settled(b_gemm, absmax_gemm, codebook))
+
+
+@gemm.register_kernel("cpu")
+def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
+    # The CPU kernels read the storage format: the layout goes back to it on every call (a weight kept on CPU, as
+    # QuantizedWeight keeps it, never pays this).
+    _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
+    packed, absmax = unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+    kernel = stored_cpu_kernel(packed, absmax, codebook, scale, bits, out_features, in_features_padded)
+    if kernel is None:
+        return matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features,
+                                       in_features_padded)
+    return kernel(x, bias)
 
 
 _register_gemm_autograd(gemm, unrepack)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kbit
-from kbit import _build_cpu, formats, ops
+from kbit import _build_cpu, formats, functional, layout, ops
 from kbit.weight import quantize_with_report
 from kbit.moe import KbitExperts
 
@@ -91,7 +91,26 @@ def test_matmul_matches_reference(ext, threads, bits, dtype, rows):
     _assert_within_rounding(got, want, dtype)
 
 
-@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 16])
+def test_matmul_row_lanes_match_reference(ext, threads, bits, rows):
+    """Shapes for the row-lane kernels (AVX-512, K <= 4): groups of 16 output rows in tiles of 64, 32 and 16, 5 rows
+    left for the other path, 42 blocks per row (spans of 16 blocks, the last one partial), odd in_features, bias;
+    and the output's memory last held NaNs, so a row the kernels skip cannot pass."""
+    out_features, in_features = 85, 1313
+    qw = _weight(out_features, in_features, bits)
+    bias = torch.randn(out_features)
+    torch.ops.kbit_cpu.gemm(torch.full((rows, in_features), float("nan")), qw.packed, qw.absmax, qw.codebook,
+                            qw.scale, None, bits, out_features, qw.in_features_padded)
+    x = torch.randn(rows, in_features)
+    got = torch.ops.kbit_cpu.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.scale, bias, bits, out_features,
+                                  qw.in_features_padded)
+    want = ops.matmul_stored_reference(x, qw.packed, qw.absmax, qw.codebook, qw.scale, bias, bits, out_features,
+                                       qw.in_features_padded)
+    _assert_within_rounding(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_matmul_split_over_threads(ext, threads, bits, rows):
     """A layer large enough (over 2^19 weights per thread) that both threads take output rows."""
@@ -102,13 +121,40 @@ def test_matmul_split_over_threads(ext, threads, bits, rows):
     _assert_within_rounding(kbit.matmul(x, qw), want, torch.float32)
 
 
-def test_matmul_3d_input_and_no_bias(ext):
-    qw = _weight(33, 64, 3)
-    x = torch.randn(2, 5, 64)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("leading", [(2, 5), (1, 1)])
+def test_matmul_3d_input(ext, threads, bits, leading):
+    qw = _weight(33, 65, bits)
+    bias = torch.randn(33)
+    x = torch.randn(*leading, 65)
     want = x @ qw.dequantize(torch.float32).T
-    got = kbit.matmul(x, qw)
-    assert got.shape == (2, 5, 33)
-    _assert_within_rounding(got, want, torch.float32)
+    assert kbit.matmul(x, qw).shape == (*leading, 33)
+    _assert_within_rounding(kbit.matmul(x, qw), want, torch.float32)
+    _assert_within_rounding(kbit.matmul(x, qw, bias), want + bias, torch.float32)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("shape", [(17, 544), (300, 96), (260, 1000)])  # tails of the 256-row and -column tiles
+def test_unrepack_is_bit_exact(ext, threads, bits, shape):
+    qw = _weight(*shape, bits)
+    N, K = qw.out_features, qw.in_features_padded
+    b, a = layout.repack_reference(qw.packed, qw.absmax, bits, N, K)
+    packed, absmax = ops.unrepack(b, a, bits, N, K)
+    assert torch.equal(packed, qw.packed) and torch.equal(absmax, qw.absmax)
+
+
+@pytest.mark.parametrize("bits", [2, 5])
+def test_layout_gemm_uses_the_kernel(ext, monkeypatch, bits):
+    calls = _counting_kernel(ext, monkeypatch)
+    qw = _weight(40, 83, bits)
+    b, a = qw.gemm_layout()
+    x = torch.randn(3, 83, dtype=torch.bfloat16)
+    bias = torch.randn(40, dtype=torch.bfloat16)
+    got = functional.kbit_gemm(x, b, a, qw.codebook, bits, 40, qw.in_features_padded, bias=bias, scale=qw.scale)
+    want = ops.matmul_stored_reference(x.float(), qw.packed, qw.absmax, qw.codebook, qw.scale, bias.float(), bits, 40,
+                                       qw.in_features_padded)
+    _assert_within_rounding(got, want, torch.bfloat16)
+    assert calls == [(3, 83)]
 
 
 def test_matmul_gradients_through_the_kernel(ext):
@@ -122,7 +168,8 @@ def test_matmul_gradients_through_the_kernel(ext):
     torch.testing.assert_close(bias.grad, bias_ref.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_kbit_linear_and_experts_use_the_kernel(ext, monkeypatch):
+def _counting_kernel(ext, monkeypatch):
+    """Counts the calls of the CPU GEMM kernel made through ``kbit.ops`` (x's shape each)."""
     calls = []
     real = ext.gemm
 
@@ -135,6 +182,11 @@ def test_kbit_linear_and_experts_use_the_kernel(ext, monkeypatch):
             return real(*args)
 
     monkeypatch.setattr(ops, "cpu_ext", lambda: Counting())
+    return calls
+
+
+def test_kbit_linear_and_experts_use_the_kernel(ext, monkeypatch):
+    calls = _counting_kernel(ext, monkeypatch)
     linear = torch.nn.Linear(70, 24)
     layer = kbit.KbitLinear.from_linear(linear, bits=4)
     x = torch.randn(4, 70)
@@ -185,12 +237,14 @@ import torch, kbit, kbit.weight
 from kbit import _build_cpu, ops
 assert _build_cpu.cpu_ext().isa() == {isa!r}
 for bits in (2, 3, 4, 5):
-    qw, _ = kbit.weight.quantize_with_report(torch.randn(21, 70), bits)
+    qw, _ = kbit.weight.quantize_with_report(torch.randn(37, 600), bits)
     for rows in (1, 5, 16):
-        x = torch.randn(rows, 70)
-        want = ops.matmul_stored_reference(x, qw.packed, qw.absmax, qw.codebook, qw.scale, None, bits, 21, 96)
+        x = torch.randn(rows, 600)
+        want = ops.matmul_stored_reference(x, qw.packed, qw.absmax, qw.codebook, qw.scale, None, bits, 37, 608)
         assert (kbit.matmul(x, qw) - want).abs().max() <= 1e-5 * want.abs().max()
-    n = 21 * 96
+    b, a = kbit.layout.repack_reference(qw.packed, qw.absmax, bits, 37, 608)
+    assert all(map(torch.equal, ops.unrepack(b, a, bits, 37, 608), (qw.packed, qw.absmax)))
+    n = 37 * 608
     assert torch.equal(qw.dequantize(torch.float32), qw.dequantize(torch.float32))
     assert torch.equal(ops.dequantize(qw.packed, qw.absmax, qw.codebook, bits, n, torch.float32, qw.scale),
                        kbit.formats.dequantize_reference(qw.packed, qw.absmax, qw.codebook, bits, n, torch.float32,

@@ -281,7 +281,7 @@ def test_compile_model_with_kbit_linear_fullgraph():
 def test_gemm_backward_matches_reference(K_x):
     # The CUDA path of kbit.matmul is ops.gemm; its gradients (x and bias; the weight is constant)
     # must match autograd through x @ W_hat.T + bias (in float32, rounded to x's dtype as the op rounds them).
-    # On CPU ops.gemm runs its reference, for the activation dtypes the CUDA kernel takes.
+    # On CPU ops.gemm runs the CPU kernel (through unrepack), for the activation dtypes the CUDA kernel takes.
     N, K_dim = 130, 96
     qw = kbit.quantize(torch.randn(N, K_dim), bits=3)
     b, a = qw.gemm_layout()

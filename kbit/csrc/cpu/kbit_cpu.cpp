@@ -1,4 +1,4 @@
-// CPU kernels of kbit: quantize, dequantize and y = x @ W_hat^T straight from the storage format
+// CPU kernels of kbit: quantize, dequantize, y = x @ W_hat^T straight from the storage format, and unrepack
 // (kbit/formats.py: blocks of 32, one 32-bit word per bit plane, an E4M4 absmax byte per block, a codebook of
 // 2**bits floats, a per-tensor power-of-two scale). No derived layout: a weight row is a run of blocks, each
 // `bits` consecutive words, so the weight stays the one resident copy.
@@ -7,12 +7,15 @@
 // AVX-512 (16 lanes: a plane's half-word is a lane mask, the codebook lookup one vpermps / vpermt2ps), AVX2 (8 lanes:
 // variable shifts, vpermps per 8 entries plus blends), NEON (4 lanes: byte-table lookups), else plain C++.
 // The GEMM dequantizes each block once into registers (codebook entries already multiplied by the block scale) and
-// multiplies it against up to 16 activation rows and several weight rows at a time; threads split the output rows.
+// multiplies it against up to 8 activation rows and several weight rows at a time; threads split the output rows.
+// With AVX-512 and K <= 4, whole groups of 16 output rows instead go through the row-lane kernels (table lookups
+// for 16 rows at once, see `row_lanes`), whose cost falls with K.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -357,6 +360,261 @@ void gemm_rows(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales& b
   }
 }
 
+#if defined(__AVX512F__)
+// ----------------------------------------------------------------------------- row-lane GEMM (AVX-512, K=2..4)
+// The lookup-table idea of T-MAC turned to exact float32: the 16 lanes hold 16 weight rows, not 16 weights of one
+// row, so one vpermps looks up a 16-entry float table for 16 rows at once and the activation side is shared:
+//   K=2: the table of an activation pair, T[i] = x[2q] * cb[code a] + x[2q+1] * cb[code b] (i holds both 2-bit
+//        codes): one lookup and one add per two weights;
+//   K=3, 4: the codebook itself; one lookup per weight, multiplied by the broadcast activation.
+// The block scale multiplies each block's partial sum once. A lane's index comes from its row's bit-plane words
+// (transposed from 16 rows, see Group) by shifts and bit selects, so the decoding cost falls with K.
+namespace row_lanes {
+
+constexpr int L = 16;  // rows per lane group
+
+inline __m512i select(uint32_t mask, __m512i a, __m512i b) {  // bits of a where mask is set, else of b
+  return _mm512_ternarylogic_epi32(_mm512_set1_epi32(static_cast<int>(mask)), a, b, 0xCA);
+}
+
+template <int S>
+inline __m512i shift_right(__m512i v) {  // by S bits, left for negative S
+  if constexpr (S > 0) return _mm512_srli_epi32(v, S);
+  else if constexpr (S < 0) return _mm512_slli_epi32(v, -S);
+  else return v;
+}
+
+// r[i] lane j <- r[j] lane i: unpacks of dword and qword pairs, then two rounds of 128-bit lane shuffles.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
+      r[i + j + 2] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
+    }
+  for (int i = 0; i < 8; ++i) {
+    const int lo = (i / 4) * 8 + i % 4;  // pairs of rows 4 apart within each half
+    t[i] = _mm512_shuffle_i32x4(r[lo], r[lo + 4], 0x88);
+    t[i + 8] = _mm512_shuffle_i32x4(r[lo], r[lo + 4], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4 * lane128 + column]; the qword unpacks left columns 1 and 2 swapped
+    const int column = i == 1 ? 2 : i == 2 ? 1 : i;
+    r[column] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0x88);
+    r[8 + column] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0xDD);
+    r[4 + column] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0x88);
+    r[12 + column] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0xDD);
+  }
+}
+
+// A block scale from its E4M4 code (as BlockScales, lanes at a time): for e > 0 the float's bits are the code's
+// shifted left by 19 plus (127 - 11) << 23; e = 0 is m * 2^-14.
+inline __m512 block_scales(__m512i code, __m512 tensor_scale) {
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(code, 19), _mm512_set1_epi32(116 << 23)));
+  const __m512 small = _mm512_mul_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(0x1p-14f));
+  const __mmask16 is_normal = _mm512_cmpge_epi32_mask(code, _mm512_set1_epi32(16));
+  return _mm512_mul_ps(_mm512_mask_blend_ps(is_normal, small, normal), tensor_scale);
+}
+
+// The 16 rows n0 .. n0+15 of a weight, 16 blocks at a time (a span): each row's plane words and E4M4 codes
+// transposed so that word b of block kb is one vector with a row per lane (rows are far apart: gathers cost more).
+constexpr int SPAN = 16;
+template <int BITS>
+struct Group {
+  const uint32_t* planes;  // row n0, block 0
+  const uint8_t* absmax;
+  int64_t blocks;
+  alignas(64) __m512i words[SPAN * BITS];  // [block * BITS + b]
+  alignas(64) __m512 scales[SPAN];
+  void start(const GemmArgs& a, int64_t n0) {
+    blocks = a.K / BLOCK;
+    planes = a.planes + n0 * blocks * BITS;
+    absmax = a.absmax + n0 * blocks;
+  }
+  void load(int64_t kb0, __m512 tensor_scale, int ahead) {
+    const int64_t count = std::min<int64_t>(SPAN, blocks - kb0);
+    __m512i r[16];
+    for (int b = 0; b < BITS; ++b) {  // words kb0 * BITS + 16 b .. of each row
+      const int64_t first = kb0 * BITS + 16 * b, left = count * BITS - 16 * b;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      for (int l = 0; l < L; ++l) r[l] = _mm512_maskz_loadu_epi32(mask, planes + l * blocks * BITS + first);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) words[16 * b + i] = r[i];
+    }
+    for (int l = 0; l < L; ++l) {
+      const uint8_t* codes = absmax + l * blocks + kb0;
+      alignas(16) uint8_t tail[16] = {};
+      if (count < SPAN) codes = static_cast<const uint8_t*>(std::memcpy(tail, codes, count));
+      r[l] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    }
+    transpose16(r);
+    for (int i = 0; i < SPAN; ++i) scales[i] = block_scales(r[i], tensor_scale);
+    // 16 rows far apart are too many streams for the hardware prefetcher: each span fetches its share of the lane
+    // group `ahead` groups on (a contiguous region, the next tile's) into L2.
+    const int64_t region_span = SPAN * L;  // blocks of that region per span of this one
+    const char* words_ahead = reinterpret_cast<const char*>(planes + (ahead * blocks + kb0) * L * BITS);
+    for (int64_t at = 0; at < region_span * BITS * 4; at += 64) _mm_prefetch(words_ahead + at, _MM_HINT_T1);
+    const char* codes_ahead = reinterpret_cast<const char*>(absmax + (ahead * blocks + kb0) * L);
+    for (int64_t at = 0; at < region_span; at += 64) _mm_prefetch(codes_ahead + at, _MM_HINT_T1);
+  }
+};
+
+// What every lane group reads of the activations.
+struct Inputs {
+  const float* x;  // [M, K] row-major, zero-padded
+  const float* tables;  // pair_tables (K=2, one activation row) or null
+  __m512 cb16;  // the codebook repeated to 16 entries
+  __m512 tensor_scale;
+};
+
+// Nibble i of w[k] holds the code of weight 4i+k in its low BITS bits (bits above hold other codes' bits, which
+// a 16-entry table that repeats the codebook ignores).
+template <int BITS, int k>
+inline __m512i code_nibbles(const __m512i p[BITS]) {
+  __m512i w = shift_right<k>(p[0]);
+  w = select(0x11111111u, w, shift_right<k - 1>(p[1]));
+  if constexpr (BITS > 2) w = select(0x33333333u, w, shift_right<k - 2>(p[2]));
+  if constexpr (BITS > 3) w = select(0x77777777u, w, shift_right<k - 3>(p[3]));
+  return w;
+}
+
+// Block kb's partial sums by codebook lookups: one per weight and lane group, shared by the MT activation rows.
+template <int BITS, int MT, int NG>
+inline void codebook_block(const GemmArgs& a, const Inputs& in, const Group<BITS>* g, int64_t m0, int64_t kb,
+                           __m512 (&part)[MT][NG]) {
+  __m512i w[NG][4];
+  for (int t = 0; t < NG; ++t) {
+    const __m512i* p = g[t].words + (kb % SPAN) * BITS;
+    w[t][0] = code_nibbles<BITS, 0>(p), w[t][1] = code_nibbles<BITS, 1>(p);
+    w[t][2] = code_nibbles<BITS, 2>(p), w[t][3] = code_nibbles<BITS, 3>(p);
+  }
+  constexpr int CH = MT * NG >= 4 ? 1 : 2;  // two chains per accumulator when there are few: FMA latency
+  __m512 chain[CH][MT][NG];
+  for (int c = 0; c < CH; ++c)
+    for (int m = 0; m < MT; ++m)
+      for (int t = 0; t < NG; ++t) chain[c][m][t] = _mm512_setzero_ps();
+  const float* xb = in.x + m0 * a.K + kb * BLOCK;
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      __m512 v[NG];
+      for (int t = 0; t < NG; ++t) v[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(w[t][k], 4 * i), in.cb16);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xv = _mm512_set1_ps(xb[m * a.K + 4 * i + k]);
+        for (int t = 0; t < NG; ++t) chain[k % CH][m][t] = _mm512_fmadd_ps(xv, v[t], chain[k % CH][m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int t = 0; t < NG; ++t)
+      part[m][t] = CH == 2 ? _mm512_add_ps(chain[0][m][t], chain[CH - 1][m][t]) : chain[0][m][t];
+}
+
+// K=2, one activation row: the table of every activation pair, T[q][i] with i = a0 | a1 << 1 | b0 << 2 | b1 << 3
+// (a: plane-0 bits, b: plane-1 bits of weights 2q and 2q+1), so that the index is a select of the two planes.
+at::Tensor pair_tables(const float* x, int64_t K, const float* cb) {
+  at::Tensor out = at::empty({K / 2, L}, at::kFloat);
+  alignas(64) float first[L], second[L];
+  for (int i = 0; i < L; ++i) {
+    first[i] = cb[(i & 1) | ((i >> 2) & 1) << 1];
+    second[i] = cb[((i >> 1) & 1) | ((i >> 3) & 1) << 1];
+  }
+  const __m512 a = _mm512_load_ps(first), b = _mm512_load_ps(second);
+  float* t = out.data_ptr<float>();
+  for (int64_t q = 0; q < K / 2; ++q)
+    _mm512_storeu_ps(t + q * L, _mm512_fmadd_ps(_mm512_set1_ps(x[2 * q + 1]), b, _mm512_mul_ps(_mm512_set1_ps(x[2 * q]), a)));
+  return out;
+}
+
+// Block kb's partial sums by pair-table lookups (K=2, one activation row): one per two weights and lane group.
+template <int NG>
+inline void pair_block(const Inputs& in, const Group<2>* g, int64_t kb, __m512 (&part)[1][NG]) {
+  __m512i even[NG], odd[NG];  // nibble k: the index of pair 2k, 2k+1 (weights 4k, 4k+1 and 4k+2, 4k+3)
+  for (int t = 0; t < NG; ++t) {
+    const __m512i* p = g[t].words + (kb % SPAN) * 2;
+    even[t] = select(0x33333333u, p[0], _mm512_slli_epi32(p[1], 2));
+    odd[t] = select(0x33333333u, _mm512_srli_epi32(p[0], 2), p[1]);
+  }
+  for (int t = 0; t < NG; ++t) part[0][t] = _mm512_setzero_ps();
+  const float* tb = in.tables + kb * (BLOCK / 2) * L;
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const __m512 te = _mm512_loadu_ps(tb + 2 * k * L), to = _mm512_loadu_ps(tb + (2 * k + 1) * L);
+    for (int t = 0; t < NG; ++t) {
+      const __m512 e = _mm512_permutexvar_ps(_mm512_srli_epi32(even[t], 4 * k), te);
+      const __m512 o = _mm512_permutexvar_ps(_mm512_srli_epi32(odd[t], 4 * k), to);
+      part[0][t] = _mm512_add_ps(part[0][t], _mm512_add_ps(e, o));
+    }
+  }
+}
+
+// Every K (codebook) or K=2 (pair tables): y[m0 .. m0+MT, rows of NG lane groups] = x . W^T, span by span; per
+// block, each lane group's partial sums times its block scales.
+template <int BITS, int MT, int NG, bool PAIRS>
+void tile(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0) {
+  const int64_t blocks = a.K / BLOCK;
+  Group<BITS> g[NG];
+  __m512 acc[MT][NG];
+  for (int t = 0; t < NG; ++t) {
+    g[t].start(a, n0 + t * L);
+    for (int m = 0; m < MT; ++m) acc[m][t] = _mm512_setzero_ps();
+  }
+  for (int64_t kb0 = 0; kb0 < blocks; kb0 += SPAN) {
+    for (int t = 0; t < NG; ++t) g[t].load(kb0, in.tensor_scale, NG);
+    for (int64_t kb = kb0; kb < std::min<int64_t>(kb0 + SPAN, blocks); ++kb) {
+      __m512 part[MT][NG];
+      if constexpr (PAIRS) pair_block<NG>(in, g, kb, part);
+      else codebook_block<BITS, MT, NG>(a, in, g, m0, kb, part);
+      for (int t = 0; t < NG; ++t)
+        for (int m = 0; m < MT; ++m) acc[m][t] = _mm512_fmadd_ps(part[m][t], g[t].scales[kb - kb0], acc[m][t]);
+    }
+  }
+  for (int t = 0; t < NG; ++t)
+    for (int m = 0; m < MT; ++m) {
+      __m512 y = acc[m][t];
+      if (a.bias) y = _mm512_add_ps(y, _mm512_loadu_ps(a.bias + n0 + t * L));
+      _mm512_storeu_ps(a.y + (m0 + m) * a.N + n0 + t * L, y);
+    }
+}
+
+// Rows n0 .. n1 (whole lane groups) for every activation row, in chunks of up to 8 activation rows.
+template <int BITS, int MT, int NG, bool PAIRS>
+void groups_of(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NG * L <= n1; n += NG * L) tile<BITS, MT, NG, PAIRS>(a, in, m0, n);
+  for (; n < n1; n += L) tile<BITS, MT, 1, PAIRS>(a, in, m0, n);
+}
+
+// Lane groups per tile: with one activation row, several (independent chains for the adds' and FMAs' latency; the
+// pair lookups have registers for 4, the codebook's nibble words for 2).
+template <int BITS, int MT>
+void groups(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 2 && MT == 1)
+    if (in.tables) return groups_of<BITS, MT, 4, true>(a, in, m0, n0, n1);
+  groups_of<BITS, MT, MT == 1 ? 2 : 1, false>(a, in, m0, n0, n1);
+}
+
+template <int BITS>
+void rows(const GemmArgs& a, const Inputs& in, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0, mt; m0 < a.M; m0 += mt) {
+    mt = a.M - m0 >= 8 ? 8 : a.M - m0 >= 4 ? 4 : a.M - m0 >= 2 ? 2 : 1;
+    switch (mt) {
+      case 8: groups<BITS, 8>(a, in, m0, n0, n1); break;
+      case 4: groups<BITS, 4>(a, in, m0, n0, n1); break;
+      case 2: groups<BITS, 2>(a, in, m0, n0, n1); break;
+      default: groups<BITS, 1>(a, in, m0, n0, n1);
+    }
+  }
+}
+
+}  // namespace row_lanes
+#endif
+
 template <typename F>
 void with_bits(int64_t bits, F&& f) {
   switch (bits) {
@@ -400,16 +658,37 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   alignas(64) float cb32[32];
   padded_codebook(codebook, cb32);
   const BlockScales bs(s);
-  const at::Tensor panels = panel_of(xf);
+  // Whole groups of 16 output rows go through the row-lane kernels where there are (AVX-512, K <= 4); the other
+  // rows (and every row elsewhere) through the tiles above, which read the activations as panels.
+  int64_t lane_rows = 0;
+#if defined(__AVX512F__)
+  if (bits <= 4) lane_rows = N / row_lanes::L * row_lanes::L;
+  alignas(64) float cb16[16];
+  for (int i = 0; i < 16; ++i) cb16[i] = cb32[i % (1 << bits)];
+  // Pair tables pay off for one activation row; with more, one codebook lookup serves them all.
+  const at::Tensor tables = bits == 2 && M == 1 && lane_rows ? row_lanes::pair_tables(xf.data_ptr<float>(), K, cb32)
+                                                           : at::Tensor();
+  const row_lanes::Inputs in{xf.data_ptr<float>(), tables.defined() ? tables.data_ptr<float>() : nullptr,
+                             _mm512_load_ps(cb16), _mm512_set1_ps(s)};
+#endif
+  const at::Tensor panels = lane_rows < N ? panel_of(xf) : xf;
   GemmArgs a{panels.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
              absmax.data_ptr<uint8_t>(), bias ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K};
   // At least 2^19 weights (~0.1 ms) per thread: a small layer runs on the calling thread, where waking the pool
   // would cost more than it saves (on a machine shared with other work, a descheduled thread stalls the barrier).
-  const int64_t grain = std::max<int64_t>(4, (1 << 19) / K);
+  // Threads take units of 16 rows, whole lane groups.
+  constexpr int64_t UNIT = 16;
+  const int64_t grain = std::max<int64_t>(1, (1 << 19) / K / UNIT);
   with_bits(bits, [&](auto B) {
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    constexpr int BITS = decltype(B)::value;
+    at::parallel_for(0, (N + UNIT - 1) / UNIT, grain, [&](int64_t u0, int64_t u1) {
+      const int64_t n0 = u0 * UNIT, n1 = std::min(u1 * UNIT, N), split = std::clamp(lane_rows, n0, n1);
+#if defined(__AVX512F__)
+      if constexpr (BITS <= 4)
+        if (split > n0) row_lanes::rows<BITS>(a, in, n0, split);
+#endif
       const Simd::Codebook cb(cb32);
-      gemm_rows<decltype(B)::value>(a, cb, bs, n0, n1);
+      if (n1 > split) gemm_rows<BITS>(a, cb, bs, split, n1);
     });
   });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
@@ -491,6 +770,66 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& A, const at::Tenso
   return {packed, absmax};
 }
 
+// ----------------------------------------------------------------------------- unrepack
+// GEMM layout -> storage format, bit for bit as kbit.layout.unrepack_reference (kbit/layout.py describes the layout:
+// 16-row tiles, k-groups of 256 columns, per lane a string of 128 * bits bits holding pairs of codes).
+constexpr int LAYOUT_TILE_ROWS = 16, LAYOUT_TILES = 16, LAYOUT_K_GROUP = 256, LAYOUT_LANES = 32, LAYOUT_PAIRS = 64;
+
+// String bit of bit n of pair P's index (layout.pair_bit_offsets).
+int pair_bit_offset(int bits, int P, int n) {
+  if (bits != 3) return 2 * bits * P + n;
+  const int u = P / 16, s = P / 4 % 4, i = P % 4;
+  return s < 3 ? 96 * u + 32 * s + 8 * i + n : 96 * u + 32 * (n / 2) + 8 * i + 6 + n % 2;
+}
+
+std::tuple<at::Tensor, at::Tensor> unrepack(const at::Tensor& b_gemm, const at::Tensor& absmax_gemm, int64_t bits,
+                                            int64_t out_features, int64_t in_features_padded) {
+  const int64_t N = out_features, K = in_features_padded, blocks = K / BLOCK, k = bits;
+  const int64_t nb = b_gemm.size(0), kg = b_gemm.size(1);
+  at::Tensor packed = at::zeros({N * blocks * k}, b_gemm.options());
+  at::Tensor absmax = at::empty({N * blocks}, absmax_gemm.options());
+  const at::Tensor bc = b_gemm.contiguous(), ac = absmax_gemm.contiguous();
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(bc.data_ptr<int32_t>());
+  const uint8_t* codes = ac.data_ptr<uint8_t>();
+  uint32_t* planes = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  uint8_t* am = absmax.data_ptr<uint8_t>();
+  int offset[LAYOUT_PAIRS][10];
+  for (int P = 0; P < LAYOUT_PAIRS; ++P)
+    for (int n = 0; n < 2 * k; ++n) offset[P][n] = pair_bit_offset(static_cast<int>(k), P, n);
+  // Threads take 16-row tiles (each writes only its own rows).
+  at::parallel_for(0, nb * LAYOUT_TILES, 1, [&](int64_t T0, int64_t T1) {
+    for (int64_t T = T0; T < T1; ++T) {
+      const int64_t bi = T / LAYOUT_TILES, i = T % LAYOUT_TILES;
+      for (int64_t j = 0; j < kg; ++j) {
+        const int64_t tile = (bi * kg + j) * LAYOUT_TILES + i;  // [block, kgroup, i]
+        for (int l = 0; l < LAYOUT_LANES; ++l) {
+          const int g = l / 4, q = l % 4;
+          auto bit = [&](int o) {  // string bit o: vec o / 128, word (o % 128) / 32, bit o % 32
+            return (words[((tile * k + o / 128) * LAYOUT_LANES + l) * 4 + (o % 128) / 32] >> (o % 32)) & 1u;
+          };
+          for (int P = 0; P < LAYOUT_PAIRS; ++P) {
+            const int t = P / 8, p = P / 2 % 4, r = P % 2;
+            const int64_t row = T * LAYOUT_TILE_ROWS + g + 8 * r;
+            for (int e = 0; e < 2; ++e) {
+              const int64_t col = j * LAYOUT_K_GROUP + 32 * t + 8 * p + 2 * q + e;
+              if (row >= N || col >= K) continue;
+              uint32_t* block_planes = planes + (row * blocks + col / BLOCK) * k;
+              for (int b = 0; b < k; ++b) block_planes[b] |= bit(offset[P][e * k + b]) << (col % BLOCK);
+            }
+          }
+        }
+        for (int r = 0; r < 2; ++r)  // absmax_gemm [block, kgroup, i, r, g, t]
+          for (int g = 0; g < 8; ++g)
+            for (int t = 0; t < 8; ++t) {
+              const int64_t row = T * LAYOUT_TILE_ROWS + g + 8 * r, block = j * 8 + t;
+              if (row < N && block < blocks) am[row * blocks + block] = codes[((tile * 2 + r) * 8 + g) * 8 + t];
+            }
+      }
+    }
+  });
+  return {packed, absmax};
+}
+
 std::string isa() { return Simd::name; }
 
 }  // namespace
@@ -501,8 +840,11 @@ TORCH_LIBRARY(kbit_cpu, m) {
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int bits, int n, ScalarType dtype, "
         "Tensor scale) -> Tensor");
   m.def("quantize(Tensor A, Tensor codebook, int bits, Tensor scale) -> (Tensor, Tensor)");
+  m.def("unrepack(Tensor b_gemm, Tensor absmax_gemm, int bits, int out_features, int in_features_padded) -> "
+        "(Tensor, Tensor)");
   m.def("isa() -> str", &isa);
   m.impl("gemm", c10::DispatchKey::CPU, &gemm);
   m.impl("dequantize", c10::DispatchKey::CPU, &dequantize);
   m.impl("quantize", c10::DispatchKey::CPU, &quantize);
+  m.impl("unrepack", c10::DispatchKey::CPU, &unrepack);
 }
