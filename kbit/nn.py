@@ -644,6 +644,9 @@ def quantize_model(
         raise ValueError("quantize_model: per-layer bits do not cover fused MoE experts; pass an int bits")
     if calibrated and calibration is None and targets:
         calibration = default_calibration(model, tokenizer)
+    if tune_steps and any(name == "" for name, _ in targets):
+        raise ValueError("quantize_model: tune_steps tunes the layers inside a model; model is itself a Linear "
+                         "(quantize it without tune_steps)")
     references = None
     if tune_steps and targets:  # the unquantized model's outputs, which tuning matches
         tune_on = tuning_batches(calibration)

@@ -138,6 +138,12 @@ def test_bad_tune_steps_are_refused(steps, error):
         kbit.KbitConfig(bits=3, tune_steps=steps)
 
 
+def test_a_bare_linear_is_not_tuned_silently():
+    with pytest.raises(ValueError, match="itself a Linear"):
+        kbit.quantize_model(nn.Linear(128, 128), bits=3, tune_steps=2, calibration=[torch.randn(4, 128)],
+                            progress=False)
+
+
 def test_kbitconfig_and_cli_tune(tmp_path):
     from test_bit_budget import _save_with_tokenizer
 
