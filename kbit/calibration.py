@@ -24,7 +24,8 @@ from .methods import check_method, quantize_tensor
 from .rotation import Rotation
 from .weight import QuantizedWeight
 
-__all__ = ["collect_hessians", "collect_hessians_by_block", "quantize_layers", "check_calibration", "run_with_loss"]
+__all__ = ["collect_hessians", "collect_hessians_by_block", "quantize_layers", "check_calibration", "model_outputs",
+           "run_with_loss"]
 
 CALIBRATION_BATCH = 8  # sequences per forward pass when calibration is a tensor of token ids
 
@@ -149,10 +150,9 @@ def _hessians_over(model: nn.Module, layers: dict, batches: list) -> dict:
     return hessians
 
 
-def run_with_loss(model: nn.Module, batches: list, loss_of: Callable) -> None:
-    """Forward and backward passes over the batches: ``loss_of(output, ids, mask)`` gives each batch's scalar loss
-    (``ids``: the batch's token ids, or None; ``mask``: its real tokens, or None), or None to skip the backward
-    pass. The caller enables gradients where it needs them; hooks collect what it needs."""
+def model_outputs(model: nn.Module, batches: list):
+    """The model's output on each batch in turn (``use_cache=False`` where it takes it), as ``(output, ids, mask)``
+    (``ids``: the batch's token ids, or None; ``mask``: its real tokens, or None)."""
     device = _device_of(model)
     takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
     for args, kwargs in batches:
@@ -161,7 +161,15 @@ def run_with_loss(model: nn.Module, batches: list, loss_of: Callable) -> None:
         if takes_use_cache:
             kwargs.setdefault("use_cache", False)
         ids = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("input_ids")
-        loss = loss_of(model(*args, **kwargs), ids, _token_mask(kwargs))
+        yield model(*args, **kwargs), ids, _token_mask(kwargs)
+
+
+def run_with_loss(model: nn.Module, batches: list, loss_of: Callable) -> None:
+    """Forward and backward passes over the batches: ``loss_of(output, ids, mask)`` gives each batch's scalar loss
+    (``model_outputs``' ids and mask), or None to stop there without a backward pass. The caller enables gradients
+    where it needs them; hooks collect what it needs."""
+    for output, ids, mask in model_outputs(model, batches):
+        loss = loss_of(output, ids, mask)
         if loss is None:
             return
         loss.backward()

@@ -197,16 +197,19 @@ def quantize_directory(
     method: str = "rtn",
     calibration: Optional[str] = None,
     rotate: bool = False,
+    tune_steps: int = 0,
 ) -> dict:
     """Quantize the transformers model in ``model_dir`` while loading it and save it to ``out_dir``.
 
-    ``method``, ``rotate``: as ``kbit.KbitConfig``; ``calibration``: a text file for ``method="gptq"``, tokenized
-    with the model's tokenizer (``calibration_ids``). Raises ``ConversionError`` (with the reason) for directories
+    ``method``, ``rotate``, ``tune_steps``: as ``kbit.KbitConfig``; ``calibration``: a text file for
+    ``method="gptq"`` and tuning, tokenized with the model's tokenizer (``calibration_ids``; tuning without it
+    uses kbit's built-in text). Raises ``ConversionError`` (with the reason) for directories
     it cannot convert. Returns a
     summary dict (layer count, share of the weights quantized, sizes, output path).
     """
     from ._atomic import atomic_directory
     from .bit_budget import check_bits_setting
+    from .finetune import check_tune_steps
     from .model_card import README, write_model_card
     from .nn import KbitLinear, quantized_fraction
 
@@ -235,8 +238,12 @@ def quantize_directory(
     if method == "gptq" and calibration is None:
         raise ConversionError("--method gptq needs --calibration FILE (a text file, tokenized with the model's "
                               "tokenizer)")
-    if calibration is not None and method != "gptq":
-        raise ConversionError(f"--calibration is used by --method gptq only, got --method {method}")
+    try:
+        tune_steps = check_tune_steps(tune_steps)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(str(e)) from None
+    if calibration is not None and method != "gptq" and not tune_steps:
+        raise ConversionError(f"--calibration is used by --method gptq and --tune-steps only, got --method {method}")
 
     try:
         import transformers
@@ -258,6 +265,7 @@ def quantize_directory(
     if calibration is not None:
         calibration = calibration_ids(model_dir, Path(calibration), trust_remote_code)
     qconfig = KbitConfig(bits=bits, skip=skip, method=method, calibration=calibration, rotate=rotate,
+                         tune_steps=tune_steps,
                          **({} if min_features is None else {"min_features": min_features}))
     saved = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if dtype == "auto" and saved != str(torch_dtype).replace("torch.", ""):
@@ -265,7 +273,8 @@ def quantize_directory(
             "kernels compute in (--dtype float32 or bfloat16 to choose)")
 
     log(f"kbit: loading {getattr(cls, '__name__', cls)} from {model_dir} ({str(torch_dtype).replace('torch.', '')}) "
-        f"and quantizing its layers to {bits} bits ({method}{', rotated' if rotate else ''})")
+        f"and quantizing its layers to {bits} bits ({method}{', rotated' if rotate else ''}"
+        f"{f', {tune_steps} tuning steps' if tune_steps else ''})")
     t0 = time.perf_counter()
     kwargs = {dtype_kwarg(): torch_dtype, "quantization_config": qconfig, "device_map": device}
     if trust_remote_code:
@@ -366,10 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rtn (default, each layer quantized as it is read), mse (data-free, fitted codebooks) or gptq "
                         "(calibrated, needs --calibration; the most accurate with --rotate, docs/QUALITY.md)")
     p.add_argument("--calibration", metavar="FILE", default=None,
-                   help=f"gptq's calibration text (UTF-8), tokenized with the model's tokenizer; up to "
-                        f"{CALIBRATION_WINDOWS} x {CALIBRATION_TOKENS} tokens are used")
+                   help=f"gptq's and --tune-steps' calibration text (UTF-8), tokenized with the model's "
+                        f"tokenizer; up to {CALIBRATION_WINDOWS} x {CALIBRATION_TOKENS} tokens are used")
     p.add_argument("--rotate", action="store_true",
                    help="quantize each layer in a rotated basis of its inputs (lower error, a small extra cost)")
+    p.add_argument("--tune-steps", type=int, default=0, metavar="N",
+                   help="after quantizing, tune the codebooks and block scales end to end for N steps on the "
+                        "calibration text (--calibration, else kbit's built-in text); default 0: no tuning")
     p.add_argument("--dtype", default="auto", choices=("auto", *_DTYPES),
                    help="dtype of the layers kept in high precision (default: the checkpoint's if fp16/bf16, else fp16)")
     p.add_argument("--device", default="cpu", help="device to quantize on, e.g. cuda (default cpu)")
@@ -391,7 +403,7 @@ def cli_quantize(argv: Optional[Sequence[str]] = None) -> int:
             args.model_dir, args.out, bits=args.bits, skip=args.skip, min_features=args.min_features,
             dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
             overwrite=args.overwrite, progress=not args.no_progress, method=args.method,
-            calibration=args.calibration, rotate=args.rotate,
+            calibration=args.calibration, rotate=args.rotate, tune_steps=args.tune_steps,
             log=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
     except ConversionError as e:

@@ -40,6 +40,7 @@ from ._progress import Progress
 from ._validate import check_int, check_skip, codebook_values
 from .bit_budget import check_bits_setting
 from .calibration import check_calibration
+from .finetune import check_tune_steps
 from .methods import check_method
 from .moe import FUSED_PARAMETERS, KbitExperts
 from .nn import KbitLinear, experts_targets, linear_targets, quantize_model, quantized_fraction
@@ -66,16 +67,20 @@ class KbitConfig(QuantizationConfigMixin):
         method: ``"rtn"`` (default, quantized as each weight is read), ``"mse"`` (data-free, fitted codebooks) or
             ``"gptq"`` (calibrated; ``method="gptq", rotate=True`` is the most accurate, docs/QUALITY.md); the
             last two quantize the loaded model (module docstring). Saved in config.json.
-        calibration: what ``method="gptq"`` and a bit budget run through the model (``kbit.quantize_model``'s
-            forms: token ids [n_seq, seq_len] or a list of dicts of model inputs); default: kbit's built-in text,
-            tokenized with the model's tokenizer; used by no other setting, never saved.
+        calibration: what ``method="gptq"``, a bit budget and ``tune_steps`` run through the model
+            (``kbit.quantize_model``'s forms: token ids [n_seq, seq_len] or a list of dicts of model inputs);
+            default: kbit's built-in text, tokenized with the model's tokenizer; used by no other setting, never
+            saved.
+        tune_steps: end-to-end tuning steps after quantizing (``kbit.quantize_model``'s, ``kbit.finetune``; 0, the
+            default: none); with tuning the model is quantized once loaded.
 
     ``format_version`` is the version of the saved format; a folder from a newer kbit is refused with a message.
     """
 
     def __init__(self, bits: int = 4, skip=None, min_features: int = 128, codebook=None,
                  format_version: int = hf_format.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
-                 kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None):
+                 kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None,
+                 tune_steps: int = 0):
         from . import __version__
 
         if quant_method != QUANT_METHOD:
@@ -95,10 +100,11 @@ class KbitConfig(QuantizationConfigMixin):
             raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
         self.rotate = rotate
         self.method = check_method(method)
+        self.tune_steps = check_tune_steps(tune_steps)
         if calibration is not None:
-            if self.method != "gptq" and isinstance(self.bits, int):
-                raise ValueError(f"calibration is used by method='gptq' and bit budgets only, got "
-                                 f"method={self.method!r} and bits={self.bits!r}")
+            if self.method != "gptq" and isinstance(self.bits, int) and not self.tune_steps:
+                raise ValueError(f"calibration is used by method='gptq', bit budgets and tune_steps only, got "
+                                 f"method={self.method!r}, bits={self.bits!r} and tune_steps=0")
             check_calibration(calibration)
         self.calibration = calibration
         self.format_version = format_version
@@ -149,10 +155,11 @@ class KbitHfQuantizer(HfQuantizer):
 
     @property
     def quantized_while_loading(self) -> bool:
-        """rtn at one K quantizes each weight as it is read; the other methods and per-layer K (which needs every
-        layer's sensitivity) quantize the loaded model."""
+        """rtn at one K quantizes each weight as it is read; the other methods, per-layer K (which needs every
+        layer's sensitivity) and tuning (which needs the unquantized model's outputs) quantize the loaded model."""
         config = self.quantization_config
-        return not self.pre_quantized and config.method == "rtn" and isinstance(config.bits, int)
+        return (not self.pre_quantized and config.method == "rtn" and isinstance(config.bits, int)
+                and not config.tune_steps)
 
     @property
     def quantized_element_size(self) -> float:  # transformers' memory planning for weights quantized on load
@@ -221,7 +228,8 @@ class KbitHfQuantizer(HfQuantizer):
         if not self.quantized_while_loading:  # the whole model is loaded: quantize it block by block
             quantize_model(model, config.bits, config.codebook_tensor(),
                            default_skip(model) if config.skip is None else config.skip, config.min_features,
-                           method=config.method, calibration=config.calibration, rotate=config.rotate)
+                           method=config.method, calibration=config.calibration, rotate=config.rotate,
+                           tune_steps=config.tune_steps)
             return model
         incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()
                       for missing in FUSED_PARAMETERS if missing not in loaded]

@@ -69,6 +69,7 @@ from .bit_budget import check_bits_setting, choose_layer_bits
 from .calibration import check_calibration, quantize_layers
 from .calibration_text import default_calibration
 from .dequantized_weight import DequantizedWeight
+from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
 from .methods import GPTQ_DAMP, check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
@@ -554,6 +555,7 @@ def quantize_model(
     calibration=None,
     rotate: bool = False,
     tokenizer=None,
+    tune_steps: int = 0,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
@@ -570,6 +572,12 @@ def quantize_model(
     ``calibration``, ``method="gptq"`` and a budget use kbit's built-in calibration text
     (``kbit.calibration_text``), tokenized with ``tokenizer`` (default: the transformers tokenizer saved with
     the model, from ``model.config._name_or_path``).
+
+    ``tune_steps``: after quantizing, tune every ``KbitLinear``'s codebook and block scales end to end for this many
+    Adam steps (``kbit.finetune``; 0, the default: no tuning), codes fixed, so that the model's next-token
+    distributions (an encoder's outputs) on the calibration data match the unquantized model's; the result is the
+    same storage format. Runs on the model's device; needs calibration as gptq does (the built-in text when none
+    is given). Fused MoE experts are not tuned.
 
     ``rotate``: quantize each layer's weight in a rotated basis of its input features (``kbit.rotation``: random
     signs, then a block-diagonal Hadamard transform), which spreads outlier weights over many inputs and lowers
@@ -614,10 +622,11 @@ def quantize_model(
     skip = tuple(check_skip(skip))
     min_features = check_int(min_features, "min_features", 0)
     method = check_method(method)
-    calibrated = method == "gptq" or isinstance(bits, float)
+    tune_steps = check_tune_steps(tune_steps)
+    calibrated = method == "gptq" or isinstance(bits, float) or tune_steps > 0
     if calibration is not None and not calibrated:
-        raise ValueError(f"calibration is used by method='gptq' and bit budgets only, got method={method!r} and "
-                         f"bits={bits!r}")
+        raise ValueError(f"calibration is used by method='gptq', bit budgets and tune_steps only, got "
+                         f"method={method!r}, bits={bits!r} and tune_steps=0")
     if calibration is not None:
         check_calibration(calibration)
     if not isinstance(rotate, bool):
@@ -649,6 +658,13 @@ def quantize_model(
         raise ValueError("quantize_model: per-layer bits do not cover fused MoE experts; pass an int bits")
     if calibrated and calibration is None and targets:
         calibration = default_calibration(model, tokenizer)
+    if tune_steps and any(name == "" for name, _ in targets):
+        raise ValueError("quantize_model: tune_steps tunes the layers inside a model; model is itself a Linear "
+                         "(quantize it without tune_steps)")
+    references = None
+    if tune_steps and targets:  # the unquantized model's outputs, which tuning matches
+        tune_on = tuning_batches(calibration)
+        references = reference_outputs(model, tune_on)
     ks = bits
     if not uniform:
         try:
@@ -704,6 +720,10 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, modules[id(m)])
+    if references is not None:
+        tuned = tune_end_to_end(model, tune_on, references, tune_steps)
+        logger.info(f"quantize_model: {tune_steps} tuning steps, calibration loss {tuned['loss_before']:.4g} -> "
+                    f"{tuned['loss_after']:.4g} ({'kept' if tuned['kept'] else 'not lower: the tuning is dropped'})")
     if uniform:
         described = f"{bits} bits"
     else:

@@ -1,0 +1,166 @@
+"""End-to-end tuning of a quantized model (kbit.finetune, quantize_model(tune_steps=N)): codes fixed, codebooks and
+block scales tuned to the unquantized model's outputs, the result in the same storage format."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kbit
+from kbit import finetune
+from kbit._validate import check_codebook
+from kbit.formats import create_normal_float_codebook
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # peaked next-token distributions, as a trained model's, not near-uniform ones
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def _ids(n=4, seq=32):
+    return torch.randint(0, 256, (n, seq))
+
+
+def _kbit_layers(model) -> dict:
+    return {n: m for n, m in model.named_modules() if isinstance(m, kbit.KbitLinear)}
+
+
+def _calibration_loss(model, reference, ids) -> float:
+    batches = finetune.tuning_batches(ids)
+    return finetune._mean_loss(model, batches, finetune.reference_outputs(reference, batches))
+
+
+@pytest.fixture(scope="module")
+def tuned_pair():
+    """(unquantized model, quantized, quantized and tuned) with the same codes, K=2 rtn +rotate."""
+    model, ids = _tiny_llama(), _ids()
+    plain = kbit.quantize_model(copy.deepcopy(model), bits=2, rotate=True, progress=False)
+    tuned = kbit.quantize_model(copy.deepcopy(model), bits=2, rotate=True, progress=False, calibration=ids,
+                                tune_steps=40)
+    return model, plain, tuned, ids
+
+
+def test_tuning_lowers_the_calibration_loss_and_keeps_the_codes(tuned_pair):
+    model, plain, tuned, ids = tuned_pair
+    before, after = _calibration_loss(plain, model, ids), _calibration_loss(tuned, model, ids)
+    assert after < 0.9 * before, (before, after)
+    layers, tuned_layers = _kbit_layers(plain), _kbit_layers(tuned)
+    assert layers.keys() == tuned_layers.keys() and layers
+    changed_scales = 0
+    for name, m in layers.items():
+        t = tuned_layers[name]
+        assert torch.equal(m.packed, t.packed), name  # the codes
+        assert torch.equal(m.scale, t.scale) and torch.equal(m.rotation_signs, t.rotation_signs), name
+        check_codebook(t.codebook, 2)
+        assert torch.equal(t.codebook, t.codebook.half().float()), name  # fp16-exact levels, as the format wants
+        assert not torch.equal(m.codebook, t.codebook), name
+        changed_scales += int((m.absmax != t.absmax).sum())
+    assert changed_scales > 0
+
+
+def test_tuned_model_reloads_bit_for_bit(tuned_pair, tmp_path):
+    _, _, tuned, ids = tuned_pair
+    tuned.save_pretrained(str(tmp_path))
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    mods = _kbit_layers(again)
+    for name, m in _kbit_layers(tuned).items():
+        for key, t in m.state_dict().items():
+            assert torch.equal(t, mods[name].state_dict()[key]), f"{name}.{key}"
+    with torch.no_grad():
+        assert torch.equal(tuned(ids).logits, again(ids).logits)
+
+
+def test_what_is_tuned_is_what_is_stored():
+    """The weight the tuning computes is the stored layer's dequantized weight, bit for bit, after steps that
+    moved the levels and block scales."""
+    lin = nn.Linear(80, 64)  # 80 inputs: padded rows of 96
+    layer = kbit.KbitLinear.from_linear(lin, bits=3)
+    t = finetune._TunedLinear(layer)
+    with torch.no_grad():
+        assert torch.equal(t.weight(), layer.dequantize(torch.float32))
+        t.levels.mul_(1.3).add_(torch.linspace(-0.05, 0.05, 8))
+        t.log_gain.uniform_(-0.2, 0.2)
+        t.keep_levels_apart()
+        stored = t.tuned_layer()
+        assert torch.equal(t.weight(), stored.dequantize(torch.float32))
+        x = torch.randn(5, 80)
+        assert torch.allclose(t(x), stored(x), rtol=1e-5, atol=1e-5)
+
+
+def test_levels_stay_ascending_and_apart():
+    layer = kbit.KbitLinear.from_linear(nn.Linear(64, 32), bits=2)
+    t = finetune._TunedLinear(layer)
+    with torch.no_grad():
+        t.levels.copy_(torch.tensor([-1.0, 0.3, 0.2, 0.9]))  # levels 1 and 2 crossed
+        t.keep_levels_apart()
+    codebook, _ = t.stored()
+    check_codebook(codebook, 2)
+    assert torch.equal(t.levels[:2], torch.tensor([-1.0, 0.3]))
+
+
+def test_tuning_that_does_not_lower_the_loss_is_dropped(monkeypatch):
+    model, ids = _tiny_llama(), _ids()
+    plain = kbit.quantize_model(copy.deepcopy(model), bits=3, progress=False)
+    monkeypatch.setattr(finetune, "LEVEL_LR", 5.0)  # steps far too large: the loss goes up
+    monkeypatch.setattr(finetune, "GAIN_LR", 5.0)
+    q = kbit.quantize_model(copy.deepcopy(model), bits=3, progress=False, calibration=ids, tune_steps=3)
+    for name, m in _kbit_layers(plain).items():
+        for key, t in m.state_dict().items():
+            assert torch.equal(t, _kbit_layers(q)[name].state_dict()[key]), f"{name}.{key}"
+    assert all(p.requires_grad for p in q.parameters())
+
+
+def test_tuning_an_encoder_matches_its_outputs():
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    calibration = [torch.randn(16, 128) for _ in range(4)]
+    plain = kbit.quantize_model(copy.deepcopy(model), bits=2, progress=False)
+    tuned = kbit.quantize_model(copy.deepcopy(model), bits=2, progress=False, calibration=calibration, tune_steps=30)
+    x = torch.cat(calibration)
+    with torch.no_grad():
+        ref = model(x)
+        err = lambda q: float((q(x) - ref).pow(2).sum() / ref.pow(2).sum())  # noqa: E731
+        assert err(tuned) < 0.9 * err(plain)
+
+
+@pytest.mark.parametrize("steps, error", [(-1, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_bad_tune_steps_are_refused(steps, error):
+    with pytest.raises(error, match="tune_steps"):
+        kbit.quantize_model(_tiny_llama(), bits=3, tune_steps=steps, progress=False)
+    with pytest.raises(error, match="tune_steps"):
+        kbit.KbitConfig(bits=3, tune_steps=steps)
+
+
+def test_a_bare_linear_is_not_tuned_silently():
+    with pytest.raises(ValueError, match="itself a Linear"):
+        kbit.quantize_model(nn.Linear(128, 128), bits=3, tune_steps=2, calibration=[torch.randn(4, 128)],
+                            progress=False)
+
+
+def test_kbitconfig_and_cli_tune(tmp_path):
+    from test_bit_budget import _save_with_tokenizer
+
+    from kbit.convert import build_parser, cli_quantize
+
+    src = tmp_path / "src"
+    _save_with_tokenizer(_tiny_llama(), src)
+    nf = create_normal_float_codebook(3)
+    q = transformers.AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=kbit.KbitConfig(bits=3, calibration=_ids(), tune_steps=3))
+    assert _kbit_layers(q) and all(not torch.equal(m.codebook, nf) for m in _kbit_layers(q).values())
+    with pytest.raises(ValueError, match="calibration is used by"):
+        kbit.KbitConfig(bits=3, calibration=_ids())
+    assert build_parser().parse_args(["m", "-o", "x", "--tune-steps", "7"]).tune_steps == 7
+    assert cli_quantize([str(src), "--bits", "3", "--tune-steps", "2", "--out", str(tmp_path / "out"),  # built-in text
+                         "--no-progress", "--dtype", "float32"]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert _kbit_layers(again) and all(not torch.equal(m.codebook, nf) for m in _kbit_layers(again).values())
+    assert cli_quantize([str(src), "--bits", "3", "--tune-steps", "-1", "--out", str(tmp_path / "bad"),
+                         "--no-progress"]) == 1
