@@ -64,7 +64,7 @@ def test_gptq_while_loading_equals_quantize_model_and_is_recorded(llama_dir, tmp
 def test_method_errors(llama_dir):
     with pytest.raises(ValueError, match="calibration="):
         load(llama_dir, quantization_config=kbit.KbitConfig(bits=4, method="gptq"))
-    with pytest.raises(ValueError, match="method='gptq' and bit budgets only"):
+    with pytest.raises(ValueError, match="used by method='gptq', bit budgets and tune_steps only"):
         kbit.KbitConfig(bits=4, calibration=torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="method must be one of"):
         kbit.KbitConfig(bits=4, method="awq")
