@@ -40,6 +40,7 @@ from ._progress import Progress
 from ._validate import check_int, check_skip, codebook_values
 from .bit_budget import check_bits_setting
 from .calibration import check_calibration
+from .fusion import FUSE_BY_DEFAULT, fuse_projections
 from .methods import check_method
 from .moe import FUSED_PARAMETERS, KbitExperts
 from .nn import KbitLinear, experts_targets, linear_targets, quantize_model, quantized_fraction
@@ -48,6 +49,9 @@ __all__ = ["KbitConfig", "KbitHfQuantizer", "register", "record_quantization", "
 
 QUANT_METHOD = "kbit"
 logger = logging.getLogger("kbit")
+
+
+RUNTIME_SETTINGS = ("calibration", "fuse_projections")  # KbitConfig's settings that config.json does not keep
 
 
 class KbitConfig(QuantizationConfigMixin):
@@ -66,6 +70,9 @@ class KbitConfig(QuantizationConfigMixin):
         method: ``"rtn"`` (default, quantized as each weight is read), ``"mse"`` (data-free, fitted codebooks) or
             ``"gptq"`` (calibrated; ``method="gptq", rotate=True`` is the most accurate, docs/QUALITY.md); the
             last two quantize the loaded model (module docstring). Saved in config.json.
+        fuse_projections: sibling projections that read the same input (q/k/v, gate/up) run as one GEMM launch
+            where that is exact (``kbit.fuse_projections``); how the model runs, not how it is stored: not saved
+            (a kbit folder loads fused; ``kbit.fuse_projections(model, enabled=False)`` turns it off).
         calibration: what ``method="gptq"`` and a bit budget run through the model (``kbit.quantize_model``'s
             forms: token ids [n_seq, seq_len] or a list of dicts of model inputs); default: kbit's built-in text,
             tokenized with the model's tokenizer; used by no other setting, never saved.
@@ -75,7 +82,8 @@ class KbitConfig(QuantizationConfigMixin):
 
     def __init__(self, bits: int = 4, skip=None, min_features: int = 128, codebook=None,
                  format_version: int = hf_format.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
-                 kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None):
+                 kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None,
+                 fuse_projections: bool = FUSE_BY_DEFAULT):
         from . import __version__
 
         if quant_method != QUANT_METHOD:
@@ -101,14 +109,17 @@ class KbitConfig(QuantizationConfigMixin):
                                  f"method={self.method!r} and bits={self.bits!r}")
             check_calibration(calibration)
         self.calibration = calibration
+        if not isinstance(fuse_projections, bool):
+            raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
+        self.fuse_projections = fuse_projections
         self.format_version = format_version
         self.kbit_version = kbit_version or __version__
 
     def codebook_tensor(self) -> Optional[torch.Tensor]:
         return None if self.codebook is None else torch.tensor(self.codebook, dtype=torch.float32)
 
-    def to_dict(self) -> dict:  # config.json: the settings, not the calibration data
-        return {key: value for key, value in super().to_dict().items() if key != "calibration"}
+    def to_dict(self) -> dict:  # config.json: the stored format's settings, not the calibration data or how it runs
+        return {key: value for key, value in super().to_dict().items() if key not in RUNTIME_SETTINGS}
 
     def to_diff_dict(self) -> dict:  # every field: early transformers 5.x have no default for this
         return self.to_dict()
@@ -215,18 +226,22 @@ class KbitHfQuantizer(HfQuantizer):
         for module in model.modules():
             if isinstance(module, (KbitLinear, KbitExperts)):
                 module.prepare()
-        if self.pre_quantized:
-            return model
         config = self.quantization_config
+        fuse = config.fuse_projections
+        if self.pre_quantized:
+            fuse_projections(model, fuse)
+            return model
         if not self.quantized_while_loading:  # the whole model is loaded: quantize it block by block
             quantize_model(model, config.bits, config.codebook_tensor(),
                            default_skip(model) if config.skip is None else config.skip, config.min_features,
-                           method=config.method, calibration=config.calibration, rotate=config.rotate)
+                           method=config.method, calibration=config.calibration, rotate=config.rotate,
+                           fuse_projections=fuse)
             return model
         incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()
                       for missing in FUSED_PARAMETERS if missing not in loaded]
         if incomplete:
             raise ValueError(f"the checkpoint lacks {', '.join(incomplete)}")
+        fuse_projections(model, fuse)
         layers = sum(isinstance(m, (KbitLinear, KbitExperts)) for m in model.modules())
         summary = (f"kbit: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized to "
                    f"{config.bits} bits ({layers} layers)")

@@ -141,7 +141,7 @@ def _register_gemm_autograd(op, storage) -> None:
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             packed, absmax = storage(codes, block_scales, bits, N, K)
-            w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+            w = dequantize_rows(packed, absmax, codebook, bits, N, K, scale)
             grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
         if bias_dtype is not None and ctx.needs_input_grad[5]:
             grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
@@ -223,6 +223,16 @@ def weights_settled(*tensors: Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- fused GEMM
+def dequantize_rows(packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, N: int, K: int,
+                    scale: Tensor) -> Tensor:
+    """The [N, K] weight in float32 with a per-tensor ``scale`` or one per row ([N]: fused projections, each row
+    times its own projection's power of two, the same product as that projection's per-tensor scale)."""
+    if scale.numel() == 1:
+        return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+    unit = torch.ones((), dtype=torch.float32, device=scale.device)
+    return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K) * scale[:, None]
+
+
 @torch.library.custom_op("kbit::gemm", mutates_args=())
 def gemm(
     x: Tensor,
@@ -237,7 +247,8 @@ def gemm(
     grid_override: int,
 ) -> Tensor:
     """y[M, N] = x[M, K_pad] @ W_hat[N, K_pad]^T (+ bias), fp32 accumulation, y in x's dtype; x may have fewer
-    columns (the rest read as zeros).
+    columns (the rest read as zeros). ``scale``: the per-tensor scale, or one per output row [N] (sibling
+    projections fused into one launch, ``kbit.fusion``), applied where the per-tensor one is.
 
     ``grid_override`` > 0 forces the CUDA kernel's grid size (to force split-K in tests), at most one CTA per SM
     (CTAs of a split tile wait for each other, so all must be resident); 0 = auto.
@@ -245,7 +256,12 @@ def gemm(
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     N, K = out_features, in_features_padded
     packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, N, K)
-    w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, scale)
+    if scale.numel() == 1:
+        w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, scale)
+    else:  # each row times its own power of two: the product its projection's per-tensor scale gives
+        unit = torch.ones((), dtype=torch.float32, device=scale.device)
+        w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, unit)
+        w = w.reshape(N, K) * scale[:, None]
     y = x.to(torch.float32) @ w.reshape(N, K)[:, : x.shape[1]].T
     if bias is not None:
         y = y + bias.to(torch.float32)

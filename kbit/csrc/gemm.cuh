@@ -869,6 +869,14 @@ __device__ __forceinline__ void store_tile_grouped(const GemmParams& p, const St
   }
 }
 
+// The output scale of row n < N: s (the per-tensor scale times kAccScale, loaded before the main loop), or with
+// row_scales (GemmParams) the row's own times the same kAccScale: the one product a launch of that row's weight
+// alone makes. (A copy of store_tile per case instead spilled: 8 bytes at 255 registers, sm_90a.)
+template <class Cfg>
+__device__ __forceinline__ float row_out_scale(const GemmParams& p, float s, int n) {
+  return p.row_scales ? p.scale[n] * Cfg::kAccScale : s;
+}
+
 template <class Cfg, typename T>
 __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, float s,
                                            const float (&acc)[Cfg::kFrags][4]) {
@@ -886,11 +894,11 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
     for (int i = 0; i < 4; ++i) {
       const int n = c.ntile * Cfg::kTileRows + (warp * Cfg::kRowTiles + r) * 16 + g + 8 * (i >> 1);
       if (n >= p.N) continue;
-      const float b = bias ? to_float(bias[n]) : 0.0f;
+      const float b = bias ? to_float(bias[n]) : 0.0f, sn = row_out_scale<Cfg>(p, s, n);
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) {
         const int m = c.mpass * MB * 8 + mb * 8 + 2 * q + (i & 1);
-        if (m < p.M) y[static_cast<int64_t>(m) * p.N + n] = from_float<T>(acc[r * MB + mb][i] * s + b);
+        if (m < p.M) y[static_cast<int64_t>(m) * p.N + n] = from_float<T>(acc[r * MB + mb][i] * sn + b);
       }
     }
   }
