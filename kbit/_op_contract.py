@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._validate import GEMM_DTYPES, INPUT_DTYPES, _dtype_name, check_dtype
 from .formats import BLOCK_SIZE, SUPPORTED_BITS, block_count
-from .layout import gemm_shapes
+from .layout import gemm_shapes, row_blocks
 
 
 def _bits(bits: int) -> None:
@@ -40,12 +40,13 @@ def _tensor(t: Tensor, name: str, dtype: torch.dtype, shape, device: torch.devic
 
 
 def _codebook_and_scale(codebook: Tensor, scale: Tensor, bits: int, device: torch.device, rows: int = 0) -> None:
-    """``rows`` > 0: the scale may also be one float32 per output row, [rows] (the GEMM of fused projections)."""
+    """``rows`` > 0: the scale may also be one float32 per 256 of the ``rows`` output rows (``layout.row_blocks``:
+    the GEMM of fused projections)."""
     _tensor(codebook, "codebook", torch.float32, (2**bits,), device)
     _tensor(scale, "scale", torch.float32, None, device)
-    if scale.numel() != 1 and not (rows and tuple(scale.shape) == (rows,)):
-        per_row = f" or one per output row ({rows},)" if rows else ""
-        raise ValueError(f"kbit: scale must hold one float32{per_row}, got shape {tuple(scale.shape)}")
+    if scale.numel() != 1 and not (rows and tuple(scale.shape) == (row_blocks(rows),)):
+        per_rows = f" or one per 256 output rows ({row_blocks(rows)},)" if rows else ""
+        raise ValueError(f"kbit: scale must hold one float32{per_rows}, got shape {tuple(scale.shape)}")
 
 
 def quantize(A: Tensor, codebook: Tensor, bits: int, scale: Tensor) -> None:
@@ -90,7 +91,7 @@ def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, bits: int, out_features: int, 
 def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.device, codebook: Tensor, scale: Tensor,
                  bits: int, scale_rows: int = 0) -> None:
     """x [tokens, <= in_features_padded] of an ``allowed`` dtype on the weight's device; codebook and scale (per
-    row allowed with ``scale_rows``)."""
+    256 rows allowed with ``scale_rows``)."""
     if x.dim() != 2:
         raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
     check_dtype(x.dtype, "kbit: x", allowed)

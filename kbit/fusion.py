@@ -7,8 +7,8 @@ At one token a projection's GEMM costs mostly its fixed per-call time (docs/PERF
 v projections, and the MLP's gate and up projections, are computed by one launch over their rows stacked. What makes
 that exact: the siblings have the same bits, codebook (bit for bit), rotation (or none), weight dtype and
 in_features, so each output row is the same products as in its own launch; each sibling keeps its own per-tensor
-scale, which the fused launch applies per output row (``kbit::gemm`` with a scale per row, in the epilogue where the
-per-tensor one goes). Siblings that differ in any of these stay separate launches (a debug line on the ``"kbit"``
+scale, which the fused launch applies per 256 output rows (``kbit::gemm`` with a scale per block of the layout, in the
+epilogue where the per-tensor one goes: each sibling's rows are whole blocks). Siblings that differ in any of these stay separate launches (a debug line on the ``"kbit"``
 logger says why). The fp32 sums of a row are the same products; the order in which a launch adds them depends on
 how it cuts its tiles over the GPU's SMs, which follows the launch's shape, so a fused launch can round some outputs
 differently in the last bit than separate launches would, as a different split-K would (docs/DESIGN.md#fused-projections).
@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from . import dispatch, ops
 from ._validate import GEMM_DTYPES
-from .layout import N_ALIGN
+from .layout import N_ALIGN, row_blocks
 
 __all__ = ["fuse_projections", "FusedProjections", "SIBLING_NAMES", "FUSE_BY_DEFAULT"]
 
@@ -55,10 +55,6 @@ FUSE_BY_DEFAULT = True
 # Child names of one module that transformers' families call with the same input (Llama, Mistral, Qwen2/3, Gemma,
 # the MoE models' attention and shared experts). Phi-3's qkv_proj and gate_up_proj are one projection already.
 SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _padded_rows(out_features: int) -> int:
-    return -(-out_features // N_ALIGN) * N_ALIGN
 
 
 def why_separate(members) -> Optional[str]:
@@ -87,7 +83,7 @@ class _Stacked(NamedTuple):
     codes: Tensor  # int32 [sum of blocks, KG, 16, k, 32, 4]
     absmax: Tensor  # uint8 [sum of blocks, KG, 16, 2, 8, 8]
     views: tuple  # ((codes, absmax) of each sibling): its rows, the tensors it holds as its buffers
-    row_scale: Tensor  # float32 [rows]: each row's sibling's per-tensor scale
+    block_scale: Tensor  # float32 [row blocks]: the per-tensor scale of each 256-row block's sibling
     offsets: tuple  # the first output row of each sibling
     rows: int  # output rows of the fused launch: the last sibling's offset plus its out_features
 
@@ -139,11 +135,11 @@ class FusedProjections:
                 m.gemm_codes, m.gemm_absmax = codes, absmax
                 m._invalidate()
         for m, offset in zip(members, stacked.offsets):  # scales may have been loaded: in place, addresses kept
-            stacked.row_scale[offset:offset + _padded_rows(m.out_features)].copy_(m.scale.reshape(1).expand(
-                min(_padded_rows(m.out_features), stacked.rows - offset)))
+            first, blocks = offset // N_ALIGN, m.gemm_codes.shape[0]
+            stacked.block_scale[first:first + blocks].copy_(m.scale.reshape(1).expand(blocks))
         self._stacked = stacked
         if device.type == "cuda":  # read in place by CUDA graphs, as each member's own buffers (KbitLinear.prepare)
-            for t in (stacked.codes, stacked.absmax, stacked.row_scale, *(t for v in stacked.views for t in v)):
+            for t in (stacked.codes, stacked.absmax, stacked.block_scale, *(t for v in stacked.views for t in v)):
                 torch._dynamo.mark_static_address(t, guard=False)
 
     def _stack(self, device) -> _Stacked:
@@ -157,8 +153,8 @@ class FusedProjections:
             offsets.append(block * N_ALIGN)
             block += blocks
         rows = offsets[-1] + members[-1].out_features
-        row_scale = torch.empty(rows, dtype=torch.float32, device=device)
-        return _Stacked(codes, absmax, tuple(views), row_scale, tuple(offsets), rows)
+        block_scale = torch.empty(block, dtype=torch.float32, device=device)
+        return _Stacked(codes, absmax, tuple(views), block_scale, tuple(offsets), rows)
 
     # ------------------------------------------------------------------ forward
     def output(self, member: nn.Module, slot: int, x: Tensor) -> Optional[Tensor]:
@@ -202,7 +198,7 @@ class FusedProjections:
         if x.device.type == "cuda" and dispatch.gemm_plan(
                 x.device, stacked.rows, K, x2.shape[0], first.bits).path is dispatch.Path.DEQUANTIZE_CUBLAS:
             return None
-        y = ops.gemm(x2, stacked.codes, stacked.absmax, first.codebook, stacked.row_scale, self._bias(x.dtype),
+        y = ops.gemm(x2, stacked.codes, stacked.absmax, first.codebook, stacked.block_scale, self._bias(x.dtype),
                      first.bits, stacked.rows, K, 0)
         return tuple(y[:, offset:offset + m.out_features].view(*lead, m.out_features)
                      for m, offset in zip(members, stacked.offsets))
@@ -214,7 +210,7 @@ class FusedProjections:
             return None
         parts, stacked = [], self._stacked
         for m, offset in zip(self.members, stacked.offsets):
-            rows = min(_padded_rows(m.out_features), stacked.rows - offset)
+            rows = min(row_blocks(m.out_features) * N_ALIGN, stacked.rows - offset)
             if m.bias is None:
                 parts.append(torch.zeros(rows, dtype=dtype, device=stacked.codes.device))
             else:

@@ -223,14 +223,19 @@ def weights_settled(*tensors: Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- fused GEMM
+def _scale_of_rows(scale: Tensor, N: int) -> Tensor:
+    """[N, 1]: each row's scale of a scale per 256 rows (``layout.row_blocks``)."""
+    return scale.repeat_interleave(layout.N_ALIGN)[:N, None]
+
+
 def dequantize_rows(packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, N: int, K: int,
                     scale: Tensor) -> Tensor:
-    """The [N, K] weight in float32 with a per-tensor ``scale`` or one per row ([N]: fused projections, each row
+    """The [N, K] weight in float32 with a per-tensor ``scale`` or one per 256 rows (fused projections: each row
     times its own projection's power of two, the same product as that projection's per-tensor scale)."""
     if scale.numel() == 1:
         return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
     unit = torch.ones((), dtype=torch.float32, device=scale.device)
-    return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K) * scale[:, None]
+    return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K) * _scale_of_rows(scale, N)
 
 
 @torch.library.custom_op("kbit::gemm", mutates_args=())
@@ -247,8 +252,9 @@ def gemm(
     grid_override: int,
 ) -> Tensor:
     """y[M, N] = x[M, K_pad] @ W_hat[N, K_pad]^T (+ bias), fp32 accumulation, y in x's dtype; x may have fewer
-    columns (the rest read as zeros). ``scale``: the per-tensor scale, or one per output row [N] (sibling
-    projections fused into one launch, ``kbit.fusion``), applied where the per-tensor one is.
+    columns (the rest read as zeros). ``scale``: the per-tensor scale, or one per 256 output rows
+    [``layout.row_blocks(N)``] (sibling projections fused into one launch, each padded to 256 rows: ``kbit.fusion``),
+    applied where the per-tensor one is.
 
     ``grid_override`` > 0 forces the CUDA kernel's grid size (to force split-K in tests), at most one CTA per SM
     (CTAs of a split tile wait for each other, so all must be resident); 0 = auto.
@@ -261,7 +267,7 @@ def gemm(
     else:  # each row times its own power of two: the product its projection's per-tensor scale gives
         unit = torch.ones((), dtype=torch.float32, device=scale.device)
         w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, unit)
-        w = w.reshape(N, K) * scale[:, None]
+        w = w.reshape(N, K) * _scale_of_rows(scale, N)
     y = x.to(torch.float32) @ w.reshape(N, K)[:, : x.shape[1]].T
     if bias is not None:
         y = y + bias.to(torch.float32)

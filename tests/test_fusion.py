@@ -270,3 +270,17 @@ def test_compiled_forward_fuses_without_graph_breaks():
     assert torch.equal(got, want)
     assert gemms == [4]  # q/k/v, o, gate/up, down: 7 separately
     assert all(m._fusion._held is None for m in model.modules() if isinstance(m, kbit.KbitLinear) and m._fusion)
+
+
+def test_gemm_takes_one_scale_per_256_rows_and_refuses_other_lengths():
+    model = _fused_attention()
+    stacked = model.q_proj._fusion._stacked
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    K = model.q_proj.qweight.in_features_padded
+    args = (stacked.codes, stacked.absmax, model.q_proj.codebook)
+    assert stacked.block_scale.shape == (4,)  # q: 2 blocks, k: 1, v: 1
+    y = kbit.ops.gemm(x, *args, stacked.block_scale, None, 4, stacked.rows, K, 0)
+    assert y.shape == (2, 1024)
+    for bad in (torch.ones(1024), torch.ones(3), torch.ones(2, 2)):
+        with pytest.raises(ValueError, match="scale must hold one float32 or one per 256 output rows"):
+            kbit.ops.gemm(x, *args, bad, None, 4, stacked.rows, K, 0)

@@ -255,11 +255,12 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   check_input(b, "b_gemm", at::kInt, layout_codes_shape(k, N, K_w), on);
   check_input(absmax, "absmax_gemm", at::kByte, layout_absmax_shape(N, K_w), on);
   check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
-  // One float32 for the whole weight, or one per output row (sibling projections fused: kbit/fusion.py).
+  // One float32 for the whole weight, or one per 256 output rows (sibling projections fused: kbit/fusion.py).
+  const int64_t row_blocks = (N + kbit::kLayoutNAlign - 1) / kbit::kLayoutNAlign;
   const bool row_scales = scale.numel() != 1;
-  TORCH_CHECK(!row_scales || scale.dim() == 1, "kbit: scale must hold one float32 or one per output row (", num(N),
-              "), got shape ", shape_string(scale.sizes()));
-  if (row_scales) check_input(scale, "scale", at::kFloat, {N}, on);
+  TORCH_CHECK(!row_scales || scale.dim() == 1, "kbit: scale must hold one float32 or one per 256 output rows (",
+              num(row_blocks), "), got shape ", shape_string(scale.sizes()));
+  if (row_scales) check_input(scale, "scale", at::kFloat, {row_blocks}, on);
   const float* scale_ptr = row_scales ? scale.data_ptr<float>() : scalar_ptr(scale, on);
   if (bias) check_input(*bias, "bias", x_in.scalar_type(), {N}, on);
   const c10::cuda::CUDAGuard guard(on);

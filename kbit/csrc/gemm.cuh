@@ -870,11 +870,11 @@ __device__ __forceinline__ void store_tile_grouped(const GemmParams& p, const St
 }
 
 // The output scale of row n < N: s (the per-tensor scale times kAccScale, loaded before the main loop), or with
-// row_scales (GemmParams) the row's own times the same kAccScale: the one product a launch of that row's weight
-// alone makes. (A copy of store_tile per case instead spilled: 8 bytes at 255 registers, sm_90a.)
+// row_scales (GemmParams) its 256-row block's own times the same kAccScale: the one product a launch of that row's
+// weight alone makes. (A copy of store_tile per case instead spilled: 8 bytes at 255 registers, sm_90a.)
 template <class Cfg>
 __device__ __forceinline__ float row_out_scale(const GemmParams& p, float s, int n) {
-  return p.row_scales ? p.scale[n] * Cfg::kAccScale : s;
+  return p.row_scales ? p.scale[n / kLayoutNAlign] * Cfg::kAccScale : s;
 }
 
 template <class Cfg, typename T>

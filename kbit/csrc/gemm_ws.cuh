@@ -286,9 +286,9 @@ __device__ __forceinline__ float ws_row_bias(const T* bias, int N, int n) {
   return bias && n < N ? to_float(bias[n]) : 0.0f;
 }
 
-// The output scale of row n: the per-tensor one (s), or with row_scales the row's own (past N: unused).
+// The output scale of row n: the per-tensor one (s), or with row_scales its 256-row block's own (past N: unused).
 __device__ __forceinline__ float ws_row_scale(const GemmParams& p, float s, int n) {
-  return p.row_scales && n < p.N ? p.scale[n] : s;
+  return p.row_scales && n < p.N ? p.scale[n / kLayoutNAlign] : s;
 }
 
 // One D fragment's four sums (rows n[0], n[1] = g, g + 8 of a 16-row tile, tokens m, m + 1: common.cuh) into y,
