@@ -869,14 +869,9 @@ __device__ __forceinline__ void store_tile_grouped(const GemmParams& p, const St
   }
 }
 
-// The output scale of row n < N: s (the per-tensor scale times kAccScale, loaded before the main loop), or with
-// row_scales (GemmParams) its 256-row block's own times the same kAccScale: the one product a launch of that row's
-// weight alone makes. (A copy of store_tile per case instead spilled: 8 bytes at 255 registers, sm_90a.)
-template <class Cfg>
-__device__ __forceinline__ float row_out_scale(const GemmParams& p, float s, int n) {
-  return p.row_scales ? p.scale[n / kLayoutNAlign] * Cfg::kAccScale : s;
-}
-
+// A finished tile into y. s: the per-tensor scale times kAccScale (loaded before the main loop); with row_scales
+// (GemmParams) the scale of the tile's 256-row block (a CTA tile, 16 to 256 rows, lies in one) times the same
+// kAccScale: the one product a launch of that block's projection alone makes.
 template <class Cfg, typename T>
 __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, float s,
                                            const float (&acc)[Cfg::kFrags][4]) {
@@ -884,6 +879,8 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
     store_tile_grouped<Cfg, T>(p, c, acc);
     return;
   }
+  static_assert(kLayoutNAlign % Cfg::kTileRows == 0, "a CTA tile lies in one 256-row block");
+  if (p.row_scales) s = p.scale[c.ntile * Cfg::kTileRows / kLayoutNAlign] * Cfg::kAccScale;
   constexpr int MB = Cfg::kMB;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
@@ -894,11 +891,11 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
     for (int i = 0; i < 4; ++i) {
       const int n = c.ntile * Cfg::kTileRows + (warp * Cfg::kRowTiles + r) * 16 + g + 8 * (i >> 1);
       if (n >= p.N) continue;
-      const float b = bias ? to_float(bias[n]) : 0.0f, sn = row_out_scale<Cfg>(p, s, n);
+      const float b = bias ? to_float(bias[n]) : 0.0f;
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) {
         const int m = c.mpass * MB * 8 + mb * 8 + 2 * q + (i & 1);
-        if (m < p.M) y[static_cast<int64_t>(m) * p.N + n] = from_float<T>(acc[r * MB + mb][i] * sn + b);
+        if (m < p.M) y[static_cast<int64_t>(m) * p.N + n] = from_float<T>(acc[r * MB + mb][i] * s + b);
       }
     }
   }

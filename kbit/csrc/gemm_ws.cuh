@@ -286,16 +286,19 @@ __device__ __forceinline__ float ws_row_bias(const T* bias, int N, int n) {
   return bias && n < N ? to_float(bias[n]) : 0.0f;
 }
 
-// The output scale of row n: the per-tensor one (s), or with row_scales its 256-row block's own (past N: unused).
-__device__ __forceinline__ float ws_row_scale(const GemmParams& p, float s, int n) {
-  return p.row_scales && n < p.N ? p.scale[n / kLayoutNAlign] : s;
+// The output scale of row tile ntile: the per-tensor one (s), or with row_scales (GemmParams) that of the 256-row block
+// it lies in (fused projections: kbit/fusion.py).
+template <class Cfg>
+__device__ __forceinline__ float ws_tile_scale(const GemmParams& p, float s, int ntile) {
+  static_assert(kLayoutNAlign % Cfg::kTileRows == 0, "a CTA tile lies in one 256-row block");
+  return p.row_scales ? p.scale[ntile * Cfg::kTileRows / kLayoutNAlign] : s;
 }
 
 // One D fragment's four sums (rows n[0], n[1] = g, g + 8 of a 16-row tile, tokens m, m + 1: common.cuh) into y,
 // scaled and biased, where they lie inside it.
 template <typename T>
-__device__ __forceinline__ void ws_store_fragment(const GemmParams& p, const int (&n)[2], const float (&sn)[2],
-                                                  const float (&bn)[2], int m, const float (&v)[4]) {
+__device__ __forceinline__ void ws_store_fragment(const GemmParams& p, const int (&n)[2], const float (&bn)[2], int m,
+                                                  float s, const float (&v)[4]) {
   T* y = static_cast<T*>(p.y);
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -303,7 +306,7 @@ __device__ __forceinline__ void ws_store_fragment(const GemmParams& p, const int
     T* row = y + static_cast<int64_t>(m + e) * p.N;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
-      if (n[half] < p.N) row[n[half]] = from_float<T>(v[2 * half + e] * sn[half] + bn[half]);
+      if (n[half] < p.N) row[n[half]] = from_float<T>(v[2 * half + e] * s + bn[half]);
   }
 }
 
@@ -315,16 +318,16 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
                                          const float (&acc)[Cfg::kFrags][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
+  s = ws_tile_scale<Cfg>(p, s, c.ntile);
   int n[2];  // rows g, g + 8
-  float sn[2], bn[2];
+  float bn[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     n[half] = c.ntile * Cfg::kTileRows + tile16 * 16 + g + 8 * half;
-    sn[half] = ws_row_scale(p, s, n[half]);
     bn[half] = ws_row_bias(bias, p.N, n[half]);
   }
 #pragma unroll
-  for (int j = 0; j < Cfg::kFrags; ++j) ws_store_fragment<T>(p, n, sn, bn, c.mpass * Cfg::kTokens + 8 * j + 2 * q, acc[j]);
+  for (int j = 0; j < Cfg::kFrags; ++j) ws_store_fragment<T>(p, n, bn, c.mpass * Cfg::kTokens + 8 * j + 2 * q, s, acc[j]);
 }
 
 #if KBIT_WGMMA
@@ -343,9 +346,9 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
   constexpr int kPieceFrags = Cfg::kStoreTokens / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2;
   const T* bias = static_cast<const T*>(p.bias);
+  s = ws_tile_scale<Cfg>(p, s, c.ntile);
   const int n0 = c.ntile * Cfg::kTileRows + tile16 * 16;
   const float bn[2] = {ws_row_bias(bias, p.N, n0 + g), ws_row_bias(bias, p.N, n0 + g + 8)};  // rows g, g + 8
-  const float sn[2] = {ws_row_scale(p, s, n0 + g), ws_row_scale(p, s, n0 + g + 8)};
   // Lane l: row l % 8 of stored matrix l / 8 = token l % 8 of fragment j + l / 16, rows 8 (l / 8 % 2) .. + 7.
   const uint32_t address = shared_address(piece) + ((lane >> 4) * 8 + (lane & 7)) * 32 + (lane >> 3 & 1) * 16;
 #pragma unroll
@@ -359,11 +362,9 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
     for (int j = 0; j < kPieceFrags; j += 2) {
       const float(&d0)[4] = acc[r * kPieceFrags + j];
       const float(&d1)[4] = acc[r * kPieceFrags + j + 1];
-      stmatrix_x4_trans(address + round_bytes + j * 8 * 32,
-                        pack_pair<T>(d0[0] * sn[0] + bn[0], d0[1] * sn[0] + bn[0]),
-                        pack_pair<T>(d0[2] * sn[1] + bn[1], d0[3] * sn[1] + bn[1]),
-                        pack_pair<T>(d1[0] * sn[0] + bn[0], d1[1] * sn[0] + bn[0]),
-                        pack_pair<T>(d1[2] * sn[1] + bn[1], d1[3] * sn[1] + bn[1]));
+      stmatrix_x4_trans(address + round_bytes + j * 8 * 32, pack_pair<T>(d0[0] * s + bn[0], d0[1] * s + bn[0]),
+                        pack_pair<T>(d0[2] * s + bn[1], d0[3] * s + bn[1]), pack_pair<T>(d1[0] * s + bn[0], d1[1] * s + bn[0]),
+                        pack_pair<T>(d1[2] * s + bn[1], d1[3] * s + bn[1]));
     }
     fence_proxy_async_shared();  // the stores above, before the copy engine reads them
     __syncwarp();
@@ -509,14 +510,14 @@ __device__ __forceinline__ void ws_store_item(const GemmParams& p, uint32_t item
   const uint32_t lane = item & 31, tile16 = (item >> 5) / F;
   const T* bias = static_cast<const T*>(p.bias);
   int rows[2];
-  float sn[2], bn[2];
+  float bn[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     rows[half] = ntile * Cfg::kTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
-    sn[half] = ws_row_scale(p, out_scale, rows[half]);
     bn[half] = ws_row_bias(bias, p.N, rows[half]);
   }
-  ws_store_fragment<T>(p, rows, sn, bn, mpass * Cfg::kTokens + ws_item_token<Cfg>(item), v);
+  ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + ws_item_token<Cfg>(item),
+                       ws_tile_scale<Cfg>(p, out_scale, ntile), v);
 }
 
 // This CTA's slice of split tile `tile`: items [kItems * i / n, kItems * (i + 1) / n) for the i-th of its n CTAs,
