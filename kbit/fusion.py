@@ -18,10 +18,10 @@ GEMM as unfused.
 Memory: no second copy. The group holds one GEMM layout of the siblings' rows stacked (each sibling padded to 256
 rows, as its own layout is), and each sibling's ``gemm_codes`` / ``gemm_absmax`` buffers are views of its rows of it,
 so ``state_dict``, ``save_pretrained``, ``.to("cpu")`` and ``dequantize`` of each sibling work on its own tensors
-(per-projection keys, loadable by the same transformers classes). A sibling that is moved, cast or loaded gets its
-own layout again (``KbitLinear.prepare``), and the group copies it back into the stacked layout (in place, keeping
-the addresses CUDA graphs captured) once every sibling is GEMM-resident on one device; until then the siblings run
-separately.
+(per-projection keys, loadable by the same transformers classes). The stack is made, empty, on the device where the
+first sibling becomes GEMM-resident; each sibling that gets its own layout there (moved, loaded: ``KbitLinear.prepare``)
+is copied into its rows in place (keeping the addresses CUDA graphs captured) and its own layout freed, so at most one
+layer's layout is held twice. Until every sibling is in, they run separately.
 
 How one launch serves three calls inside transformers' unmodified forward (``q_proj(x)``, ``k_proj(x)``,
 ``v_proj(x)``): the first sibling called computes every sibling's output and the group holds them with that input;
@@ -43,7 +43,8 @@ from torch import Tensor, nn
 
 from . import dispatch, ops
 from ._validate import GEMM_DTYPES
-from .layout import N_ALIGN, row_blocks
+from .formats import padded_in_features
+from .layout import N_ALIGN, gemm_shapes, row_blocks
 
 __all__ = ["fuse_projections", "FusedProjections", "SIBLING_NAMES", "FUSE_BY_DEFAULT"]
 
@@ -111,49 +112,58 @@ class FusedProjections:
 
     # ------------------------------------------------------------------ the stacked layout
     def refresh(self) -> None:
-        """Build (or bring up to date) the stacked layout when every member is GEMM-resident on one device and the
-        members can share a launch; drop it otherwise. Called by each member's ``prepare``."""
+        """Bring the stacked layout up to date with the members; called by each member's ``prepare``.
+
+        The stack lives on the device of the GEMM-resident members (made there, empty, once the first of them lands,
+        so that each member moves its own layout in as it comes and frees it: at most one layer's layout is held
+        twice). A member holding its own layout there is copied into its rows, in place (addresses kept for CUDA
+        graphs), and holds views of them from then on. The stack is dropped once no member is resident on its
+        device, or when the members, all there, can no longer share a launch (loaded with another codebook)."""
         members = self.members
-        device = members[0].codebook.device
-        if not all(m.is_gemm_resident and m.gemm_codes.device == device for m in members):
-            self._stacked = None  # a member moved off (or not yet onto) the device: separate launches until it is back
-            return
-        reason = why_separate(members)
-        if reason is not None:
-            if self._stacked is not None or self.enabled:
-                logger.debug("kbit: %s stay separate GEMM launches: %s", ", ".join(self.names), reason)
+        resident = [m for m in members if m.is_gemm_resident]
+        stacked = self._stacked
+        if stacked is not None and not any(m.gemm_codes.device == stacked.codes.device for m in resident):
+            stacked = None  # every member has left its device (or holds its storage format there)
+        if not resident:
             self._stacked = None
             return
-        stacked = self._stacked
-        if stacked is None or stacked.codes.device != device or any(
-                tuple(v[0].shape) != tuple(m.gemm_codes.shape) for v, m in zip(stacked.views, members)):
-            stacked = self._stack(device)
-        for m, (codes, absmax) in zip(members, stacked.views):
+        device = stacked.codes.device if stacked is not None else resident[0].gemm_codes.device
+        if all(m.codebook.device == device for m in members):
+            reason = why_separate(members)
+            if reason is not None:
+                logger.debug("kbit: %s stay separate GEMM launches: %s", ", ".join(self.names), reason)
+                self._stacked = None
+                return
+        if stacked is None:
+            stacked = self._empty_stack(device)
+        for m, (codes, absmax), offset in zip(members, stacked.views, stacked.offsets):
+            if not m.is_gemm_resident or m.gemm_codes.device != device:
+                continue
             if m.gemm_codes is not codes or m.gemm_absmax is not absmax:
-                codes.copy_(m.gemm_codes)  # a member given its own layout (loaded, moved): back into its rows
+                codes.copy_(m.gemm_codes)
                 absmax.copy_(m.gemm_absmax)
                 m.gemm_codes, m.gemm_absmax = codes, absmax
                 m._invalidate()
-        for m, offset in zip(members, stacked.offsets):  # scales may have been loaded: in place, addresses kept
-            first, blocks = offset // N_ALIGN, m.gemm_codes.shape[0]
-            stacked.block_scale[first:first + blocks].copy_(m.scale.reshape(1).expand(blocks))
+            first = offset // N_ALIGN  # its scale may have been loaded: in place too
+            stacked.block_scale[first:first + codes.shape[0]].copy_(m.scale.reshape(1).expand(codes.shape[0]))
         self._stacked = stacked
         if device.type == "cuda":  # read in place by CUDA graphs, as each member's own buffers (KbitLinear.prepare)
             for t in (stacked.codes, stacked.absmax, stacked.block_scale, *(t for v in stacked.views for t in v)):
                 torch._dynamo.mark_static_address(t, guard=False)
 
-    def _stack(self, device) -> _Stacked:
+    def _empty_stack(self, device) -> _Stacked:
         members = self.members
-        codes = torch.cat([m.gemm_codes for m in members])
-        absmax = torch.cat([m.gemm_absmax for m in members])
+        shapes = [gemm_shapes(m.bits, m.out_features, padded_in_features(m.in_features)) for m in members]
+        blocks = sum(b[0] for b, _ in shapes)
+        codes = torch.empty((blocks, *shapes[0][0][1:]), dtype=torch.int32, device=device)
+        absmax = torch.empty((blocks, *shapes[0][1][1:]), dtype=torch.uint8, device=device)
         views, offsets, block = [], [], 0
-        for m in members:
-            blocks = m.gemm_codes.shape[0]
-            views.append((codes[block:block + blocks], absmax[block:block + blocks]))
+        for (b_shape, _), m in zip(shapes, members):
+            views.append((codes[block:block + b_shape[0]], absmax[block:block + b_shape[0]]))
             offsets.append(block * N_ALIGN)
-            block += blocks
+            block += b_shape[0]
         rows = offsets[-1] + members[-1].out_features
-        block_scale = torch.empty(block, dtype=torch.float32, device=device)
+        block_scale = torch.empty(blocks, dtype=torch.float32, device=device)
         return _Stacked(codes, absmax, tuple(views), block_scale, tuple(offsets), rows)
 
     # ------------------------------------------------------------------ forward

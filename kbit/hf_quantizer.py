@@ -223,13 +223,13 @@ class KbitHfQuantizer(HfQuantizer):
         # buffers are persistent ones that state_dict leaves out (kbit.nn). prepare() makes sure of both.
         if self.pre_quantized:
             hf_format.check_loaded_layers(model)
+        config = self.quantization_config
+        fuse = config.fuse_projections
+        fuse_projections(model, fuse)  # first: each layer's layout then moves into its group's stack as it is made
         for module in model.modules():
             if isinstance(module, (KbitLinear, KbitExperts)):
                 module.prepare()
-        config = self.quantization_config
-        fuse = config.fuse_projections
         if self.pre_quantized:
-            fuse_projections(model, fuse)
             return model
         if not self.quantized_while_loading:  # the whole model is loaded: quantize it block by block
             quantize_model(model, config.bits, config.codebook_tensor(),
@@ -241,7 +241,6 @@ class KbitHfQuantizer(HfQuantizer):
                       for missing in FUSED_PARAMETERS if missing not in loaded]
         if incomplete:
             raise ValueError(f"the checkpoint lacks {', '.join(incomplete)}")
-        fuse_projections(model, fuse)
         layers = sum(isinstance(m, (KbitLinear, KbitExperts)) for m in model.modules())
         summary = (f"kbit: {100 * quantized_fraction(model):.1f}% of {type(model).__name__}'s weights quantized to "
                    f"{config.bits} bits ({layers} layers)")

@@ -184,7 +184,9 @@ def test_moves_and_loads_keep_one_stacked_copy():
     assert group._stacked is stacked and k.gemm_codes.untyped_storage().data_ptr() == stacked.codes.data_ptr()
     assert all(torch.equal(a, b) for a, b in zip(model(x), want))
     state = {key: t.clone() for key, t in model.state_dict().items()}
-    model.load_state_dict(state)  # on CPU each layer holds its storage format again: the stack waits for all
+    model.q_proj.load_state_dict({key[len("q_proj."):]: t for key, t in state.items() if key.startswith("q_proj.")})
+    assert group._stacked is stacked and group._compute(x) is None  # on CPU q holds its storage: each layer alone
+    model.load_state_dict(state)  # none resident any more: the stack is dropped
     assert group._stacked is None
     _gemm_resident(model)
     assert model.k_proj.gemm_codes.untyped_storage().data_ptr() == group._stacked.codes.data_ptr()
@@ -284,3 +286,21 @@ def test_gemm_takes_one_scale_per_256_rows_and_refuses_other_lengths():
     for bad in (torch.ones(1024), torch.ones(3), torch.ones(2, 2)):
         with pytest.raises(ValueError, match="scale must hold one float32 or one per 256 output rows"):
             kbit.ops.gemm(x, *args, bad, None, 4, stacked.rows, K, 0)
+
+
+def test_each_layer_moves_into_the_stack_as_it_becomes_gemm_resident():
+    model = Attention().to(torch.bfloat16)
+    kbit.quantize_model(model, bits=4, min_features=1, skip=(), progress=False)
+    group = model.q_proj._fusion
+    assert group._stacked is None  # on CPU: storage format, no stack
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    want = [kbit.matmul(x, m.qweight, m.bias) for m in group.members]
+    for i, m in enumerate(group.members):
+        g = m.qweight.gemm_resident()
+        m.packed = m.absmax = None
+        m.gemm_codes, m.gemm_absmax = g.gemm_layout()
+        m.prepare()  # its own layout copied into its rows of the stack, made at the first one: one copy held
+        assert m.gemm_codes is group._stacked.views[i][0] and m.gemm_absmax is group._stacked.views[i][1]
+        assert (group._compute(x) is None) == (i < 2)  # one launch once all three are in
+    for got, expected in zip(model(x), want):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # the CPU kernel's rounding against the op's
