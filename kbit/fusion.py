@@ -59,8 +59,10 @@ SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def why_separate(members) -> Optional[str]:
-    """Why these KbitLinear layers cannot share one launch exactly, or None when they can."""
+    """Why these KbitLinear layers cannot share one launch exactly, or None when they can (values on the meta device
+    are not compared: ``refresh`` checks again once they hold data)."""
     first = members[0]
+    on_meta = first.codebook.device.type == "meta"
     for m in members[1:]:
         if m.bits != first.bits:
             return f"bits differ ({first.bits} and {m.bits})"
@@ -70,10 +72,10 @@ def why_separate(members) -> Optional[str]:
             return f"weight dtypes differ ({first.weight_dtype} and {m.weight_dtype})"
         if m.codebook.device != first.codebook.device:
             return f"devices differ ({first.codebook.device} and {m.codebook.device})"
-        if not torch.equal(m.codebook, first.codebook):
+        if not on_meta and not torch.equal(m.codebook, first.codebook):
             return "codebooks differ"
         if (m.rotation_signs is None) != (first.rotation_signs is None) or m._block != first._block or (
-                m.rotation_signs is not None and not torch.equal(m.rotation_signs, first.rotation_signs)):
+                m.rotation_signs is not None and not on_meta and not torch.equal(m.rotation_signs, first.rotation_signs)):
             return "input rotations differ"
     return None
 
