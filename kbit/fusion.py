@@ -7,13 +7,13 @@ At one token a projection's GEMM costs mostly its fixed per-call time (docs/PERF
 v projections, and the MLP's gate and up projections, are computed by one launch over their rows stacked. What makes
 that exact: the siblings have the same bits, codebook (bit for bit), rotation (or none), weight dtype and
 in_features, so each output row is the same products as in its own launch; each sibling keeps its own per-tensor
-scale, which the fused launch applies per 256 output rows (``kbit::gemm`` with a scale per block of the layout, in the
-epilogue where the per-tensor one goes: each sibling's rows are whole blocks). Siblings that differ in any of these stay separate launches (a debug line on the ``"kbit"``
-logger says why). The fp32 sums of a row are the same products; the order in which a launch adds them depends on
-how it cuts its tiles over the GPU's SMs, which follows the launch's shape, so a fused launch can round some outputs
-differently in the last bit than separate launches would, as a different split-K would (docs/DESIGN.md#fused-projections).
-Where the planner would dequantize and call cuBLAS at the fused shape (long prompts), every sibling runs its own
-GEMM as unfused.
+scale, which the fused launch applies per 256 output rows (``kbit::gemm`` with a scale per block of the layout, in
+the epilogue where the per-tensor one goes: each sibling's rows are whole blocks). Siblings that differ in any of
+these stay separate launches (a debug line on the ``"kbit"`` logger says why). The order in which a launch adds a
+row's fp32 products depends on how it cuts its tiles over the GPU's SMs, which follows the launch's shape, so a
+fused launch can round some outputs differently in the last bit than separate launches would, as a different split-K
+would (docs/DESIGN.md#fused-projections). Where the planner would dequantize and call cuBLAS at the fused shape (long
+prompts), every sibling runs its own GEMM as unfused.
 
 Memory: no second copy. The group holds one GEMM layout of the siblings' rows stacked (each sibling padded to 256
 rows, as its own layout is), and each sibling's ``gemm_codes`` / ``gemm_absmax`` buffers are views of its rows of it,
@@ -27,9 +27,10 @@ How one launch serves three calls inside transformers' unmodified forward (``q_p
 ``v_proj(x)``): the first sibling called computes every sibling's output and the group holds them with that input;
 a sibling called with the same tensor (identity) takes its output, and the last one clears the hold. This is plain
 Python state, which ``torch.compile`` traces as data flow (no graph break; under CUDA graphs nothing is held between
-steps). A sibling called with another input, or twice, while outputs are held means the parent does not feed its
-siblings one input (cross-attention, shared KV layers): the group turns itself off (a debug line) and every sibling
-runs its own GEMM from then on; ``fuse_projections(model)`` groups afresh. The outputs are column views of one
+steps). A sibling called with another input (or the same one written in place since), or twice, while outputs are
+held means the parent does not feed its siblings one input (cross-attention, shared KV layers): the group turns
+itself off (a debug line) and every sibling runs its own GEMM from then on; ``fuse_projections(model)`` groups
+afresh. The outputs are column views of one
 [tokens, rows] result (reshaped into heads with ``view``, as transformers does, without a copy).
 """
 
@@ -74,8 +75,9 @@ def why_separate(members) -> Optional[str]:
             return f"devices differ ({first.codebook.device} and {m.codebook.device})"
         if not on_meta and not torch.equal(m.codebook, first.codebook):
             return "codebooks differ"
-        if (m.rotation_signs is None) != (first.rotation_signs is None) or m._block != first._block or (
-                m.rotation_signs is not None and not on_meta and not torch.equal(m.rotation_signs, first.rotation_signs)):
+        rotated = m.rotation_signs is not None
+        if rotated != (first.rotation_signs is not None) or m._block != first._block or (
+                rotated and not on_meta and not torch.equal(m.rotation_signs, first.rotation_signs)):
             return "input rotations differ"
     return None
 
@@ -103,7 +105,7 @@ class FusedProjections:
         self.names = tuple(names)
         self.enabled = True  # off after a call pattern that is not one shared input (module docstring)
         self._stacked: Optional[_Stacked] = None
-        self._held = None  # (input, outputs, which members have yet to take theirs)
+        self._held = None  # (input, its version, outputs, which members have yet to take theirs)
 
     def __repr__(self) -> str:
         state = "built" if self._stacked is not None else "not built"
@@ -174,10 +176,10 @@ class FusedProjections:
         when ``member`` computes it alone."""
         held = self._held
         if held is not None:
-            if held[0] is x and held[2][slot]:
-                waiting = tuple(w and i != slot for i, w in enumerate(held[2]))
-                self._held = (x, held[1], waiting) if any(waiting) else None
-                return held[1][slot]
+            if held[0] is x and held[1] == _version(x) and held[3][slot]:
+                waiting = tuple(w and i != slot for i, w in enumerate(held[3]))
+                self._held = (*held[:3], waiting) if any(waiting) else None
+                return held[2][slot]
             self.enabled = False
             self._held = None
             logger.debug("kbit: %s are not called with one input here; they run as separate GEMM launches",
@@ -188,7 +190,7 @@ class FusedProjections:
         outputs = self._compute(x)
         if outputs is None:
             return None
-        self._held = (x, outputs, tuple(i != slot for i in range(len(outputs))))
+        self._held = (x, _version(x), outputs, tuple(i != slot for i in range(len(outputs))))
         return outputs[slot]
 
     def _compute(self, x: Tensor) -> Optional[tuple]:
@@ -228,6 +230,17 @@ class FusedProjections:
             else:
                 parts.append(nn.functional.pad(m.bias.to(dtype), (0, rows - m.out_features)))
         return torch.cat(parts)
+
+
+def _version(x: Tensor) -> Optional[int]:
+    """x's version counter in eager mode (an in-place write to x between two siblings' calls is a new input), None
+    while torch.compile traces (functionalized: no in-place writes to see) and for inference tensors (no counter)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return x._version
+    except RuntimeError:
+        return None
 
 
 def _groups_of(model: nn.Module, kbit_linear: type):

@@ -235,7 +235,8 @@ def dequantize_rows(packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int,
     if scale.numel() == 1:
         return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
     unit = torch.ones((), dtype=torch.float32, device=scale.device)
-    return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K) * _scale_of_rows(scale, N)
+    w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K)
+    return w * _scale_of_rows(scale, N)
 
 
 @torch.library.custom_op("kbit::gemm", mutates_args=())

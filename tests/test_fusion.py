@@ -304,3 +304,13 @@ def test_each_layer_moves_into_the_stack_as_it_becomes_gemm_resident():
         assert (group._compute(x) is None) == (i < 2)  # one launch once all three are in
     for got, expected in zip(model(x), want):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # the CPU kernel's rounding against the op's
+
+
+def test_an_input_written_in_place_between_siblings_is_a_new_input():
+    model = _fused_attention()
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    model.q_proj(x)
+    x.mul_(2)
+    k = model.k_proj(x)
+    assert not model.q_proj._fusion.enabled
+    assert torch.equal(k, kbit.matmul(x, model.k_proj.qweight, model.k_proj.bias))
