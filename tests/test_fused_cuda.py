@@ -148,14 +148,20 @@ def test_greedy_decode_fused_equals_unfused(family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_compiled_decode_fused_equals_unfused(family):
-    """Static cache, forward compiled with mode="reduce-overhead" (CUDA graphs): the holds between siblings are data
-    flow inside the graph, nothing is kept between steps."""
+    """transformers' static-cache fast path, the decode step compiled with fullgraph=True (a graph break raises) and
+    mode="reduce-overhead" (CUDA graphs): the holds between siblings are data flow inside the graph, nothing is kept
+    between steps, and the tokens are those of the eager fused model and of the compiled unfused one."""
+    from transformers import CompileConfig
+
     torch._dynamo.reset()
     model = _tiny(family)
-    prompt = torch.randint(1, 512, (1, 12), device="cuda")
-    eager_fused = _greedy(model, prompt, 16, cache_implementation="static")
-    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    prompt = torch.randint(1, 512, (2, 12), device="cuda")
+    eager_fused = _greedy(model, prompt, 16)
+    model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    torch._dynamo.utils.counters.clear()
     compiled_fused = _greedy(model, prompt, 16, cache_implementation="static")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "generate did not compile the decode step"
+    assert torch.equal(_greedy(model, prompt, 16, cache_implementation="static"), compiled_fused)  # replayed
     assert all(m._fusion._held is None for m in model.modules() if isinstance(m, kbit.KbitLinear) and m._fusion)
     _same_or_near_tie(model, prompt, compiled_fused, eager_fused, tol=5e-2)
     torch._dynamo.reset()
@@ -192,5 +198,5 @@ def test_fusing_allocates_only_the_block_scales_and_keeps_state_dicts():
     q = model.model.layers[0].self_attn.q_proj
     address = q.gemm_codes.data_ptr()
     model.load_state_dict(cpu_state)
-    assert q.gemm_codes.data_ptr() == address and _allocated() - base == fused
+    assert q.gemm_codes.data_ptr() == address and abs(_allocated() - base - fused) <= 4096
     print(f"tiny Llama on the GPU: unfused {unfused} B, fused {fused} B")
