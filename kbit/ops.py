@@ -223,20 +223,17 @@ def weights_settled(*tensors: Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- fused GEMM
-def _scale_of_rows(scale: Tensor, N: int) -> Tensor:
-    """[N, 1]: each row's scale of a scale per 256 rows (``layout.row_blocks``)."""
-    return scale.repeat_interleave(layout.N_ALIGN)[:N, None]
-
-
-def dequantize_rows(packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, N: int, K: int,
-                    scale: Tensor) -> Tensor:
-    """The [N, K] weight in float32 with a per-tensor ``scale`` or one per 256 rows (fused projections: each row
-    times its own projection's power of two, the same product as that projection's per-tensor scale)."""
+def dequantize_rows(packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, N: int, K: int, scale: Tensor,
+                    dequantize_flat=None) -> Tensor:
+    """The [N, K] weight in float32 with a per-tensor ``scale`` or one per 256 rows (``layout.row_blocks``: fused
+    projections, each row times its own projection's power of two, the same product as that projection's per-tensor
+    scale). ``dequantize_flat``: the dequantize op (default) or ``formats.dequantize_reference``."""
+    dequantize_flat = dequantize if dequantize_flat is None else dequantize_flat
     if scale.numel() == 1:
-        return dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+        return dequantize_flat(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
     unit = torch.ones((), dtype=torch.float32, device=scale.device)
-    w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K)
-    return w * _scale_of_rows(scale, N)
+    w = dequantize_flat(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K)
+    return w * scale.repeat_interleave(layout.N_ALIGN)[:N, None]
 
 
 @torch.library.custom_op("kbit::gemm", mutates_args=())
@@ -263,13 +260,8 @@ def gemm(
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     N, K = out_features, in_features_padded
     packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, N, K)
-    if scale.numel() == 1:
-        w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, scale)
-    else:  # each row times its own power of two: the product its projection's per-tensor scale gives
-        unit = torch.ones((), dtype=torch.float32, device=scale.device)
-        w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, unit)
-        w = w.reshape(N, K) * _scale_of_rows(scale, N)
-    y = x.to(torch.float32) @ w.reshape(N, K)[:, : x.shape[1]].T
+    w = dequantize_rows(packed, absmax, codebook, bits, N, K, scale, formats.dequantize_reference)
+    y = x.to(torch.float32) @ w[:, : x.shape[1]].T
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
