@@ -283,6 +283,9 @@ def test_gemm_takes_one_scale_per_256_rows_and_refuses_other_lengths():
     assert stacked.block_scale.shape == (4,)  # q: 2 blocks, k: 1, v: 1
     y = kbit.ops.gemm(x, *args, stacked.block_scale, None, 4, stacked.rows, K, 0)
     assert y.shape == (2, 1024)
+    bias = torch.randn(stacked.rows).to(torch.bfloat16)
+    # fake implementation, autograd registration (x and bias through the per-block scale) and schema
+    torch.library.opcheck(kbit.ops.gemm, (x.requires_grad_(), *args, stacked.block_scale, bias, 4, stacked.rows, K, 0))
     for bad in (torch.ones(1024), torch.ones(3), torch.ones(2, 2)):
         with pytest.raises(ValueError, match="scale must hold one float32 or one per 256 output rows"):
             kbit.ops.gemm(x, *args, bad, None, 4, stacked.rows, K, 0)
