@@ -136,6 +136,11 @@ class FusedProjections:
             reason = why_separate(members)
             if reason is not None:
                 logger.debug("kbit: %s stay separate GEMM launches: %s", ", ".join(self.names), reason)
+                if stacked is not None:  # grouped before loading: members that moved in take their rows back out
+                    for m, (codes, absmax) in zip(members, stacked.views):
+                        if m.gemm_codes is codes:
+                            m.gemm_codes, m.gemm_absmax = codes.clone(), absmax.clone()
+                            m._invalidate()
                 self._stacked = None
                 return
         if stacked is None:

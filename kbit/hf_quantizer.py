@@ -180,6 +180,9 @@ class KbitHfQuantizer(HfQuantizer):
             hf_format.swap_in_kbit_layers(model, layers)
             hf_format.swap_in_kbit_experts(model, experts)
             self._saved_names = sorted(layers)
+            # Grouped now, on meta: transformers prepares each layer as its tensors arrive, and the layer then moves
+            # its layout into its group's stack, so no group is ever held twice (grouped after, it would be).
+            fuse_projections(model, self.quantization_config.fuse_projections)
             return
         if not self.quantized_while_loading:
             return
@@ -229,7 +232,8 @@ class KbitHfQuantizer(HfQuantizer):
             hf_format.check_loaded_layers(model)
         config = self.quantization_config
         fuse = config.fuse_projections
-        fuse_projections(model, fuse)  # first: each layer's layout then moves into its group's stack as it is made
+        if not self.pre_quantized:  # a kbit folder's layers were grouped before loading
+            fuse_projections(model, fuse)  # first: each layer's layout then moves into its group's stack as it is made
         for module in model.modules():
             if isinstance(module, (KbitLinear, KbitExperts)):
                 module.prepare()

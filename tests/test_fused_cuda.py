@@ -191,9 +191,10 @@ def test_fusing_allocates_only_the_block_scales_and_keeps_state_dicts():
     for g in groups:
         for m, (codes, absmax) in zip(g.members, g._stacked.views):
             assert m.gemm_codes is codes and m.gemm_absmax is absmax
-    got = model.state_dict()
+    got = model.state_dict()  # the storage format, derived on the GPU
     assert list(got) == list(cpu_state)
     assert all(torch.equal(got[key].cpu(), cpu_state[key]) for key in cpu_state)
+    del got
     # Loading on the GPU: each layer's new layout goes back into its rows of the same stack (addresses kept).
     q = model.model.layers[0].self_attn.q_proj
     address = q.gemm_codes.data_ptr()

@@ -309,6 +309,30 @@ def test_each_layer_moves_into_the_stack_as_it_becomes_gemm_resident():
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # the CPU kernel's rounding against the op's
 
 
+def test_a_group_made_before_loading_lets_its_layers_go_when_a_late_one_differs():
+    """A kbit folder's layers are grouped before their tensors arrive (hf_quantizer); when the last to arrive cannot
+    share the launch (another codebook), those already in the stack take their own copies and the stack goes."""
+    model = Attention().to(torch.bfloat16)
+    kbit.quantize_model(model, bits=4, min_features=1, skip=(), progress=False)
+    group = model.q_proj._fusion
+    other = model.k_proj.codebook.clone()
+    other[1] += 1 / 64
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    for i, m in enumerate(group.members[:2]):
+        if i == 1:  # arrives with another codebook (on CUDA the others wait on meta, unchecked, until then)
+            m.codebook = other
+            want = [kbit.matmul(x, m.qweight, m.bias) for m in group.members]
+        g = m.qweight.gemm_resident()
+        m.packed = m.absmax = None
+        m.gemm_codes, m.gemm_absmax = g.gemm_layout()
+        m.prepare()
+        assert (group._stacked is None) == (i == 1)
+    q = model.q_proj
+    assert q.gemm_codes._base is None and q.gemm_absmax._base is None  # its own tensors, not rows of a stack
+    for got, expected in zip(model(x), want):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
 def test_an_input_written_in_place_between_siblings_is_a_new_input():
     model = _fused_attention()
     x = torch.randn(2, 96, dtype=torch.bfloat16)
