@@ -122,8 +122,15 @@ class FusedProjections:
         so that each member moves its own layout in as it comes and frees it: at most one layer's layout is held
         twice). A member holding its own layout there is copied into its rows, in place (addresses kept for CUDA
         graphs), and holds views of them from then on. The stack is dropped once no member is resident on its
-        device, or when the members, all there, can no longer share a launch (loaded with another codebook)."""
+        device. Members that turn out unable to share a launch once all hold data on one device (a kbit folder's
+        layers are grouped on meta, before their values are known) leave the group, with their own copies."""
         members = self.members
+        devices = {m.codebook.device for m in members}
+        if len(devices) == 1 and next(iter(devices)).type != "meta":
+            reason = why_separate(members)
+            if reason is not None:
+                self._dissolve(reason)
+                return
         resident = [m for m in members if m.is_gemm_resident]
         stacked = self._stacked
         if stacked is not None and not any(m.gemm_codes.device == stacked.codes.device for m in resident):
@@ -132,17 +139,6 @@ class FusedProjections:
             self._stacked = None
             return
         device = stacked.codes.device if stacked is not None else resident[0].gemm_codes.device
-        if all(m.codebook.device == device for m in members):
-            reason = why_separate(members)
-            if reason is not None:
-                logger.debug("kbit: %s stay separate GEMM launches: %s", ", ".join(self.names), reason)
-                if stacked is not None:  # grouped before loading: members that moved in take their rows back out
-                    for m, (codes, absmax) in zip(members, stacked.views):
-                        if m.gemm_codes is codes:
-                            m.gemm_codes, m.gemm_absmax = codes.clone(), absmax.clone()
-                            m._invalidate()
-                self._stacked = None
-                return
         if stacked is None:
             stacked = self._empty_stack(device)
         for m, (codes, absmax), offset in zip(members, stacked.views, stacked.offsets):
@@ -159,6 +155,16 @@ class FusedProjections:
         if device.type == "cuda":  # read in place by CUDA graphs, as each member's own buffers (KbitLinear.prepare)
             for t in (stacked.codes, stacked.absmax, stacked.block_scale, *(t for v in stacked.views for t in v)):
                 torch._dynamo.mark_static_address(t, guard=False)
+
+    def _dissolve(self, reason: str) -> None:
+        logger.debug("kbit: %s stay separate GEMM launches: %s", ", ".join(self.names), reason)
+        stacked = self._stacked
+        for slot, m in enumerate(self.members):
+            if stacked is not None and m.gemm_codes is stacked.views[slot][0]:
+                m.gemm_codes, m.gemm_absmax = m.gemm_codes.clone(), m.gemm_absmax.clone()
+                m._invalidate()
+            m._fusion, m._fusion_slot = None, 0
+        self._stacked = None
 
     def _empty_stack(self, device) -> _Stacked:
         members = self.members
@@ -260,6 +266,14 @@ def _groups_of(model: nn.Module, kbit_linear: type):
             seen.update(id(m) for _, m in found)
             prefix = parent_name + "." if parent_name else ""
             yield [m for _, m in found], [prefix + name for name, _ in found]
+
+
+def has_groups(model: nn.Module) -> bool:
+    """Whether any kbit layer of ``model`` is grouped with its siblings (so that code replacing layers, such as
+    tensor-parallel sharding, groups the new ones again)."""
+    from .nn import KbitLinear
+
+    return any(isinstance(m, KbitLinear) and m._fusion is not None for m in model.modules())
 
 
 def fuse_projections(model: nn.Module, enabled: bool = True) -> int:

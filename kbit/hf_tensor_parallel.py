@@ -32,6 +32,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from . import tensor_parallel as tp
 from .formats import meta_tensor
+from .fusion import fuse_projections, has_groups
 from .moe import KbitExperts
 from .nn import KbitLinear
 from .rotation import Rotation
@@ -131,10 +132,12 @@ def finish_loading(model) -> None:
         raise ValueError("this transformers applies its tp_plan to kbit layers without asking kbit (no "
                          "HfQuantizer.update_parallel_plan): load without tp_plan and shard with "
                          "kbit.tensor_parallel.shard_model, or use a transformers that has it")
+    fused, sharded = has_groups(model), False
     for name, module in list(model.named_modules()):
         pending = module.__dict__.pop("_kbit_tp", None)
         if pending is None:
             continue
+        sharded = True
         cls, mesh = pending
         group = tp.RankGroup(mesh.get_group())
         if isinstance(module, KbitExperts):
@@ -161,6 +164,8 @@ def finish_loading(model) -> None:
             rotation = Rotation(_local(module.rotation_signs), block)
         bias = None if module.bias is None else _local(module.bias)
         model.set_submodule(name, tp.local_linear(cls, qw, bias, rotation, group))
+    if fused and sharded:  # the shards of sibling projections share one launch as the whole layers did
+        fuse_projections(model)
     plan = getattr(model, "_tp_plan", None)
     original = model.__dict__.pop("_kbit_original_styles", {})
     if isinstance(plan, dict):

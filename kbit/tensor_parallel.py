@@ -50,6 +50,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from .formats import BLOCK_SIZE
+from .fusion import fuse_projections, has_groups
 from .moe import KbitExperts
 from .nn import KbitLinear
 from .rotation import Rotation
@@ -337,7 +338,7 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
     plan = model_plan(model) if plan is None else plan
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
         raise TypeError(f"plan must be a dict of layer name -> style name, got {type(plan).__name__}")
-    report = {}
+    report, fused = {}, has_groups(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, _PARALLEL):
             raise ValueError(f"{name} is sharded already: shard_model runs once per model")
@@ -355,6 +356,8 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
         if not name:
             raise ValueError("model is itself a kbit layer: shard it inside a model that has a plan for it")
         model.set_submodule(name, new)
+    if fused:  # the shards of sibling projections share one launch as the whole layers did
+        fuse_projections(model)
     return report
 
 
@@ -421,6 +424,7 @@ def unshard_model(model: nn.Module) -> nn.Module:
     """Gather every sharded layer of ``model`` back into a whole ``KbitLinear`` / ``KbitExperts`` / ``nn.Linear``, in
     place, on every rank (each rank of the group must call it). Layers kept whole by ``shard_model`` become plain kbit layers
     again. Returns the model, which then saves (``kbit.save_quantized`` on rank 0) and loads at any TP size."""
+    fused = has_groups(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, TensorParallelKbitExperts):
             model.set_submodule(name, _gathered_experts(module))
@@ -430,4 +434,6 @@ def unshard_model(model: nn.Module) -> nn.Module:
             model.set_submodule(name, KbitLinear.from_quantized(module.qweight, module.bias, module.rotation))
         elif isinstance(module, (ColumnParallelKbitLinear, RowParallelKbitLinear)):
             model.set_submodule(name, _gathered_linear(module))
+    if fused:
+        fuse_projections(model)
     return model

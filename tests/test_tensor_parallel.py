@@ -143,6 +143,13 @@ def _recording_reads(reads: list):
     DtensorShardOperation.shard_tensor = recorded
 
 
+def _groups(model) -> list:
+    """The sibling groups of ``model`` (kbit.fusion) by member name; a member no longer in the model is '?'."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return sorted({tuple(names.get(id(m), "?") for m in layer._fusion.members)
+                   for layer in model.modules() if isinstance(layer, kbit.KbitLinear) and layer._fusion is not None})
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
     """One rank: every model at TP=2, sharded by shard_model (logits, resident bytes, report), then whole again and
     saved by rank 0; then loaded with tp_plan="auto" (logits, greedy tokens, what was read)."""
@@ -158,12 +165,14 @@ def _worker(rank: int, port: int, folder: str) -> None:
         _recording_reads(reads)
         for name in MODELS:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32).eval()
-            whole_bytes = tp.kbit_bytes(model)
+            whole_bytes, whole_groups = tp.kbit_bytes(model), _groups(model)
             report = tp.shard_model(model)
             out[name] = {"report": report, "whole_bytes": whole_bytes, "bytes": tp.kbit_bytes(model),
-                         "lm_head_rows": model.lm_head.weight.shape[0]}
+                         "lm_head_rows": model.lm_head.weight.shape[0], "whole_groups": whole_groups,
+                         "sharded_groups": _groups(model)}
             torch.save(logits(model, ids), root / f"{name}.tp2.rank{rank}.pt")
             tp.unshard_model(model)
+            out[name]["unsharded_groups"] = _groups(model)
             torch.save(logits(model, ids), root / f"{name}.unsharded.rank{rank}.pt")
             if rank == 0:
                 kbit.save_quantized(model, root / f"{name}.saved_at_tp2")
@@ -173,6 +182,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
                                                                       tp_plan="auto").eval()
             out[name]["tp_plan_reads"] = list(reads)
             out[name]["tp_plan_bytes"] = tp.kbit_bytes(model)
+            out[name]["tp_plan_groups"] = _groups(model)
             torch.save(logits(model, ids), root / f"{name}.tp_plan.rank{rank}.pt")
             with torch.no_grad():
                 out[name]["tokens"] = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
@@ -302,6 +312,19 @@ def test_every_kbit_layer_is_sharded(job):
     assert moe.pop("lm_head") == "column shard, output gathered"
     assert {how for name, how in moe.items() if name.endswith("experts")} == {"shard of every expert"}
     assert all(how in ("column shard", "row shard") for name, how in moe.items() if not name.endswith("experts"))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sharded_sibling_projections_stay_grouped(job, name):
+    """q/k/v and gate/up shards share one launch as the whole layers did (kbit.fusion), after shard_model,
+    unshard_model and a tp_plan load; no group keeps a layer that left the model."""
+    *_, results = job
+    for rank in results:
+        got = rank[name]
+        rotated = MODELS[name][1]  # rotated siblings differ in their input rotations: they stay apart
+        assert bool(got["whole_groups"]) != rotated and all("?" not in g for g in got["whole_groups"])
+        for key in ("sharded_groups", "unsharded_groups", "tp_plan_groups"):
+            assert got[key] == got["whole_groups"], key
 
 
 def test_the_16_bit_lm_head_is_split_by_vocabulary_unless_tied(job):
