@@ -6,6 +6,7 @@ Qwen3-MoE-shaped one (Qwen3-30B-A3B's dimensions, fewer layers).
     python benchmarks/bench_e2e.py --layers 4 --bits 4      # a quicker, shallower run
     python benchmarks/bench_e2e.py --model qwen3-moe --layers 4 --bits 4 --check    # MoE: kbit K=4 vs bf16
     python benchmarks/bench_e2e.py --bits 4 --no-fp16 --fuse-ab     # q/k/v, gate/up fused vs apart (--no-fuse: apart)
+    python benchmarks/bench_e2e.py --bits 4 --torchao       # + torchao's int4 weight-only row (tinygemm, g128, bf16)
     python benchmarks/bench_e2e.py --device cpu --layers 2 --hidden 256 --intermediate 512 \\
         --heads 4 --kv-heads 2 --vocab 1000 --new-tokens 8 --check      # tiny end-to-end smoke run
     python benchmarks/bench_e2e.py --device cpu --model qwen3-moe --layers 2 --hidden 256 --heads 4 --kv-heads 2 \\
@@ -18,7 +19,9 @@ Qwen3-MoE-shaped one (Qwen3-30B-A3B's dimensions, fewer layers).
 CUDA, its experts run by transformers' default experts implementation (``grouped_mm`` where it can dispatch). Both
 have random weights (seeded, so every format starts from the same model), on the device; for a kbit row
 ``kbit.quantize_model`` swaps the Linear projections (q/k/v/o, gate/up/down; ``lm_head``, the embeddings and the
-MoE routers stay 16-bit) and the routed experts (``kbit.KbitExperts``).
+MoE routers stay 16-bit) and the routed experts (``kbit.KbitExperts``). ``--torchao`` adds a peer row: torchao's
+``Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")`` (the tinygemm kernel, which takes
+bf16) on the same Linear projections, the model in bf16; torchao is an optional dependency of this benchmark only.
 
 Decoding is greedy with a ``transformers.StaticCache`` (fixed shapes, fixed addresses). One
 decode step -- the model forward for one token per sequence, argmax, and advancing the position --
@@ -120,7 +123,15 @@ def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=No
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(_tensor_bytes(t) for t in tensors)
+
+
+def _tensor_bytes(t) -> int:
+    """Bytes held: a tensor subclass that wraps others (torchao's int4 weights) counts the tensors it holds."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
 
 
 def model_bytes(model) -> dict:
@@ -349,24 +360,29 @@ def run(args) -> dict:
     rows = []
     ok = True
     model, built_bits = None, None
-    for bits, fused in fusion_settings(formats, args):
-        label = "fp16" if bits is None else f"kbit K={bits}"
+    for bits, fused in row_settings(formats, args):
+        label = "fp16" if bits is None else TORCHAO_LABEL if bits == TORCHAO else f"kbit K={bits}"
         if bits is None and dtype != torch.float16:
             label = str(dtype).replace("torch.", "")
         t0 = time.perf_counter()
         if bits is not None and args.quantize_lm_head:
             label += f" + lm_head K={args.quantize_lm_head}"
-        if not fused and bits is not None:
+        if fused is False:
             label += ", q/k/v gate/up apart"
         if model is None or bits != built_bits:  # --fuse-ab: both settings on one quantized model
             model = built_bits = None
             gc.collect()
-            model = build_model(config, device, dtype, seed=args.seed, bits=bits, lm_head_bits=args.quantize_lm_head)
+            if bits == TORCHAO:
+                model = build_torchao_int4(config, device, seed=args.seed)
+            else:
+                model = build_model(config, device, dtype, seed=args.seed, bits=bits,
+                                    lm_head_bits=args.quantize_lm_head)
             built_bits = bits
-        if bits is not None:
+        if fused is not None:
             kbit.fuse_projections(model, fused)
         nbytes = model_bytes(model)
-        row = {"format": label, "bits": bits, "fused_projections": fused, "resident_bytes": nbytes["total"],
+        row = {"format": label, "bits": None if bits == TORCHAO else bits, "peer": bits == TORCHAO,
+               "fused_projections": fused, "resident_bytes": nbytes["total"],
                "build_s": time.perf_counter() - t0, "batches": {}}
         for b in batches:
             res = {"bytes_per_step": step_bytes(nbytes, b)}
@@ -430,14 +446,33 @@ def run(args) -> dict:
             "rows": rows, "check_passed": ok if args.check else None}
 
 
-def fusion_settings(formats, args) -> list:
-    """(bits, fused) of each row: fp16 (None, None); a kbit format with its sibling projections fused (one GEMM launch
-    for q/k/v and one for gate/up, the default), apart with ``--no-fuse``, or both with ``--fuse-ab``."""
+def row_settings(formats, args) -> list:
+    """(bits, fused) of each row: fp16 (None, None); torchao's int4 (TORCHAO, None) after it with ``--torchao``; a kbit
+    format with its sibling projections fused (one GEMM launch for q/k/v and one for gate/up, the default), apart
+    with ``--no-fuse``, or both with ``--fuse-ab``."""
     fused = (True, False) if args.fuse_ab else (not args.no_fuse,)
     settings = []
     for bits in formats:
         settings += [(None, None)] if bits is None else [(bits, f) for f in fused]
+    if args.torchao:
+        settings.insert(1 if formats and formats[0] is None else 0, (TORCHAO, None))
     return settings
+
+
+TORCHAO, TORCHAO_LABEL = "torchao", "torchao int4 g128 (bf16)"
+
+
+def build_torchao_int4(config, device, seed: int):
+    """The same random model in bf16 with torchao's int4 weight-only quantization (tinygemm layout, groups of 128) on
+    the Linear projections kbit quantizes (``lm_head`` stays 16-bit, as in the kbit rows)."""
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+    except ImportError as e:
+        raise SystemExit(f"--torchao needs torchao (pip install torchao): {e}") from None
+    model = build_model(config, device, torch.bfloat16, seed=seed)
+    quantize_(model, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"),
+              filter_fn=lambda module, name: type(module) is torch.nn.Linear and name.rpartition(".")[2] != "lm_head")
+    return model
 
 
 def _git_revision() -> str:
@@ -457,7 +492,7 @@ def _git_revision() -> str:
 def markdown(result: dict) -> str:
     s, env = result["shape"], result["env"]
     batches = sorted({int(b) for r in result["rows"] for b in r["batches"]})
-    base = next((r for r in result["rows"] if r["bits"] is None), None)
+    base = next((r for r in result["rows"] if r["bits"] is None and not r.get("peer")), None)
     head = (f"{_describe_model(result.get('model', 'llama3-8b'), s)}, random weights, "
             f"{result['dtype']}, greedy decode with a static KV cache, mode `{result['mode']}`, "
             f"prompt {result['prompt_len']}, {result['new_tokens']} timed tokens, median of {result['repeats']}; "
@@ -561,6 +596,8 @@ def parse_args(argv=None):
                    help="kbit rows: q/k/v and gate/up as separate GEMM launches (kbit.fuse_projections(model, False))")
     p.add_argument("--fuse-ab", action="store_true",
                    help="kbit rows: each K timed fused and then apart, on one quantized model")
+    p.add_argument("--torchao", action="store_true",
+                   help="also time torchao's int4 weight-only model (tinygemm, groups of 128, bf16): a peer row")
     p.add_argument("--profile", action="store_true",
                    help="GPU kernel time per decode step by group (kbit GEMM, cuBLAS, attention, other)")
     p.add_argument("--seed", type=int, default=0)
