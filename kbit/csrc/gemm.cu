@@ -33,8 +33,8 @@ struct HostFacts {
   static constexpr int kCcMajorMin = Cfg::kWgmma || !Cfg::kOnSm80 ? kHopperMajor : kSm80Major;
   static constexpr int kCcMajorMax = Cfg::kWgmma ? kHopperMajor : INT_MAX;
 };
-template <int K, int NT>
-struct HostFacts<WsConfig<K, NT>> {
+template <int BITS, int NT>
+struct HostFacts<WsConfig<BITS, NT>> {
   static constexpr int kCcMajorMin = kHopperMajor, kCcMajorMax = kHopperMajor;
 };
 
@@ -163,8 +163,8 @@ cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {
     return cudaErrorMisalignedAddress;
   }
   return with_bits(p.k, cudaErrorInvalidValue, [&](auto bits) {
-    constexpr int K = decltype(bits)::value;
-    return p.ws_tokens ? gemm_ws_for_bits<K>(p, stream) : gemm_for_bits<K>(p, stream);
+    constexpr int BITS = decltype(bits)::value;
+    return p.ws_tokens ? gemm_ws_for_bits<BITS>(p, stream) : gemm_for_bits<BITS>(p, stream);
   });
 }
 

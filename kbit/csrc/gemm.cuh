@@ -1,7 +1,7 @@
 // The fused dequantize + GEMM kernel: y[M, N] = x[M, K] @ W_hat[N, K]^T, W_hat read from the GEMM layout.
 //
 // Reads top to bottom:
-//   GemmConfig      compile-time sizes of one configuration (bits K, 8-token tiles MB, tensor-core instruction)
+//   GemmConfig      compile-time sizes of one configuration (BITS per weight, 8-token tiles MB, MMA kind)
 //   build_tables    the per-CTA lookup table: codes -> 16-bit codebook values
 //   block_fragments turns a lane's codes of one block into MMA A-fragment registers (table lookups)
 //   SmemLayout      where the tables (at an aligned shared address) and each stage's pieces live
@@ -60,13 +60,13 @@ constexpr int kStaticSmemMax = 2048;
 
 // Warps per CTA, and row tiles (16 weight rows each) per warp. A warp owns two row tiles: each activation
 // fragment it loads then serves both, and the per-step work that does not scale with the rows (barrier
-// waits, copy issue, cursors: over a third of a one-tile step's instructions) is paid once per 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. K = 5 keeps
+// waits, copy issue, cursors: over a third of a one-tile step's instructions) is paid once per 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. BITS = 5 keeps
 // one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
 // more shared memory than sm_80 has).
 // wgmma: one or two row tiles (CTA tiles of 128 or 256 rows). With two, each step's activations (MB*8 tokens x
 // 256 k, 16-64 KB from L2) serve twice the weights: with one at 128 tokens, the activations were 4x the
 // weights' bytes and the kernel ran at the rate the SM takes data in. But half the tiles means more split-K and 2x
-// larger partials: on small shapes one is faster (docs/PERFORMANCE.md, "Measured choices"). K = 5 at 128 tokens
+// larger partials: on small shapes one is faster (docs/PERFORMANCE.md, "Measured choices"). BITS = 5 at 128 tokens
 // has one only: two would not fit two stages.
 constexpr int kGemmWarps = 8;
 // The k split at 16 tokens: one row tile (16-row CTA tiles), as two would not leave room for two stages of 16 token
@@ -86,9 +86,9 @@ constexpr int kSm80SmemMax = 163 * 1024;
 // grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue. KS: warps splitting one tile's
 // k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns). ST: up to 16 tokens, the
 // weights streamed through L2 evict-first (kWeightsStreamed).
-template <int K, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false>
+template <int BITS, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false>
 struct GemmConfig {
-  static constexpr int kBits = K, kMB = MB;
+  static constexpr int kBits = BITS, kMB = MB;
   static constexpr bool kWgmma = WG > 0;
   static constexpr bool kGrouped = G != 0;
   static constexpr GroupedEpilogue kEpilogue = static_cast<GroupedEpilogue>(G);
@@ -102,10 +102,10 @@ struct GemmConfig {
   static constexpr int kKSplit = KS;
   static_assert(KS == 1 || (KS == kGemmWarps && WG == 0 && G == 0 && MB <= 2),
                 "k split across warps: mma.sync, MB <= 2");
-  static constexpr int kRowTiles = gemm_row_tiles(K, MB, WG, KS);
+  static constexpr int kRowTiles = gemm_row_tiles(BITS, MB, WG, KS);
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileRows = gemm_tile_rows(K, MB, WG, KS);        // weight rows per CTA tile
+  static constexpr int kTileRows = gemm_tile_rows(BITS, MB, WG, KS);        // weight rows per CTA tile
   // The accumulators hold the output times 1 / kAccScale: mma.sync scales each block's fp32 result by its E4M4
   // scale decoded in sixteenths (e4m4_pair_to_float_sixteenths), wgmma scales the weights by the whole value.
   static constexpr float kAccScale = kWgmma ? 1.0f : 16.0f;
@@ -114,7 +114,7 @@ struct GemmConfig {
   // warp copying 16-32 rows was slower than every warp copying 2-4).
   // With KS > 1 every warp copies its own k-group's.
   static constexpr bool kActsByIssuer = !kWgmma && MB == 1 && KS == 1;
-  static constexpr int kBStage = kWarps * kRowTiles * K * 32 * 16;  // per row tile: K vectors of 16 B per lane
+  static constexpr int kBStage = kWarps * kRowTiles * BITS * 32 * 16;  // per row tile: BITS vectors of 16 B per lane
   static constexpr int kAbsStage = kWarps * kRowTiles * 128;        // per row tile: 16 rows x 8 blocks
   // Activations, MB*8 tokens x KS*256 k (load_activations): wgmma's core matrices (8 tokens x 8 k, 128 B each), or
   // padded token rows of kXRow halves (mma.sync; k-group KS * kstep + w at 256w in each). Those are read two ways:
@@ -125,7 +125,7 @@ struct GemmConfig {
   //     of one matrix hit 8 different 16-byte bank groups. Transposing there costs 4x the copy instructions
   //     (docs/PERFORMANCE.md#instructive-failures).
   static constexpr bool kXPairsTransposed = !kWgmma && MB == 1;
-  // One token (M = 1, K = 2..4; launch_gemm_mb picks it): the MMA's 8 columns are a step's 8 blocks, not 8 tokens.
+  // One token (M = 1, BITS = 2..4; launch_gemm_mb picks it): the MMA's 8 columns are a step's 8 blocks, not 8 tokens.
   // For block t the lanes of column t load the token's activations and the others zeros (token row 1 of the stage,
   // which one token leaves free: clear_block_columns), so each MMA adds block t's sums to column t only and the
   // accumulators hold a step's 8 blocks apart. Each lane then scales its two columns (blocks 2q, 2q + 1) once per
@@ -135,8 +135,8 @@ struct GemmConfig {
   // accumulator were no faster, four accumulators slower. Not with the k split, whose one step per CTA leaves
   // nothing to save. Same shared memory as MB = 1.
   static constexpr bool kBlockColumns = BC;
-  static_assert(!BC || (MB == 1 && WG == 0 && G == 0 && KS == 1 && K <= 4),
-                "block columns: mma.sync, one token, no k split, K <= 4");
+  static_assert(!BC || (MB == 1 && WG == 0 && G == 0 && KS == 1 && BITS <= 4),
+                "block columns: mma.sync, one token, no k split, BITS <= 4");
   // One pass of up to 16 tokens over more weight bytes than L2 holds (GemmParams::weights_stream): the step's bulk
   // copies carry an L2 evict-first policy, so that the weights streaming past do not push out the split-K partials
   // published early and polled at the kernel's end, whose poll then takes less time. A configuration of its own: the
@@ -147,22 +147,22 @@ struct GemmConfig {
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
-  //   K = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
-  //   K = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l (bytes
+  //   BITS = 2: quad table, 256 rows of 256 B, row = one byte of codes (4 codes), lane l's copy at 8l (LDS.64);
+  //   BITS = 4: pair table, 256 rows of 256 B, row = one byte of codes (2 codes), lane l's copy at 4l (bytes
   //          128..255 of each row unused: the PRMT address needs the 256 B stride);
-  //   K = 3: the same rows, row = a byte whose low 6 bits are a pair (rows repeat every 64: the top 2 bits are
+  //   BITS = 3: the same rows, row = a byte whose low 6 bits are a pair (rows repeat every 64: the top 2 bits are
   //          another pair's, kbit/layout.py);
-  //   K = 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies); 32 copies would take
+  //   BITS = 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies); 32 copies would take
   //          128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at larger MB or KS, which need the room for activations (and to
   //          fit sm_80's 163 KB). 8 copies means 4 lanes share each, 3 wavefronts per lookup on average; 16, 2.
-  //   wgmma: the compact pair table for every K (32 copies up to K = 4, 8 at K = 5): the activation stages of
+  //   wgmma: the compact pair table for every BITS (32 copies up to BITS = 4, 8 at BITS = 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
-  //   byte-row tables (K = 2..4) only where two stages fit beside their 64 KB: not the k split at MB = 2, whose
-  //          stages hold 16 token rows x 2048 k; it takes the compact pair table (32 copies up to K = 4, 8 at K = 5).
-  //          Nor K = 3 at MB = 2 (kA100KeepsCompact).
+  //   byte-row tables (BITS = 2..4) only where two stages fit beside their 64 KB: not the k split at MB = 2, whose
+  //          stages hold 16 token rows x 2048 k; it takes the compact pair table (32 copies to BITS = 4, 8 at 5).
+  //          Nor BITS = 3 at MB = 2 (kA100KeepsCompact).
   // The E4M4 block scales need no table (e4m4_byte_to_float).
-  static constexpr int kPairs = 1 << (2 * K);
-  static constexpr int kCopyBytes = kWgmma && K < 5 ? 8192 : MB == 1 && KS == 1 ? 65536 : 32768;  // the most a compact table may take
+  static constexpr int kPairs = 1 << (2 * BITS);
+  static constexpr int kCopyBytes = kWgmma && BITS < 5 ? 8192 : MB == 1 && KS == 1 ? 65536 : 32768;  // the most a compact table may take
   static constexpr int kCopies = kPairs * 32 * 4 <= kCopyBytes ? 32 : kCopyBytes / (kPairs * 4);
 
   // Shared memory (see "Shared memory layout" below), for a table of `table` bytes. The table starts at a shared
@@ -189,10 +189,10 @@ struct GemmConfig {
     return high_bytes(table, 4) <= high_budget(table) ? 4 : high_bytes(table, 3) <= high_budget(table) ? 3
          : high_bytes(table, 2) <= high_budget(table) ? 2 : 0;
   }
-  // K = 3 at MB = 2 keeps the compact table: that is the configuration an A100 (163 KB) runs k = 3 decode with
+  // BITS = 3 at MB = 2 keeps the compact table: that is the configuration an A100 (163 KB) runs k = 3 decode with
   // (byte rows would take it to 223 KB, and MB = 1 to 199 KB, past it).
-  static constexpr bool kA100KeepsCompact = K == 3 && MB == 2;
-  static constexpr bool kByteRows = !kWgmma && K <= 4 && !kA100KeepsCompact && stages_beside(256 * 256) >= 2;
+  static constexpr bool kA100KeepsCompact = BITS == 3 && MB == 2;
+  static constexpr bool kByteRows = !kWgmma && BITS <= 4 && !kA100KeepsCompact && stages_beside(256 * 256) >= 2;
   static constexpr int kTables = kByteRows ? 256 * 256 : kPairs * kCopies * 4;
   static constexpr int kTableAlign = table_align(kTables);
   static constexpr int kStages = stages_beside(kTables);
@@ -213,41 +213,41 @@ struct GemmConfig {
 // Every CTA builds its table once, in shared memory, from the codebook. Entries are duplicated per lane so
 // that 32 lanes reading 32 different entries hit 32 different banks.
 //
-// Why two kinds. At K = 4 a pair of codes is exactly one byte of a lane's bit string, at K = 3 a byte's low 6
-// bits (or a word gathered from three bytes' top bits), and at K = 2 a byte is a quad; one PRMT then places that
+// Why two kinds. At BITS = 4 a pair of codes is exactly one byte of a lane's bit string, at BITS = 3 a byte's low 6
+// bits (or a word gathered from three bytes' top bits), and at BITS = 2 a byte is a quad; one PRMT then places that
 // byte at bits 8..15 and the lane's copy offset at bits 0..7: a whole table address in one instruction (the
-// generic path needs a shift, a mask and an OR). That needs rows of 256 B, 64 KB per table. K = 5 keeps compact
+// generic path needs a shift, a mask and an OR). That needs rows of 256 B, 64 KB per table. BITS = 5 keeps compact
 // tables and the shift-and-mask path.
-// `code_value` is codebook[threadIdx.x] for the first 2^K threads, loaded by the caller before it issued
+// `code_value` is codebook[threadIdx.x] for the first 2^BITS threads, loaded by the caller before it issued
 // the pipeline's first copies: loaded here, behind ~100 KB of weight copies from the same SM, it arrived
 // late, and the whole CTA waited for it.
 template <class Cfg, typename T>
 __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) {
-  constexpr int K = Cfg::kBits;
+  constexpr int BITS = Cfg::kBits;
   const int tid = threadIdx.x;
-  __shared__ float codebook[1 << K];
-  if (tid < (1 << K)) codebook[tid] = code_value;
+  __shared__ float codebook[1 << BITS];
+  if (tid < (1 << BITS)) codebook[tid] = code_value;
   __syncthreads();
   if constexpr (Cfg::kByteRows) {
     // Row e is 16 vectors of 16 B; thread i computes the value of half-row i once and stores its 8 vectors,
     // rotated by i so that the 8 threads of one store wavefront hit 8 different bank groups.
-    //   K = 2: half-row i is half i % 2 of row i / 2; both halves hold lane copies of the 4 values of quad e;
-    //   K = 3, 4: half-row i is the first half of row i, lane copies of the pair in its low 2K bits.
-    constexpr int kHalfRows = K == 2 ? 512 : 256;
+    //   BITS = 2: half-row i is half i % 2 of row i / 2; both halves hold lane copies of the 4 values of quad e;
+    //   BITS = 3, 4: half-row i is the first half of row i, lane copies of the pair in its low 2 * BITS bits.
+    constexpr int kHalfRows = BITS == 2 ? 512 : 256;
     uint4* rows = reinterpret_cast<uint4*>(tables);
     for (int i = tid; i < kHalfRows; i += Cfg::kThreads) {
-      const int e = K == 2 ? i >> 1 : i;
+      const int e = BITS == 2 ? i >> 1 : i;
       uint4 v;
-      if constexpr (K == 2) {
+      if constexpr (BITS == 2) {
         const uint32_t lo = pack_pair<T>(codebook[e & 3], codebook[(e >> 2) & 3]);
         const uint32_t hi = pack_pair<T>(codebook[(e >> 4) & 3], codebook[e >> 6]);
         v = make_uint4(lo, hi, lo, hi);
       } else {
-        constexpr int kCode = (1 << K) - 1;
-        const uint32_t w = pack_pair<T>(codebook[e & kCode], codebook[(e >> K) & kCode]);
+        constexpr int kCode = (1 << BITS) - 1;
+        const uint32_t w = pack_pair<T>(codebook[e & kCode], codebook[(e >> BITS) & kCode]);
         v = make_uint4(w, w, w, w);
       }
-      uint4* half_row = rows + e * 16 + (K == 2 ? (i & 1) * 8 : 0);
+      uint4* half_row = rows + e * 16 + (BITS == 2 ? (i & 1) * 8 : 0);
 #pragma unroll
       for (int j = 0; j < 8; ++j) half_row[(i + j) & 7] = v;
     }
@@ -258,7 +258,7 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
     constexpr int kWords = Cfg::kCopies >= 4 ? 4 : 1;  // per store
     for (int i = tid; i < Cfg::kPairs * Cfg::kCopies / kWords; i += Cfg::kThreads) {
       const int e = i / (Cfg::kCopies / kWords);
-      const uint32_t v = pack_pair<T>(codebook[e & ((1 << K) - 1)], codebook[e >> K]);
+      const uint32_t v = pack_pair<T>(codebook[e & ((1 << BITS) - 1)], codebook[e >> BITS]);
       if constexpr (kWords == 4) reinterpret_cast<uint4*>(tables)[i] = make_uint4(v, v, v, v);
       else reinterpret_cast<uint32_t*>(tables)[i] = v;
     }
@@ -266,12 +266,12 @@ __device__ __forceinline__ void build_tables(float code_value, uint8_t* tables) 
 }
 
 // A lane's lookup base: the table's (aligned) shared address OR'd with this lane's copy offset. Row tables
-// (K = 2, 4): byte 0 = the lane's offset in a row, bytes 2..3 = the table's; compact tables: low bits = the
+// (BITS = 2, 4): byte 0 = the lane's offset in a row, bytes 2..3 = the table's; compact tables: low bits = the
 // lane's copy offset, the rest the table's.
 template <class Cfg>
 __device__ __forceinline__ uint32_t lane_select(uint32_t table, int lane) {
-  constexpr int K = Cfg::kBits;
-  uint32_t sel = table | (Cfg::kByteRows && K == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u);
+  constexpr int BITS = Cfg::kBits;
+  uint32_t sel = table | (Cfg::kByteRows && BITS == 2 ? lane * 8u : (lane % Cfg::kCopies) * 4u);
   // Opaque to the compiler, ptxas included (an empty asm is not: ptxas saw through it): otherwise it re-derives the
   // offset from the thread index, or splits off a constant table address, inside every lookup. Every lane calls this.
   return __shfl_sync(0xffffffffu, sel, lane);
@@ -325,15 +325,15 @@ __device__ __forceinline__ uint32_t bit_select(uint32_t mask, uint32_t a, uint32
   return r;
 }
 
-// K = 3, 4: the word whose byte pair % 4 holds pair `pair` in its low 2K bits (kbit/layout.py, pair_bit_offset).
-// K = 4: word pair / 4. K = 3: word 3u + s of the two-block triple u = pair / 16 (s = pair / 4 % 4), or for s = 3
+// BITS = 3, 4: the word whose byte pair % 4 holds pair `pair` in its low 2 * BITS bits (layout.py, pair_bit_offset).
+// BITS = 4: word pair / 4. BITS = 3: word 3u + s of the two-block triple u = pair / 16 (s = pair / 4 % 4), or for s = 3
 // the triple's top bits gathered: byte i's bits 0-1, 2-3, 4-5 from bits 6-7 of byte i of words 3u, 3u + 1, 3u + 2
 // (two bit_selects over three shifts; bits 6-7 are the next byte's, which the table ignores). The loops
 // calling this are unrolled and the words unchanged between calls, so the gather is computed once per triple.
-template <int K>
-__device__ __forceinline__ uint32_t byte_pair_word(const uint32_t (&w)[4 * K], int pair) {
-  static_assert(K == 3 || K == 4, "pairs byte-aligned at K = 3 and 4 only");
-  if constexpr (K == 4) {
+template <int BITS>
+__device__ __forceinline__ uint32_t byte_pair_word(const uint32_t (&w)[4 * BITS], int pair) {
+  static_assert(BITS == 3 || BITS == 4, "pairs byte-aligned at BITS = 3 and 4 only");
+  if constexpr (BITS == 4) {
     return w[pair / 4];
   } else {
     const int u = pair / 16, s = pair / 4 % 4;
@@ -344,20 +344,20 @@ __device__ __forceinline__ uint32_t byte_pair_word(const uint32_t (&w)[4 * K], i
 
 // A-fragment registers of block t: h[r][j] = codebook values of columns 8j + 2q, 8j + 2q + 1 of row g + 8r,
 // as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; pair
-// P = 8t + 2j + r (its two codes) sits at bits 2PK .. 2PK + 2K - 1 (K = 3: byte_pair_word): in the order the
-// MMA's A registers take the pairs, so at K = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers
+// P = 8t + 2j + r (its two codes) sits at bits 2P*BITS .. (2P+2)*BITS - 1 (BITS = 3: byte_pair_word): in the order the
+// MMA's A registers take the pairs, so at BITS = 2 one 64-bit lookup yields h[0][j], h[1][j] in adjacent registers
 // (with rows as the inner index the quads held both pairs of one row: register moves before every MMA).
 template <class Cfg>
 __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBits], int t,
                                                 uint32_t sel, uint32_t (&h)[2][4]) {
-  constexpr int K = Cfg::kBits;
+  constexpr int BITS = Cfg::kBits;
   constexpr int kShift = Cfg::kCopies == 32 ? 7 : Cfg::kCopies == 16 ? 6 : Cfg::kCopies == 8 ? 5 :
                          Cfg::kCopies == 4 ? 4 : Cfg::kCopies == 2 ? 3 : 2;
   static_assert((1 << kShift) == Cfg::kCopies * 4, "copies must be a power of two");
-  constexpr uint32_t kPairMask = ((1u << (2 * K)) - 1u) << kShift;  // compact tables: the pair's entry offset
+  constexpr uint32_t kPairMask = ((1u << (2 * BITS)) - 1u) << kShift;  // compact tables: the pair's entry offset
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    if constexpr (Cfg::kByteRows && K == 2) {  // pairs 8t + 2j, 8t + 2j + 1: byte j of word t
+    if constexpr (Cfg::kByteRows && BITS == 2) {  // pairs 8t + 2j, 8t + 2j + 1: byte j of word t
       const uint2 v = lds64(byte_row_address(w[t], j, sel));
       h[0][j] = v.x;
       h[1][j] = v.y;
@@ -365,17 +365,17 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int pair = 8 * t + 2 * j + r;
-        if constexpr (K == 3 || K == 4) {  // the pair is (the low 2K bits of) byte pair % 4 of one word
-          const uint32_t word = byte_pair_word<K>(w, pair);
+        if constexpr (BITS == 3 || BITS == 4) {  // the pair is (the low 2 * BITS bits of) byte pair % 4 of one word
+          const uint32_t word = byte_pair_word<BITS>(w, pair);
           if constexpr (Cfg::kByteRows) {
             h[r][j] = lds32(byte_row_address(word, pair % 4, sel));
           } else {  // one shift moves byte pair % 4 to the entry offset's bits, one LOP3 masks and ORs
             const int down = 8 * (pair % 4) - kShift;
             h[r][j] = lds32(((down >= 0 ? word >> down : word << -down) & kPairMask) | sel);
           }
-        } else {  // pair at bits [o, o + 2K): (pair << log2(copies * 4)) | lane offset
-          const int o = pair * 2 * K, wi = o >> 5, bi = o & 31;
-          const uint32_t v = bi + 2 * K <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
+        } else {  // pair at bits [o, o + 2 * BITS): (pair << log2(copies * 4)) | lane offset
+          const int o = pair * 2 * BITS, wi = o >> 5, bi = o & 31;
+          const uint32_t v = bi + 2 * BITS <= 32 ? w[wi] >> bi : __funnelshift_r(w[wi], w[wi + 1], bi);
           h[r][j] = lds32(((v << kShift) & kPairMask) | sel);
         }
       }
@@ -578,14 +578,14 @@ struct WeightRange {  // bytes of one range
 template <class Cfg>
 __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes_piece, uint8_t* small_piece,
                                              [[maybe_unused]] uint32_t full, const StepCursor& c) {
-  constexpr int K = Cfg::kBits;
+  constexpr int BITS = Cfg::kBits;
 #if KBIT_BULK_COPY
   using R = WeightRange<Cfg>;
   const int ranges = weight_ranges<Cfg>(p, c);
   mbarrier_arrive_expect_bytes(full, ranges * (R::kCodes + R::kScales));
   for (int j = 0; j < ranges; ++j) {
     const int64_t piece = warp_piece<Cfg>(p, c, j);
-    bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (K * 32), R::kCodes, full, Cfg::kWeightsStreamed);
+    bulk_copy_to_shared(codes_piece + j * R::kCodes, p.b + piece * (BITS * 32), R::kCodes, full, Cfg::kWeightsStreamed);
     bulk_copy_to_shared(small_piece + j * R::kScales, p.absmax + piece * 128, R::kScales, full, Cfg::kWeightsStreamed);
   }
 #else
@@ -596,9 +596,9 @@ __device__ __forceinline__ void load_weights(const GemmParams& p, uint8_t* codes
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
     const int i = warp * RT + r;
-    const uint4* src = p.b + (piece + r) * (K * 32) + lane;
+    const uint4* src = p.b + (piece + r) * (BITS * 32) + lane;
 #pragma unroll
-    for (int v = 0; v < K; ++v) cp_async16(codes_piece + i * K * 512 + (v * 32 + lane) * 16, src + v * 32);
+    for (int v = 0; v < BITS; ++v) cp_async16(codes_piece + i * BITS * 512 + (v * 32 + lane) * 16, src + v * 32);
     if (lane < 8) cp_async16(small_piece + i * 128 + lane * 16, p.absmax + (piece + r) * 128 + lane * 16);
   }
 #endif
@@ -680,12 +680,12 @@ __device__ __forceinline__ void clear_block_columns(const SmemLayout<Cfg>& layou
 template <class Cfg>
 __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, const uint8_t* small_piece, int r,
                                                 uint32_t (&w)[4 * Cfg::kBits], uint2& scales_lo, uint2& scales_hi) {
-  constexpr int K = Cfg::kBits, RT = Cfg::kRowTiles;
+  constexpr int BITS = Cfg::kBits, RT = Cfg::kRowTiles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + (warp * RT + r) * K * 32 + lane;
+  const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + (warp * RT + r) * BITS * 32 + lane;
   const uint8_t* ab = small_piece + (warp * RT + r) * 128;
 #pragma unroll
-  for (int v = 0; v < K; ++v) {
+  for (int v = 0; v < BITS; ++v) {
     const uint4 t = bv[v * 32];
     w[4 * v] = t.x; w[4 * v + 1] = t.y; w[4 * v + 2] = t.z; w[4 * v + 3] = t.w;
   }
@@ -703,10 +703,10 @@ __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, cons
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
                                              int x_rows, float (&acc)[Cfg::kFrags][4]) {
-  constexpr int K = Cfg::kBits, MB = Cfg::kMB;
+  constexpr int BITS = Cfg::kBits, MB = Cfg::kMB;
   constexpr int RT = Cfg::kRowTiles;
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  uint32_t w[RT][4 * K];
+  uint32_t w[RT][4 * BITS];
   uint2 scales_lo[RT], scales_hi[RT];
 #pragma unroll
   for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r]);
@@ -801,14 +801,14 @@ __device__ __forceinline__ void sum_block_columns(float (&acc)[Cfg::kFrags][4]) 
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
                                                    float (&acc)[Cfg::kFrags][4]) {
-  constexpr int K = Cfg::kBits, MB = Cfg::kMB, RT = Cfg::kRowTiles;
+  constexpr int BITS = Cfg::kBits, MB = Cfg::kMB, RT = Cfg::kRowTiles;
   // Block t, k-step s: columns 32t + 16s .. + 15, core matrices 4t + 2s and 4t + 2s + 1.
   const uint64_t desc = wgmma_descriptor(shared_address(small_piece + Cfg::kAbsStage), 128, 4096);
   fence_accumulators(acc);
   uint32_t a[2][2][4];  // [group % 2][k-step]
 #pragma unroll
   for (int r = 0; r < RT; ++r) {  // row tiles one after the other: one tile's codes in registers at a time
-    uint32_t w[4 * K];
+    uint32_t w[4 * BITS];
     uint2 scales_lo, scales_hi;
     load_tile_codes<Cfg>(codes_piece, small_piece, r, w, scales_lo, scales_hi);
 #pragma unroll
@@ -913,7 +913,7 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
 
 // KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
 // k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of
-// the stage (RT * K * 512 bytes, >= the kFrags * 512 it needs; the warp read them at the step's start), the warps
+// the stage (RT * BITS * 512 bytes, >= the kFrags * 512 it needs; the warp read them at the step's start), the warps
 // meet once, warp 0 adds. Every warp arrives on the stage's empty barrier after this, warp 0 after its reads, so the
 // stage is not refilled under them. Warp 0 then finishes the tile alone (finish_tile), as the only warp of its
 // row tiles.
@@ -1033,7 +1033,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
 
 template <class Cfg, typename T>
 __device__ __forceinline__ void gemm_main(const GemmParams& p) {
-  constexpr int K = Cfg::kBits;
+  constexpr int BITS = Cfg::kBits;
   constexpr int S = Cfg::kStages;
   using Split = KSplit<Cfg::kKSplit>;  // the cursors' steps per tile
   extern __shared__ __align__(16) uint8_t smem[];
@@ -1065,7 +1065,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     load_activations<Cfg, T>(p, layout.small(s), at);
     mbarrier_arrive_after_cp_async(full(s));
   };
-  auto load_codebook = [&] { return threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f; };
+  auto load_codebook = [&] { return threadIdx.x < (1 << BITS) ? p.codebook[threadIdx.x] : 0.0f; };
 
   // Launched early (programmatic dependent launch), the CTA fetches while the previous kernel drains what that kernel
   // cannot be writing. Settled weights (GemmParams): the codebook, and where the grid leaves SMs idle (GridRoom) the
@@ -1091,7 +1091,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     for (int s = 0; s < S - 1 && first + s < last; ++s, at.advance(p, Split{})) {
       for (int j = 0; j < weight_ranges<Cfg>(p, at); ++j) {
         const int64_t i = warp_piece<Cfg>(p, at, j);
-        prefetch_l2(p.b + i * (K * 32), WeightRange<Cfg>::kCodes);
+        prefetch_l2(p.b + i * (BITS * 32), WeightRange<Cfg>::kCodes);
         prefetch_l2(p.absmax + i * 128, WeightRange<Cfg>::kScales);
       }
     }
@@ -1236,27 +1236,27 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 or 16
 // tokens the warps splitting 32- or 16-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens
-// and 128- or 256-row tiles (not 256 at K = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them:
+// and 128- or 256-row tiles (not 256 at BITS = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them:
 // gemm_configs).
 constexpr int gemm_config_key(int mb, int wgmma_tiles, int k_split = 1) {
   return (k_split > 1 ? 1024 : 0) + wgmma_tiles * 32 + mb;
 }
-// Calls f(GemmConfig<K, mb, wgmma_tiles, 0, k_split>{}) if that configuration is built; returns whether it is. The
+// Calls f(GemmConfig<BITS, mb, wgmma_tiles, 0, k_split>{}) if that configuration is built; returns whether it is. The
 // one list of configurations, for the launcher and for the host's report (gemm.cu).
-template <int K, typename F>
+template <int BITS, typename F>
 bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
   if (k_split != 1 && k_split != kGemmWarps) return false;
   switch (gemm_config_key(mb, wgmma_tiles, k_split)) {
-    case gemm_config_key(1, 0): f(GemmConfig<K, 1, 0>{}); return true;
-    case gemm_config_key(1, 0, kGemmWarps): f(GemmConfig<K, 1, 0, 0, kGemmWarps>{}); return true;
-    case gemm_config_key(2, 0): f(GemmConfig<K, 2, 0>{}); return true;
-    case gemm_config_key(2, 0, kGemmWarps): f(GemmConfig<K, 2, 0, 0, kGemmWarps>{}); return true;
-    case gemm_config_key(4, 0): f(GemmConfig<K, 4, 0>{}); return true;
-    case gemm_config_key(8, 2): f(GemmConfig<K, 8, 2>{}); return true;
-    case gemm_config_key(16, 1): f(GemmConfig<K, 16, 1>{}); return true;
+    case gemm_config_key(1, 0): f(GemmConfig<BITS, 1, 0>{}); return true;
+    case gemm_config_key(1, 0, kGemmWarps): f(GemmConfig<BITS, 1, 0, 0, kGemmWarps>{}); return true;
+    case gemm_config_key(2, 0): f(GemmConfig<BITS, 2, 0>{}); return true;
+    case gemm_config_key(2, 0, kGemmWarps): f(GemmConfig<BITS, 2, 0, 0, kGemmWarps>{}); return true;
+    case gemm_config_key(4, 0): f(GemmConfig<BITS, 4, 0>{}); return true;
+    case gemm_config_key(8, 2): f(GemmConfig<BITS, 8, 2>{}); return true;
+    case gemm_config_key(16, 1): f(GemmConfig<BITS, 16, 1>{}); return true;
     case gemm_config_key(16, 2):
-      if constexpr (K != 5) {
-        f(GemmConfig<K, 16, 2>{});
+      if constexpr (BITS != 5) {
+        f(GemmConfig<BITS, 16, 2>{});
         return true;
       }
       return false;
@@ -1265,17 +1265,17 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
 }
 // Up to 16 tokens without the k split: weights larger than L2 stream evict-first (GemmConfig::kWeightsStreamed), and
 // one token on 8-token tiles runs with block columns (GemmConfig::kBlockColumns); the same plan and shared memory as
-// the configuration the host chose. Not block columns at K = 5, which they made slower where K = 2..4 gained
+// the configuration the host chose. Not block columns at BITS = 5, which they made slower where BITS = 2..4 gained
 // (docs/PERFORMANCE.md, "Measured choices").
-template <int K, typename T>
+template <int BITS, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
-  with_gemm_config<K>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) {
+  with_gemm_config<BITS>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) {
     using Cfg = decltype(cfg);
     if constexpr (!Cfg::kWgmma && Cfg::kKSplit == 1 && Cfg::kMB <= 2) {
       using Streamed = GemmConfig<Cfg::kBits, Cfg::kMB, 0, 0, 1, false, true>;
       static_assert(Streamed::kSmemTotal == Cfg::kSmemTotal && Streamed::kStages == Cfg::kStages, "one plan");
-      if constexpr (Cfg::kMB == 1 && K <= 4) {
+      if constexpr (Cfg::kMB == 1 && BITS <= 4) {
         using OneToken = GemmConfig<Cfg::kBits, 1, 0, 0, 1, true>;
         using OneTokenStreamed = GemmConfig<Cfg::kBits, 1, 0, 0, 1, true, true>;
         static_assert(OneToken::kSmemTotal == Cfg::kSmemTotal && OneToken::kStages == Cfg::kStages, "one plan");
@@ -1295,14 +1295,14 @@ cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
 }
 
 // Explicit list of instantiations, one file per bit width so ninja builds them in parallel.
-#define KBIT_INSTANTIATE_GEMM(K)                                                                 \
+#define KBIT_INSTANTIATE_GEMM(BITS)                                                                 \
   template <>                                                                                    \
-  cudaError_t gemm_for_bits<K>(const GemmParams& p, cudaStream_t stream) {                       \
-    return p.dtype == DType::BF16 ? launch_gemm_mb<K, __nv_bfloat16>(p, stream)                  \
-                                  : launch_gemm_mb<K, __half>(p, stream);                        \
+  cudaError_t gemm_for_bits<BITS>(const GemmParams& p, cudaStream_t stream) {                       \
+    return p.dtype == DType::BF16 ? launch_gemm_mb<BITS, __nv_bfloat16>(p, stream)                  \
+                                  : launch_gemm_mb<BITS, __half>(p, stream);                        \
   }
 
-template <int K>
+template <int BITS>
 cudaError_t gemm_for_bits(const GemmParams& p, cudaStream_t stream);
 
 int gemm_smem_bytes(int k, int mb, int wgmma_tiles);  // of GemmConfig<k, mb, wgmma_tiles> (no k split)

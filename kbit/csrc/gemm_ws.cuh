@@ -2,7 +2,7 @@
 // the same GEMM layout as gemm.cuh (kbit/layout.py).
 //
 // Reads top to bottom:
-//   WsConfig            compile-time sizes of one configuration (bits K, tokens per tile NT)
+//   WsConfig            compile-time sizes of one configuration (BITS per weight, tokens per tile NT)
 //   ws_producer         one thread: per step, TMA copies of the activations and bulk copies of the weights into
 //                       the next free stage of the ring
 //   ws_store_by_copy    a whole tile's sums into y through shared memory and the tensor copy engine
@@ -43,9 +43,9 @@
 namespace kbit {
 
 // Tokens per tile NT: 32, 64, 128 or 256 (the planner picks, kbit/dispatch.py; past NT tokens, more passes).
-template <int K, int NT>
+template <int BITS, int NT>
 struct WsConfig {
-  static constexpr int kBits = K, kTokens = NT;
+  static constexpr int kBits = BITS, kTokens = NT;
   // Consumer warpgroups of one m64 block each. Four: four consumer warps per scheduler hide the dequantization's
   // latencies (two warpgroups of two blocks each were slower up to 1024 tokens, equal at 4096). At 256 tokens a warpgroup's accumulators are 128 registers per
   // thread, so two, at 240: a looked-up weight then serves twice the tokens.
@@ -65,16 +65,16 @@ struct WsConfig {
   static_assert(kConsumerRegisters <= 240 && 128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=
                                                  kThreads * kLaunchRegisters, "setmaxnreg shares out the launch's registers");
   // One stage = one step, two pieces: the activations (NT tokens x 256 k, four TMA boxes of 64 k, 128-byte swizzled
-  // rows) and the weights (the tile's codes, K * 512 B per 16-row tile, then its E4M4 block scales, 128 B per tile: two
+  // rows) and the weights (the tile's codes, 512*BITS B per 16-row tile, then its E4M4 block scales, 128 B per tile: two
   // bulk copies). Every piece starts 1024-byte aligned (the swizzle atoms).
   // At 256 tokens (kBoxRing) a step's activations are 128 KB, two stages do not fit: the boxes have a ring of their
   // own (kBoxes slots of one box, each with its barriers), and a stage is the step's weights. So at 128 tokens for
   // k = 5, whose two 107 KB stages left 8 KB, 2 lane copies, for its pair table: 6 boxes of 16 KB beside two weight
   // stages leave it 32 KB, 8 copies (faster at 80-128 tokens; docs/PERFORMANCE.md, "Measured choices").
-  static constexpr bool kBoxRing = NT == 256 || (K == 5 && NT == 128);
+  static constexpr bool kBoxRing = NT == 256 || (BITS == 5 && NT == 128);
   static constexpr int kXBox = NT * 128;
   static constexpr int kXBytes = kBoxRing ? 0 : 4 * kXBox;  // a stage's activations
-  static constexpr int kCodeBytes = K * 512;
+  static constexpr int kCodeBytes = BITS * 512;
   static constexpr int kScalesOffset = kTile16s * kCodeBytes;  // in the weights piece
   static constexpr int kWeightBytes = kScalesOffset + kTile16s * 128;
   static constexpr int kStageBytes = kXBytes + kWeightBytes;  // what a stage's full barrier waits for
@@ -84,7 +84,7 @@ struct WsConfig {
   // the dynamic base (after at most kStaticSmemMax of static shared memory) up to the table: every stage's
   // activations, then the weights of as many stages as fit there; the other stages' weights lie above the table, and
   // where that leaves too little room below, the last stages' activations after them (WsRing).
-  //   Byte rows (K = 2..4, 64 KB at 128 KB; build_tables): a table address is one PRMT of a code byte, every lookup one
+  //   Byte rows (BITS 2..4, 64 KB at 128 KB; build_tables): a table address is one PRMT of a code byte, every lookup one
   //     wavefront. Where two stages fit beside them: at 32 and 64 tokens (faster than the compact table with a stage
   //     more; docs/PERFORMANCE.md, "Measured choices").
   //   Otherwise the compact pair table (kCopies lane copies of each pair's two codebook values, just below the top):
@@ -96,7 +96,7 @@ struct WsConfig {
   //   On the ring of boxes the compact pair table, below the top, with as many lane copies as leave room for 5 boxes
   //     and two stages of weights beneath it (256 tokens: k = 2, 3 32 copies, 6 and 5 boxes; k = 4 16, k = 5 4, 5
   //     boxes; k = 5 at 128 tokens: 8 copies, 6 boxes).
-  static constexpr int kPairs = 1 << (2 * K);
+  static constexpr int kPairs = 1 << (2 * BITS);
   static constexpr int kByteRowBytes = 256 * 256;
   static constexpr int kStagesFrom = (kReservedSmem + kStaticSmemMax + 1023) / 1024 * 1024;  // latest start
   static constexpr int table_address(int bytes) { return (kSharedTop - bytes) / bytes * bytes; }
@@ -125,7 +125,7 @@ struct WsConfig {
     const int room = (table_address(table) - kStagesFrom - kRingStages * kWeightBytes) / kXBox;
     return room < 8 ? room : 8;
   }
-  static constexpr bool kByteRows = !kBoxRing && K <= 4 && stages_with(kByteRowBytes) >= 2;
+  static constexpr bool kByteRows = !kBoxRing && BITS <= 4 && stages_with(kByteRowBytes) >= 2;
   static constexpr int pick_copies(int c) {  // from c down, the most copies that leave two stages
     return c == 1 || stages_with(kPairs * c * 4) >= 2 ? c : pick_copies(c / 2);
   }
@@ -659,7 +659,7 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cfg>& ring, uint64_t* full,
                                             uint64_t* empty, uint64_t* box_full, uint64_t* box_empty, int first,
                                             int last, const void* y_map, bool y_by_copy, uint32_t table_address) {
-  constexpr int K = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags, B = Cfg::kBoxes;
+  constexpr int BITS = Cfg::kBits, NT = Cfg::kTokens, S = Cfg::kStages, F = Cfg::kFrags, B = Cfg::kBoxes;
   const int lane = threadIdx.x & 31, cwarp = (threadIdx.x >> 5) - 4;
   const int tile16 = cwarp;  // warpgroup w's m64 block is 16-row tiles 4w .. 4w + 3, one per warp
   const uint32_t sel = lane_select<Cfg>(table_address, lane);
@@ -689,7 +689,7 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
     uint64_t x_desc = Cfg::kBoxRing ? 0 : wgmma_descriptor_sw128(shared_address(ring.x(slot)));
     fence_accumulators(acc);
     uint32_t a[2][2][4];  // [group % 2][k16 slice]
-    uint32_t w[4 * K];
+    uint32_t w[4 * BITS];
     const uint4* codes = reinterpret_cast<const uint4*>(weights + tile16 * Cfg::kCodeBytes) + lane;
     const uint8_t* sc = weights + Cfg::kScalesOffset + tile16 * 128 + (lane >> 2) * 8;
     const uint2 scales_lo = *reinterpret_cast<const uint2*>(sc), scales_hi = *reinterpret_cast<const uint2*>(sc + 64);
@@ -699,8 +699,8 @@ __device__ __forceinline__ void ws_consumer(const GemmParams& p, const WsRing<Cf
       // of them live from the step's start, the 128-token kernel ran out of registers and ptxas serialized every
       // wgmma (C7512).
 #pragma unroll
-      for (int v = 0; v < K; ++v) {
-        if (8 * v / K != t) continue;
+      for (int v = 0; v < BITS; ++v) {
+        if (8 * v / BITS != t) continue;
         const uint4 u = codes[v * 32];
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       }
@@ -788,7 +788,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
                                                                  const __grid_constant__ CUtensorMap y_map,
                                                                  bool y_by_copy) {
 #if KBIT_WGMMA
-  constexpr int K = Cfg::kBits, S = Cfg::kStages, kBoxBarriers = Cfg::kBoxRing ? Cfg::kBoxes : 1;
+  constexpr int BITS = Cfg::kBits, S = Cfg::kStages, kBoxBarriers = Cfg::kBoxRing ? Cfg::kBoxes : 1;
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ uint64_t full[S], empty[S], box_full[kBoxBarriers], box_empty[kBoxBarriers];
   const uint32_t base = shared_address(smem);
@@ -826,14 +826,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_ws_kernel(const __grid_
   if (p.dependent_launch && !copy_first && threadIdx.x == 0) {
     StepCursor at(p, first);
     for (int s = 0; s < S && first + s < last; ++s, at.advance(p)) {
-      prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (K * 32), Cfg::kTile16s * Cfg::kCodeBytes);
+      prefetch_l2(p.b + tile_piece<Cfg>(p, at, at.kstep) * (BITS * 32), Cfg::kTile16s * Cfg::kCodeBytes);
     }
   }
   // With settled weights (GemmParams) the tables are built before the wait, and each role waits by itself: the
   // producer before the activations (ws_producer), the consumers before anything of theirs reaches global memory.
   auto wait_previous_kernel = [] { grid_dependency_wait(), allow_dependent_launch(); };
   if (!settled) wait_previous_kernel();
-  build_tables<Cfg, T>(threadIdx.x < (1 << K) ? p.codebook[threadIdx.x] : 0.0f, table);
+  build_tables<Cfg, T>(threadIdx.x < (1 << BITS) ? p.codebook[threadIdx.x] : 0.0f, table);
   __syncthreads();  // tables complete; from here on the roles never meet at a CTA-wide barrier
   if (warp < 4) {
     const int copied = copy_first && threadIdx.x == 0 ? ws_copy_first_weights<Cfg>(p, ring, full, first, last) : 0;
@@ -974,30 +974,30 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
 
 // The configurations built, per bit width and dtype: 32, 64, 128 or 256 tokens per tile. The one list, for the
 // launcher and for the host's report (gemm.cu).
-template <int K, typename F>
+template <int BITS, typename F>
 bool with_ws_config(int tokens, F&& f) {
   switch (tokens) {
-    case 32: f(WsConfig<K, 32>{}); return true;
-    case 64: f(WsConfig<K, 64>{}); return true;
-    case 128: f(WsConfig<K, 128>{}); return true;
-    case 256: f(WsConfig<K, 256>{}); return true;
+    case 32: f(WsConfig<BITS, 32>{}); return true;
+    case 64: f(WsConfig<BITS, 64>{}); return true;
+    case 128: f(WsConfig<BITS, 128>{}); return true;
+    case 256: f(WsConfig<BITS, 256>{}); return true;
     default: return false;
   }
 }
 
 // Explicit list of instantiations, one file per bit width (gemm_ws_k{2,3,4,5}.cu).
-#define KBIT_INSTANTIATE_GEMM_WS(K)                                                                         \
+#define KBIT_INSTANTIATE_GEMM_WS(BITS)                                                                         \
   template <>                                                                                               \
-  cudaError_t gemm_ws_for_bits<K>(const GemmParams& p, cudaStream_t stream) {                               \
+  cudaError_t gemm_ws_for_bits<BITS>(const GemmParams& p, cudaStream_t stream) {                               \
     cudaError_t err = cudaErrorInvalidValue;                                                                \
-    with_ws_config<K>(p.ws_tokens, [&](auto cfg) {                                                          \
+    with_ws_config<BITS>(p.ws_tokens, [&](auto cfg) {                                                          \
       err = p.dtype == DType::BF16 ? launch_gemm_ws<decltype(cfg), __nv_bfloat16>(p, stream)                \
                                    : launch_gemm_ws<decltype(cfg), __half>(p, stream);                      \
     });                                                                                                     \
     return err;                                                                                             \
   }
 
-template <int K>
+template <int BITS>
 cudaError_t gemm_ws_for_bits(const GemmParams& p, cudaStream_t stream);
 
 }  // namespace kbit

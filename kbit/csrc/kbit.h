@@ -48,8 +48,8 @@ __host__ __device__ constexpr int64_t layout_piece(int64_t tile16, int kgroup, i
   return (tile16 / kLayoutBlockTiles * k_groups + kgroup) * kLayoutBlockTiles + tile16 % kLayoutBlockTiles;
 }
 
-// The one switch on the bit width: f(std::integral_constant<int, K>{}) for k = K in kMinBits..kMaxBits, `otherwise`
-// for any other k. Each kernel family instantiates its templates per K through it.
+// The one switch on the bit width: f(std::integral_constant<int, BITS>{}) for k = BITS in kMinBits..kMaxBits,
+// `otherwise` for any other k. Each kernel family instantiates its templates per BITS through it.
 template <typename R, typename F>
 R with_bits(int k, R otherwise, F&& f) {
   switch (k) {

@@ -18,7 +18,7 @@ constexpr int kBlocksPerCta = kThreads / 4 * kBlocksPerThread;
 // and no two products share a bit position, so nothing carries. Shifted by s, the multiplier and mask put
 // the bits at 8i + s instead. OR-ing plane b in at s = b + 2 builds four bytes of 4 * code, the codebook's
 // byte offsets, so each value then costs one PRMT to reach its table entry (the nibble spread this replaced
-// needed three more instructions per value, six at K = 5).
+// needed three more instructions per value, six at BITS = 5).
 // `shift` is a constant once the caller's loop unrolls.
 __device__ __forceinline__ uint32_t spread_to_bytes(uint32_t four_bits, int shift) {
   return (four_bits * (0x00204081u << shift)) & (0x01010101u << shift);
@@ -116,7 +116,7 @@ __device__ __forceinline__ bool cta_is_whole(int64_t n, bool vec) {
 // warp stays coalesced), and issue all of a thread's global loads before any arithmetic: a single block per
 // thread left too few bytes in flight to cover DRAM latency (quantize reached 30-42% of copy bandwidth,
 // dequantize 57-69%).
-template <typename T, int K>
+template <typename T, int BITS>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict__ x, int64_t n, bool vec,
                                                             const float* __restrict__ codebook,
                                                             const float* __restrict__ scale,
@@ -140,16 +140,16 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
     }
   }
   // Midpoints between adjacent codebook entries: the code is the number of midpoints below v.
-  __shared__ float mids[(1 << K) - 1];
+  __shared__ float mids[(1 << BITS) - 1];
   __shared__ float inv_dec[256];  // 1 / decode_e4m4(code), 0 for code 0: a lookup instead of a division
-  if (threadIdx.x < (1 << K) - 1)
+  if (threadIdx.x < (1 << BITS) - 1)
     mids[threadIdx.x] = __fmul_rn(__fadd_rn(codebook[threadIdx.x], codebook[threadIdx.x + 1]), 0.5f);
   static_assert(kThreads >= 256, "one thread per E4M4 code");
   inv_dec[threadIdx.x] = threadIdx.x ? __frcp_rn(decode_e4m4(threadIdx.x)) : 0.0f;
   __syncthreads();
   const float inv_scale = __frcp_rn(*scale);
   const uint8_t* mids_bytes = reinterpret_cast<const uint8_t*>(mids);
-  const float top_mid = mids[(1 << (K - 1)) - 1];
+  const float top_mid = mids[(1 << (BITS - 1)) - 1];
 #pragma unroll
   for (int j = 0; j < kBlocksPerThread; ++j) {
     const int64_t block = first + j * (kThreads / 4);
@@ -167,22 +167,22 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
 
     // Binary search over the midpoints, branch-free. The comparison at step 2^b decides bit b of the code, so
     // it advances the midpoint offset by 2^b and sets bit i of this lane's byte of bit-plane b.
-    uint32_t planes[K] = {};
+    uint32_t planes[BITS] = {};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float u = __fmul_rn(v[j][i], r);
       uint32_t at = 0;  // byte offset of the midpoint to compare with: 4 * (code bits decided so far)
 #pragma unroll
-      for (int b = K - 1; b >= 0; --b) {
-        const float mid = b == K - 1 ? top_mid : *reinterpret_cast<const float*>(mids_bytes + at + 4 * ((1 << b) - 1));
+      for (int b = BITS - 1; b >= 0; --b) {
+        const float mid = b == BITS - 1 ? top_mid : *reinterpret_cast<const float*>(mids_bytes + at + 4 * ((1 << b) - 1));
         search_level(u, mid, b > 0, 4u << b, 1u << i, at, planes[b]);
       }
     }
     if (block >= nb) continue;
     // Lane q owns byte q of every bit-plane word (little-endian): byte stores, no shuffles.
-    uint8_t* out = reinterpret_cast<uint8_t*>(packed + block * K) + q;
+    uint8_t* out = reinterpret_cast<uint8_t*>(packed + block * BITS) + q;
 #pragma unroll
-    for (int b = 0; b < K; ++b) out[4 * b] = static_cast<uint8_t>(planes[b]);
+    for (int b = 0; b < BITS; ++b) out[4 * b] = static_cast<uint8_t>(planes[b]);
     if (q == 0) absmax[block] = static_cast<uint8_t>(code);
   }
 }
@@ -191,23 +191,23 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
 // loads and stores are bounds-checked; otherwise every address is the thread's base plus a constant.
 // The codebook goes to shared memory (cb) only after the data loads are issued, so its global round trip
 // overlaps theirs instead of preceding them.
-template <bool kChecked, typename T, int K>
+template <bool kChecked, typename T, int BITS>
 __device__ __forceinline__ void dequantize_blocks(const uint32_t* __restrict__ packed,
                                                   const uint8_t* __restrict__ absmax,
                                                   const float* __restrict__ codebook, float* cb,
                                                   const float* __restrict__ scale, int64_t first, int q,
                                                   int64_t n, bool vec, T* __restrict__ out) {
   const int64_t nb = (n + kBlock - 1) / kBlock;
-  const uint32_t* words = packed + first * K;
-  uint32_t bits[kBlocksPerThread][K], code[kBlocksPerThread];
+  const uint32_t* words = packed + first * BITS;
+  uint32_t bits[kBlocksPerThread][BITS], code[kBlocksPerThread];
 #pragma unroll
   for (int j = 0; j < kBlocksPerThread; ++j) {
     const bool ok = !kChecked || first + j * (kThreads / 4) < nb;
 #pragma unroll
-    for (int b = 0; b < K; ++b) bits[j][b] = ok ? load_lane_bits<T>(words + j * (kThreads / 4) * K + b, q) : 0u;
+    for (int b = 0; b < BITS; ++b) bits[j][b] = ok ? load_lane_bits<T>(words + j * (kThreads / 4) * BITS + b, q) : 0u;
     code[j] = ok ? __ldg(absmax + first + j * (kThreads / 4)) : 0u;
   }
-  if (threadIdx.x < (1 << K)) cb[threadIdx.x] = codebook[threadIdx.x];  // entry i in bank i: no conflicts
+  if (threadIdx.x < (1 << BITS)) cb[threadIdx.x] = codebook[threadIdx.x];  // entry i in bank i: no conflicts
   __syncthreads();
   const float tensor_scale = *scale;
 #pragma unroll
@@ -217,7 +217,7 @@ __device__ __forceinline__ void dequantize_blocks(const uint32_t* __restrict__ p
     const float block_scale = __fmul_rn(decode_e4m4(code[j]), tensor_scale);
     uint32_t offsets[2] = {0u, 0u};  // byte i of offsets[h]: 4 * code of value 4h + i
 #pragma unroll
-    for (int b = 0; b < K; ++b) {
+    for (int b = 0; b < BITS; ++b) {
       const uint32_t x = bits[j][b];
       offsets[0] |= spread_to_bytes(x & 15u, 2 + b);
       offsets[1] |= spread_to_bytes(x >> 4, 2 + b);
@@ -233,19 +233,19 @@ __device__ __forceinline__ void dequantize_blocks(const uint32_t* __restrict__ p
   }
 }
 
-template <typename T, int K>
+template <typename T, int BITS>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint32_t* __restrict__ packed,
                                                               const uint8_t* __restrict__ absmax,
                                                               const float* __restrict__ codebook,
                                                               const float* __restrict__ scale, int64_t n,
                                                               bool vec, T* __restrict__ out) {
-  __shared__ float cb[1 << K];
+  __shared__ float cb[1 << BITS];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 2);
   const int q = threadIdx.x & 3;
   if (cta_is_whole(n, vec))
-    dequantize_blocks<false, T, K>(packed, absmax, codebook, cb, scale, first, q, n, vec, out);
+    dequantize_blocks<false, T, BITS>(packed, absmax, codebook, cb, scale, first, q, n, vec, out);
   else
-    dequantize_blocks<true, T, K>(packed, absmax, codebook, cb, scale, first, q, n, vec, out);
+    dequantize_blocks<true, T, BITS>(packed, absmax, codebook, cb, scale, first, q, n, vec, out);
 }
 
 int64_t grid_for(int64_t n) {
@@ -267,23 +267,23 @@ cudaError_t dispatch(DType dtype, int k, Args&&... args) {
   return cudaErrorInvalidValue;
 }
 
-template <typename T, int K>
+template <typename T, int BITS>
 struct QuantizeLaunch {
   static cudaError_t run(const void* x, int64_t n, const float* codebook, const float* scale, uint32_t* packed,
                          uint8_t* absmax, cudaStream_t stream) {
     const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    quantize_kernel<T, K><<<grid_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x), n, vec, codebook, scale,
+    quantize_kernel<T, BITS><<<grid_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x), n, vec, codebook, scale,
                                                                  packed, absmax);
     return cudaGetLastError();
   }
 };
 
-template <typename T, int K>
+template <typename T, int BITS>
 struct DequantizeLaunch {
   static cudaError_t run(const uint32_t* packed, const uint8_t* absmax, const float* codebook, const float* scale,
                          int64_t n, void* out, cudaStream_t stream) {
     const bool vec = reinterpret_cast<uintptr_t>(out) % 16 == 0;
-    dequantize_kernel<T, K><<<grid_for(n), kThreads, 0, stream>>>(packed, absmax, codebook, scale, n, vec,
+    dequantize_kernel<T, BITS><<<grid_for(n), kThreads, 0, stream>>>(packed, absmax, codebook, scale, n, vec,
                                                                    static_cast<T*>(out));
     return cudaGetLastError();
   }

@@ -22,7 +22,7 @@ struct LaneOfPiece {
   }
 };
 
-template <int K>
+template <int BITS>
 __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __restrict__ packed,
                                                           const uint8_t* __restrict__ absmax, int N, int K_dim,
                                                           int k_groups, int64_t total_threads,
@@ -34,9 +34,9 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
   const int64_t piece = at.piece;
   const int blocks_per_row = K_dim / kBlock;
 
-  uint32_t words[4 * K];
+  uint32_t words[4 * BITS];
 #pragma unroll
-  for (int i = 0; i < 4 * K; ++i) words[i] = 0;
+  for (int i = 0; i < 4 * BITS; ++i) words[i] = 0;
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
 #pragma unroll
@@ -44,15 +44,15 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
       const int row = 16 * tile + g + 8 * r, kb = 8 * j + t;
       const bool inside = row < N && kb < blocks_per_row;
       const int64_t blk = static_cast<int64_t>(row) * blocks_per_row + kb;
-      uint32_t planes[K];
+      uint32_t planes[BITS];
 #pragma unroll
-      for (int b = 0; b < K; ++b) planes[b] = inside ? packed[blk * K + b] >> (2 * q) : 0u;
+      for (int b = 0; b < BITS; ++b) planes[b] = inside ? packed[blk * BITS + b] >> (2 * q) : 0u;
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
         const int pair = 8 * t + 2 * (s >> 1) + r, e = s & 1;  // column 8p + 2q + e
 #pragma unroll
-        for (int b = 0; b < K; ++b) {
-          const int o = pair_bit_offset(K, pair, e * K + b);
+        for (int b = 0; b < BITS; ++b) {
+          const int o = pair_bit_offset(BITS, pair, e * BITS + b);
           words[o >> 5] |= ((planes[b] >> (8 * (s >> 1) + e)) & 1u) << (o & 31);
         }
       }
@@ -60,14 +60,14 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
     }
   }
 #pragma unroll
-  for (int v = 0; v < K; ++v)
-    b_gemm[(piece * K + v) * 32 + lane] = make_uint4(words[4 * v], words[4 * v + 1], words[4 * v + 2], words[4 * v + 3]);
+  for (int v = 0; v < BITS; ++v)
+    b_gemm[(piece * BITS + v) * 32 + lane] = make_uint4(words[4 * v], words[4 * v + 1], words[4 * v + 2], words[4 * v + 3]);
 }
 
 // The inverse: the 8 bits a lane holds of each plane word of a storage block are ORed across the block's four lanes
 // (q = 0..3, adjacent in the warp) by two shuffles; lane q = 0 writes the word. Padding rows and k-groups are
 // dropped. Every thread count is a multiple of 32 and warps never straddle it, so whole warps return together.
-template <int K>
+template <int BITS>
 __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restrict__ b_gemm,
                                                             const uint8_t* __restrict__ a_gemm, int N, int K_dim,
                                                             int k_groups, int64_t total_threads,
@@ -79,10 +79,10 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
   const int64_t piece = at.piece;
   const int blocks_per_row = K_dim / kBlock;
 
-  uint32_t words[4 * K];
+  uint32_t words[4 * BITS];
 #pragma unroll
-  for (int v = 0; v < K; ++v) {
-    const uint4 w = b_gemm[(piece * K + v) * 32 + lane];
+  for (int v = 0; v < BITS; ++v) {
+    const uint4 w = b_gemm[(piece * BITS + v) * 32 + lane];
     words[4 * v] = w.x, words[4 * v + 1] = w.y, words[4 * v + 2] = w.z, words[4 * v + 3] = w.w;
   }
 #pragma unroll
@@ -93,17 +93,17 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
       const bool inside = row < N && kb < blocks_per_row;
       const int64_t blk = static_cast<int64_t>(row) * blocks_per_row + kb;
 #pragma unroll
-      for (int b = 0; b < K; ++b) {
+      for (int b = 0; b < BITS; ++b) {
         uint32_t plane = 0;
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int pair = 8 * t + 2 * (s >> 1) + r, e = s & 1;
-          const int o = pair_bit_offset(K, pair, e * K + b);
+          const int o = pair_bit_offset(BITS, pair, e * BITS + b);
           plane |= ((words[o >> 5] >> (o & 31)) & 1u) << (8 * (s >> 1) + e + 2 * q);
         }
         plane |= __shfl_xor_sync(0xffffffffu, plane, 1);
         plane |= __shfl_xor_sync(0xffffffffu, plane, 2);
-        if (inside && q == 0) packed[blk * K + b] = plane;
+        if (inside && q == 0) packed[blk * BITS + b] = plane;
       }
       if (inside && q == 0) absmax[blk] = a_gemm[((piece * 2 + r) * 8 + g) * 8 + t];
     }
