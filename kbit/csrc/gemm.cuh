@@ -60,9 +60,9 @@ constexpr int kStaticSmemMax = 2048;
 
 // Warps per CTA, and row tiles (16 weight rows each) per warp. A warp owns two row tiles: each activation
 // fragment it loads then serves both, and the per-step work that does not scale with the rows (barrier
-// waits, copy issue, cursors: over a third of a one-tile step's instructions) is paid once per 32 rows. Eight warps leave each thread the registers for both tiles' codes and accumulators. BITS = 5 keeps
-// one tile per warp at MB >= 2: two would need 42 KB of codes per stage, too few stages (and, at MB = 2,
-// more shared memory than sm_80 has).
+// waits, copy issue, cursors) is paid once per 32 rows. Eight warps leave each thread the registers for both
+// tiles' codes and accumulators. BITS = 5 keeps one tile per warp at MB >= 2: two would need 42 KB of codes per
+// stage, too few stages (and, at MB = 2, more shared memory than sm_80 has).
 // wgmma: one or two row tiles (CTA tiles of 128 or 256 rows). With two, each step's activations (MB*8 tokens x
 // 256 k, 16-64 KB from L2) serve twice the weights: with one at 128 tokens, the activations were 4x the
 // weights' bytes and the kernel ran at the rate the SM takes data in. But half the tiles means more split-K and 2x
@@ -130,7 +130,7 @@ struct GemmConfig {
   // which one token leaves free: clear_block_columns), so each MMA adds block t's sums to column t only and the
   // accumulators hold a step's 8 blocks apart. Each lane then scales its two columns (blocks 2q, 2q + 1) once per
   // step, where with tokens in the columns every block's result took one FFMA per accumulator and its scale decoded
-  // per block (a sixth of the step loop's instructions); the quad's four lanes meet at the tile's end
+  // per block; the quad's four lanes meet at the tile's end
   // (sum_block_columns). Even and odd blocks accumulate apart, 8 MMAs each: all 16 MMAs of a row tile in one
   // accumulator were no faster, four accumulators slower. Not with the k split, whose one step per CTA leaves
   // nothing to save. Same shared memory as MB = 1.

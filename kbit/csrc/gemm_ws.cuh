@@ -47,8 +47,8 @@ template <int BITS, int NT>
 struct WsConfig {
   static constexpr int kBits = BITS, kTokens = NT;
   // Consumer warpgroups of one m64 block each. Four: four consumer warps per scheduler hide the dequantization's
-  // latencies (two warpgroups of two blocks each were slower up to 1024 tokens, equal at 4096). At 256 tokens a warpgroup's accumulators are 128 registers per
-  // thread, so two, at 240: a looked-up weight then serves twice the tokens.
+  // latencies (docs/PERFORMANCE.md, "Measured choices"). At 256 tokens a warpgroup's accumulators are 128 registers
+  // per thread, so two, at 240: a looked-up weight then serves twice the tokens.
   static constexpr int kConsumerGroups = NT == 256 ? 2 : 4;
   static constexpr int kConsumerWarps = 4 * kConsumerGroups;
   static constexpr int kThreads = 128 * (1 + kConsumerGroups);  // warpgroup 0: the producer
@@ -380,8 +380,8 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
 // sums (ws_publish). Then either the lead, the CTA holding that k-group, adds them to its own accumulators
 // (ws_lead_reduce), or, where the tile is split kSlicedFrom ways or more, the lead publishes too and each of the
 // CTAs adds one contiguous slice of every partial after its main loop (ws_reduce_slice). The lead alone reads
-// (n - 1) partials through one SM, ~2 L2 round trips each at 128 tokens; in slices each CTA publishes one and reads
-// two tiles' worth, ~5 round trips whatever n: slices win from n = 5 (docs/PERFORMANCE.md, "Measured choices").
+// (n - 1) partials through one SM; in slices each CTA publishes one and reads two tiles' worth whatever n, so slices
+// win from some n on (kSlicedFrom; docs/PERFORMANCE.md, "Measured choices").
 // Two partial slots per CTA: slot 1 for the tile whose first k-group it holds (only the last tile of a range can
 // be split and begin in it), slot 0 for the other (the first tile of its range). Layout per slot: [consumer warp]
 // [fragment][lane] float4, an "item" being one float4. Only the items of real tokens move (at M = 17 on a 32-token
