@@ -155,7 +155,7 @@ struct GemmConfig {
   //   BITS = 5: pair table, entry p = (pair p) at (p << log2(copies * 4)) + 4 * (l % copies); 32 copies would take
   //          128 KB: 16 (64 KB) at MB = 1, 8 (32 KB) at larger MB or KS, which need the room for activations (and to
   //          fit sm_80's 163 KB). 8 copies means 4 lanes share each, 3 wavefronts per lookup on average; 16, 2.
-  //   wgmma: the compact pair table for every BITS (32 copies up to BITS = 4, 8 at BITS = 5): the activation stages of
+  //   wgmma: the compact pair table for every BITS (32 copies up to BITS = 3, 8 at 4 and 5): the activation stages of
   //          64-128 tokens need the room the 64 KB row tables would take, and a lookup serves 4-16 MMAs.
   //   byte-row tables (BITS = 2..4) only where two stages fit beside their 64 KB: not the k split at MB = 2, whose
   //          stages hold 16 token rows x 2048 k; it takes the compact pair table (32 copies to BITS = 4, 8 at 5).
