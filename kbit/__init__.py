@@ -21,17 +21,17 @@ from .fusion import fuse_projections
 from .moe import KbitExperts
 from .dequantized_weight import DequantizedWeight
 from .hf import save_quantized  # transformers is imported only when used
-from . import _transformers_hook
+from .hf import hook
 
 __version__ = "0.1.0"
 
-_transformers_hook.install()  # from_pretrained knows quant_method "kbit" once transformers' quantizers load
+hook.install()  # from_pretrained knows quant_method "kbit" once transformers' quantizers load
 
 
 def __getattr__(name):
     # These import transformers (KbitConfig) or peft (lora): only when asked for.
     if name == "KbitConfig":
-        from .hf_quantizer import KbitConfig
+        from .hf.quantizer import KbitConfig
 
         return KbitConfig
     if name == "lora":

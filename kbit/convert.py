@@ -254,7 +254,7 @@ def quantize_directory(
     from safetensors import SafetensorError  # transformers' weights writer
 
     from .hf import check_loads, dtype_kwarg
-    from .hf_quantizer import KbitConfig
+    from .hf.quantizer import KbitConfig
 
     try:
         config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from ._counted import count_name, counts_hidden, hold_count
 from ._layers import linear_features, linear_weight
 from ._progress import Progress
-from ._transformers_hook import record_in_transformers_config
+from .hf.hook import record_in_transformers_config
 from ._validate import (
     GEMM_DTYPES,
     INPUT_DTYPES,

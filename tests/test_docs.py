@@ -32,7 +32,7 @@ def test_readme_file_list_names_every_module_and_only_existing_ones():
     block = re.search(r"## Development\n\n```\n(.*?)\n```", text, re.S)
     assert block, "README.md: no file list under ## Development"
     listed = set(re.findall(r"kbit/[\w/]+\.py", block.group(1)))
-    modules = {f"kbit/{p.name}" for p in (ROOT / "kbit").glob("*.py") if p.name != "__init__.py"}
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kbit").rglob("*.py") if p.name != "__init__.py"}
     assert not modules - listed, f"README.md's file list lacks {sorted(modules - listed)}"
     assert all((ROOT / name).is_file() for name in listed), f"README.md lists missing files: {sorted(listed - modules)}"
 

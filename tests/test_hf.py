@@ -123,7 +123,7 @@ def test_save_load_roundtrip(quantized, tmp_path):
     assert ("lm_head.weight" in saved) == (not tie)
     layer0 = "model.layers.0.self_attn.q_proj."
     assert {layer0 + s for s in ("weight", "absmax", "codebook", "scale", "meta")} <= set(saved)
-    assert layer0 + "packed" not in saved  # saved under the layer's weight name: see kbit.hf_format
+    assert layer0 + "packed" not in saved  # saved under the layer's weight name: see kbit.hf.folder
     assert torch.equal(saved[layer0 + "weight"], q.model.layers[0].self_attn.q_proj.packed)
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
@@ -247,14 +247,14 @@ def test_save_refuses_a_folder_that_does_not_load(tmp_path, monkeypatch):
     q = kbit.quantize_model(tiny_llama(False), bits=4, progress=False)
     kbit.save_quantized(q, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    real = kbit.hf_format.saved_state_dict
+    real = kbit.hf.folder.saved_state_dict
 
     def lossy(model):  # a save that loses a layer's block scales
         state = real(model)
         del state["model.layers.1.mlp.up_proj.absmax"]
         return state
 
-    monkeypatch.setattr(kbit.hf_format, "saved_state_dict", lossy)
+    monkeypatch.setattr(kbit.hf.folder, "saved_state_dict", lossy)
     with pytest.raises(ValueError, match=r"does not load back.*model\.layers\.1\.mlp\.up_proj.*nothing was replaced"):
         kbit.save_quantized(q, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

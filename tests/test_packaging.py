@@ -49,3 +49,12 @@ def test_build_spec_names_every_source():
     listed = [_build_spec.BINDING, *_build_spec.CUDA_SOURCES]
     present = sorted(f.name for f in (ROOT / "kbit" / "csrc").iterdir() if f.suffix in (".cu", ".cpp"))
     assert sorted(listed) == present and len(set(listed)) == len(listed), (listed, present)
+
+
+def test_every_subpackage_is_packaged():
+    """setuptools installs only the packages pyproject.toml names: a subpackage left out (kbit.hf) would be missing
+    from an installed kbit."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kbit").rglob("__init__.py")}
+    assert packages == present, (sorted(packages), sorted(present))

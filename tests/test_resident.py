@@ -188,16 +188,16 @@ def test_quantize_audits_in_pieces_with_the_same_result(monkeypatch):
 
 
 def test_saved_state_dict_moves_derived_storage_to_the_cpu_layer_by_layer(monkeypatch):
-    from kbit import hf_format
+    from kbit.hf import folder
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     kbit.quantize_model(model, bits=4, min_features=1, skip=(), progress=False)
     want = {key: t.clone() for key, t in model.state_dict().items()}
     _as_gemm_resident_on_cpu(model[1])
     moved = []
-    real = hf_format._derived_to_cpu
-    monkeypatch.setattr(hf_format, "_derived_to_cpu", lambda module, *rest: moved.append(rest[1]) or real(module, *rest))
-    state = hf_format.saved_state_dict(model)
+    real = folder._derived_to_cpu
+    monkeypatch.setattr(folder, "_derived_to_cpu", lambda module, *rest: moved.append(rest[1]) or real(module, *rest))
+    state = folder.saved_state_dict(model)
     assert moved == ["1."]  # only the GEMM-resident layer's derived entries, right after that layer is saved
     assert not model[1]._state_dict_hooks  # removed again
     for key, t in want.items():

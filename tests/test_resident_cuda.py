@@ -199,7 +199,7 @@ def test_quantizing_while_loading_onto_cuda_keeps_only_the_layouts(tmp_path):
 
 
 def test_saving_a_gpu_model_derives_one_layer_at_a_time():
-    from kbit import hf_format
+    from kbit.hf import folder
 
     model = _tiny_llama()
     kbit.quantize_model(model, bits=4, progress=False)
@@ -209,7 +209,7 @@ def test_saving_a_gpu_model_derives_one_layer_at_a_time():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    state = hf_format.saved_state_dict(model)
+    state = folder.saved_state_dict(model)
     peak = torch.cuda.max_memory_allocated() - base
     print(f"saved_state_dict on cuda: peak {peak} B over the model; the largest layer's storage "
           f"{max(m.qweight.nbytes for m in layers)} B; all layers' {sum(m.qweight.nbytes for m in layers)} B")

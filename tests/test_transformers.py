@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import kbit  # noqa: E402
-from kbit import hf_quantize_op  # noqa: E402
+from kbit.hf import quantize_op  # noqa: E402
 from kbit.hf import from_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
@@ -133,13 +133,13 @@ def test_quantize_while_loading_holds_one_layer_at_a_time(tmp_path, monkeypatch)
     gc.collect()
     before = weights_alive()  # other tests' models
     alive_at_each_call = []
-    real = hf_quantize_op.quantize_checked
+    real = quantize_op.quantize_checked
 
     def counting(weight, *args):
         alive_at_each_call.append(len(weights_alive(before)))
         return real(weight, *args)
 
-    monkeypatch.setattr(hf_quantize_op, "quantize_checked", counting)
+    monkeypatch.setattr(quantize_op, "quantize_checked", counting)
     q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=kbit.KbitConfig(bits=4))
     assert len(alive_at_each_call) == len(kbit_names(q)) == 14
     # the weight being quantized only; reading every weight first would show up to 14
@@ -182,7 +182,7 @@ def moe_loaded(request, tmp_path_factory):
     src = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(str(src))
     q = transformers.AutoModelForCausalLM.from_pretrained(str(src), quantization_config=kbit.KbitConfig(bits=4))
-    ref = kbit.quantize_model(copy.deepcopy(model), bits=4, skip=kbit.hf_quantizer.default_skip(model), progress=False)
+    ref = kbit.quantize_model(copy.deepcopy(model), bits=4, skip=kbit.hf.quantizer.default_skip(model), progress=False)
     return request.param, model, src, q, ref
 
 

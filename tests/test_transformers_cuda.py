@@ -60,7 +60,7 @@ def test_quantize_while_loading_generates_the_quantize_model_tokens(folder, tmp_
     q = transformers.AutoModelForCausalLM.from_pretrained(str(path), quantization_config=kbit.KbitConfig(bits=4),
                                                           **load)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), **load)
-    kbit.quantize_model(ref, bits=4, skip=kbit.hf_quantizer.default_skip(ref), progress=False)
+    kbit.quantize_model(ref, bits=4, skip=kbit.hf.quantizer.default_skip(ref), progress=False)
     kinds = (kbit.KbitLinear, kbit.KbitExperts) if family == "qwen3_moe" else (kbit.KbitLinear,)
     for kind in kinds:
         names = sorted(n for n, m in q.named_modules() if isinstance(m, kind))

@@ -6,17 +6,17 @@
 
 Quantizing while loading: every eligible ``nn.Linear`` or ``Conv1D`` weight (``kbit.nn.linear_targets``) is
 quantized the moment transformers reads it from the checkpoint, and its layer replaced by a ``KbitLinear`` right
-then (``kbit.hf_quantize_op``); so is each projection of a fused mixture-of-experts module
+then (``kbit.hf.quantize_op``); so is each projection of a fused mixture-of-experts module
 (``kbit.nn.experts_targets``: ``gate_up_proj`` and ``down_proj``, each assembled by transformers from the
 checkpoint's per-expert weights), the module replaced by a ``KbitExperts`` once both are in. Host memory
 peaks near the quantized model plus one layer in full precision. The other methods (``"mse"``, ``"gptq"``) go
 through ``kbit.quantize_model`` once the checkpoint is loaded in full precision (gptq needs every layer's inputs,
 which only the whole model produces, and runs block by block, as transformers' GPTQ integration does), so host
 memory peaks at the full-precision model plus its quantized copy. Loading a kbit folder builds ``KbitLinear`` and
-``KbitExperts`` modules for the layers the checkpoint holds quantized (``kbit.hf_format``) and checks every loaded
+``KbitExperts`` modules for the layers the checkpoint holds quantized (``kbit.hf.folder``) and checks every loaded
 tensor as untrusted input.
 
-Registration with transformers happens when its quantizers are imported (``kbit._transformers_hook``).
+Registration with transformers happens when its quantizers are imported (``kbit.hf.hook``).
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from . import hf_format
-from ._progress import Progress
-from ._validate import check_int, check_skip, codebook_values
-from .bit_budget import check_bits_setting
-from .calibration import check_calibration, check_calibration_used
-from .finetune import check_tune_steps
-from .fusion import FUSE_BY_DEFAULT, fuse_projections
-from .methods import check_method
-from .moe import FUSED_PARAMETERS, KbitExperts
-from .nn import KbitLinear, experts_targets, linear_targets, quantize_model, quantized_fraction
+from . import folder
+from .._progress import Progress
+from .._validate import check_int, check_skip, codebook_values
+from ..bit_budget import check_bits_setting
+from ..calibration import check_calibration, check_calibration_used
+from ..finetune import check_tune_steps
+from ..fusion import FUSE_BY_DEFAULT, fuse_projections
+from ..methods import check_method
+from ..moe import FUSED_PARAMETERS, KbitExperts
+from ..nn import KbitLinear, experts_targets, linear_targets, quantize_model, quantized_fraction
 
 __all__ = ["KbitConfig", "KbitHfQuantizer", "register", "record_quantization", "default_skip"]
 
@@ -85,17 +85,17 @@ class KbitConfig(QuantizationConfigMixin):
     """
 
     def __init__(self, bits: int = 4, skip=None, min_features: int = 128, codebook=None,
-                 format_version: int = hf_format.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
+                 format_version: int = folder.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
                  kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None,
                  tune_steps: int = 0, fuse_projections: bool = FUSE_BY_DEFAULT):
-        from . import __version__
+        from .. import __version__
 
         if quant_method != QUANT_METHOD:
             raise ValueError(f"KbitConfig is for quant_method={QUANT_METHOD!r}, got {quant_method!r}")
         format_version = check_int(format_version, "format_version", 1)
-        if format_version > hf_format.FORMAT_VERSION:
+        if format_version > folder.FORMAT_VERSION:
             raise ValueError(f"this kbit folder has format_version {format_version}, written by kbit {kbit_version}; "
-                             f"kbit {__version__} reads up to {hf_format.FORMAT_VERSION}: upgrade kbit")
+                             f"kbit {__version__} reads up to {folder.FORMAT_VERSION}: upgrade kbit")
         self.quant_method = QUANT_METHOD
         self.bits = check_bits_setting(bits)
         self.skip = None if skip is None else check_skip(skip)
@@ -176,9 +176,9 @@ class KbitHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
-            layers, experts = hf_format.checkpoint_modules(checkpoint_files, hf_format.model_renamings(model))
-            hf_format.swap_in_kbit_layers(model, layers)
-            hf_format.swap_in_kbit_experts(model, experts)
+            layers, experts = folder.checkpoint_modules(checkpoint_files, folder.model_renamings(model))
+            folder.swap_in_kbit_layers(model, layers)
+            folder.swap_in_kbit_experts(model, experts)
             self._saved_names = sorted(layers)
             # Grouped now, on meta: transformers prepares each layer as its tensors arrive, and the layer then moves
             # its layout into its group's stack, so no group is ever held twice (grouped after, it would be).
@@ -206,22 +206,22 @@ class KbitHfQuantizer(HfQuantizer):
             return module_name in self._targets
         return tensor_name in FUSED_PARAMETERS and module_name in self.experts
 
-    def update_parallel_plan(self, model, plan):  # tp_plan: kbit layers take kbit's styles (kbit.hf_tensor_parallel)
-        from .hf_tensor_parallel import kbit_plan
+    def update_parallel_plan(self, model, plan):  # tp_plan: kbit layers take kbit's styles (kbit.hf.tensor_parallel)
+        from .tensor_parallel import kbit_plan
 
         super().update_parallel_plan(model, plan)
         kbit_plan(model, plan, self._targets | frozenset(self.experts))
 
     def get_quantize_ops(self):
-        from .hf_quantize_op import QuantizeWhileLoading
+        from .quantize_op import QuantizeWhileLoading
 
         return QuantizeWhileLoading(self)
 
     def get_weight_conversions(self):
-        return [hf_format.packed_renaming(self._saved_names)] if self._saved_names else []
+        return [folder.packed_renaming(self._saved_names)] if self._saved_names else []
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from .hf_tensor_parallel import finish_loading
+        from .tensor_parallel import finish_loading
 
         finish_loading(model)  # under a tp_plan: this rank's sharded layers; in any case the plan's own style names
         # A kbit folder's layers hold the storage format as loaded: each is checked, then (on CUDA) replaced by its
@@ -229,7 +229,7 @@ class KbitHfQuantizer(HfQuantizer):
         # already; transformers re-creates non-persistent buffers empty once it has loaded, which is why the layout
         # buffers are persistent ones that state_dict leaves out (kbit.nn). prepare() makes sure of both.
         if self.pre_quantized:
-            hf_format.check_loaded_layers(model)
+            folder.check_loaded_layers(model)
         config = self.quantization_config
         fuse = config.fuse_projections
         if not self.pre_quantized:  # a kbit folder's layers were grouped before loading
@@ -256,12 +256,12 @@ class KbitHfQuantizer(HfQuantizer):
         return model
 
     def _dequantize(self, model, dtype=None):  # model.dequantize(): kbit layers back to full precision
-        from .hf_dequantize import dequantize_model
+        from .dequantize import dequantize_model
 
         return dequantize_model(model, dtype)
 
     def get_state_dict_and_metadata(self, model, *args, **kwargs):
-        return hf_format.saved_state_dict(model), {}
+        return folder.saved_state_dict(model), {}
 
     def is_serializable(self, *args, **kwargs) -> bool:
         return True

@@ -1,7 +1,7 @@
 """kbit's hooks into transformers, set up without importing it.
 
 Importing transformers' quantizers takes seconds, so ``import kbit`` does not. kbit's quantizer
-(``kbit.hf_quantizer``) is registered the moment ``transformers.quantizers.auto`` is imported -- which
+(``kbit.hf.quantizer``) is registered the moment ``transformers.quantizers.auto`` is imported -- which
 ``from_pretrained`` does before it reads a ``quantization_config`` -- or right away if it already was. So
 ``import kbit`` followed by ``from_pretrained(kbit_folder)`` loads kbit layers, in either import order.
 """
@@ -17,13 +17,13 @@ _WATCHED = "transformers.quantizers.auto"
 
 
 def _register() -> None:
-    importing = sys.modules.get(f"{__package__}.hf_quantizer")
+    importing = sys.modules.get(f"{__package__}.quantizer")
     if importing is not None and not hasattr(importing, "register"):
-        return  # kbit.hf_quantizer itself is importing transformers' quantizers: it registers at its end
+        return  # kbit.hf.quantizer itself is importing transformers' quantizers: it registers at its end
     try:
-        from . import hf_quantizer
+        from . import quantizer
 
-        hf_quantizer.register()
+        quantizer.register()
     except Exception as e:  # a broken registration must not break importing transformers
         warnings.warn(f"kbit could not register its transformers quantizer ({type(e).__name__}: {e}); "
                       "from_pretrained will not know quant_method='kbit'", RuntimeWarning, stacklevel=2)
@@ -76,6 +76,6 @@ def record_in_transformers_config(model, **settings) -> None:
     modeling = sys.modules.get("transformers.modeling_utils")  # a transformers model means it is imported
     if modeling is None or not isinstance(model, modeling.PreTrainedModel):
         return
-    from .hf_quantizer import record_quantization
+    from .quantizer import record_quantization
 
     record_quantization(model, **settings)

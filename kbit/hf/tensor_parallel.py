@@ -30,13 +30,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 from transformers.quantizers.base import HfQuantizer
 
-from . import tensor_parallel as tp
-from .formats import meta_tensor
-from .fusion import fuse_projections, has_groups
-from .moe import KbitExperts
-from .nn import KbitLinear
-from .rotation import Rotation
-from .weight import QuantizedWeight
+from .. import tensor_parallel as tp
+from ..formats import meta_tensor
+from ..fusion import fuse_projections, has_groups
+from ..moe import KbitExperts
+from ..nn import KbitLinear
+from ..rotation import Rotation
+from ..weight import QuantizedWeight
 
 PREFIX = "kbit_"
 _KBIT_STYLES = {KbitLinear: (tp.COLWISE, tp.ROWWISE), KbitExperts: (tp.EXPERTS,)}

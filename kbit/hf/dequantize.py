@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._layers import is_conv1d
-from .moe import FUSED_PARAMETERS, KbitExperts, canonical_weight
-from .nn import KbitLinear
+from .._layers import is_conv1d
+from ..moe import FUSED_PARAMETERS, KbitExperts, canonical_weight
+from ..nn import KbitLinear
 
 __all__ = ["dequantize_model"]
 

@@ -28,13 +28,13 @@ import re
 
 from torch import nn
 
-from ._layers import linear_features
-from ._validate import check_experts_meta, check_meta, check_saved_dtype
-from .formats import STATE_KEYS
-from .moe import STORAGE as EXPERTS_STORAGE
-from .moe import KbitExperts, experts_shape, unsupported_reason
-from .nn import KbitLinear
-from .rotation import choose_block
+from .._layers import linear_features
+from .._validate import check_experts_meta, check_meta, check_saved_dtype
+from ..formats import STATE_KEYS
+from ..moe import STORAGE as EXPERTS_STORAGE
+from ..moe import KbitExperts, experts_shape, unsupported_reason
+from ..nn import KbitLinear
+from ..rotation import choose_block
 
 FORMAT_VERSION = 1
 # A layer's saved entries: its state keys with ``packed`` saved under the layer's weight name.

@@ -3,7 +3,7 @@
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=kbit.KbitConfig(bits=4))
     kbit.save_quantized(model, "out/")     # model.save_pretrained("out/"), all or nothing
 
-Loading is transformers' own: ``AutoModelForCausalLM.from_pretrained("out/")`` (see ``kbit.hf_quantizer``).
+Loading is transformers' own: ``AutoModelForCausalLM.from_pretrained("out/")`` (see ``kbit.hf.quantizer``).
 ``transformers`` is optional: this module imports it only inside the functions that need it.
 """
 
@@ -18,8 +18,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ._atomic import atomic_directory
-from .model_card import README, write_model_card
+from .._atomic import atomic_directory
+from ..model_card import README, write_model_card
 
 __all__ = ["save_quantized", "check_ties", "check_loads", "from_config", "dtype_kwarg"]
 
@@ -34,7 +34,7 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], **save_pr
     Nothing that does not load is written: a quantized layer whose weight is tied to another is refused before
     writing (``check_ties``), and the written folder must load back structurally before the swap (``check_loads``).
     """
-    from .hf_quantizer import KbitHfQuantizer
+    from .quantizer import KbitHfQuantizer
 
     if not isinstance(getattr(model, "hf_quantizer", None), KbitHfQuantizer) or not hasattr(model, "save_pretrained"):
         raise ValueError(
@@ -55,8 +55,8 @@ def save_quantized(model: nn.Module, out_dir: Union[str, os.PathLike], **save_pr
 def check_ties(model: nn.Module) -> None:
     """Refuse a model with a quantized layer whose weight transformers ties to another: the tie is broken and
     ``from_pretrained`` could not load its folder ('weight' is not an nn.Parameter)."""
-    from .moe import KbitExperts
-    from .nn import KbitLinear, tied_weights
+    from ..moe import KbitExperts
+    from ..nn import KbitLinear, tied_weights
 
     for name, (key, partner) in tied_weights(model).items():
         if isinstance(model.get_submodule(name), (KbitLinear, KbitExperts)):

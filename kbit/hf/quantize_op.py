@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 from transformers.core_model_loading import ConversionOps
 
-from ._layers import is_conv1d
-from ._validate import check_weight
-from .moe import FUSED_PARAMETERS, KbitExperts, canonical_weight
-from .nn import KbitLinear
-from .rotation import Rotation
-from .weight import quantize_checked, warn_precision
+from .._layers import is_conv1d
+from .._validate import check_weight
+from ..moe import FUSED_PARAMETERS, KbitExperts, canonical_weight
+from ..nn import KbitLinear
+from ..rotation import Rotation
+from ..weight import quantize_checked, warn_precision
 
 
 class QuantizeWhileLoading(ConversionOps):
