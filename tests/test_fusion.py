@@ -310,7 +310,7 @@ def test_each_layer_moves_into_the_stack_as_it_becomes_gemm_resident():
 
 
 def test_a_group_made_before_loading_lets_its_layers_go_when_a_late_one_differs():
-    """A kbit folder's layers are grouped before their tensors arrive (hf_quantizer); when the last to arrive cannot
+    """A kbit folder's layers are grouped before their tensors arrive (kbit.hf.quantizer); when the last to arrive cannot
     share the launch (another codebook), those already in the stack take their own copies and the stack goes."""
     model = Attention().to(torch.bfloat16)
     kbit.quantize_model(model, bits=4, min_features=1, skip=(), progress=False)
