@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from .methods import check_method, quantize_tensor
+from .methods import check_method, quantize_tensor_checked
 from .rotation import Rotation
 from .weight import QuantizedWeight
 
@@ -284,7 +284,7 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                     weight_of: Callable[[nn.Module], Tensor] = lambda layer: layer.weight,
                     rotations: Optional[dict] = None) -> dict:
     """``{id(layer): QuantizedWeight}`` for ``layers`` (``[(name, module)]``, one entry per module), at ``k`` bits:
-    an int, or ``{id(layer): K}`` per layer.
+    an int, or ``{id(layer): K}`` per layer (``k`` and ``codebook`` as ``kbit.quantize_model`` checked them).
 
     ``weight_of(layer)`` is the layer's weight in ``nn.Linear``'s [out, in] layout (a transposed view for
     transformers' ``Conv1D``); the layer's input is its forward's first argument. ``rotations``: ``{id(layer):
@@ -310,11 +310,11 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
             w = rotation.rotate(w.float()).to(w.dtype)
             hessian = None if hessian is None else rotation.hessian(hessian)
         if method == "gptq" and hessian is None:  # calibration never reached it: nothing to weigh the error by
-            qw = quantize_tensor(w, bits, "mse", codebook, name=label)
+            qw = quantize_tensor_checked(w, bits, "mse", codebook, name=label)
         elif method == "gptq" and torch.cuda.is_available() and w.device.type != "cuda":
-            qw = quantize_tensor(w.cuda(), bits, method, codebook, hessian.cuda(), name=label).to(w.device)
+            qw = quantize_tensor_checked(w.cuda(), bits, method, codebook, hessian.cuda(), name=label).to(w.device)
         else:
-            qw = quantize_tensor(w, bits, method, codebook, hessian, name=label)
+            qw = quantize_tensor_checked(w, bits, method, codebook, hessian, name=label)
         result[id(layer)] = qw
         if on_layer is not None:
             on_layer()

@@ -42,7 +42,7 @@ from .formats import (
     pack_bitplanes,
     padded_in_features,
 )
-from .weight import PrecisionWarning, QuantizedWeight, quantize
+from .weight import PrecisionWarning, QuantizedWeight, quantize_checked, warn_precision
 
 __all__ = ["METHODS", "quantize_tensor", "fit_codebook", "search_block_scales"]
 
@@ -229,8 +229,8 @@ def _limit(dtype: torch.dtype, scale: Tensor) -> float:
 def _storage(codes: Tensor, absmax: Tensor, cb: Tensor, scale: Tensor, k: int, shape, dtype) -> QuantizedWeight:
     """A QuantizedWeight from codes [N, K_pad] and block scale codes [N, K_pad / 32]."""
     packed = pack_bitplanes(codes.reshape(-1, BLOCK_SIZE), k)
-    return QuantizedWeight(packed.contiguous(), absmax.reshape(-1).contiguous(), cb.contiguous(),
-                           scale.reshape(()).to(torch.float32), k, tuple(shape), dtype)
+    return QuantizedWeight.from_checked(packed.contiguous(), absmax.reshape(-1).contiguous(), cb.contiguous(),
+                                        scale.reshape(()).to(torch.float32), k, tuple(shape), dtype)
 
 
 def _warn_zeroed(x_blocks: Tensor, absmax: Tensor, name: str) -> None:
@@ -495,15 +495,25 @@ def quantize_tensor(W: Tensor, bits: int = 4, method: str = "rtn", codebook: Opt
     """
     method = check_method(method)
     bits = check_bits(bits)
+    codebook = None if codebook is None else check_codebook(codebook, bits)
+    return quantize_tensor_checked(W, bits, method, codebook, hessian, name)
+
+
+def quantize_tensor_checked(W: Tensor, bits: int, method: str, codebook: Optional[Tensor] = None,
+                            hessian: Optional[Tensor] = None, name: str = "W") -> QuantizedWeight:
+    """``quantize_tensor`` for ``bits``, ``method`` and ``codebook`` checked already (``kbit.quantize_model``'s);
+    the weight and the Hessian, data, are checked here."""
     check_weight(W, name)
     if codebook is not None:
-        codebook = check_codebook(codebook, bits).to(W.device)
+        codebook = codebook.to(W.device)
     if (hessian is not None) != (method == "gptq"):
         raise ValueError("hessian is required by method='gptq' and used by no other method, "
                          f"got method={method!r} and hessian={'a tensor' if hessian is not None else None}")
     with torch.no_grad():
         if method == "rtn":
-            return quantize(W, bits=bits, codebook=codebook, name=name)
+            qw, loss = quantize_checked(W, bits, codebook)
+            warn_precision(loss, name)
+            return qw
         if method == "mse":
             return quantize_mse(W, bits, codebook, name)
         check_tensor(hessian, "hessian")

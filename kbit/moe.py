@@ -125,12 +125,24 @@ class KbitExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, bits: int = 4,
                  dtype: torch.dtype = torch.float16, device=None, codebook: Optional[Tensor] = None,
                  act_fn: Optional[nn.Module] = None):
+        bits = check_bits(bits)
+        self._build(check_int(num_experts, "num_experts", 1), check_int(hidden_dim, "hidden_dim", 1),
+                    check_int(intermediate_dim, "intermediate_dim", 1), bits, check_dtype(dtype, "dtype"), device,
+                    None if codebook is None else check_codebook(codebook, bits), act_fn)
+
+    @classmethod
+    def from_checked(cls, num_experts: int, hidden_dim: int, intermediate_dim: int, bits: int, dtype: torch.dtype,
+                     device=None, codebook: Optional[Tensor] = None, act_fn: Optional[nn.Module] = None):
+        """The constructor without its checks, for arguments checked already (``kbit.quantize_model``'s)."""
+        mod = cls.__new__(cls)
+        mod._build(num_experts, hidden_dim, intermediate_dim, bits, dtype, device, codebook, act_fn)
+        return mod
+
+    def _build(self, num_experts, hidden_dim, intermediate_dim, bits, dtype, device, codebook, act_fn) -> None:
         super().__init__()
-        self.bits = bits = check_bits(bits)
-        self.num_experts = check_int(num_experts, "num_experts", 1)
-        self.hidden_dim = check_int(hidden_dim, "hidden_dim", 1)
-        self.intermediate_dim = check_int(intermediate_dim, "intermediate_dim", 1)
-        self.weight_dtype = check_dtype(dtype, "dtype")
+        self.bits = bits
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.weight_dtype = dtype
         self.act_fn = act_fn if act_fn is not None else nn.SiLU()
         E = self.num_experts
         for proj, (N, K) in self.shapes().items():
@@ -138,7 +150,7 @@ class KbitExperts(nn.Module):
             self.register_buffer(f"{proj}_packed", torch.zeros(E, nb * bits, dtype=torch.int32, device=device))
             self.register_buffer(f"{proj}_absmax", torch.zeros(E, nb, dtype=torch.uint8, device=device))
             self.register_buffer(f"{proj}_scale", torch.ones(E, dtype=torch.float32, device=device))
-        cb = create_normal_float_codebook(bits) if codebook is None else check_codebook(codebook, bits)
+        cb = create_normal_float_codebook(bits) if codebook is None else codebook
         self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))
         self.register_buffer("meta", self._meta_tensor(device))
         for name in GEMM_LAYOUTS:  # on CUDA, in place of the *_packed and *_absmax buffers (prepare)
@@ -229,6 +241,14 @@ class KbitExperts(nn.Module):
     def from_weights(cls, gate_up: Tensor, down: Tensor, bits: int = 4, codebook: Optional[Tensor] = None,
                      act_fn: Optional[nn.Module] = None, name: str = "experts"):
         """Quantize gate_up [E, 2I, H] and down [E, H, I] expert by expert: (KbitExperts, [(label, PrecisionLoss)])."""
+        bits = check_bits(bits)
+        codebook = None if codebook is None else check_codebook(codebook, bits)
+        return cls.from_weights_checked(gate_up, down, bits, codebook, act_fn, name)
+
+    @classmethod
+    def from_weights_checked(cls, gate_up: Tensor, down: Tensor, bits: int, codebook: Optional[Tensor],
+                             act_fn: Optional[nn.Module], name: str):
+        """``from_weights`` for ``bits`` and ``codebook`` checked already."""
         check_tensor(gate_up, f"{name}.gate_up_proj")
         check_tensor(down, f"{name}.down_proj")
         if gate_up.dim() != 3 or gate_up.shape[1] % 2:
@@ -237,8 +257,8 @@ class KbitExperts(nn.Module):
         if tuple(down.shape) != (E, H, I2 // 2):
             raise ValueError(f"{name}.down_proj must be [{E}, {H}, {I2 // 2}] next to gate_up_proj "
                              f"{tuple(gate_up.shape)}, got {tuple(down.shape)}")
-        mod = cls(E, H, I2 // 2, bits=bits, dtype=gate_up.dtype, device=gate_up.device, codebook=codebook,
-                  act_fn=act_fn)
+        mod = cls.from_checked(E, H, I2 // 2, bits, check_dtype(gate_up.dtype, f"{name}.gate_up_proj"),
+                               gate_up.device, codebook, act_fn)
         losses = mod.quantize_projection("gate_up", gate_up, name) + mod.quantize_projection("down", down, name)
         return mod.prepare(), losses
 
@@ -273,11 +293,18 @@ class KbitExperts(nn.Module):
     def from_experts(cls, experts: nn.Module, bits: int = 4, codebook: Optional[Tensor] = None,
                      name: str = "experts"):
         """Quantize a transformers fused experts module (``find_experts`` says which are supported)."""
+        bits = check_bits(bits)
+        return cls.from_experts_checked(experts, bits, None if codebook is None else check_codebook(codebook, bits),
+                                        name)
+
+    @classmethod
+    def from_experts_checked(cls, experts: nn.Module, bits: int, codebook: Optional[Tensor], name: str = "experts"):
+        """``from_experts`` for ``bits`` and ``codebook`` checked already (``kbit.quantize_model``'s)."""
         why = unsupported_reason(experts)
         if why:
             raise ValueError(f"{name}: {why}")
         gate_up, down = (canonical_weight(experts, w) for w in (experts.gate_up_proj, experts.down_proj))
-        return cls.from_weights(gate_up, down, bits=bits, codebook=codebook, act_fn=experts.act_fn, name=name)
+        return cls.from_weights_checked(gate_up, down, bits, codebook, experts.act_fn, name)
 
     # ------------------------------------------------------------------ GEMM layouts
     def grouped_supported(self) -> bool:

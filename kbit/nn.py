@@ -722,7 +722,7 @@ def quantize_model(
             if id(m) in replaced:
                 continue
             try:
-                experts, losses = KbitExperts.from_experts(m, bits=bits, codebook=codebook, name=name)
+                experts, losses = KbitExperts.from_experts_checked(m, bits, codebook, name)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: cannot quantize {name}: {e}; the model is unchanged") from e
             for label, loss in precision_losses(losses):

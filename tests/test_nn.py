@@ -469,3 +469,31 @@ def test_quantized_model_half_and_save_load(dtype):
     kbit.quantize_model(fresh, bits=4, min_features=64, progress=False)  # different random weights
     fresh.load_state_dict(state)
     assert_same_output(fresh, model, torch.randn(2, 3, 128).to(dtype), _name(dtype))
+
+
+def count_bits_checks(monkeypatch) -> list:
+    """Every call of ``kbit._validate.check_bits``, wherever kbit imported it: the list grows by one per check."""
+    from kbit import _validate
+
+    original, calls = _validate.check_bits, []
+
+    def counting(bits):
+        calls.append(bits)
+        return original(bits)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("kbit") and getattr(module, "check_bits", None) is original:
+            monkeypatch.setattr(module, "check_bits", counting)
+    return calls
+
+
+@pytest.mark.parametrize("method", ["rtn", "mse"])
+@pytest.mark.parametrize("codebook", [False, True])
+def test_quantize_model_checks_bits_once(monkeypatch, method, codebook):
+    """Internal calls take the checked internals (quantize_checked, quantize_tensor_checked, from_checked): the
+    public bits argument is checked at quantize_model's boundary and nowhere after."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    cb = kbit.functional.create_normal_float_codebook(3) if codebook else None
+    calls = count_bits_checks(monkeypatch)
+    kbit.quantize_model(model, bits=3, codebook=cb, method=method, min_features=1, progress=False)
+    assert isinstance(model[0], kbit.KbitLinear) and calls == [3]

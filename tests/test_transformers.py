@@ -444,3 +444,28 @@ def test_minilm_through_sentence_transformers(minilm_folder):
     assert sum(isinstance(m, kbit.KbitLinear) for m in quantized.values()) == 37
     torch.testing.assert_close(got, embed(original), rtol=0, atol=1e-5)
     assert float(torch.nn.functional.cosine_similarity(got, full).min()) > 0.95  # measured 0.970-0.976
+
+
+def test_quantize_model_checks_bits_once_on_a_transformers_moe_model(monkeypatch):
+    """Fused experts and the recorded KbitConfig take the checked internals too (tests/test_nn.py counts)."""
+    from test_nn import count_bits_checks
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    model = from_config(transformers.MixtralForCausalLM, config)
+    calls = count_bits_checks(monkeypatch)
+    kbit.quantize_model(model, bits=4, min_features=1, progress=False)
+    assert any(isinstance(m, kbit.KbitExperts) for m in model.modules())
+    assert isinstance(model.config.quantization_config, kbit.KbitConfig) and calls == [4]
+
+
+def test_recorded_config_equals_the_checked_constructor_s():
+    """quantize_model records its settings without checking them again (checked_config): the same config as
+    KbitConfig builds from them."""
+    from kbit.hf.quantizer import checked_config
+
+    cb = [-1.0, -0.25, 0.25, 1.0]
+    settings = dict(bits=2, skip=["lm_head"], min_features=3, codebook=cb, rotate=True)
+    assert vars(checked_config(**settings)) == vars(kbit.KbitConfig(**settings))
+    assert vars(checked_config()) == vars(kbit.KbitConfig())

@@ -21,6 +21,7 @@ Registration with transformers happens when its quantizers are imported (``kbit.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import Optional
@@ -283,12 +284,22 @@ def register() -> None:
         register_quantizer(QUANT_METHOD)(KbitHfQuantizer)
 
 
+def checked_config(**settings) -> KbitConfig:
+    """A ``KbitConfig`` of settings in the form ``KbitConfig`` keeps them, checked already (``kbit.quantize_model``'s),
+    not checked again; every other setting at ``KbitConfig``'s default."""
+    defaults = {name: p.default for name, p in inspect.signature(KbitConfig).parameters.items()}
+    config = KbitConfig.__new__(KbitConfig)
+    vars(config).update(defaults, kbit_version=__version__, **settings)
+    return config
+
+
 def record_quantization(model, bits: int, skip, min_features: int, codebook=None, rotate: bool = False) -> None:
     """Mark a transformers model quantized by ``kbit.quantize_model`` as kbit-quantized, as ``from_pretrained``
     would have: ``save_pretrained`` then writes ``quantization_config`` and the kbit weight names."""
     if isinstance(getattr(model, "hf_quantizer", None), KbitHfQuantizer):
         return  # loaded through kbit's quantizer: its config describes the model
-    config = KbitConfig(bits=bits, skip=skip, min_features=min_features, codebook=codebook, rotate=rotate)
+    config = checked_config(bits=bits, skip=skip, min_features=min_features,
+                            codebook=None if codebook is None else codebook.tolist(), rotate=rotate)
     model.config.quantization_config = config
     model.hf_quantizer = KbitHfQuantizer(config, pre_quantized=True)
     model.is_quantized = True
