@@ -287,6 +287,8 @@ def register() -> None:
 def checked_config(**settings) -> KbitConfig:
     """A ``KbitConfig`` of settings in the form ``KbitConfig`` keeps them, checked already (``kbit.quantize_model``'s),
     not checked again; every other setting at ``KbitConfig``'s default."""
+    from .. import __version__
+
     defaults = {name: p.default for name, p in inspect.signature(KbitConfig).parameters.items()}
     config = KbitConfig.__new__(KbitConfig)
     vars(config).update(defaults, kbit_version=__version__, **settings)
