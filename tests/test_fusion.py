@@ -207,7 +207,10 @@ def test_gradients_flow_through_the_fused_launch():
     for m in (model.q_proj, model.k_proj, model.v_proj):
         m.bias.grad = None
     sum(y.float().square().sum() for y in model(x)).backward()
-    torch.testing.assert_close(fused_grad, x.grad, rtol=1e-2, atol=1e-2)
+    # One backward GEMM over the stacked rows against three summed: bf16 roundings of large terms in another order,
+    # so the tolerance follows the gradient's scale (an element where the terms cancel is small, its error is not).
+    scale = x.grad.abs().max().item()
+    torch.testing.assert_close(fused_grad, x.grad, rtol=1e-2, atol=1e-2 * scale)
     for got, m in zip(bias_grads, (model.q_proj, model.k_proj, model.v_proj)):
         assert torch.equal(got, m.bias.grad)
 
