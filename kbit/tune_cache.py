@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 
 from ._atomic import fsync_path
 from ._build import cache_root
-from .dispatch import Device, Path
+from .gemm_facts import Device, Path
 from .formats import padded_in_features
 
 FORMAT = 1
