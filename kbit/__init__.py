@@ -15,15 +15,13 @@ The seeds' functional API on raw tensors (quantize_kbit, kbit_gemm, ...) is ``kb
 """
 
 from . import ops  # noqa: F401  (registers the torch.library ops)
+from ._version import __version__
 from .weight import PrecisionLoss, PrecisionWarning, QuantizedWeight, dequantize, matmul, quantize
-from .nn import KbitLinear, prepare, quantize_model, quantized_fraction
-from .fusion import fuse_projections
+from .nn import KbitLinear, fuse_projections, prepare, quantize_model, quantized_fraction
 from .moe import KbitExperts
 from .dequantized_weight import DequantizedWeight
 from .hf import save_quantized  # transformers is imported only when used
 from .hf import hook
-
-__version__ = "0.1.0"
 
 hook.install()  # from_pretrained knows quant_method "kbit" once transformers' quantizers load
 

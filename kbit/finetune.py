@@ -200,15 +200,13 @@ def _swap(model: nn.Module, new_of: dict) -> None:
             model.set_submodule(name, new_of[id(m)])
 
 
-def tune_end_to_end(model: nn.Module, batches: list, references: list, steps: int, seed: int = 0) -> dict:
-    """Tune the codebooks and block scales of ``model``'s ``KbitLinear`` layers for ``steps`` Adam steps
-    (module docstring), in place; ``references``: ``reference_outputs`` of the unquantized model on ``batches``.
-    Returns ``{"loss_before", "loss_after", "kept"}`` (mean loss over all batches; ``kept``: whether the tuned
-    values were kept, i.e. the loss went down)."""
-    from .nn import KbitLinear
-
+def tune_end_to_end(model: nn.Module, layers: list, batches: list, references: list, steps: int,
+                    seed: int = 0) -> dict:
+    """Tune the codebooks and block scales of ``layers`` (``model``'s ``KbitLinear`` layers, each once) for
+    ``steps`` Adam steps (module docstring), in place; ``references``: ``reference_outputs`` of the unquantized
+    model on ``batches``. Returns ``{"loss_before", "loss_after", "kept"}`` (mean loss over all batches; ``kept``:
+    whether the tuned values were kept, i.e. the loss went down)."""
     steps = check_tune_steps(steps)
-    layers = list({id(m): m for m in model.modules() if type(m) is KbitLinear}.values())
     if not layers or not steps:
         return {"loss_before": math.nan, "loss_after": math.nan, "kept": False}
     tuned = {id(m): _TunedLinear(m) for m in layers}

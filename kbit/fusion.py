@@ -254,7 +254,7 @@ def _version(x: Tensor) -> Optional[int]:
         return None
 
 
-def _groups_of(model: nn.Module, kbit_linear: type):
+def groups_of(model: nn.Module, kbit_linear: type):
     """(members, qualified names) of each set of sibling KbitLinear children (``SIBLING_NAMES``), two or more."""
     seen = set()
     for parent_name, parent in model.named_modules():
@@ -266,44 +266,3 @@ def _groups_of(model: nn.Module, kbit_linear: type):
             seen.update(id(m) for _, m in found)
             prefix = parent_name + "." if parent_name else ""
             yield [m for _, m in found], [prefix + name for name, _ in found]
-
-
-def has_groups(model: nn.Module) -> bool:
-    """Whether any kbit layer of ``model`` is grouped with its siblings (so that code replacing layers, such as
-    tensor-parallel sharding, groups the new ones again)."""
-    from .nn import KbitLinear
-
-    return any(isinstance(m, KbitLinear) and m._fusion is not None for m in model.modules())
-
-
-def fuse_projections(model: nn.Module, enabled: bool = True) -> int:
-    """Group the sibling projections of ``model`` (``SIBLING_NAMES``) that can share one exact GEMM launch, or with
-    ``enabled=False`` ungroup every kbit layer. Returns the number of groups. Groups already there are replaced.
-
-    Fusion is on by default (``kbit.quantize_model``, ``KbitConfig``, loading a kbit folder); call this after
-    loading to turn it off, or to group afresh after a group turned itself off (module docstring). The stacked
-    layout is built once every member is GEMM-resident (on CUDA); elsewhere members run their own GEMMs.
-    """
-    from .nn import KbitLinear
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    for m in model.modules():
-        if isinstance(m, KbitLinear) and m._fusion is not None:
-            m._fusion, m._fusion_slot = None, 0  # its buffers stay views of the stacked layout: no copy, no growth
-    if not enabled:
-        return 0
-    count = 0
-    for members, names in _groups_of(model, KbitLinear):
-        reason = why_separate(members)
-        if reason is not None:
-            logger.debug("kbit: %s stay separate GEMM launches: %s", ", ".join(names), reason)
-            continue
-        group = FusedProjections(members, names)
-        for slot, m in enumerate(members):
-            m._fusion, m._fusion_slot = group, slot
-        group.refresh()
-        count += 1
-    return count

@@ -48,7 +48,6 @@ from torch import Tensor, nn
 from ._counted import count_name, counts_hidden, hold_count
 from ._layers import linear_features, linear_weight
 from ._progress import Progress
-from .hf.hook import record_in_transformers_config
 from ._validate import (
     GEMM_DTYPES,
     INPUT_DTYPES,
@@ -71,19 +70,21 @@ from .calibration_text import default_calibration
 from .dequantized_weight import DequantizedWeight
 from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
-from .fusion import FUSE_BY_DEFAULT, FusedProjections
-from .fusion import fuse_projections as _fuse_projections  # the name of quantize_model's argument
+from .fusion import FUSE_BY_DEFAULT, FusedProjections, groups_of, why_separate
 from .methods import GPTQ_DAMP, check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
 from .rotation import Rotation, check_rotation, hadamard
 from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_checked, warn_precision
 
-__all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction"]
+__all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction", "fuse_projections"]
 
 logger = logging.getLogger("kbit")
 
 GEMM_LAYOUT = ("gemm_codes", "gemm_absmax")  # KbitLinear's buffers of the GEMM layout (module docstring)
 WEIGHT_COUNT = count_name("weight")  # the empty parameter that counts the weight's elements (kbit._counted)
+# Called as hook(model, **settings) once quantize_model is done. kbit.hf, drawn above this module, adds the one that
+# records the settings on a transformers model (kbit.hf.hook.install), so that this module need not import it.
+QUANTIZED_HOOKS: list = []
 
 
 def _same_tensors(a, b) -> bool:
@@ -738,10 +739,11 @@ def quantize_model(
             return modules[id(m)]
         model.set_submodule(name, modules[id(m)])
     if references is not None:
-        tuned = tune_end_to_end(model, tune_on, references, tune_steps)
+        layers = list({id(m): m for m in model.modules() if type(m) is KbitLinear}.values())
+        tuned = tune_end_to_end(model, layers, tune_on, references, tune_steps)
         logger.info(f"quantize_model: {tune_steps} tuning steps, calibration loss {tuned['loss_before']:.4g} -> "
                     f"{tuned['loss_after']:.4g} ({'kept' if tuned['kept'] else 'not lower: the tuning is dropped'})")
-    _fuse_projections(model, fuse_projections)
+    _fuse_siblings(model, fuse_projections)
     if uniform:
         described = f"{bits} bits"
     else:
@@ -751,8 +753,8 @@ def quantize_model(
                f"to {described} ({count} layers)")
     logger.info(summary)
     bar.close(summary)
-    record_in_transformers_config(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook,
-                                  rotate=rotate)
+    for hook in QUANTIZED_HOOKS:
+        hook(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook, rotate=rotate)
     return model
 
 
@@ -768,6 +770,49 @@ def quantized_fraction(model: nn.Module) -> float:
             quantized += 3 * m.num_experts * m.hidden_dim * m.intermediate_dim
     total = quantized + sum(p.numel() for p in model.parameters())
     return quantized / total if total else 0.0
+
+
+def fuse_projections(model: nn.Module, enabled: bool = True) -> int:
+    """Group the sibling projections of ``model`` (``kbit.fusion.SIBLING_NAMES``) that can share one exact GEMM
+    launch, or with ``enabled=False`` ungroup every kbit layer. Returns the number of groups. Groups already there
+    are replaced.
+
+    Fusion is on by default (``kbit.quantize_model``, ``KbitConfig``, loading a kbit folder); call this after
+    loading to turn it off, or to group afresh after a group turned itself off (``kbit.fusion``). The stacked
+    layout is built once every member is GEMM-resident (on CUDA); elsewhere members run their own GEMMs.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    return _fuse_siblings(model, enabled)
+
+
+def has_groups(model: nn.Module) -> bool:
+    """Whether any kbit layer of ``model`` is grouped with its siblings (so that code replacing layers, such as
+    tensor-parallel sharding, groups the new ones again)."""
+    return any(isinstance(m, KbitLinear) and m._fusion is not None for m in model.modules())
+
+
+def _fuse_siblings(model: nn.Module, enabled: bool) -> int:
+    """``fuse_projections`` on arguments already checked."""
+    for m in model.modules():
+        if isinstance(m, KbitLinear) and m._fusion is not None:
+            m._fusion, m._fusion_slot = None, 0  # its buffers stay views of the stacked layout: no copy, no growth
+    if not enabled:
+        return 0
+    count = 0
+    for members, names in groups_of(model, KbitLinear):
+        reason = why_separate(members)
+        if reason is not None:
+            logger.debug("kbit: %s stay separate GEMM launches: %s", ", ".join(names), reason)
+            continue
+        group = FusedProjections(members, names)
+        for slot, m in enumerate(members):
+            m._fusion, m._fusion_slot = group, slot
+        group.refresh()
+        count += 1
+    return count
 
 
 def prepare(model: Union[nn.Module, QuantizedWeight]):

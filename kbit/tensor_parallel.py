@@ -50,9 +50,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from .formats import BLOCK_SIZE
-from .fusion import fuse_projections, has_groups
 from .moe import KbitExperts
-from .nn import KbitLinear
+from .nn import KbitLinear, fuse_projections, has_groups
 from .rotation import Rotation
 from .weight import QuantizedWeight, matmul
 

@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 
 from ._atomic import fsync_path
 from ._build import cache_root
+from ._version import __version__
 from .gemm_facts import Device, Path
 from .formats import padded_in_features
 
@@ -42,20 +43,14 @@ class TunedShape(NamedTuple):
     us: dict  # Path -> tuple of float or None
 
 
-def _version() -> str:
-    from . import __version__
-
-    return __version__
-
-
 def cache_file(device_name: str) -> FilePath:
     tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") or "unknown"
-    return cache_root() / "tuned" / f"{tag}-kbit-{_version()}.json"
+    return cache_root() / "tuned" / f"{tag}-kbit-{__version__}.json"
 
 
 def save(device: Device, shapes: list) -> FilePath:
     """Write the measurements (``shapes``: the format's entries) for ``device``, atomically. Returns the file."""
-    data = {"format": FORMAT, "kbit": _version(), "device": device.name, "capability": list(device.capability),
+    data = {"format": FORMAT, "kbit": __version__, "device": device.name, "capability": list(device.capability),
             "sms": device.sms, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "shapes": shapes}
     parse(data, device)  # never write what load would refuse
@@ -106,8 +101,8 @@ def parse(data, device: Device) -> dict:
         raise ValueError("not a JSON object")
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-    if data.get("kbit") != _version():
-        raise ValueError(f"written by kbit {data.get('kbit')!r}, this is {_version()}")
+    if data.get("kbit") != __version__:
+        raise ValueError(f"written by kbit {data.get('kbit')!r}, this is {__version__}")
     if data.get("device") != device.name:
         raise ValueError(f"measured on {data.get('device')!r}, this GPU is {device.name!r}")
     shapes = data.get("shapes")

@@ -13,6 +13,8 @@ import importlib.util
 import sys
 import warnings
 
+from ..nn import QUANTIZED_HOOKS
+
 _WATCHED = "transformers.quantizers.auto"
 
 
@@ -64,7 +66,10 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Register kbit's quantizer now if transformers' quantizers are loaded, else as soon as they are."""
+    """Register kbit's quantizer now if transformers' quantizers are loaded, else as soon as they are; and record
+    ``quantize_model``'s settings on the transformers models it quantizes."""
+    if record_in_transformers_config not in QUANTIZED_HOOKS:
+        QUANTIZED_HOOKS.append(record_in_transformers_config)
     if _WATCHED in sys.modules:
         _register()
     elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):

@@ -39,13 +39,14 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from . import folder
 from .._progress import Progress
 from .._validate import check_int, check_skip, codebook_values
+from .._version import __version__
 from ..bit_budget import check_bits_setting
 from ..calibration import check_calibration, check_calibration_used
 from ..finetune import check_tune_steps
-from ..fusion import FUSE_BY_DEFAULT, fuse_projections
+from ..fusion import FUSE_BY_DEFAULT
 from ..methods import check_method
 from ..moe import FUSED_PARAMETERS, KbitExperts
-from ..nn import KbitLinear, experts_targets, linear_targets, quantize_model, quantized_fraction
+from ..nn import KbitLinear, experts_targets, fuse_projections, linear_targets, quantize_model, quantized_fraction
 
 __all__ = ["KbitConfig", "KbitHfQuantizer", "register", "record_quantization", "default_skip"]
 
@@ -89,8 +90,6 @@ class KbitConfig(QuantizationConfigMixin):
                  format_version: int = folder.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
                  kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None,
                  tune_steps: int = 0, fuse_projections: bool = FUSE_BY_DEFAULT):
-        from .. import __version__
-
         if quant_method != QUANT_METHOD:
             raise ValueError(f"KbitConfig is for quant_method={QUANT_METHOD!r}, got {quant_method!r}")
         format_version = check_int(format_version, "format_version", 1)
@@ -287,8 +286,6 @@ def register() -> None:
 def checked_config(**settings) -> KbitConfig:
     """A ``KbitConfig`` of settings in the form ``KbitConfig`` keeps them, checked already (``kbit.quantize_model``'s),
     not checked again; every other setting at ``KbitConfig``'s default."""
-    from .. import __version__
-
     defaults = {name: p.default for name, p in inspect.signature(KbitConfig).parameters.items()}
     config = KbitConfig.__new__(KbitConfig)
     vars(config).update(defaults, kbit_version=__version__, **settings)

@@ -32,9 +32,8 @@ from transformers.quantizers.base import HfQuantizer
 
 from .. import tensor_parallel as tp
 from ..formats import meta_tensor
-from ..fusion import fuse_projections, has_groups
 from ..moe import KbitExperts
-from ..nn import KbitLinear
+from ..nn import KbitLinear, fuse_projections, has_groups
 from ..rotation import Rotation
 from ..weight import QuantizedWeight
 
