@@ -180,9 +180,10 @@ class DequantCublas(KbitFused):
 
         qw = self.qw
         N, K = qw.shape
-        kp = self.kdim
-        wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.bits, N * kp, self.dtype, qw.scale).view(N, kp)
-        if kp != K:
+        in_features_padded = self.kdim
+        wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.bits, N * in_features_padded, self.dtype, qw.scale)
+        wh = wh.view(N, in_features_padded)
+        if in_features_padded != K:
             wh = wh[:, :K]
         return common.torch.nn.functional.linear(x, wh)
 

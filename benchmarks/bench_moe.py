@@ -95,12 +95,13 @@ def routings(T: int, top_k: int, E: int, n: int, seed: int) -> list:
 def dequantized(experts: kbit.KbitExperts, proj: str) -> torch.Tensor:
     """Every expert of ``proj`` in bf16, [E, N, K]: one dequantize launch at unit scale, then each expert's scale."""
     (N, K), E = experts.shapes()[proj], experts.num_experts
-    kp = padded_in_features(K)
+    in_features_padded = padded_in_features(K)
     packed, absmax = experts.storage(proj)  # on the GPU derived from the GEMM layouts
     one = torch.ones((), device=packed.device)
-    flat = ops.dequantize(packed.view(-1), absmax.view(-1), experts.codebook, experts.bits, E * N * kp, torch.bfloat16,
-                          one)
-    return flat.view(E, N, kp)[:, :, :K] * getattr(experts, f"{proj}_scale").to(torch.bfloat16)[:, None, None]
+    flat = ops.dequantize(packed.view(-1), absmax.view(-1), experts.codebook, experts.bits,
+                          E * N * in_features_padded, torch.bfloat16, one)
+    scale = getattr(experts, f"{proj}_scale").to(torch.bfloat16)[:, None, None]
+    return flat.view(E, N, in_features_padded)[:, :, :K] * scale
 
 
 def time_calls(fn, inputs, replays: int) -> float:

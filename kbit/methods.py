@@ -59,7 +59,7 @@ GPTQ_BATCH = 128  # GPTQ's lazy batch: columns updated together before the rest 
 REFINE_SWEEPS = 2  # coordinate-descent sweeps of refine_block_scales over all blocks (0: no refinement)
 REFIT_CODEBOOK = True  # GPTQ: the codebook refitted to the chosen codes on the output error (refit_codebook)
 REFIT_WEIGHTS = 1 << 23  # refit_codebook's system comes from whole rows holding at most this many weights: it
-# costs 2**k products of [rows, kp] x [kp, kp], and 2**k levels are well determined by far fewer weights
+# costs 2**k products of [rows, K_pad] x [K_pad, K_pad], and 2**k levels are well determined by far fewer weights
 GPTQ_DAMP = 0.1  # added to H's diagonal, as a fraction of its mean: keeps H invertible and the fit general
 _CHUNK_ELEMENTS = 1 << 21  # elements per vectorized chunk of the scale search (bounds temporary memory)
 
@@ -215,9 +215,9 @@ def _normalized(W: Tensor):
     Wf = W.detach().to(torch.float32)
     scale = choose_tensor_scale(Wf.abs().amax())
     x = Wf * (1.0 / scale)
-    kp = padded_in_features(K)
-    if kp != K:
-        x = torch.nn.functional.pad(x, (0, kp - K))
+    in_features_padded = padded_in_features(K)
+    if in_features_padded != K:
+        x = torch.nn.functional.pad(x, (0, in_features_padded - K))
     return x.contiguous(), scale
 
 
@@ -296,8 +296,8 @@ def block_order(hessian_diag: Tensor) -> Tensor:
     diagonal, and the columns inside each block in decreasing order of their own. The columns that matter most
     are quantized first, while many others are left to absorb their error.
     """
-    kp = hessian_diag.numel()
-    d = hessian_diag.reshape(kp // BLOCK_SIZE, BLOCK_SIZE)
+    in_features_padded = hessian_diag.numel()
+    d = hessian_diag.reshape(in_features_padded // BLOCK_SIZE, BLOCK_SIZE)
     blocks = torch.argsort(d.sum(dim=1), descending=True, stable=True)
     inside = torch.argsort(d[blocks], dim=1, descending=True, stable=True)
     return (blocks[:, None] * BLOCK_SIZE + inside).reshape(-1)
@@ -305,21 +305,21 @@ def block_order(hessian_diag: Tensor) -> Tensor:
 
 def refine_block_scales(x: Tensor, codes: Tensor, absmax: Tensor, cb: Tensor, H: Tensor, limit: float,
                         sweeps: int = REFINE_SWEEPS) -> Tensor:
-    """Block scale codes [N, kp / 32] that lower the output error ``tr((x - x_hat) H (x - x_hat)^T)`` with the
+    """Block scale codes [N, K_pad / 32] that lower the output error ``tr((x - x_hat) H (x - x_hat)^T)`` with the
     codes kept: coordinate descent over each block's E4M4 neighbours (one and two steps up and down).
 
-    ``x`` [N, kp]: the normalized weights; ``H`` [kp, kp]. GPTQ chooses each block's scale before the error
+    ``x`` [N, K_pad]: the normalized weights; ``H`` [K_pad, K_pad]. GPTQ chooses each block's scale before the error
     feedback of its own columns has landed; afterwards a slightly different scale often fits the block better.
     """
-    N, kp = x.shape
+    N, in_features_padded = x.shape
     peak = float(cb.abs().max())
-    q = cb[codes]  # [N, kp] levels
+    q = cb[codes]  # [N, K_pad] levels
     absmax = absmax.clone()
     d = decode_absmax_e4m4(absmax)
     g = (x - q * d.repeat_interleave(BLOCK_SIZE, dim=1)) @ H  # (x - x_hat) H: dE/d(x_hat) = -2 g
     steps = torch.tensor([-2, -1, 1, 2], dtype=torch.int32, device=x.device)  # the E4M4 neighbours tried
     for _ in range(sweeps):
-        for b in range(kp // BLOCK_SIZE):
+        for b in range(in_features_padded // BLOCK_SIZE):
             J = slice(b * BLOCK_SIZE, (b + 1) * BLOCK_SIZE)
             qJ, HJ = q[:, J], H[J, J]
             lin = (qJ * g[:, J]).sum(dim=1)  # q_J . (H r)_J
@@ -352,7 +352,7 @@ def refit_codebook(x: Tensor, codes: Tensor, absmax: Tensor, cb: Tensor, H: Tens
     normalization); levels no code uses keep their value.
     GPTQ's codebook is fitted to the weights before the error feedback moves them; this fits it to the codes GPTQ
     chose. On a weight of more than ``REFIT_WEIGHTS`` weights, ``A`` and ``b`` come from a seeded random sample of
-    as many whole rows as that allows (``A`` costs ``2**k`` products of [rows, kp] x [kp, kp]).
+    as many whole rows as that allows (``A`` costs ``2**k`` products of [rows, K_pad] x [K_pad, K_pad]).
     """
     n_levels = cb.numel()
     rows = max(1, REFIT_WEIGHTS // x.shape[1])
@@ -392,21 +392,21 @@ def refit_codebook(x: Tensor, codes: Tensor, absmax: Tensor, cb: Tensor, H: Tens
 
 def _gptq_pass(x_pad: Tensor, U: Tensor, perm: Tensor, cb: Tensor, k: int, cost: Tensor, limit: float,
                absmax: Optional[Tensor] = None):
-    """One GPTQ sweep over the columns in order ``perm``: (codes [N, kp], block scale codes [N, kp / 32]).
+    """One GPTQ sweep over the columns in order ``perm``: (codes [N, K_pad], block scale codes [N, K_pad / 32]).
 
     Each block's scale is searched when its first column is reached, unless ``absmax`` gives them all.
     """
-    N, kp = x_pad.shape
+    N, in_features_padded = x_pad.shape
     device = x_pad.device
     search = absmax is None
     if search:
-        absmax = torch.zeros(N, kp // BLOCK_SIZE, dtype=torch.uint8, device=device)
+        absmax = torch.zeros(N, in_features_padded // BLOCK_SIZE, dtype=torch.uint8, device=device)
     x = x_pad[:, perm]  # updated in place: column j holds the original weights plus the feedback so far
-    codes = torch.zeros(N, kp, dtype=torch.int64, device=device)
+    codes = torch.zeros(N, in_features_padded, dtype=torch.int64, device=device)
     # The column loop is launch-bound on a GPU: what does not change per column is computed outside it.
     mids = level_midpoints(cb)
-    for i1 in range(0, kp, GPTQ_BATCH):
-        i2 = min(i1 + GPTQ_BATCH, kp)
+    for i1 in range(0, in_features_padded, GPTQ_BATCH):
+        i2 = min(i1 + GPTQ_BATCH, in_features_padded)
         xb = x[:, i1:i2]  # a view: corrections inside the batch land in x directly
         errs = torch.zeros(N, i2 - i1, device=device)
         Ub = U[i1:i2, i1:i2]
@@ -426,7 +426,7 @@ def _gptq_pass(x_pad: Tensor, U: Tensor, perm: Tensor, cb: Tensor, k: int, cost:
             xb[:, j + 1:].addr_(e, Ub[j, j + 1:], alpha=-1.0)
             errs[:, j] = e
         codes[:, i1:i2] = torch.stack(batch_codes, dim=1)
-        if i2 < kp:
+        if i2 < in_features_padded:
             x[:, i2:].addmm_(errs, U[i1:i2, i2:], alpha=-1.0)
     codes[:, perm] = codes.clone()  # back to the weight's own column order
     return codes, absmax
@@ -449,9 +449,10 @@ def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = Non
     N, K = W.shape
     device = W.device
     x_pad, scale = _normalized(W)
-    kp = x_pad.shape[1]
+    in_features_padded = x_pad.shape[1]
     limit = _limit(W.dtype, scale)
-    H = torch.nn.functional.pad(H.to(device=device, dtype=torch.float32), (0, kp - K, 0, kp - K))
+    pad = in_features_padded - K
+    H = torch.nn.functional.pad(H.to(device=device, dtype=torch.float32), (0, pad, 0, pad))
     hd = torch.diagonal(H).clamp(min=0)
     if codebook is None:
         col_w = hd / hd[:K].mean().clamp(min=1e-30)
@@ -459,7 +460,7 @@ def quantize_gptq(W: Tensor, H: Tensor, k: int, codebook: Optional[Tensor] = Non
                                  limit)
     else:
         cb = codebook.to(device=device, dtype=torch.float32)
-    perm = block_order(hd) if act_order else torch.arange(kp, device=device)
+    perm = block_order(hd) if act_order else torch.arange(in_features_padded, device=device)
     U = _inverse_hessian_factor(H[perm][:, perm], damp)  # padded columns are dead inputs: no coupling
     real = perm < K
     cost = torch.where(real, 1.0 / torch.diagonal(U) ** 2, 0.0)  # padded columns cost nothing

@@ -317,8 +317,8 @@ class KbitExperts(nn.Module):
         the storage (``prepare`` does this on CUDA, then drops the storage; on CPU the reference ops read them too)."""
         device = self.gate_up_packed.device
         for proj, (N, K) in self.shapes().items():
-            kp = padded_in_features(K)
-            b_shape, a_shape = gemm_shapes(self.bits, N, kp)
+            in_features_padded = padded_in_features(K)
+            b_shape, a_shape = gemm_shapes(self.bits, N, in_features_padded)
             codes = torch.empty(self.num_experts, *b_shape, dtype=torch.int32, device=device)
             absmax = torch.empty(self.num_experts, *a_shape, dtype=torch.uint8, device=device)
             packed_all, absmax_all = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_absmax")
@@ -328,7 +328,7 @@ class KbitExperts(nn.Module):
                 if order is not None:  # a storage row is whole blocks: reordering rows reorders their blocks
                     p = p.view(N, -1)[order].reshape(-1)
                     a = a.view(N, -1)[order].reshape(-1)
-                codes[e], absmax[e] = ops.repack(p, a, self.bits, N, kp)
+                codes[e], absmax[e] = ops.repack(p, a, self.bits, N, in_features_padded)
             setattr(self, f"{proj}_gemm_codes", codes)
             setattr(self, f"{proj}_gemm_absmax", absmax)
 

@@ -84,7 +84,7 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qw = quantize(torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02, bits)
-    kp = padded_in_features(in_features)
+    in_features_padded = padded_in_features(in_features)
     layout = qw.gemm_layout()
     layouts = _rotation(tuple(layout), sum(t.numel() * t.element_size() for t in layout), l2)
     storages = _rotation((qw.packed, qw.absmax), qw.packed.numel() * 4 + qw.absmax.numel(), l2)
@@ -104,7 +104,7 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
             time = None
             if config is not None:
                 def fused(lay, x=x, c=config):
-                    return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features, kp, 0, c.mb,
+                    return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features, in_features_padded, 0, c.mb,
                                     c.wgmma_tiles, c.k_split, c.ws_tokens, ops.weights_settled(*lay, qw.codebook))
 
                 error = float((fused(layouts[0]).float() - reference).norm() / reference.norm().clamp_min(1e-30))

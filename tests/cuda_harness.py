@@ -53,7 +53,7 @@ SIZES = (1, 31, 32, 33, 1000, 8192 * 2 + 32 * 77, 8192 * 3 + 17, 1 << 20)
 GEMM_MS = (1, 2, 3, 5, 16, 17, 31, 33, 64, 100, 160, 256)
 
 # (N_out, K_in). Small odd shapes: N not a multiple of 128, K not a multiple of 256 (partial
-# k-groups), K % 32 != 0 with K % 8 == 0 (x narrower than the layout's K_dim) and K % 8 != 0
+# k-groups), K % 32 != 0 with K % 8 == 0 (x narrower than the layout's in_features_padded) and K % 8 != 0
 # (kbit.matmul pads x).
 SMALL_SHAPES = ((128, 32), (384, 96), (1000, 4128), (136, 256), (8, 64), (200, 1056), (130, 4104), (256, 40),
                 (72, 100))

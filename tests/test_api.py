@@ -27,8 +27,8 @@ def random_shape():
 def assert_rows_bound(W, W_hat, qw, what=""):
     """Blocks never cross rows: check the bound on the [N, K_pad] matrix, row blocks of 32."""
     N, K = W.shape
-    kp = padded_in_features(K)
-    pad = lambda t: torch.nn.functional.pad(t.to(torch.float32), (0, kp - K))  # noqa: E731
+    in_features_padded = padded_in_features(K)
+    pad = lambda t: torch.nn.functional.pad(t.to(torch.float32), (0, in_features_padded - K))  # noqa: E731
     # A block 2**14..2**19 times smaller than the largest (a row's last block may hold one tiny weight) falls into
     # E4M4's subnormal range: its absolute error stays under about one subnormal step, 2**-19 of the top, and
     # kbit.PrecisionWarning reports it (tests/test_untrusted.py).
@@ -322,8 +322,8 @@ BAD_MATMUL = [
                                                     qw.codebook, 4, 64, 96), TypeError, r"A must have dtype"),
     ("kbit_gemm K", lambda qw: kbit.functional.kbit_gemm(torch.randn(2, 128).half(), *qw.gemm_layout(), qw.codebook, 4, 64,
                                               96), ValueError, r"K <= in_features_padded"),
-    ("repack K_dim", lambda qw: kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, 96, 64 + 1), ValueError,
-     r"multiple of 32"),
+    ("repack in_features_padded", lambda qw: kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, 96, 64 + 1),
+     ValueError, r"multiple of 32"),
     ("repack storage size", lambda qw: kbit.functional.repack_for_gemm(qw.packed, qw.absmax, 4, 32, 96), ValueError,
      r"need"),
 ]

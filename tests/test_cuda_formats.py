@@ -149,24 +149,24 @@ REPACK_SHAPES = ((128, 32), (128, 96), (256, 256), (1000, 96), (1000, 4096), (12
                  (256, 4096), (4096, 4096), (1000, 11008))
 
 
-@pytest.mark.parametrize("N,K_dim", REPACK_SHAPES)
+@pytest.mark.parametrize("N,in_features_padded", REPACK_SHAPES)
 @pytest.mark.parametrize("k", BITS)
-def test_repack_bit_exact(k, N, K_dim):
-    seed = seed_for("repack", k, N, K_dim)
-    msg = tag(seed, op="repack", bits=k, N=N, K_dim=K_dim)
-    packed, absmax = random_storage(N * K_dim, k, seed)
+def test_repack_bit_exact(k, N, in_features_padded):
+    seed = seed_for("repack", k, N, in_features_padded)
+    msg = tag(seed, op="repack", bits=k, N=N, in_features_padded=in_features_padded)
+    packed, absmax = random_storage(N * in_features_padded, k, seed)
     p_c, a_c = packed.cuda(), absmax.cuda()
-    if N * K_dim <= (1 << 20):
-        want_b, want_a = layout.repack_reference(packed, absmax, k, N, K_dim)
+    if N * in_features_padded <= (1 << 20):
+        want_b, want_a = layout.repack_reference(packed, absmax, k, N, in_features_padded)
     else:  # the same pure-integer reference, run on the GPU for speed
-        want_b, want_a = layout.repack_reference(p_c, a_c, k, N, K_dim)
-    b_shape, a_shape = layout.gemm_shapes(k, N, K_dim)
+        want_b, want_a = layout.repack_reference(p_c, a_c, k, N, in_features_padded)
+    b_shape, a_shape = layout.gemm_shapes(k, N, in_features_padded)
     ptrs = poison((math.prod(b_shape), torch.int32), (math.prod(a_shape), torch.uint8))
-    got_b, got_a = ops.repack(p_c, a_c, k, N, K_dim)
+    got_b, got_a = ops.repack(p_c, a_c, k, N, in_features_padded)
     poisoned(ptrs, got_b, got_a)
     assert got_b.is_contiguous() and got_a.is_contiguous(), msg
     assert_bits_equal(got_a, want_a, f"absmax_gemm {msg}")
     assert_bits_equal(got_b, want_b, f"B_gemm {msg}")
-    back_p, back_a = ops.unrepack(got_b, got_a, k, N, K_dim)
+    back_p, back_a = ops.unrepack(got_b, got_a, k, N, in_features_padded)
     assert_bits_equal(back_p, p_c, f"unrepack(repack(x)).packed {msg}")
     assert_bits_equal(back_a, a_c, f"unrepack(repack(x)).absmax {msg}")

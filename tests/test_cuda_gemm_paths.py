@@ -60,7 +60,7 @@ def test_gemm_ws_256_token_tiles(k):
         seed = seed_for("gemm-ws256", k, N, K)
         qw = quantized_weight(N, K, k, seed)
         b, a = qw.gemm_layout()
-        kp = formats.padded_in_features(K)
+        in_features_padded = formats.padded_in_features(K)
         chk = GemmChecker(qw)
         g = gen(seed + 1, "cuda")
         settled = ops.weights_settled(b, a, qw.codebook)
@@ -69,7 +69,7 @@ def test_gemm_ws_256_token_tiles(k):
             dtype = torch.bfloat16 if i % 3 == 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 else None
-            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, kp, grid, 32, 0, 1, 256, settled)
+            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, in_features_padded, grid, 32, 0, 1, 256, settled)
             st = chk.stats(x, bias, y)
             if not st["ok"]:
                 failures.append(f"N={N} K={K} seed={seed} M={M} grid={grid} {_name(dtype)}: {chk.describe(st)}")

@@ -56,11 +56,11 @@ def test_sanitize_quantize_dequantize(k):
 @pytest.mark.parametrize("k", BITS)
 def test_sanitize_repack(k):
     seed = seed_for("sanitize-repack", k)
-    for N, K_dim in ((1000, 96), (128, 4128)):
-        packed, absmax = random_storage(N * K_dim, k, seed)
-        want_b, want_a = layout.repack_reference(packed, absmax, k, N, K_dim)
-        got_b, got_a = ops.repack(packed.cuda(), absmax.cuda(), k, N, K_dim)
-        msg = tag(seed, op="sanitize-repack", bits=k, N=N, K_dim=K_dim)
+    for N, in_features_padded in ((1000, 96), (128, 4128)):
+        packed, absmax = random_storage(N * in_features_padded, k, seed)
+        want_b, want_a = layout.repack_reference(packed, absmax, k, N, in_features_padded)
+        got_b, got_a = ops.repack(packed.cuda(), absmax.cuda(), k, N, in_features_padded)
+        msg = tag(seed, op="sanitize-repack", bits=k, N=N, in_features_padded=in_features_padded)
         assert_bits_equal(got_b, want_b, msg)
         assert_bits_equal(got_a, want_a, msg)
 
@@ -124,12 +124,12 @@ def _malformed_cases():
     from kbit._build import cuda_ext
 
     ext = cuda_ext()
-    k, N, K_dim = 4, 256, 512
-    W = torch.randn(N, K_dim, device="cuda").half() * 0.02
+    k, N, K = 4, 256, 512
+    W = torch.randn(N, K, device="cuda").half() * 0.02
     qw = kbit.quantize(W, k)
     b, a = qw.gemm_layout()
-    cb, s, x = qw.codebook, qw.scale, torch.randn(3, K_dim, device="cuda").half()
-    n = N * K_dim
+    cb, s, x = qw.codebook, qw.scale, torch.randn(3, K, device="cuda").half()
+    n = N * K
     as_u8 = qw.packed.to(torch.uint8)  # same element count, a quarter of the bytes
     config = (1, 0, 1, 0, False)  # mb, wgmma_tiles, k_split, ws_tokens (built: the tensor checks come first), settled
     return [
@@ -143,26 +143,26 @@ def _malformed_cases():
         ("dequantize codebook on cpu", lambda: ext.dequantize(qw.packed, qw.absmax, cb.cpu(), k, n, torch.float16, s)),
         ("dequantize strided packed", lambda: ext.dequantize(torch.stack([qw.packed, qw.packed], 1)[:, 0], qw.absmax,
                                                              cb, k, n, torch.float16, s)),
-        ("repack packed uint8", lambda: ext.repack(as_u8, qw.absmax, k, N, K_dim)),
-        ("repack absmax int32", lambda: ext.repack(qw.packed, qw.absmax.int(), k, N, K_dim)),
-        ("repack K_dim 50", lambda: ext.repack(qw.packed, qw.absmax, k, N, 50)),
-        ("repack N larger", lambda: ext.repack(qw.packed, qw.absmax, k, N * 2, K_dim)),
-        ("repack N negative", lambda: ext.repack(qw.packed, qw.absmax, k, -N, -K_dim)),
-        ("gemm b_gemm int64", lambda: ext.gemm(x, b.long(), a, cb, s, None, k, N, K_dim, 0, *config)),
-        ("gemm b_gemm short", lambda: ext.gemm(x, b[:-1], a, cb, s, None, k, N, K_dim, 0, *config)),
-        ("gemm layout for a larger N", lambda: ext.gemm(x, b, a, cb, s, None, k, N * 4, K_dim, 0, *config)),
-        ("gemm layout for a larger K", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim * 4, 0, *config)),
-        ("gemm absmax float", lambda: ext.gemm(x, b, a.float(), cb, s, None, k, N, K_dim, 0, *config)),
-        ("gemm codebook short", lambda: ext.gemm(x, b, a, cb[:4], s, None, k, N, K_dim, 0, *config)),
-        ("gemm scale on cpu", lambda: ext.gemm(x, b, a, cb, s.cpu(), None, k, N, K_dim, 0, *config)),
-        ("gemm bias short", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N - 1, device="cuda").half(), k, N, K_dim, 0,
+        ("repack packed uint8", lambda: ext.repack(as_u8, qw.absmax, k, N, K)),
+        ("repack absmax int32", lambda: ext.repack(qw.packed, qw.absmax.int(), k, N, K)),
+        ("repack K 50", lambda: ext.repack(qw.packed, qw.absmax, k, N, 50)),
+        ("repack N larger", lambda: ext.repack(qw.packed, qw.absmax, k, N * 2, K)),
+        ("repack N negative", lambda: ext.repack(qw.packed, qw.absmax, k, -N, -K)),
+        ("gemm b_gemm int64", lambda: ext.gemm(x, b.long(), a, cb, s, None, k, N, K, 0, *config)),
+        ("gemm b_gemm short", lambda: ext.gemm(x, b[:-1], a, cb, s, None, k, N, K, 0, *config)),
+        ("gemm layout for a larger N", lambda: ext.gemm(x, b, a, cb, s, None, k, N * 4, K, 0, *config)),
+        ("gemm layout for a larger K", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K * 4, 0, *config)),
+        ("gemm absmax float", lambda: ext.gemm(x, b, a.float(), cb, s, None, k, N, K, 0, *config)),
+        ("gemm codebook short", lambda: ext.gemm(x, b, a, cb[:4], s, None, k, N, K, 0, *config)),
+        ("gemm scale on cpu", lambda: ext.gemm(x, b, a, cb, s.cpu(), None, k, N, K, 0, *config)),
+        ("gemm bias short", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N - 1, device="cuda").half(), k, N, K, 0,
                                              *config)),
-        ("gemm bias bf16", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N, device="cuda").bfloat16(), k, N, K_dim, 0,
+        ("gemm bias bf16", lambda: ext.gemm(x, b, a, cb, s, torch.zeros(N, device="cuda").bfloat16(), k, N, K, 0,
                                             *config)),
-        ("gemm x too wide", lambda: ext.gemm(torch.randn(3, K_dim + 8, device="cuda").half(), b, a, cb, s, None, k, N,
-                                             K_dim, 0, *config)),
-        ("gemm k mismatch", lambda: ext.gemm(x, b, a, cb, s, None, 3, N, K_dim, 0, *config)),
-        ("gemm configuration not built", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K_dim, 0, 3, 0, 1, 0, False)),
+        ("gemm x too wide", lambda: ext.gemm(torch.randn(3, K + 8, device="cuda").half(), b, a, cb, s, None, k, N,
+                                             K, 0, *config)),
+        ("gemm k mismatch", lambda: ext.gemm(x, b, a, cb, s, None, 3, N, K, 0, *config)),
+        ("gemm configuration not built", lambda: ext.gemm(x, b, a, cb, s, None, k, N, K, 0, 3, 0, 1, 0, False)),
         ("quantize short codebook", lambda: ext.quantize(W, cb[:4], k, s)),
         ("quantize codebook float16", lambda: ext.quantize(W, cb.half(), k, s)),
     ]

@@ -22,7 +22,7 @@ def _name(d):
 
 
 def block_view(x: torch.Tensor) -> torch.Tensor:
-    """Flatten and zero-pad to [grid_override, 32] in float32."""
+    """Flatten and zero-pad to [blocks, 32] in float32."""
     x = x.reshape(-1).to(torch.float32)
     nb = formats.block_count(x.numel())
     return torch.nn.functional.pad(x, (0, nb * 32 - x.numel())).reshape(nb, 32)

@@ -44,8 +44,8 @@ def _blocks_error(W, qw):
     """Squared error per block [N, K_pad / 32] of the reference dequantization."""
     N, K = W.shape
     err = (kbit.dequantize(qw, torch.float32) - W.float()) ** 2
-    kp = formats.padded_in_features(K)
-    return nn.functional.pad(err, (0, kp - K)).reshape(N, -1, BLOCK_SIZE).sum(-1)
+    in_features_padded = formats.padded_in_features(K)
+    return nn.functional.pad(err, (0, in_features_padded - K)).reshape(N, -1, BLOCK_SIZE).sum(-1)
 
 
 def _correlated_inputs(n: int, K: int, seed: int = 0):

@@ -152,10 +152,11 @@ def gemm_case(mod: KbitExperts, proj: str, x: torch.Tensor, tables, rows: int, g
     x_rows, row_weights, position, passes, num_passes = tables
     E, H, I = mod.num_experts, mod.hidden_dim, mod.intermediate_dim
     silu = proj == "gate_up"
-    N, K_dim = (2 * I, padded_in_features(H)) if silu else (H, padded_in_features(I))
+    N, in_features_padded = (2 * I, padded_in_features(H)) if silu else (H, padded_in_features(I))
     codes, absmax = getattr(mod, f"{proj}_gemm_codes"), getattr(mod, f"{proj}_gemm_absmax")
     y = ops.moe_gemm(x, codes, absmax, mod.codebook, getattr(mod, f"{proj}_scale"), x_rows if silu else None,
-                     None if silu else row_weights, passes, num_passes, mod.bits, N, K_dim, rows, silu, grid_override)
+                     None if silu else row_weights, passes, num_passes, mod.bits, N, in_features_padded, rows, silu,
+                     grid_override)
     w32 = mod.dequantize(proj, torch.float32)
     routed = int((position >= 0).sum())
     src = x[x_rows[:routed].long()] if silu else x[:routed]
@@ -358,12 +359,12 @@ def test_sanitize_moe_crafted_tables_stay_in_bounds():
     for num in (6, 1000, -2):
         num_passes = torch.tensor([num], **i32)
         for silu in (True, False):
-            N, K_dim = (64, 64) if silu else (64, 32)
+            N, in_features_padded = (64, 64) if silu else (64, 32)
             proj = "gate_up" if silu else "down"
             xin = x if silu else x[:, :32].contiguous().repeat(2, 1)[:8]
             ops.moe_gemm(xin, getattr(mod, f"{proj}_gemm_codes"), getattr(mod, f"{proj}_gemm_absmax"), mod.codebook,
-                         getattr(mod, f"{proj}_scale"), x_rows if silu else None, None, passes, num_passes, 4, N, K_dim,
-                         8, silu, 0)
+                         getattr(mod, f"{proj}_scale"), x_rows if silu else None, None, passes, num_passes, 4, N,
+                         in_features_padded, 8, silu, 0)
     position = torch.tensor([[0, 7], [8, -1], [100, 3]], **i32)
     ops.moe_combine(torch.randn(8, 64, device="cuda").half(), position)
     torch.cuda.synchronize()

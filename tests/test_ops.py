@@ -16,8 +16,8 @@ LAYOUT_SHAPES = [(1, 32), (17, 96), (100, 288), (130, 64), (200, 544), (256, 256
 
 
 # ----------------------------------------------------------------------------- opcheck
-def _storage(k, N, K_dim, dtype=torch.float16):
-    A = torch.randn(N, K_dim).to(dtype)
+def _storage(k, N, in_features_padded, dtype=torch.float16):
+    A = torch.randn(N, in_features_padded).to(dtype)
     cb = kbit.functional.create_normal_float_codebook(k)
     scale = torch.tensor(0.5)
     packed, absmax = ops.quantize(A, cb, k, scale)
@@ -35,16 +35,17 @@ def test_opcheck_quantize_dequantize(k):
 
 @pytest.mark.parametrize("k", [k if k == 4 else pytest.param(k, marks=pytest.mark.slow) for k in KS])
 def test_opcheck_repack_unrepack_gemm(k):
-    N, K_dim = 100, 96
-    _, cb, scale, packed, absmax = _storage(k, N, K_dim)
-    torch.library.opcheck(ops.repack, (packed, absmax, k, N, K_dim))
-    b, a = ops.repack(packed, absmax, k, N, K_dim)
-    torch.library.opcheck(ops.unrepack, (b, a, k, N, K_dim))
+    N, in_features_padded = 100, 96
+    _, cb, scale, packed, absmax = _storage(k, N, in_features_padded)
+    torch.library.opcheck(ops.repack, (packed, absmax, k, N, in_features_padded))
+    b, a = ops.repack(packed, absmax, k, N, in_features_padded)
+    torch.library.opcheck(ops.unrepack, (b, a, k, N, in_features_padded))
     for M in (0, 1, 5):
         for dtype in (torch.float16, torch.bfloat16):
-            x = torch.randn(M, K_dim).to(dtype)
-            torch.library.opcheck(ops.gemm, (x, b, a, cb, scale, None, k, N, K_dim, 0))
-            torch.library.opcheck(ops.gemm, (x, b, a, cb, scale, torch.randn(N).to(dtype), k, N, K_dim, 0))
+            x = torch.randn(M, in_features_padded).to(dtype)
+            torch.library.opcheck(ops.gemm, (x, b, a, cb, scale, None, k, N, in_features_padded, 0))
+            bias = torch.randn(N).to(dtype)
+            torch.library.opcheck(ops.gemm, (x, b, a, cb, scale, bias, k, N, in_features_padded, 0))
 
 
 def test_ops_are_registered_custom_ops():
@@ -71,21 +72,21 @@ def test_ops_are_registered_custom_ops():
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_repack_round_trip_bit_exact(k, shape):
-    N, K_dim = shape
-    nb = N * K_dim // 32
+    N, in_features_padded = shape
+    nb = N * in_features_padded // 32
     # Arbitrary bits, not just what quantize produces: repack must be a pure permutation.
     packed = torch.randint(-(2**31), 2**31, (nb * k,), dtype=torch.int64).to(torch.int32)
     absmax = torch.randint(0, 256, (nb,), dtype=torch.int32).to(torch.uint8)
-    b, a = layout.repack_reference(packed, absmax, k, N, K_dim)
-    assert tuple(b.shape) == layout.gemm_shapes(k, N, K_dim)[0] and b.dtype == torch.int32
-    assert tuple(a.shape) == layout.gemm_shapes(k, N, K_dim)[1] and a.dtype == torch.uint8
-    p2, a2 = layout.unrepack_reference(b, a, k, N, K_dim)
-    assert torch.equal(p2, packed), f"bits={k} N={N} K_dim={K_dim}"
-    assert torch.equal(a2, absmax), f"bits={k} N={N} K_dim={K_dim}"
+    b, a = layout.repack_reference(packed, absmax, k, N, in_features_padded)
+    assert tuple(b.shape) == layout.gemm_shapes(k, N, in_features_padded)[0] and b.dtype == torch.int32
+    assert tuple(a.shape) == layout.gemm_shapes(k, N, in_features_padded)[1] and a.dtype == torch.uint8
+    p2, a2 = layout.unrepack_reference(b, a, k, N, in_features_padded)
+    assert torch.equal(p2, packed), f"bits={k} N={N} in_features_padded={in_features_padded}"
+    assert torch.equal(a2, absmax), f"bits={k} N={N} in_features_padded={in_features_padded}"
     # The op wrappers agree with the references.
-    b3, a3 = kbit.functional.repack_for_gemm(packed, absmax, k, N, K_dim)
+    b3, a3 = kbit.functional.repack_for_gemm(packed, absmax, k, N, in_features_padded)
     assert torch.equal(b3, b) and torch.equal(a3, a)
-    p4, a4 = ops.unrepack(b, a, k, N, K_dim)
+    p4, a4 = ops.unrepack(b, a, k, N, in_features_padded)
     assert torch.equal(p4, packed) and torch.equal(a4, absmax)
 
 
@@ -112,24 +113,24 @@ def _documented_code(b_gemm, k, row, col):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("shape", [(130, 288), (17, 544), (256, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_layout_documented_bit_offsets(k, shape):
-    N, K_dim = shape
-    nb = N * K_dim // 32
+    N, in_features_padded = shape
+    nb = N * in_features_padded // 32
     packed = torch.randint(-(2**31), 2**31, (nb * k,), dtype=torch.int64).to(torch.int32)
     absmax = torch.randint(1, 256, (nb,), dtype=torch.int32).to(torch.uint8)
-    codes = formats.unpack_bitplanes(packed, k).reshape(N, K_dim)
-    b, a = layout.repack_reference(packed, absmax, k, N, K_dim)
+    codes = formats.unpack_bitplanes(packed, k).reshape(N, in_features_padded)
+    b, a = layout.repack_reference(packed, absmax, k, N, in_features_padded)
     rows = torch.randint(0, N, (200,)).tolist() + [0, N - 1]
-    cols = torch.randint(0, K_dim, (200,)).tolist() + [0, K_dim - 1]
+    cols = torch.randint(0, in_features_padded, (200,)).tolist() + [0, in_features_padded - 1]
     for row, col in zip(rows, cols):
         code, index = _documented_code(b, k, row, col)
-        assert code == int(codes[row, col]), f"bits={k} N={N} K_dim={K_dim}: code of ({row}, {col})"
-        want_absmax = int(absmax[row * (K_dim // 32) + col // 32])
+        assert code == int(codes[row, col]), f"bits={k} N={N} {in_features_padded=}: code of ({row}, {col})"
+        want_absmax = int(absmax[row * (in_features_padded // 32) + col // 32])
         assert int(a[index]) == want_absmax, f"absmax of ({row}, {col})"
-    # Padding rows (past N) and columns (past K_dim) hold code 0 and absmax 0.
+    # Padding rows (past N) and columns (past in_features_padded) hold code 0 and absmax 0.
     n_pad = b.shape[0] * 256
     kg = b.shape[1]
-    for row, col in [(N, 0), (n_pad - 1, K_dim - 1), (0, kg * 256 - 1)]:
-        if row >= N or col >= K_dim:
+    for row, col in [(N, 0), (n_pad - 1, in_features_padded - 1), (0, kg * 256 - 1)]:
+        if row >= N or col >= in_features_padded:
             if row < n_pad and col < kg * 256:
                 code, idx = _documented_code(b, k, row, col)
                 assert code == 0 and int(a[idx]) == 0, f"padding at ({row}, {col})"
@@ -137,11 +138,11 @@ def test_layout_documented_bit_offsets(k, shape):
 
 def test_layout_k4_pairs_are_bytes():
     # For k = 4 the documented pair index of codes s = 2p, 2p+1 is one byte of the lane's string.
-    N, K_dim, k = 16, 256, 4
-    codes = torch.randint(0, 16, (N, K_dim))
+    N, in_features_padded, k = 16, 256, 4
+    codes = torch.randint(0, 16, (N, in_features_padded))
     packed = formats.pack_bitplanes(codes.reshape(-1, 32), k)
-    absmax = torch.ones(N * K_dim // 32, dtype=torch.uint8)
-    b, _ = layout.repack_reference(packed, absmax, k, N, K_dim)
+    absmax = torch.ones(N * in_features_padded // 32, dtype=torch.uint8)
+    b, _ = layout.repack_reference(packed, absmax, k, N, in_features_padded)
     lane, g, q, t, r, p = 4 * 3 + 2, 3, 2, 5, 1, 3
     o = (8 * t + 2 * p + r) * 2 * k  # pair 8t + 2p + r: a multiple of 8, byte aligned
     assert o % 8 == 0
@@ -154,10 +155,11 @@ def test_layout_k4_pairs_are_bytes():
 def test_layout_k3_pairs_are_byte_aligned():
     # For k = 3 the documented index of pair P = 16u + 4s + i is the low 6 bits of byte i of word 3u + s (s < 3),
     # or for s = 3 bits 6..7 of byte i of words 3u, 3u + 1, 3u + 2 (the index's bits 0-1, 2-3, 4-5).
-    k, N, K_dim = 3, 16, 256
-    codes = torch.randint(0, 8, (N, K_dim))
+    k, N, in_features_padded = 3, 16, 256
+    codes = torch.randint(0, 8, (N, in_features_padded))
     packed = formats.pack_bitplanes(codes.reshape(-1, 32), k)
-    b, _ = layout.repack_reference(packed, torch.ones(N * K_dim // 32, dtype=torch.uint8), k, N, K_dim)
+    absmax = torch.ones(N * in_features_padded // 32, dtype=torch.uint8)
+    b, _ = layout.repack_reference(packed, absmax, k, N, in_features_padded)
     for lane in (0, 13, 31):
         g, q = divmod(lane, 4)
         string = [int(b[0, 0, 0, v, lane, w]) & 0xFFFFFFFF for v in range(k) for w in range(4)]
@@ -282,13 +284,13 @@ def test_gemm_backward_matches_reference(K_x):
     # The CUDA path of kbit.matmul is ops.gemm; its gradients (x and bias; the weight is constant)
     # must match autograd through x @ W_hat.T + bias (in float32, rounded to x's dtype as the op rounds them).
     # On CPU ops.gemm runs the CPU kernel (through unrepack), for the activation dtypes the CUDA kernel takes.
-    N, K_dim = 130, 96
-    qw = kbit.quantize(torch.randn(N, K_dim), bits=3)
+    N, in_features_padded = 130, 96
+    qw = kbit.quantize(torch.randn(N, in_features_padded), bits=3)
     b, a = qw.gemm_layout()
     w = kbit.dequantize(qw, torch.float32)
     x = torch.randn(5, K_x, dtype=torch.float16, requires_grad=True)
     bias = torch.randn(N, dtype=torch.float16, requires_grad=True)
-    y = ops.gemm(x, b, a, qw.codebook, qw.scale, bias, 3, N, K_dim, 0)
+    y = ops.gemm(x, b, a, qw.codebook, qw.scale, bias, 3, N, in_features_padded, 0)
     g = torch.randn_like(y)
     gx, gb = torch.autograd.grad(y, (x, bias), g)
     x2 = x.detach().float().requires_grad_()
@@ -297,7 +299,7 @@ def test_gemm_backward_matches_reference(K_x):
     torch.testing.assert_close(gx, rx.half())
     torch.testing.assert_close(gb, rb.half())
     torch.library.opcheck(ops.gemm, (x.detach().requires_grad_(), b, a, qw.codebook, qw.scale,
-                                     bias.detach().requires_grad_(), 3, N, K_dim, 0))
+                                     bias.detach().requires_grad_(), 3, N, in_features_padded, 0))
 
 
 def test_compile_gemm_op_with_grad_enabled():

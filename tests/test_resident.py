@@ -164,13 +164,13 @@ def test_gemm_resident_experts_give_back_their_storage_bit_for_bit(k):
 
 def test_layout_reference_inverse_on_padding_is_dropped():
     # The layout's padding rows and columns hold zeros; what the inverse returns has exactly the storage's size.
-    k, N, K_dim = 3, 17, 288
-    nb = N * K_dim // 32
+    k, N, in_features_padded = 3, 17, 288
+    nb = N * in_features_padded // 32
     packed = torch.randint(-(2**31), 2**31, (nb * k,), dtype=torch.int64).to(torch.int32)
     absmax = torch.randint(0, 256, (nb,), dtype=torch.int32).to(torch.uint8)
-    b, a = layout.repack_reference(packed, absmax, k, N, K_dim)
+    b, a = layout.repack_reference(packed, absmax, k, N, in_features_padded)
     assert b.numel() * 4 > packed.numel() * 4 and a.numel() > absmax.numel()
-    p2, a2 = ops.unrepack(b, a, k, N, K_dim)
+    p2, a2 = ops.unrepack(b, a, k, N, in_features_padded)
     assert p2.shape == packed.shape and torch.equal(p2, packed) and torch.equal(a2, absmax)
 
 

@@ -44,14 +44,14 @@ def _layout_bytes(bits: int, out_features: int, in_features: int) -> int:
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_unrepack_kernel_inverts_repack_bit_for_bit(k, shape):
-    N, K_dim = shape
-    nb = N * K_dim // 32
+    N, in_features_padded = shape
+    nb = N * in_features_padded // 32
     packed = torch.randint(-(2**31), 2**31, (nb * k,), dtype=torch.int64).to(torch.int32)  # any bits: a permutation
     absmax = torch.randint(0, 256, (nb,), dtype=torch.int32).to(torch.uint8)
-    b, a = ops.repack(packed.cuda(), absmax.cuda(), k, N, K_dim)
-    p2, a2 = ops.unrepack(b, a, k, N, K_dim)
+    b, a = ops.repack(packed.cuda(), absmax.cuda(), k, N, in_features_padded)
+    p2, a2 = ops.unrepack(b, a, k, N, in_features_padded)
     assert torch.equal(p2.cpu(), packed) and torch.equal(a2.cpu(), absmax)
-    p3, a3 = layout.unrepack_reference(b.cpu(), a.cpu(), k, N, K_dim)
+    p3, a3 = layout.unrepack_reference(b.cpu(), a.cpu(), k, N, in_features_padded)
     assert torch.equal(p3, packed) and torch.equal(a3, absmax)
 
 

@@ -112,36 +112,39 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& absmax, const 
   return out;
 }
 
-// Shapes of the GEMM layout of an [N, K_dim] weight (kbit.h, kbit/layout.py's gemm_shapes).
-std::vector<int64_t> layout_codes_shape(int64_t k, int64_t N, int64_t K_dim) {
-  return {kbit::layout_tiles16(N) / kbit::kLayoutBlockTiles, kbit::layout_k_groups(K_dim), kbit::kLayoutBlockTiles, k, 32, 4};
+// Shapes of the GEMM layout of an [N, in_features_padded] weight (kbit.h, kbit/layout.py's gemm_shapes).
+std::vector<int64_t> layout_codes_shape(int64_t k, int64_t N, int64_t in_features_padded) {
+  return {kbit::layout_tiles16(N) / kbit::kLayoutBlockTiles, kbit::layout_k_groups(in_features_padded),
+          kbit::kLayoutBlockTiles, k, 32, 4};
 }
-std::vector<int64_t> layout_absmax_shape(int64_t N, int64_t K_dim) {
-  return {kbit::layout_tiles16(N) / kbit::kLayoutBlockTiles, kbit::layout_k_groups(K_dim), kbit::kLayoutBlockTiles, 2, 8, 8};
+std::vector<int64_t> layout_absmax_shape(int64_t N, int64_t in_features_padded) {
+  return {kbit::layout_tiles16(N) / kbit::kLayoutBlockTiles, kbit::layout_k_groups(in_features_padded),
+          kbit::kLayoutBlockTiles, 2, 8, 8};
 }
 
-// bits and the [N, K_dim] weight shape of a storage-format <-> GEMM-layout conversion.
-void check_layout_sizes(int64_t k, int64_t N, int64_t K_dim) {
+// bits and the [N, in_features_padded] weight shape of a storage-format <-> GEMM-layout conversion.
+void check_layout_sizes(int64_t k, int64_t N, int64_t in_features_padded) {
   check_bits(k);
   check_dim(N, "N", 1);
-  check_dim(K_dim, "K_dim", kbit::kBlock);
-  TORCH_CHECK(K_dim % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_dim));
+  check_dim(in_features_padded, "in_features_padded", kbit::kBlock);
+  TORCH_CHECK(in_features_padded % kbit::kBlock == 0, "kbit: in_features_padded must be a multiple of ",
+              num(kbit::kBlock), ", got ", num(in_features_padded));
 }
 
 std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Tensor& absmax, int64_t k, int64_t N,
-                                          int64_t K_dim) {
-  check_layout_sizes(k, N, K_dim);
+                                          int64_t in_features_padded) {
+  check_layout_sizes(k, N, in_features_padded);
   TORCH_CHECK(packed.is_cuda(), "kbit: packed must be a CUDA tensor");
   const at::Device on = packed.device();
-  const int64_t nb = N * (K_dim / kbit::kBlock);
+  const int64_t nb = N * (in_features_padded / kbit::kBlock);
   check_input(packed, "packed", at::kInt, {nb * k}, on);
   check_input(absmax, "absmax", at::kByte, {nb}, on);
   const c10::cuda::CUDAGuard guard(on);
   // Outputs get their dtype from the layout, never from the inputs' options.
-  auto b = at::empty(layout_codes_shape(k, N, K_dim), packed.options().dtype(at::kInt));
-  auto a = at::empty(layout_absmax_shape(N, K_dim), packed.options().dtype(at::kByte));
+  auto b = at::empty(layout_codes_shape(k, N, in_features_padded), packed.options().dtype(at::kInt));
+  auto a = at::empty(layout_absmax_shape(N, in_features_padded), packed.options().dtype(at::kByte));
   check_launch(kbit::repack(reinterpret_cast<const uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),
-                            static_cast<int>(k), static_cast<int>(N), static_cast<int>(K_dim),
+                            static_cast<int>(k), static_cast<int>(N), static_cast<int>(in_features_padded),
                             reinterpret_cast<uint32_t*>(b.data_ptr()), a.data_ptr<uint8_t>(),
                             c10::cuda::getCurrentCUDAStream()),
                "repack");
@@ -149,18 +152,18 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& packed, const at::Te
 }
 
 std::tuple<at::Tensor, at::Tensor> unrepack(const at::Tensor& b_gemm, const at::Tensor& absmax_gemm, int64_t k,
-                                            int64_t N, int64_t K_dim) {
-  check_layout_sizes(k, N, K_dim);
+                                            int64_t N, int64_t in_features_padded) {
+  check_layout_sizes(k, N, in_features_padded);
   TORCH_CHECK(b_gemm.is_cuda(), "kbit: b_gemm must be a CUDA tensor");
   const at::Device on = b_gemm.device();
-  check_input(b_gemm, "b_gemm", at::kInt, layout_codes_shape(k, N, K_dim), on);
-  check_input(absmax_gemm, "absmax_gemm", at::kByte, layout_absmax_shape(N, K_dim), on);
+  check_input(b_gemm, "b_gemm", at::kInt, layout_codes_shape(k, N, in_features_padded), on);
+  check_input(absmax_gemm, "absmax_gemm", at::kByte, layout_absmax_shape(N, in_features_padded), on);
   const c10::cuda::CUDAGuard guard(on);
-  const int64_t nb = N * (K_dim / kbit::kBlock);
+  const int64_t nb = N * (in_features_padded / kbit::kBlock);
   auto packed = at::empty({nb * k}, b_gemm.options().dtype(at::kInt));
   auto absmax = at::empty({nb}, b_gemm.options().dtype(at::kByte));
   check_launch(kbit::unrepack(reinterpret_cast<const uint32_t*>(b_gemm.data_ptr()), absmax_gemm.data_ptr<uint8_t>(),
-                              static_cast<int>(k), static_cast<int>(N), static_cast<int>(K_dim),
+                              static_cast<int>(k), static_cast<int>(N), static_cast<int>(in_features_padded),
                               reinterpret_cast<uint32_t*>(packed.data_ptr()), absmax.data_ptr<uint8_t>(),
                               c10::cuda::getCurrentCUDAStream()),
                "unrepack");
@@ -239,21 +242,24 @@ void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor
 }
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
-                const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N, int64_t K_w,
-                int64_t num_blocks, int64_t mb, int64_t wgmma_tiles, int64_t k_split, int64_t ws_tokens,
-                bool weights_settled) {
+                const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N,
+                int64_t in_features_padded, int64_t grid_override, int64_t mb, int64_t wgmma_tiles, int64_t k_split,
+                int64_t ws_tokens, bool weights_settled) {
   check_bits(k);
   check_dim(N, "N", 1);
-  check_dim(K_w, "K_dim", kbit::kBlock);
-  TORCH_CHECK(K_w % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_w));
-  TORCH_CHECK(num_blocks >= 0 && num_blocks <= std::numeric_limits<int>::max(), "kbit: num_blocks must be >= 0");
+  check_dim(in_features_padded, "in_features_padded", kbit::kBlock);
+  TORCH_CHECK(in_features_padded % kbit::kBlock == 0, "kbit: in_features_padded must be a multiple of ",
+              num(kbit::kBlock), ", got ", num(in_features_padded));
+  TORCH_CHECK(grid_override >= 0 && grid_override <= std::numeric_limits<int>::max(),
+              "kbit: grid_override must be >= 0");
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
-  TORCH_CHECK(x_in.size(1) <= K_w, "kbit: x has ", num(x_in.size(1)), " columns, more than the weight's ", num(K_w));
+  TORCH_CHECK(x_in.size(1) <= in_features_padded, "kbit: x has ", num(x_in.size(1)),
+              " columns, more than the weight's ", num(in_features_padded));
   check_dim(x_in.size(0), "M (rows of x)", 0);
   const at::Device on = x_in.device();
-  check_input(b, "b_gemm", at::kInt, layout_codes_shape(k, N, K_w), on);
-  check_input(absmax, "absmax_gemm", at::kByte, layout_absmax_shape(N, K_w), on);
+  check_input(b, "b_gemm", at::kInt, layout_codes_shape(k, N, in_features_padded), on);
+  check_input(absmax, "absmax_gemm", at::kByte, layout_absmax_shape(N, in_features_padded), on);
   check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
   // One float32 for the whole weight, or one per 256 output rows (sibling projections fused: kbit/fusion.py).
   const int64_t row_blocks = (N + kbit::kLayoutNAlign - 1) / kbit::kLayoutNAlign;
@@ -282,9 +288,10 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
                                          static_cast<int>(k_split), static_cast<int>(ws_tokens), &info),
               "kbit: the fused GEMM has no configuration ", config);
   const kbit::GemmPlan plan =
-      kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K_w), static_cast<int>(k),
+      kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(in_features_padded),
+                      static_cast<int>(k),
                       static_cast<int>(mb), static_cast<int>(wgmma_tiles), static_cast<int>(k_split),
-                      static_cast<int>(ws_tokens), sms, static_cast<int>(num_blocks));
+                      static_cast<int>(ws_tokens), sms, static_cast<int>(grid_override));
   TORCH_CHECK(plan.built, "kbit: the fused GEMM configuration ", config, " is not built for compute capability ",
               num(plan.cc_major), ".x (use dequantize + matmul)");
   TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM configuration ",
@@ -297,7 +304,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   fill_gemm_inputs(p, x, b, absmax, codebook, scale_ptr, y, plan, M, k, weights_settled, stream);
   p.row_scales = row_scales;
   p.bias = bias ? bias->data_ptr() : nullptr;
-  kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
+  kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(in_features_padded));
   p.grid_room = 2 * plan.grid <= sms ? kbit::GridRoom::kHalfOrLess
               : plan.grid < sms    ? kbit::GridRoom::kBelowSms
                                    : kbit::GridRoom::kFull;
@@ -400,29 +407,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                     const at::Tensor& scale, const std::optional<at::Tensor>& x_rows,
                     const std::optional<at::Tensor>& row_weights, const at::Tensor& passes,
-                    const at::Tensor& num_passes, int64_t k, int64_t N, int64_t K_w, int64_t rows_per_pass,
-                    bool silu_gate, int64_t num_blocks, bool weights_settled) {
+                    const at::Tensor& num_passes, int64_t k, int64_t N, int64_t in_features_padded,
+                    int64_t rows_per_pass,
+                    bool silu_gate, int64_t grid_override, bool weights_settled) {
   check_bits(k);
   check_dim(N, "N", 1);
-  check_dim(K_w, "K_dim", kbit::kBlock);
-  TORCH_CHECK(K_w % kbit::kBlock == 0, "kbit: K_dim must be a multiple of ", num(kbit::kBlock), ", got ", num(K_w));
+  check_dim(in_features_padded, "in_features_padded", kbit::kBlock);
+  TORCH_CHECK(in_features_padded % kbit::kBlock == 0, "kbit: in_features_padded must be a multiple of ",
+              num(kbit::kBlock), ", got ", num(in_features_padded));
   check_rows_per_pass(rows_per_pass);
-  TORCH_CHECK(num_blocks >= 0 && num_blocks <= std::numeric_limits<int>::max(), "kbit: num_blocks must be >= 0");
+  TORCH_CHECK(grid_override >= 0 && grid_override <= std::numeric_limits<int>::max(),
+              "kbit: grid_override must be >= 0");
   TORCH_CHECK(x.is_cuda() && x.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
   const at::Device on = x.device();
   check_input(x, "x", x.scalar_type(), x.sizes().vec(), on);
-  TORCH_CHECK(x.size(1) % kbit::kXColumnAlign == 0 && x.size(1) <= K_w, "kbit: x must have a multiple of ",
-              num(kbit::kXColumnAlign), " columns, at most K_dim = ",
-              num(K_w), ", got ", num(x.size(1)));
+  TORCH_CHECK(x.size(1) % kbit::kXColumnAlign == 0 && x.size(1) <= in_features_padded,
+              "kbit: x must have a multiple of ",
+              num(kbit::kXColumnAlign), " columns, at most in_features_padded = ",
+              num(in_features_padded), ", got ", num(x.size(1)));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "kbit: x must be 16-byte aligned");
   check_dim(x.size(0), "rows of x", 0);
   TORCH_CHECK(b.dim() == 7, "kbit: b_gemm must be the experts' GEMM layouts stacked [experts, ...], got shape ",
               shape_string(b.sizes()));
   const int64_t E = b.size(0);
   check_num_experts(E);
-  check_input(b, "b_gemm", at::kInt, stacked(E, layout_codes_shape(k, N, K_w)), on);
-  check_input(absmax, "absmax_gemm", at::kByte, stacked(E, layout_absmax_shape(N, K_w)), on);
+  check_input(b, "b_gemm", at::kInt, stacked(E, layout_codes_shape(k, N, in_features_padded)), on);
+  check_input(absmax, "absmax_gemm", at::kByte, stacked(E, layout_absmax_shape(N, in_features_padded)), on);
   check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
   check_input(scale, "scale", at::kFloat, {E}, on);
   if (x_rows) {
@@ -441,7 +452,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
   check_input(num_passes, "num_passes", at::kInt, {1}, on);
   const int64_t P = passes.size(0);
   // Steps are ints on the device: passes x CTA row tiles (128 rows at the fewest) x k-groups.
-  TORCH_CHECK(P * ((N + 127) / 128) * ((K_w + 255) / 256) <= std::numeric_limits<int>::max(),
+  TORCH_CHECK(P * ((N + 127) / 128) * ((in_features_padded + 255) / 256) <= std::numeric_limits<int>::max(),
               "kbit: too many passes for one grouped GEMM: ", num(P));
   const c10::cuda::CUDAGuard guard(on);
   auto y = at::empty({M, silu_gate ? N / 2 : N}, x.options());
@@ -449,7 +460,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
   int sms = 0;
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
   const kbit::GemmPlan plan = kbit::grouped_gemm_plan(static_cast<int>(rows_per_pass), static_cast<int>(k), sms,
-                                                      static_cast<int>(num_blocks));
+                                                      static_cast<int>(grid_override));
   TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the grouped GEMM at k=", num(k),
               " with ", num(rows_per_pass), " rows per pass needs ", num(plan.smem_bytes / 1024),
               " KB of shared memory per block; this GPU allows ", num(plan.smem_limit / 1024), " KB");
@@ -458,7 +469,7 @@ at::Tensor moe_gemm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kbit::GroupedGemmParams p{};
   fill_gemm_inputs(p, x, b, absmax, codebook, scale.data_ptr<float>(), y, plan, M, k, weights_settled, stream);
-  kbit::grouped_gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
+  kbit::grouped_gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(in_features_padded));
   p.passes = reinterpret_cast<const int4*>(passes.data_ptr());
   p.num_passes = num_passes.data_ptr<int>();
   p.x_rows = x_rows ? x_rows->data_ptr<int>() : nullptr;
@@ -499,17 +510,18 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& position) {
 TORCH_LIBRARY(kbit_cuda, m) {
   m.def("quantize(Tensor A, Tensor codebook, int k, Tensor scale) -> (Tensor, Tensor)");
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor scale) -> Tensor");
-  m.def("repack(Tensor packed, Tensor absmax, int k, int N, int K_dim) -> (Tensor, Tensor)");
-  m.def("unrepack(Tensor b_gemm, Tensor absmax_gemm, int k, int N, int K_dim) -> (Tensor, Tensor)");
+  m.def("repack(Tensor packed, Tensor absmax, int k, int N, int in_features_padded) -> (Tensor, Tensor)");
+  m.def("unrepack(Tensor b_gemm, Tensor absmax_gemm, int k, int N, int in_features_padded) -> (Tensor, Tensor)");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
-        "int K_dim, int num_blocks, int mb, int wgmma_tiles, int k_split, int ws_tokens, bool weights_settled) -> Tensor");
+        "int in_features_padded, int grid_override, int mb, int wgmma_tiles, int k_split, int ws_tokens, "
+        "bool weights_settled) -> Tensor");
   m.def("gemm_configs() -> str", &gemm_configs);  // no tensors: any backend
   m.def("shared_memory_per_block_optin(int device) -> int", &shared_memory_per_block_optin);
   m.def("moe_route(Tensor expert_ids, Tensor weights, int num_experts, int rows_per_pass) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? x_rows, "
-        "Tensor? row_weights, Tensor passes, Tensor num_passes, int k, int N, int K_dim, int rows_per_pass, "
-        "bool silu_gate, int num_blocks, bool weights_settled) -> Tensor");
+        "Tensor? row_weights, Tensor passes, Tensor num_passes, int k, int N, int in_features_padded, "
+        "int rows_per_pass, bool silu_gate, int grid_override, bool weights_settled) -> Tensor");
   m.def("moe_combine(Tensor y, Tensor position) -> Tensor");
   m.def("moe_rows_per_pass_supported(int k) -> int[]", &moe_rows_per_pass_supported);  // no tensors: any backend
 }

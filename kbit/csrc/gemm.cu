@@ -79,7 +79,7 @@ bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
 }
 
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
-                   int forced_grid) {
+                   int grid_override) {
   GemmPlan plan{};
   int dev = 0, l2_bytes = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) {
@@ -114,7 +114,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
   // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
   // that no tile is shared across CTAs.
-  const bool planned_ws = forced_grid == 0 && ws_tokens > 0;
+  const bool planned_ws = grid_override == 0 && ws_tokens > 0;
   const int parts = planned_ws ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
   // Whole tiles per CTA: as many each where a grid divides them, else (256-token tiles) one apart; 0: neither.
   int whole_tiles_grid = 0;
@@ -123,7 +123,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
     if (whole_tiles_grid == 0 && ws_tokens == 256)
       whole_tiles_grid = ws_uneven_whole_tiles(tiles, row_tiles, k_steps, num_sms);
   }
-  const int want = forced_grid > 0                 ? std::min(forced_grid, num_sms)
+  const int want = grid_override > 0                 ? std::min(grid_override, num_sms)
                    : k_split > 1 && tiles <= num_sms ? tiles
                    : parts > 0                       ? tiles * parts
                    : whole_tiles_grid > 0            ? whole_tiles_grid

@@ -22,6 +22,7 @@ constexpr int kKGroup = 256;         // columns per k-group of the layout and pe
 constexpr int kXColumnAlign = 8;     // the GEMM reads x in 16-byte pieces: columns a multiple of this (layout.X_ALIGN)
 // KBIT_CONSTANTS_END
 
+// K_w: a weight's columns, the binding's and Python's in_features_padded (in_features rounded up to 32); K_x: x's.
 // Dimensions of the GEMM layout of an [N, K_w] weight: B_gemm [tiles16 / 16, k_groups, 16, k, 32, 4], absmax_gemm
 // [tiles16 / 16, k_groups, 16, 2, 8, 8] (layout.gemm_shapes). A piece is one 16-row tile's k*512 bytes of codes
 // (128 of scales) of one k-group; the 16 tiles of a 256-row block lie next to each other per k-group, so a CTA
@@ -75,11 +76,11 @@ cudaError_t dequantize(const uint32_t* packed, const uint8_t* absmax, const floa
                        const float* scale, int64_t n, void* out, DType out_dtype, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------- GEMM layout
-// Storage format of an [N, K_dim] weight -> GEMM layout (kbit/layout.py documents the shapes).
-cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_dim, uint32_t* b_gemm,
+// Storage format of an [N, K_w] weight -> GEMM layout (kbit/layout.py documents the shapes).
+cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_w, uint32_t* b_gemm,
                    uint8_t* absmax_gemm, cudaStream_t stream);
 // The inverse: GEMM layout -> storage format, bit for bit.
-cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, int N, int K_dim, uint32_t* packed,
+cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, int N, int K_w, uint32_t* packed,
                      uint8_t* absmax, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------- fused GEMM
@@ -189,10 +190,10 @@ struct GemmPlan {
 };
 
 // The launch of the configuration (k, mb, wgmma_tiles, k_split, ws_tokens) for M tokens; chooses nothing. num_sms:
-// multiprocessors of the device; forced_grid > 0 forces the CTA count (tests use it to force split-K). A
+// multiprocessors of the device; grid_override > 0 forces the CTA count (tests use it to force split-K). A
 // configuration that is not built comes back with built = false and nothing else set.
 GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
-                   int forced_grid);
+                   int grid_override);
 // Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);

@@ -5,7 +5,7 @@
 
 namespace kbit {
 
-GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int forced_grid) {
+GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int grid_override) {
   GemmPlan plan{};
   int smem_limit = 0, dev = 0, major = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) {
@@ -22,7 +22,7 @@ GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int forced_gri
   plan.built = plan.wgmma_tiles ? major == 9 : major == 0 || major >= 9 || gemm_on_sm80(k, plan.mb, 0);
   // Persistent: one CTA per SM (finish_tile's reducers wait for the CTAs after them, so all must be resident);
   // the steps are cut among them on the device, once the routing kernel has counted the passes.
-  plan.grid = std::max(1, forced_grid > 0 ? std::min(forced_grid, num_sms) : num_sms);
+  plan.grid = std::max(1, grid_override > 0 ? std::min(grid_override, num_sms) : num_sms);
   plan.cut_group = plan.grid;
   plan.cut_unit = 1;
   plan.partial_floats = static_cast<int64_t>(plan.grid) * kGemmWarps * gemm_row_tiles(k, plan.mb, plan.wgmma_tiles, 1) *

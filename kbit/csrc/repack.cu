@@ -24,7 +24,7 @@ struct LaneOfPiece {
 
 template <int BITS>
 __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __restrict__ packed,
-                                                          const uint8_t* __restrict__ absmax, int N, int K_dim,
+                                                          const uint8_t* __restrict__ absmax, int N, int K_w,
                                                           int k_groups, int64_t total_threads,
                                                           uint4* __restrict__ b_gemm, uint8_t* __restrict__ a_gemm) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
   const LaneOfPiece at(idx, k_groups);
   const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
   const int64_t piece = at.piece;
-  const int blocks_per_row = K_dim / kBlock;
+  const int blocks_per_row = K_w / kBlock;
 
   uint32_t words[4 * BITS];
 #pragma unroll
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
 // dropped. Every thread count is a multiple of 32 and warps never straddle it, so whole warps return together.
 template <int BITS>
 __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restrict__ b_gemm,
-                                                            const uint8_t* __restrict__ a_gemm, int N, int K_dim,
+                                                            const uint8_t* __restrict__ a_gemm, int N, int K_w,
                                                             int k_groups, int64_t total_threads,
                                                             uint32_t* __restrict__ packed, uint8_t* __restrict__ absmax) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
   const LaneOfPiece at(idx, k_groups);
   const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
   const int64_t piece = at.piece;
-  const int blocks_per_row = K_dim / kBlock;
+  const int blocks_per_row = K_w / kBlock;
 
   uint32_t words[4 * BITS];
 #pragma unroll
@@ -114,32 +114,32 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
 struct Grid {
   int k_groups;
   int64_t threads, blocks;
-  Grid(int N, int K_dim)
-      : k_groups(static_cast<int>(layout_k_groups(K_dim))),
+  Grid(int N, int K_w)
+      : k_groups(static_cast<int>(layout_k_groups(K_w))),
         threads(layout_tiles16(N) * k_groups * 32),
         blocks((threads + kThreads - 1) / kThreads) {}
 };
 
 }  // namespace
 
-cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_dim, uint32_t* b_gemm,
+cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, int K_w, uint32_t* b_gemm,
                    uint8_t* absmax_gemm, cudaStream_t stream) {
-  if (N <= 0 || K_dim <= 0 || K_dim % kBlock) return cudaErrorInvalidValue;
-  const Grid grid(N, K_dim);
+  if (N <= 0 || K_w <= 0 || K_w % kBlock) return cudaErrorInvalidValue;
+  const Grid grid(N, K_w);
   return with_bits(k, cudaErrorInvalidValue, [&](auto bits) {
     repack_kernel<decltype(bits)::value><<<grid.blocks, kThreads, 0, stream>>>(
-        packed, absmax, N, K_dim, grid.k_groups, grid.threads, reinterpret_cast<uint4*>(b_gemm), absmax_gemm);
+        packed, absmax, N, K_w, grid.k_groups, grid.threads, reinterpret_cast<uint4*>(b_gemm), absmax_gemm);
     return cudaGetLastError();
   });
 }
 
-cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, int N, int K_dim, uint32_t* packed,
+cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, int N, int K_w, uint32_t* packed,
                      uint8_t* absmax, cudaStream_t stream) {
-  if (N <= 0 || K_dim <= 0 || K_dim % kBlock) return cudaErrorInvalidValue;
-  const Grid grid(N, K_dim);
+  if (N <= 0 || K_w <= 0 || K_w % kBlock) return cudaErrorInvalidValue;
+  const Grid grid(N, K_w);
   return with_bits(k, cudaErrorInvalidValue, [&](auto bits) {
     unrepack_kernel<decltype(bits)::value><<<grid.blocks, kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(b_gemm), absmax_gemm, N, K_dim, grid.k_groups, grid.threads, packed, absmax);
+        reinterpret_cast<const uint4*>(b_gemm), absmax_gemm, N, K_w, grid.k_groups, grid.threads, packed, absmax);
     return cudaGetLastError();
   });
 }
