@@ -470,25 +470,27 @@ SMOLLM2_CALIBRATIONS = {  # name -> (tag of the gptq rows, description)
     "prose": ("", "16 x 512 tokens of the other documentation topics (the kind of text evaluated)"),
     "docs": (" [md calib.]", "2 x 512 tokens of markdown-and-code documentation"),
     "builtin": (" [built-in calib.]", "kbit's built-in calibration text (kbit.calibration_text), 16 x 256 tokens"),
-    "docs+builtin": (" [md + built-in calib.]", "the 2 x 512 markdown tokens as 4 x 256, and 12 x 256 of the built-in "
-                     "text"),
+    "prose+builtin": (" [prose as text]", "8192 tokens of the other documentation topics given as text: kbit mixes "
+                      "in its built-in text (32 x 256 + 12 x 256 tokens)"),
+    "docs+builtin": (" [md as text]", "the 1024 markdown tokens given as text: kbit mixes in its built-in text "
+                     "(4 x 256 + 12 x 256 tokens)"),
 }
 
 
 def smollm2_calibration(tok, kind: str, calib_seqs=16, calib_len=512) -> torch.Tensor:
-    """Token ids of SmolLM2's gptq calibration (``SMOLLM2_CALIBRATIONS``)."""
+    """Token ids of SmolLM2's gptq calibration (``SMOLLM2_CALIBRATIONS``); the ``+builtin`` kinds are what
+    ``quantize_model(calibration=text)`` makes of the same tokens given as text."""
     from kbit.calibration_text import calibration_tokens
 
-    if kind == "prose":
-        return tok(prose("calibration"), return_tensors="pt").input_ids[0][:calib_seqs * calib_len].reshape(
-            calib_seqs, calib_len)
+    prose_ids = tok(prose("calibration"), return_tensors="pt").input_ids[0][:calib_seqs * calib_len]
     docs = tok(markdown_docs(), return_tensors="pt").input_ids[0][:1024]
+    if kind == "prose":
+        return prose_ids.reshape(calib_seqs, calib_len)
     if kind == "docs":
         return docs.reshape(2, 512)
     if kind == "builtin":
-        return calibration_tokens(tok, n_seq=16, seq_len=256)
-    builtin = calibration_tokens(tok, n_seq=12, seq_len=256)
-    return torch.cat([docs.reshape(4, 256), builtin])
+        return calibration_tokens(tok)
+    return calibration_tokens(tok, tok.decode(prose_ids if kind == "prose+builtin" else docs))
 
 
 def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, log=print, calibration_text="prose",

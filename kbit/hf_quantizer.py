@@ -68,9 +68,9 @@ class KbitConfig(QuantizationConfigMixin):
             ``"gptq"`` (calibrated; ``method="gptq", rotate=True`` is the most accurate, docs/QUALITY.md); the
             last two quantize the loaded model (module docstring). Saved in config.json.
         calibration: what ``method="gptq"``, a bit budget and ``tune_steps`` run through the model
-            (``kbit.quantize_model``'s forms: token ids [n_seq, seq_len] or a list of dicts of model inputs);
-            default: kbit's built-in text, tokenized with the model's tokenizer; used by no other setting, never
-            saved.
+            (``kbit.quantize_model``'s forms: token ids [n_seq, seq_len], a list of dicts of model inputs, or
+            text, tokenized with the model's tokenizer and mixed with kbit's built-in text); default: the built-in
+            text alone; used by no other setting, never saved.
         tune_steps: end-to-end tuning steps after quantizing (``kbit.quantize_model``'s, ``kbit.finetune``; 0, the
             default: none); with tuning the model is quantized once loaded.
 
@@ -103,7 +103,8 @@ class KbitConfig(QuantizationConfigMixin):
         self.tune_steps = check_tune_steps(tune_steps)
         if calibration is not None:
             check_calibration_used(calibration, self.method, self.bits, self.tune_steps)
-            check_calibration(calibration)
+            if not isinstance(calibration, str):  # text is tokenized once the model (and its tokenizer) is there
+                check_calibration(calibration)
         self.calibration = calibration
         self.format_version = format_version
         self.kbit_version = kbit_version or __version__

@@ -571,7 +571,9 @@ def quantize_model(
     ``{name or pattern: K}`` matched against each layer's name as ``skip`` is (first key that matches). Without
     ``calibration``, ``method="gptq"`` and a budget use kbit's built-in calibration text
     (``kbit.calibration_text``), tokenized with ``tokenizer`` (default: the transformers tokenizer saved with
-    the model, from ``model.config._name_or_path``).
+    the model, from ``model.config._name_or_path``). ``calibration`` may also be text (a str): tokenized the same
+    way and mixed with the built-in text (``calibration_tokens``), which keeps narrow text (markdown and code,
+    say) from fitting the layers to one kind of text; token ids and model inputs are used as given.
 
     ``tune_steps``: after quantizing, tune every ``KbitLinear``'s codebook and block scales end to end for this many
     Adam steps (``kbit.finetune``; 0, the default: no tuning), codes fixed, so that the model's next-token
@@ -625,7 +627,9 @@ def quantize_model(
     tune_steps = check_tune_steps(tune_steps)
     calibrated = uses_calibration(method, bits, tune_steps)
     check_calibration_used(calibration, method, bits, tune_steps)
-    if calibration is not None:
+    if isinstance(calibration, str):  # the user's text, with the built-in text beside it
+        calibration = default_calibration(model, tokenizer, calibration)
+    elif calibration is not None:
         check_calibration(calibration)
     if not isinstance(rotate, bool):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")

@@ -11,6 +11,7 @@ from torch import nn
 
 import kbit
 from kbit import bit_budget
+from kbit import calibration_text
 from kbit.calibration_text import CALIBRATION_TEXT, calibration_tokens, default_calibration
 
 transformers = pytest.importorskip("transformers")
@@ -199,17 +200,52 @@ def test_mixed_k_model_reloads_bit_for_bit(tmp_path):
 # ----------------------------------------------------------------------------- built-in calibration
 def test_calibration_tokens_mix_builtin_and_user_text():
     tok = _WordTokenizer()
-    builtin = calibration_tokens(tok, n_seq=4, seq_len=32)
-    assert builtin.shape == (4, 32)
-    assert torch.equal(builtin.reshape(-1), tok(CALIBRATION_TEXT)["input_ids"][0][:128])
-    mixed = calibration_tokens(tok, "user text " * 100, n_seq=5, seq_len=16, builtin_share=0.4)
-    user = tok("user text " * 100)["input_ids"][0]
-    for row, start in ((0, 0), (2, 16), (4, 32)):  # the user's sequences, in order, between the built-in ones
-        assert torch.equal(mixed[row], user[start:start + 16])
-    assert torch.equal(mixed[1], builtin.reshape(-1)[:16])
-    assert calibration_tokens(tok, "short", n_seq=2, seq_len=8, builtin_share=0.0).shape == (2, 8)  # repeated
-    with pytest.raises(ValueError, match="builtin_share"):
-        calibration_tokens(tok, builtin_share=1.5)
+    builtin_ids = tok(CALIBRATION_TEXT)["input_ids"][0]
+    alone = calibration_tokens(tok, seq_len=32)  # no text: the built-in text alone, 16 sequences
+    assert alone.shape == (calibration_text.BUILTIN_SEQUENCES, 32)
+    assert torch.equal(alone.reshape(-1), builtin_ids[:16 * 32])
+    text = "user text " * 20  # 200 tokens: 12 sequences of 16, the rest dropped
+    user = tok(text)["input_ids"][0]
+    mixed = calibration_tokens(tok, text, seq_len=16)
+    assert mixed.shape == (12 + calibration_text.MIXED_BUILTIN_SEQUENCES, 16)
+    for i in range(12):  # the two sources alternate, each in order
+        assert torch.equal(mixed[2 * i], user[16 * i:16 * (i + 1)])
+        assert torch.equal(mixed[2 * i + 1], builtin_ids[16 * i:16 * (i + 1)])
+    capped = calibration_tokens(tok, text, builtin_sequences=2, seq_len=16, text_sequences=5)
+    assert capped.shape == (7, 16) and torch.equal(capped[4:].reshape(-1), user[32:80])  # 5 of the text, 2 built-in
+    only = calibration_tokens(tok, text, builtin_sequences=0, seq_len=16)
+    assert torch.equal(only.reshape(-1), user[:192])
+    short = calibration_tokens(tok, "short", builtin_sequences=0, seq_len=8)  # repeated to fill one sequence
+    assert torch.equal(short[0], tok("shortsho")["input_ids"][0])
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="builtin_sequences"):
+            calibration_tokens(tok, text, builtin_sequences=bad)
+    with pytest.raises(ValueError, match="needs a text"):
+        calibration_tokens(tok, builtin_sequences=0)
+    with pytest.raises(TypeError, match="text must be a str"):
+        calibration_tokens(tok, [1, 2, 3])
+    with pytest.raises(ValueError, match="gives no tokens"):
+        calibration_tokens(tok, "")
+
+
+def test_text_calibration_is_mixed_with_the_builtin_text():
+    """calibration="..." is the user's text with the built-in text beside it, as calibration_tokens makes it."""
+    model, tok = _tiny_llama(), _WordTokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 6  # one sequence of 256 tokens
+    a = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=text, tokenizer=tok,
+                            progress=False)
+    b = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=calibration_tokens(tok, text),
+                            progress=False)
+    c = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=tok(text)["input_ids"][:, :256],
+                            progress=False)
+    layers = [(n, x, y, z) for (n, x), (_, y), (_, z) in zip(a.named_modules(), b.named_modules(), c.named_modules())
+              if isinstance(x, kbit.KbitLinear)]
+    assert all(torch.equal(x.packed, y.packed) and torch.equal(x.absmax, y.absmax) for _, x, y, _ in layers)
+    assert any(not torch.equal(x.packed, z.packed) for _, x, _, z in layers)  # token ids are used as given
+    with pytest.raises(ValueError, match="tokenizer"):  # text needs a tokenizer: none given, none saved
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=text, progress=False)
+    with pytest.raises(ValueError, match="calibration is used by"):
+        kbit.quantize_model(copy.deepcopy(model), bits=3, calibration=text, tokenizer=tok, progress=False)
 
 
 def test_builtin_text_is_diverse():
