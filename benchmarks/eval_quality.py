@@ -442,16 +442,22 @@ def _layer_names(model):
 
 def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=256, path=None, log=print,
                     calibration_text="everyday", tune_steps=0):
-    """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated) or
-    ``"docs"`` (128 sentences of the Python documentation prose; its gptq rows are tagged "[docs calib.]")."""
+    """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated, one
+    batch), ``"everyday+builtin"`` (the same sentences given to kbit as a list of texts: batches of 64 with the
+    built-in text's lines beside them, tagged "[sentences as texts]") or ``"docs"`` (128 sentences of the Python
+    documentation prose; its gptq rows are tagged "[docs calib.]")."""
     sentences = make_sentences(n_sentences)
     model, tok = load_minilm(path)
     ref = embed(model, tok, sentences, batch_size)
     texts = calibration_sentences() if calibration_text == "docs" else calibration_sentences_everyday()
-    enc = tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
-    calibration = [dict(enc)]
+    if calibration_text == "everyday+builtin":  # what quantize_model(calibration=texts) makes of a list of texts
+        from kbit.calibration_text import calibration_batches
+
+        calibration = calibration_batches(tok, texts)
+    else:
+        calibration = [dict(tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt"))]
     metric = lambda q: compare(ref, embed(q, tok, sentences, batch_size))  # noqa: E731
-    tag = " [docs calib.]" if calibration_text == "docs" else ""
+    tag = {"docs": " [docs calib.]", "everyday+builtin": " [sentences as texts]"}.get(calibration_text, "")
     rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log, tag,
                  tune_steps)
     q, werr = quantized_reference(model, _layer_names(model), lambda w: w.half().float())
@@ -561,8 +567,9 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,3,4,5", help="comma-separated K values")
     p.add_argument("--no-peers", action="store_true", help="kbit rows only")
     p.add_argument("--sentences", type=int, default=240)
-    p.add_argument("--minilm-calibration", choices=("everyday", "docs"), default="everyday",
-                   help="MiniLM's gptq calibration text: everyday sentences on other topics, or documentation prose")
+    p.add_argument("--minilm-calibration", choices=("everyday", "everyday+builtin", "docs"), default="everyday",
+                   help="MiniLM's gptq calibration text: everyday sentences on other topics (as one batch, or as a "
+                        "list of texts that kbit mixes with its built-in text), or documentation prose")
     p.add_argument("--smollm2-calibration", choices=tuple(SMOLLM2_CALIBRATIONS), default="prose",
                    help="SmolLM2's calibration text: "
                         + "; ".join(f"{k}: {v[1]}" for k, v in SMOLLM2_CALIBRATIONS.items()))

@@ -2,7 +2,8 @@
 
 Used when ``kbit.quantize_model`` (``method="gptq"``, a bit budget or tuning) is given no calibration data, and
 mixed into the user's text when calibration is given as text (``calibration="..."``, the CLI's ``--calibration
-FILE``); token ids are used as given. The text was
+FILE``) or as a list of short texts (``calibration=["...", ...]``, for sentence encoders); token ids and model
+inputs are used as given. The text was
 written for kbit and is released with it under the package's license: short pieces of many kinds -- narrative
 and expository prose, dialogue, instructions, lists, tables and numbers, markdown, source code in several
 languages, configuration files, and a few paragraphs in other languages -- so that a layer's input statistics
@@ -18,7 +19,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CALIBRATION_TEXT", "calibration_tokens", "default_calibration"]
+__all__ = ["CALIBRATION_TEXT", "calibration_tokens", "calibration_batches", "builtin_lines", "default_calibration", "is_text"]
 
 _PIECES = (
     # narrative prose
@@ -256,10 +257,44 @@ def calibration_tokens(tokenizer, text: Optional[str] = None, builtin_sequences:
     return torch.stack(mixed)
 
 
-def default_calibration(model, tokenizer=None, text: Optional[str] = None) -> torch.Tensor:
-    """``calibration_tokens(tokenizer, text)``: the built-in text, beside ``text`` when one is given;
-    ``tokenizer`` defaults to the transformers tokenizer saved with ``model`` (``model.config._name_or_path``).
-    Raises ValueError when there is none."""
+def is_text(calibration) -> bool:
+    """Whether ``calibration`` is text to tokenize (a str, or a non-empty list of str), not token ids or inputs."""
+    return isinstance(calibration, str) or (isinstance(calibration, (list, tuple)) and bool(calibration)
+                                            and all(isinstance(t, str) for t in calibration))
+
+
+def builtin_lines(min_chars: int = 20) -> list:
+    """The built-in text's lines of at least ``min_chars`` characters: short texts of every kind it holds."""
+    return [line.strip() for line in CALIBRATION_TEXT.split("\n") if len(line.strip()) >= min_chars]
+
+
+TEXTS_BATCH = 64  # texts per calibration batch of a list of texts
+
+
+def calibration_batches(tokenizer, texts, builtin: bool = True, batch_size: int = TEXTS_BATCH) -> list:
+    """Model inputs (dicts of a padded batch, as the tokenizer gives them) for calibration on short ``texts``
+    (sentences, passages), each batch of at most ``batch_size`` texts; with ``builtin``, the built-in text's lines
+    (``builtin_lines``) as more batches beside them. For models that read short texts (sentence encoders), which
+    long windows of ``calibration_tokens`` would show positions and lengths they never see."""
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not texts \
+            or not all(isinstance(t, str) and t for t in texts):
+        raise TypeError("texts must be a non-empty list of non-empty str")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+    def batches(items: list) -> list:
+        return [dict(tokenizer(items[i:i + batch_size], padding=True, truncation=True, return_tensors="pt"))
+                for i in range(0, len(items), batch_size)]
+
+    user, extra = batches(list(texts)), batches(builtin_lines()) if builtin else []
+    return [b for pair in zip(user, extra) for b in pair] + user[len(extra):] + extra[len(user):]
+
+
+def default_calibration(model, tokenizer=None, text=None):
+    """Calibration from kbit's built-in text, beside the user's ``text`` when one is given: a str gives
+    ``calibration_tokens(tokenizer, text)``, a list of str ``calibration_batches(tokenizer, text)``; ``tokenizer``
+    defaults to the transformers tokenizer saved with ``model`` (``model.config._name_or_path``). Raises
+    ValueError when there is none."""
     if tokenizer is None:
         path = getattr(getattr(model, "config", None), "_name_or_path", None)
         try:
@@ -272,4 +307,4 @@ def default_calibration(model, tokenizer=None, text: Optional[str] = None) -> to
             raise ValueError(
                 f"{what}: none was passed and none loads from the model's path {path!r} ({type(e).__name__}); pass "
                 f"calibration= as token ids [n_seq, seq_len], or tokenizer=") from None
-    return calibration_tokens(tokenizer, text)
+    return calibration_batches(tokenizer, text) if isinstance(text, (list, tuple)) else calibration_tokens(tokenizer, text)

@@ -40,6 +40,7 @@ from ._progress import Progress
 from ._validate import check_int, check_skip, codebook_values
 from .bit_budget import check_bits_setting
 from .calibration import check_calibration, check_calibration_used
+from .calibration_text import is_text
 from .finetune import check_tune_steps
 from .methods import check_method
 from .moe import FUSED_PARAMETERS, KbitExperts
@@ -69,7 +70,8 @@ class KbitConfig(QuantizationConfigMixin):
             last two quantize the loaded model (module docstring). Saved in config.json.
         calibration: what ``method="gptq"``, a bit budget and ``tune_steps`` run through the model
             (``kbit.quantize_model``'s forms: token ids [n_seq, seq_len], a list of dicts of model inputs, or
-            text, tokenized with the model's tokenizer and mixed with kbit's built-in text); default: the built-in
+            text (a str or a list of short texts), tokenized with the model's tokenizer and mixed with kbit's
+            built-in text); default: the built-in
             text alone; used by no other setting, never saved.
         tune_steps: end-to-end tuning steps after quantizing (``kbit.quantize_model``'s, ``kbit.finetune``; 0, the
             default: none); with tuning the model is quantized once loaded.
@@ -103,7 +105,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.tune_steps = check_tune_steps(tune_steps)
         if calibration is not None:
             check_calibration_used(calibration, self.method, self.bits, self.tune_steps)
-            if not isinstance(calibration, str):  # text is tokenized once the model (and its tokenizer) is there
+            if not is_text(calibration):  # text is tokenized once the model (and its tokenizer) is there
                 check_calibration(calibration)
         self.calibration = calibration
         self.format_version = format_version

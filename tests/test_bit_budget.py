@@ -12,7 +12,7 @@ from torch import nn
 import kbit
 from kbit import bit_budget
 from kbit import calibration_text
-from kbit.calibration_text import CALIBRATION_TEXT, calibration_tokens, default_calibration
+from kbit.calibration_text import CALIBRATION_TEXT, calibration_batches, calibration_tokens, default_calibration
 
 transformers = pytest.importorskip("transformers")
 
@@ -228,6 +228,7 @@ def test_calibration_tokens_mix_builtin_and_user_text():
         calibration_tokens(tok, "")
 
 
+@pytest.mark.slow
 def test_text_calibration_is_mixed_with_the_builtin_text():
     """calibration="..." is the user's text with the built-in text beside it, as calibration_tokens makes it."""
     model, tok = _tiny_llama(), _WordTokenizer()
@@ -246,6 +247,55 @@ def test_text_calibration_is_mixed_with_the_builtin_text():
         kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=text, progress=False)
     with pytest.raises(ValueError, match="calibration is used by"):
         kbit.quantize_model(copy.deepcopy(model), bits=3, calibration=text, tokenizer=tok, progress=False)
+
+
+def _padding_tokenizer():
+    """A transformers tokenizer (one id per character) that pads: what calibration_batches needs."""
+    tokenizers = pytest.importorskip("tokenizers")
+    chars = sorted(set(CALIBRATION_TEXT + "abcdefghijklmnopqrstuvwxyz .,"))
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
+                                                model_max_length=128)
+
+
+def test_calibration_batches_pad_texts_and_mix_in_the_builtin_lines():
+    tok = _padding_tokenizer()
+    texts = ["a cat sat.", "the dog ran far away.", "rain."]
+    batches = calibration_batches(tok, texts, batch_size=2)
+    lines = calibration_text.builtin_lines()
+    assert len(lines) > 20 and all(len(line) >= 20 for line in lines)
+    n_builtin = -(-len(lines) // 2)
+    assert len(batches) == 2 + n_builtin
+    first = batches[0]
+    assert first["input_ids"].shape == (2, len("the dog ran far away."))  # padded to its longest text
+    assert first["attention_mask"].sum(1).tolist() == [len("a cat sat."), len("the dog ran far away.")]
+    assert torch.equal(batches[1]["input_ids"], tok(lines[:2], padding=True, return_tensors="pt")["input_ids"])
+    assert batches[2]["input_ids"].shape[0] == 1  # the user's last batch, between the built-in ones
+    assert len(calibration_text.calibration_batches(tok, texts, builtin=False)) == 1
+    for bad in ("one text", [], ["ok", 3], ["ok", ""]):
+        with pytest.raises(TypeError, match="texts must be"):
+            calibration_batches(tok, bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        calibration_batches(tok, texts, batch_size=0)
+
+
+@pytest.mark.slow
+def test_a_list_of_texts_calibrates_an_encoder_with_the_builtin_lines():
+    tok = _padding_tokenizer()
+    cfg = transformers.BertConfig(vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=256, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    texts = ["a cat sat on the mat.", "the dog ran far away.", "rain fell all day."]
+    a = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=texts, tokenizer=tok,
+                            progress=False)
+    b = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=calibration_batches(tok, texts),
+                            progress=False)
+    layers = [(x, y) for x, y in zip(a.modules(), b.modules()) if isinstance(x, kbit.KbitLinear)]
+    assert len(layers) == 2 * 6
+    assert all(torch.equal(x.packed, y.packed) and torch.equal(x.absmax, y.absmax) for x, y in layers)
 
 
 def test_builtin_text_is_diverse():
