@@ -442,16 +442,22 @@ def _layer_names(model):
 
 def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=256, path=None, log=print,
                     calibration_text="everyday", tune_steps=0):
-    """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated) or
-    ``"docs"`` (128 sentences of the Python documentation prose; its gptq rows are tagged "[docs calib.]")."""
+    """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated, one
+    batch), ``"everyday+builtin"`` (the same sentences given to kbit as a list of texts: batches of 64 with the
+    built-in text's lines beside them, tagged "[sentences as texts]") or ``"docs"`` (128 sentences of the Python
+    documentation prose; its gptq rows are tagged "[docs calib.]")."""
     sentences = make_sentences(n_sentences)
     model, tok = load_minilm(path)
     ref = embed(model, tok, sentences, batch_size)
     texts = calibration_sentences() if calibration_text == "docs" else calibration_sentences_everyday()
-    enc = tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
-    calibration = [dict(enc)]
+    if calibration_text == "everyday+builtin":  # what quantize_model(calibration=texts) makes of a list of texts
+        from kbit.calibration_text import calibration_batches
+
+        calibration = calibration_batches(tok, texts)
+    else:
+        calibration = [dict(tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt"))]
     metric = lambda q: compare(ref, embed(q, tok, sentences, batch_size))  # noqa: E731
-    tag = " [docs calib.]" if calibration_text == "docs" else ""
+    tag = {"docs": " [docs calib.]", "everyday+builtin": " [sentences as texts]"}.get(calibration_text, "")
     rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log, tag,
                  tune_steps)
     q, werr = quantized_reference(model, _layer_names(model), lambda w: w.half().float())
@@ -470,25 +476,27 @@ SMOLLM2_CALIBRATIONS = {  # name -> (tag of the gptq rows, description)
     "prose": ("", "16 x 512 tokens of the other documentation topics (the kind of text evaluated)"),
     "docs": (" [md calib.]", "2 x 512 tokens of markdown-and-code documentation"),
     "builtin": (" [built-in calib.]", "kbit's built-in calibration text (kbit.calibration_text), 16 x 256 tokens"),
-    "docs+builtin": (" [md + built-in calib.]", "the 2 x 512 markdown tokens as 4 x 256, and 12 x 256 of the built-in "
-                     "text"),
+    "prose+builtin": (" [prose as text]", "8192 tokens of the other documentation topics given as text: kbit mixes "
+                      "in its built-in text (32 x 256 + 12 x 256 tokens)"),
+    "docs+builtin": (" [md as text]", "the 1024 markdown tokens given as text: kbit mixes in its built-in text "
+                     "(4 x 256 + 12 x 256 tokens)"),
 }
 
 
 def smollm2_calibration(tok, kind: str, calib_seqs=16, calib_len=512) -> torch.Tensor:
-    """Token ids of SmolLM2's gptq calibration (``SMOLLM2_CALIBRATIONS``)."""
+    """Token ids of SmolLM2's gptq calibration (``SMOLLM2_CALIBRATIONS``); the ``+builtin`` kinds are what
+    ``quantize_model(calibration=text)`` makes of the same tokens given as text."""
     from kbit.calibration_text import calibration_tokens
 
-    if kind == "prose":
-        return tok(prose("calibration"), return_tensors="pt").input_ids[0][:calib_seqs * calib_len].reshape(
-            calib_seqs, calib_len)
+    prose_ids = tok(prose("calibration"), return_tensors="pt").input_ids[0][:calib_seqs * calib_len]
     docs = tok(markdown_docs(), return_tensors="pt").input_ids[0][:1024]
+    if kind == "prose":
+        return prose_ids.reshape(calib_seqs, calib_len)
     if kind == "docs":
         return docs.reshape(2, 512)
     if kind == "builtin":
-        return calibration_tokens(tok, n_seq=16, seq_len=256)
-    builtin = calibration_tokens(tok, n_seq=12, seq_len=256)
-    return torch.cat([docs.reshape(4, 256), builtin])
+        return calibration_tokens(tok)
+    return calibration_tokens(tok, tok.decode(prose_ids if kind == "prose+builtin" else docs))
 
 
 def evaluate_smollm2(bits, methods, with_peers=True, eval_tokens=2048, log=print, calibration_text="prose",
@@ -559,8 +567,9 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,3,4,5", help="comma-separated K values")
     p.add_argument("--no-peers", action="store_true", help="kbit rows only")
     p.add_argument("--sentences", type=int, default=240)
-    p.add_argument("--minilm-calibration", choices=("everyday", "docs"), default="everyday",
-                   help="MiniLM's gptq calibration text: everyday sentences on other topics, or documentation prose")
+    p.add_argument("--minilm-calibration", choices=("everyday", "everyday+builtin", "docs"), default="everyday",
+                   help="MiniLM's gptq calibration text: everyday sentences on other topics (as one batch, or as a "
+                        "list of texts that kbit mixes with its built-in text), or documentation prose")
     p.add_argument("--smollm2-calibration", choices=tuple(SMOLLM2_CALIBRATIONS), default="prose",
                    help="SmolLM2's calibration text: "
                         + "; ".join(f"{k}: {v[1]}" for k, v in SMOLLM2_CALIBRATIONS.items()))

@@ -316,13 +316,12 @@ def quantize_directory(
             "linear_bytes_before": fp_bytes, "linear_bytes_after": q_bytes, "total_bytes": total, "copied": copied}
 
 
-CALIBRATION_WINDOWS, CALIBRATION_TOKENS = 16, 512  # docs/QUALITY.md's gptq calibration: 16 x 512 tokens
-
-
 def calibration_ids(model_dir: Path, text_file: Path, trust_remote_code: bool = False) -> torch.Tensor:
-    """Token ids [n_seq, seq_len] for gptq: ``text_file`` tokenized with the model's tokenizer and cut into at most
-    ``CALIBRATION_WINDOWS`` windows of ``CALIBRATION_TOKENS`` tokens (one shorter window for a short text)."""
+    """Token ids [n_seq, seq_len] for calibration: ``text_file`` tokenized with the model's tokenizer, with kbit's
+    built-in text beside it (``kbit.calibration_text.calibration_tokens``)."""
     import transformers
+
+    from .calibration_text import calibration_tokens
 
     try:
         text = text_file.read_text(encoding="utf-8")
@@ -332,12 +331,9 @@ def calibration_ids(model_dir: Path, text_file: Path, trust_remote_code: bool = 
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConversionError(f"--calibration needs the model's tokenizer in {model_dir}: {e}") from None
-    ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-    if ids.numel() == 0:
+    if not tokenizer(text)["input_ids"]:
         raise ConversionError(f"--calibration {text_file} holds no text")
-    seq_len = min(CALIBRATION_TOKENS, ids.numel())
-    windows = min(CALIBRATION_WINDOWS, ids.numel() // seq_len)
-    return ids[:windows * seq_len].reshape(windows, seq_len)
+    return calibration_tokens(tokenizer, text)
 
 
 # ---------------------------------------------------------------------- CLI
@@ -377,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rtn (default, each layer quantized as it is read), mse (data-free, fitted codebooks) or gptq "
                         "(calibrated, needs --calibration; the most accurate with --rotate, docs/QUALITY.md)")
     p.add_argument("--calibration", metavar="FILE", default=None,
-                   help=f"gptq's and --tune-steps' calibration text (UTF-8), tokenized with the model's "
-                        f"tokenizer; up to {CALIBRATION_WINDOWS} x {CALIBRATION_TOKENS} tokens are used")
+                   help="gptq's and --tune-steps' calibration text (UTF-8), tokenized with the model's tokenizer "
+                        "(up to 8192 tokens), with kbit's built-in text beside it (3072 tokens)")
     p.add_argument("--rotate", action="store_true",
                    help="quantize each layer in a rotated basis of its inputs (lower error, a small extra cost)")
     p.add_argument("--tune-steps", type=int, default=0, metavar="N",

@@ -66,7 +66,7 @@ from ._validate import (
 )
 from .bit_budget import check_bits_setting, choose_layer_bits
 from .calibration import check_calibration, check_calibration_used, quantize_layers, uses_calibration
-from .calibration_text import default_calibration
+from .calibration_text import default_calibration, is_text
 from .dequantized_weight import DequantizedWeight
 from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
@@ -588,7 +588,11 @@ def quantize_model(
     ``{name or pattern: K}`` matched against each layer's name as ``skip`` is (first key that matches). Without
     ``calibration``, ``method="gptq"`` and a budget use kbit's built-in calibration text
     (``kbit.calibration_text``), tokenized with ``tokenizer`` (default: the transformers tokenizer saved with
-    the model, from ``model.config._name_or_path``).
+    the model, from ``model.config._name_or_path``). ``calibration`` may also be text (a str): tokenized the same
+    way and mixed with the built-in text (``calibration_tokens``), which keeps narrow text (markdown and code,
+    say) from fitting the layers to one kind of text; or a list of short texts (sentences, for a sentence
+    encoder): padded batches with the built-in text's lines beside them (``calibration_batches``). Token ids and
+    model inputs are used as given.
 
     ``tune_steps``: after quantizing, tune every ``KbitLinear``'s codebook and block scales end to end for this many
     Adam steps (``kbit.finetune``; 0, the default: no tuning), codes fixed, so that the model's next-token
@@ -645,7 +649,9 @@ def quantize_model(
     tune_steps = check_tune_steps(tune_steps)
     calibrated = uses_calibration(method, bits, tune_steps)
     check_calibration_used(calibration, method, bits, tune_steps)
-    if calibration is not None:
+    if is_text(calibration):
+        calibration = default_calibration(model, tokenizer, calibration)  # the user's text(s) and the built-in text
+    elif calibration is not None:
         check_calibration(calibration)
     if not isinstance(rotate, bool):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")

@@ -11,7 +11,8 @@ from torch import nn
 
 import kbit
 from kbit import bit_budget
-from kbit.calibration_text import CALIBRATION_TEXT, calibration_tokens, default_calibration
+from kbit import calibration_text
+from kbit.calibration_text import CALIBRATION_TEXT, calibration_batches, calibration_tokens, default_calibration
 
 transformers = pytest.importorskip("transformers")
 
@@ -199,17 +200,102 @@ def test_mixed_k_model_reloads_bit_for_bit(tmp_path):
 # ----------------------------------------------------------------------------- built-in calibration
 def test_calibration_tokens_mix_builtin_and_user_text():
     tok = _WordTokenizer()
-    builtin = calibration_tokens(tok, n_seq=4, seq_len=32)
-    assert builtin.shape == (4, 32)
-    assert torch.equal(builtin.reshape(-1), tok(CALIBRATION_TEXT)["input_ids"][0][:128])
-    mixed = calibration_tokens(tok, "user text " * 100, n_seq=5, seq_len=16, builtin_share=0.4)
-    user = tok("user text " * 100)["input_ids"][0]
-    for row, start in ((0, 0), (2, 16), (4, 32)):  # the user's sequences, in order, between the built-in ones
-        assert torch.equal(mixed[row], user[start:start + 16])
-    assert torch.equal(mixed[1], builtin.reshape(-1)[:16])
-    assert calibration_tokens(tok, "short", n_seq=2, seq_len=8, builtin_share=0.0).shape == (2, 8)  # repeated
-    with pytest.raises(ValueError, match="builtin_share"):
-        calibration_tokens(tok, builtin_share=1.5)
+    builtin_ids = tok(CALIBRATION_TEXT)["input_ids"][0]
+    alone = calibration_tokens(tok, seq_len=32)  # no text: the built-in text alone, 16 sequences
+    assert alone.shape == (calibration_text.BUILTIN_SEQUENCES, 32)
+    assert torch.equal(alone.reshape(-1), builtin_ids[:16 * 32])
+    text = "user text " * 20  # 200 tokens: 12 sequences of 16, the rest dropped
+    user = tok(text)["input_ids"][0]
+    mixed = calibration_tokens(tok, text, seq_len=16)
+    assert mixed.shape == (12 + calibration_text.MIXED_BUILTIN_SEQUENCES, 16)
+    for i in range(12):  # the two sources alternate, each in order
+        assert torch.equal(mixed[2 * i], user[16 * i:16 * (i + 1)])
+        assert torch.equal(mixed[2 * i + 1], builtin_ids[16 * i:16 * (i + 1)])
+    capped = calibration_tokens(tok, text, builtin_sequences=2, seq_len=16, text_sequences=5)
+    assert capped.shape == (7, 16) and torch.equal(capped[4:].reshape(-1), user[32:80])  # 5 of the text, 2 built-in
+    only = calibration_tokens(tok, text, builtin_sequences=0, seq_len=16)
+    assert torch.equal(only.reshape(-1), user[:192])
+    short = calibration_tokens(tok, "short", builtin_sequences=0, seq_len=8)  # repeated to fill one sequence
+    assert torch.equal(short[0], tok("shortsho")["input_ids"][0])
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="builtin_sequences"):
+            calibration_tokens(tok, text, builtin_sequences=bad)
+    with pytest.raises(ValueError, match="needs a text"):
+        calibration_tokens(tok, builtin_sequences=0)
+    with pytest.raises(TypeError, match="text must be a str"):
+        calibration_tokens(tok, [1, 2, 3])
+    with pytest.raises(ValueError, match="gives no tokens"):
+        calibration_tokens(tok, "")
+
+
+@pytest.mark.slow
+def test_text_calibration_is_mixed_with_the_builtin_text():
+    """calibration="..." is the user's text with the built-in text beside it, as calibration_tokens makes it."""
+    model, tok = _tiny_llama(), _WordTokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 6  # one sequence of 256 tokens
+    a = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=text, tokenizer=tok,
+                            progress=False)
+    b = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=calibration_tokens(tok, text),
+                            progress=False)
+    c = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=tok(text)["input_ids"][:, :256],
+                            progress=False)
+    layers = [(n, x, y, z) for (n, x), (_, y), (_, z) in zip(a.named_modules(), b.named_modules(), c.named_modules())
+              if isinstance(x, kbit.KbitLinear)]
+    assert all(torch.equal(x.packed, y.packed) and torch.equal(x.absmax, y.absmax) for _, x, y, _ in layers)
+    assert any(not torch.equal(x.packed, z.packed) for _, x, _, z in layers)  # token ids are used as given
+    with pytest.raises(ValueError, match="tokenizer"):  # text needs a tokenizer: none given, none saved
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=text, progress=False)
+    with pytest.raises(ValueError, match="calibration is used by"):
+        kbit.quantize_model(copy.deepcopy(model), bits=3, calibration=text, tokenizer=tok, progress=False)
+
+
+def _padding_tokenizer():
+    """A transformers tokenizer (one id per character) that pads: what calibration_batches needs."""
+    tokenizers = pytest.importorskip("tokenizers")
+    chars = sorted(set(CALIBRATION_TEXT + "abcdefghijklmnopqrstuvwxyz .,"))
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
+                                                model_max_length=128)
+
+
+def test_calibration_batches_pad_texts_and_mix_in_the_builtin_lines():
+    tok = _padding_tokenizer()
+    texts = ["a cat sat.", "the dog ran far away.", "rain."]
+    batches = calibration_batches(tok, texts, batch_size=2)
+    lines = calibration_text.builtin_lines()
+    assert len(lines) > 20 and all(len(line) >= 20 for line in lines)
+    n_builtin = -(-len(lines) // 2)
+    assert len(batches) == 2 + n_builtin
+    first = batches[0]
+    assert first["input_ids"].shape == (2, len("the dog ran far away."))  # padded to its longest text
+    assert first["attention_mask"].sum(1).tolist() == [len("a cat sat."), len("the dog ran far away.")]
+    assert torch.equal(batches[1]["input_ids"], tok(lines[:2], padding=True, return_tensors="pt")["input_ids"])
+    assert batches[2]["input_ids"].shape[0] == 1  # the user's last batch, between the built-in ones
+    assert len(calibration_text.calibration_batches(tok, texts, builtin=False)) == 1
+    for bad in ("one text", [], ["ok", 3], ["ok", ""]):
+        with pytest.raises(TypeError, match="texts must be"):
+            calibration_batches(tok, bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        calibration_batches(tok, texts, batch_size=0)
+
+
+@pytest.mark.slow
+def test_a_list_of_texts_calibrates_an_encoder_with_the_builtin_lines():
+    tok = _padding_tokenizer()
+    cfg = transformers.BertConfig(vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=256, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    texts = ["a cat sat on the mat.", "the dog ran far away.", "rain fell all day."]
+    a = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=texts, tokenizer=tok,
+                            progress=False)
+    b = kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=calibration_batches(tok, texts),
+                            progress=False)
+    layers = [(x, y) for x, y in zip(a.modules(), b.modules()) if isinstance(x, kbit.KbitLinear)]
+    assert len(layers) == 2 * 6
+    assert all(torch.equal(x.packed, y.packed) and torch.equal(x.absmax, y.absmax) for x, y in layers)
 
 
 def test_builtin_text_is_diverse():

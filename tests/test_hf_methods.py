@@ -70,6 +70,10 @@ def test_method_errors(llama_dir):
         kbit.KbitConfig(bits=4, method="awq")
     with pytest.raises(ValueError, match="calibration must be token ids"):
         kbit.KbitConfig(bits=4, method="gptq", calibration=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="used by method='gptq', bit budgets and tune_steps only"):
+        kbit.KbitConfig(bits=4, calibration="some text")
+    with pytest.raises(ValueError, match="needs a tokenizer"):  # text, and no tokenizer saved with the model
+        load(llama_dir, quantization_config=kbit.KbitConfig(bits=4, method="gptq", calibration="some text"))
 
 
 def test_cli_says_when_it_turns_float32_into_float16(llama_dir, tmp_path, capsys):
@@ -106,6 +110,19 @@ def test_cli_gptq_from_a_text_file(llama_dir, tmp_path, capsys):
     assert (saved["bits"], saved["method"], saved["rotate"]) == (3, "gptq", True)
     q = load(out)
     assert all(m.rotation is not None for m in q.modules() if isinstance(m, kbit.KbitLinear))
+
+    # the text is mixed with kbit's built-in text, on the CLI as through KbitConfig(calibration=text)
+    from kbit.calibration_text import MIXED_BUILTIN_SEQUENCES, calibration_tokens
+    from kbit.convert import calibration_ids
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(src))
+    mixed = calibration_tokens(tokenizer, text.read_text())
+    assert mixed.shape[0] == 2 + MIXED_BUILTIN_SEQUENCES  # 600 words: 2 sequences of 256 tokens
+    assert torch.equal(calibration_ids(src, text), mixed)
+    loaded = load(src, quantization_config=kbit.KbitConfig(bits=3, method="gptq", calibration=text.read_text()))
+    expect = kbit.quantize_model(load(src), bits=3, method="gptq", calibration=mixed, progress=False)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    assert torch.equal(logits(loaded, ids), logits(expect, ids))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe"])

@@ -42,6 +42,7 @@ from .._validate import check_int, check_skip, codebook_values
 from .._version import __version__
 from ..bit_budget import check_bits_setting
 from ..calibration import check_calibration, check_calibration_used
+from ..calibration_text import is_text
 from ..finetune import check_tune_steps
 from ..fusion import FUSE_BY_DEFAULT
 from ..methods import check_method
@@ -74,9 +75,10 @@ class KbitConfig(QuantizationConfigMixin):
             ``"gptq"`` (calibrated; ``method="gptq", rotate=True`` is the most accurate, docs/QUALITY.md); the
             last two quantize the loaded model (module docstring). Saved in config.json.
         calibration: what ``method="gptq"``, a bit budget and ``tune_steps`` run through the model
-            (``kbit.quantize_model``'s forms: token ids [n_seq, seq_len] or a list of dicts of model inputs);
-            default: kbit's built-in text, tokenized with the model's tokenizer; used by no other setting, never
-            saved.
+            (``kbit.quantize_model``'s forms: token ids [n_seq, seq_len], a list of dicts of model inputs, or
+            text (a str or a list of short texts), tokenized with the model's tokenizer and mixed with kbit's
+            built-in text); default: the built-in
+            text alone; used by no other setting, never saved.
         tune_steps: end-to-end tuning steps after quantizing (``kbit.quantize_model``'s, ``kbit.finetune``; 0, the
             default: none); with tuning the model is quantized once loaded.
         fuse_projections: sibling projections that read the same input (q/k/v, gate/up) run as one GEMM launch
@@ -110,7 +112,8 @@ class KbitConfig(QuantizationConfigMixin):
         self.tune_steps = check_tune_steps(tune_steps)
         if calibration is not None:
             check_calibration_used(calibration, self.method, self.bits, self.tune_steps)
-            check_calibration(calibration)
+            if not is_text(calibration):  # text is tokenized once the model (and its tokenizer) is there
+                check_calibration(calibration)
         self.calibration = calibration
         if not isinstance(fuse_projections, bool):
             raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
