@@ -474,6 +474,8 @@ def test_quantize_model_method_argument_errors():
     with pytest.raises(ValueError, match="method"):
         kbit.quantize_model(copy.deepcopy(model), bits=3, method="best", progress=False)
     with pytest.raises(TypeError, match="calibration"):
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=3.5, progress=False)
+    with pytest.raises(ValueError, match="tokenizer"):  # text is accepted, but this model has no tokenizer
         kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration="some text", progress=False)
 
 
