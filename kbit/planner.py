@@ -182,6 +182,12 @@ def launches(config: GemmConfig, steps: Steps, sms: int) -> list:
     return found
 
 
+def best_launch(config: GemmConfig, shape: Shape, cut: CutCost, sms: int) -> Launch:
+    """The launch of ``config`` with the fewest busiest steps (all its launches share one cost per step)."""
+    steps = steps_of(config, shape)
+    return min(launches(config, steps, sms), key=lambda launch: busiest_steps(config, steps, launch, cut, sms))
+
+
 def busiest_steps(config: GemmConfig, steps: Steps, launch: Launch, cut: CutCost, sms: int) -> float:
     """E: the busiest CTA's steps, its hand-offs included, whole tiles' gain taken off."""
     if launch.whole_tiles:

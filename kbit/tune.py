@@ -223,11 +223,7 @@ def _features(device, configs, cut, path: Path, shape, recorded):
     config = measured_config(configs, path, shape.bits, shape.tokens, recorded)
     if config is None:
         return None
-    steps = planner.steps_of(config, shape)
-    # Of the launches of one configuration the one with the fewest busiest steps: the planner's choice (the same
-    # per-step cost).
-    launch = min(planner.launches(config, steps, device.sms),
-                 key=lambda L: planner.busiest_steps(config, steps, L, cut, device.sms))
+    launch = planner.best_launch(config, shape, cut, device.sms)
     return planner.fused_features(config, shape, launch, cut, device.sms)
 
 
@@ -290,4 +286,5 @@ def _report(device, configs, coefficients, measured: dict, log) -> None:
             chosen = planner.plan(device, configs, coefficients, out_features, in_features, M, bits)
             slower = times.get(chosen.path, math.inf) / times[fastest]
             note = f" (planned {chosen.path.value}: {slower:.2f}x)" if slower > 1 else ""
-            log(f"  {bits} bits {in_features}->{out_features} M = {M:>5}: {fastest.value} {times[fastest]:.1f} us{note}")
+            log(f"  {bits} bits {in_features}->{out_features} M = {M:>5}: {fastest.value} {times[fastest]:.1f} us"
+                f"{note}")

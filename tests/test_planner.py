@@ -128,8 +128,8 @@ def test_time_never_falls_with_more_tokens_or_rows_at_a_fixed_configuration(bits
 def test_more_columns_never_move_fewer_bytes():
     for config in CONFIGS:
         for K in range(256, 20000, 992):
-            small, large = (planner.fused_features(config, Shape(4096, k, 64, config.bits), Launch(132), planner.DEFAULT_CUT,
-                                                   132) for k in (K, K + 992))
+            small, large = (planner.fused_features(config, Shape(4096, k, 64, config.bits), Launch(132),
+                                                   planner.DEFAULT_CUT, 132) for k in (K, K + 992))
             assert large[1] >= small[1] and large[4] > small[4]
 
 
