@@ -9,12 +9,12 @@ or each tile in parts; cut.h). The binding runs exactly that and refuses what is
 It picks the candidate of least predicted time. The cost model, per path (``PathCost``), for a launch whose busiest
 CTA runs ``E`` steps (a step: one CTA tile's k-group of 256 columns, or 8 of them where the warps split k):
 
-    time = fixed + E x (bytes per step / load rate + weights per step / lookup rate + MACs per step / MMA rate)
-           + the call's distinct bytes / memory bandwidth
+    time = fixed + max(E x bytes per step / load rate, E x (weights per step / lookup rate + MACs per step / MMA
+           rate)) + tiles started x tile cost + a split tile's partial sums / hand-off rate
+           + the call's distinct bytes / bandwidth
 
-``E`` counts the waves over the SMs: the busiest CTA's steps, plus ``handoff_steps`` where its tiles may be split
-across CTAs, less ``whole_tiles_gain`` of them where the CTAs own whole
-tiles and so sweep k in step. Dequantize + cuBLAS: a fixed cost, the bytes of dequantizing and re-reading the weight
+``E`` counts the waves over the SMs: the busiest CTA's steps, less ``whole_tiles_gain`` of them where the CTAs own
+whole tiles and so sweep k in step. Dequantize + cuBLAS: a fixed cost, the bytes of dequantizing and re-reading the weight
 over bandwidth, and cuBLAS's waves of 128 x 128 output tiles over its MMA rate.
 
 The coefficients are per GPU (``Coefficients``): ``python -m kbit tune`` fits them on this GPU into the tuned cache
@@ -101,6 +101,8 @@ class PathCost(NamedTuple):
     load_us: float  # per MiB the busiest CTA loads
     lookup_us: float  # per Mi weights the busiest CTA dequantizes
     mma_us: float  # per Gi multiply-adds of the busiest CTA
+    tile_us: float  # per tile the busiest CTA starts (its pipeline filled from memory, its output written)
+    handoff_us: float  # per MiB of a partial tile handed to another CTA where tiles are split (split-K)
     memory_us: float  # per MiB the call moves to or from memory (weights once, x, y)
 
 
@@ -108,17 +110,14 @@ FEATURES = PathCost._fields
 
 
 class CutCost(NamedTuple):
-    """How the cut of the steps among the CTAs changes the busiest CTA's steps."""
+    """How owning whole tiles changes the busiest CTA's steps."""
 
-    handoff_steps: float  # a tile split across CTAs: the reducer's wait and sum, in steps
     whole_tiles_gain: dict  # tokens per tile -> the share of steps saved where CTAs own whole tiles (k in step)
-    passes_gain: dict  # the same where the SMs span two or more token passes (several read each weight tile at once)
 
 
-# The cut's coefficients, from where the grid rules measured on the H100 and H200 turned (docs/PERFORMANCE.md,
-# "Planner"): halves against the stream-K cut lost past 2.5 steps more; whole 256-token tiles won with the busiest CTA
-# up to 6% past the mean, and up to 1.2x to 1.3x the mean where the SMs span several token passes.
-DEFAULT_CUT = CutCost(2.5, {256: 0.06}, {256: 0.2})
+# From where the grid rules measured on the H100 and H200 turned (docs/PERFORMANCE.md, "Planner"): whole 256-token
+# tiles won with the busiest CTA up to 6% past the mean.
+DEFAULT_CUT = CutCost({256: 0.06})
 
 
 class Coefficients(NamedTuple):
@@ -182,48 +181,66 @@ def launches(config: GemmConfig, steps: Steps, sms: int) -> list:
     return found
 
 
-def best_launch(config: GemmConfig, shape: Shape, cut: CutCost, sms: int) -> Launch:
-    """The launch of ``config`` with the fewest busiest steps (all its launches share one cost per step)."""
+def best_launch(config: GemmConfig, shape: Shape, cut: CutCost, sms: int, cost: Optional[PathCost] = None) -> Launch:
+    """The launch of ``config`` of least predicted time with ``cost``; without, of the fewest busiest steps (then
+    tiles, then unsplit)."""
     steps = steps_of(config, shape)
-    return min(launches(config, steps, sms), key=lambda launch: busiest_steps(config, steps, launch, cut, sms))
+
+    def rank(launch: Launch):
+        if cost is not None:
+            return predict(cost, fused_features(config, shape, launch, cut, sms, steps))
+        return busiest(config, steps, launch, cut)
+
+    return min(launches(config, steps, sms), key=rank)
 
 
-def busiest_steps(config: GemmConfig, steps: Steps, launch: Launch, cut: CutCost, sms: int) -> float:
-    """E: the busiest CTA's steps, its hand-offs included, whole tiles' gain taken off."""
+def busiest(config: GemmConfig, steps: Steps, launch: Launch, cut: CutCost) -> tuple:
+    """(E, tiles, split): the busiest CTA's steps, whole tiles' gain taken off; the tiles it works on; whether its
+    tiles' partial sums meet across CTAs."""
     if launch.whole_tiles:
-        gains = cut.passes_gain if steps.passes >= 2 and 2 * steps.row_tiles <= sms else cut.whole_tiles_gain
-        return -(-steps.tiles // launch.grid) * steps.k_steps * (1 - gains.get(config.ws_tokens, 0.0))
+        most = -(-steps.tiles // launch.grid)
+        return most * steps.k_steps * (1 - cut.whole_tiles_gain.get(config.ws_tokens, 0.0)), most, False
     if launch.tile_parts:
-        return -(-steps.k_steps // launch.tile_parts) + cut.handoff_steps
+        return -(-steps.k_steps // launch.tile_parts), 1, True
     per_cta = -(-steps.total // launch.grid)
+    tiles = -(-per_cta // steps.k_steps)
     if (config.k_split > 1 and launch.grid == steps.tiles) or steps.k_steps == 1:
-        return per_cta  # the k split's CTA per tile, or tiles of one step: none split
-    # Charged wherever the stream-K cut may split a tile, so the time never falls as the steps grow.
-    return per_cta + cut.handoff_steps
+        return per_cta, tiles, False  # the k split's CTA per tile, or one-step tiles: none split
+    # Counted as split wherever the stream-K cut may split a tile, so the time never falls as the steps grow.
+    return per_cta, tiles + 1, True
 
 
 def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCost, sms: int,
                    steps: Optional[Steps] = None) -> tuple:
     """The cost model's features (``FEATURES``) of a fused launch (``steps``: the shape's, unless given)."""
     steps = steps or steps_of(config, shape)
-    e = busiest_steps(config, steps, launch, cut, sms)
+    e, tiles, split = busiest(config, steps, launch, cut)
     step_weights = config.tile_rows * K_GROUP * config.k_split
     step_bytes = step_weights * (shape.bits / 8 + 1 / 32) + config.tokens * K_GROUP * config.k_split * 2
-    return (1.0, e * step_bytes / MIB, e * step_weights / MIB, e * step_weights * config.tokens / 2**30,
-            shape.memory_mib)
+    partials = config.tile_rows * config.tokens * 4 if split else 0  # one partial tile in fp32
+    return (1.0, e * step_bytes / MIB, e * step_weights / MIB, e * step_weights * config.tokens / 2**30, tiles,
+            partials / MIB, shape.memory_mib)
 
 
 def cublas_features(shape: Shape, sms: int) -> tuple:
-    """Dequantize + cuBLAS: the dequantized weight written and read back (16-bit) beside the fused path's bytes;
-    cuBLAS's waves of output tiles."""
-    dequantized_mib = 2 * 2 * shape.out_features * shape.in_features / MIB
-    tiles = -(-shape.tokens // CUBLAS_TILE) * -(-shape.out_features // CUBLAS_TILE)
-    waves_macs = -(-tiles // sms) * CUBLAS_TILE * CUBLAS_TILE * shape.in_features / 2**30
-    return 1.0, 0.0, 0.0, waves_macs, shape.memory_mib + dequantized_mib
+    """Dequantize + cuBLAS: the dequantize kernel's bytes (the codes read, the 16-bit weight written) over bandwidth;
+    cuBLAS's loads (the 16-bit weight, x, y) and multiply-adds per SM, tokens in tiles of 128."""
+    weights = shape.out_features * shape.in_features
+    dequantize_mib = (shape.weight_bytes + 2 * weights) / MIB
+    gemm_mib = (2 * weights + 2 * shape.tokens * (shape.in_features + shape.out_features)) / MIB
+    macs = -(-shape.tokens // CUBLAS_TILE) * CUBLAS_TILE * weights / 2**30  # its tiles hold 128 tokens
+    return 1.0, gemm_mib / sms, 0.0, macs / sms, 0.0, 0.0, dequantize_mib
+
+
+def terms(cost: PathCost, features: tuple) -> tuple:
+    """(loading, computing, the rest) of the predicted time: loads overlap the lookups and the MMAs."""
+    t = [c * f for c, f in zip(cost, features)]
+    return t[1], t[2] + t[3], t[0] + sum(t[4:])
 
 
 def predict(cost: PathCost, features: tuple) -> float:
-    return sum(c * f for c, f in zip(cost, features))
+    loading, computing, rest = terms(cost, features)
+    return rest + max(loading, computing)
 
 
 # ---------------------------------------------------------------------------------------------- the decision
@@ -232,9 +249,10 @@ def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficient
     """(predicted us, Plan) of every launch of every configuration of ``paths`` that runs here and has
     coefficients; ``forced``: a path without its own priced as mma.sync (gemm.cuh's kernel too)."""
     found = []
-    for config in configs:
-        if config.bits != shape.bits or config.path not in paths or not config.runs_on(device):
-            continue
+    runnable = [c for c in configs if c.bits == shape.bits and c.path in paths and c.runs_on(device)]
+    for config in runnable:
+        if config.tokens < shape.tokens and any(c.path is config.path and c.tokens > config.tokens for c in runnable):
+            continue  # more passes than a larger pass of its path needs: the model has no measure of extra passes
         cost = coefficients.paths.get(config.path) or (coefficients.paths.get(Path.MMA_SYNC) if forced else None)
         if cost is None:
             continue
@@ -318,9 +336,7 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
     try:
         paths = {Path(name): PathCost(**{f: float(v[f]) for f in FEATURES}) for name, v in data["paths"].items()}
         cut = data["cut"]
-        cut_cost = CutCost(float(cut["handoff_steps"]),
-                           {int(t): float(g) for t, g in cut["whole_tiles_gain"].items()},
-                           {int(t): float(g) for t, g in cut["passes_gain"].items()})
+        cut_cost = CutCost({int(t): float(g) for t, g in cut["whole_tiles_gain"].items()})
         device = str(data["device"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: not a coefficient set ({type(e).__name__}: {e})") from None
@@ -334,9 +350,7 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
 def coefficients_to_json(coefficients: Coefficients) -> dict:
     return {"device": coefficients.device, "source": coefficients.source,
             "paths": {path.value: dict(zip(FEATURES, cost)) for path, cost in coefficients.paths.items()},
-            "cut": {"handoff_steps": coefficients.cut.handoff_steps,
-                    "whole_tiles_gain": {str(t): g for t, g in coefficients.cut.whole_tiles_gain.items()},
-                    "passes_gain": {str(t): g for t, g in coefficients.cut.passes_gain.items()}}}
+            "cut": {"whole_tiles_gain": {str(t): g for t, g in coefficients.cut.whole_tiles_gain.items()}}}
 
 
 def gpu_file(device_name: str) -> FilePath:

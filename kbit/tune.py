@@ -215,15 +215,12 @@ def measured_config(configs, path: Path, bits: int, tokens: int, recorded=None):
     return min((c for c in same if c.tokens == tokens_per_pass), key=lambda c: (c.tile_rows != 128, c.tile_rows))
 
 
-def _features(device, configs, cut, path: Path, shape, recorded):
+def _features(device, configs, cut, path: Path, shape, config, cost=None):
     from . import planner
 
     if path is Path.DEQUANTIZE_CUBLAS:
         return planner.cublas_features(shape, device.sms)
-    config = measured_config(configs, path, shape.bits, shape.tokens, recorded)
-    if config is None:
-        return None
-    launch = planner.best_launch(config, shape, cut, device.sms)
+    launch = planner.best_launch(config, shape, cut, device.sms, cost)
     return planner.fused_features(config, shape, launch, cut, device.sms)
 
 
@@ -254,25 +251,42 @@ def nonnegative_least_squares(rows: list, targets: list) -> list:
     return [float(v) for v in c]
 
 
-def fit(measured: dict, device, configs, cut, source: str):
+def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
     """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error. A path
     with no measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it."""
     from . import planner
 
-    rows: dict = {path: ([], []) for path in Path}
+    paths: dict = {path: [] for path in Path}  # path -> [(Shape, GemmConfig or None, us)]
     for (bits, out_features, in_features), shape in measured.items():
         for path, times in shape.us.items():
             recorded = shape.configs.get(path)
             for i, (M, us) in enumerate(zip(shape.tokens, times)):
-                if us is None:
-                    continue
-                cell = planner.Shape(out_features, in_features, M, bits)
-                features = _features(device, configs, cut, path, cell, recorded[i] if recorded else None)
-                if features is not None:
-                    rows[path][0].append([f / us for f in features])
-                    rows[path][1].append(1.0)
-    paths = {path: planner.PathCost(*nonnegative_least_squares(*rows[path])) for path in Path if rows[path][0]}
-    return planner.Coefficients(device.name, paths, cut, source)
+                config = None if path is Path.DEQUANTIZE_CUBLAS else measured_config(
+                    configs, path, bits, M, recorded[i] if recorded else None)
+                if us is not None and (config is not None or path is Path.DEQUANTIZE_CUBLAS):
+                    paths[path].append((planner.Shape(out_features, in_features, M, bits), config, us))
+    fitted = {path: _fit_cells(path, cells, device, configs, cut, rounds) for path, cells in paths.items() if cells}
+    return planner.Coefficients(device.name, fitted, cut, source)
+
+
+def _fit_cells(path: Path, cells: list, device, configs, cut, rounds: int):
+    """One PathCost fitted to ``cells`` ([(Shape, GemmConfig, us)]). The model's max (loads against lookups and
+    MMAs) is fitted by turns: each measurement counts the side the coefficients fitted so far say is the longer (at
+    first both), and is taken as the launch the planner runs (at first the one of fewest steps)."""
+    from . import planner
+
+    cost = None
+    for _ in range(rounds):
+        rows = []
+        for cell, config, us in cells:
+            features = list(_features(device, configs, cut, path, cell, config, cost))
+            if cost is not None:  # only the longer side of the max counts
+                loading, computing, _ = planner.terms(cost, features)
+                for i in ((2, 3) if loading >= computing else (1,)):
+                    features[i] = 0.0
+            rows.append([f / us for f in features])
+        cost = planner.PathCost(*nonnegative_least_squares(rows, [1.0] * len(rows)))
+    return cost
 
 
 def _report(device, configs, coefficients, measured: dict, log) -> None:
