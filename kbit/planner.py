@@ -244,15 +244,22 @@ def predict(cost: PathCost, features: tuple) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- the decision
+def _mma(config: GemmConfig) -> str:
+    """The kernel's kind of MMA: the k split is mma.sync's kernel with the warps splitting k."""
+    return "warp_specialized" if config.ws_tokens else "wgmma" if config.wgmma_tiles else "mma.sync"
+
+
 def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficients, shape: Shape,
                       paths, forced: bool = False) -> list:
     """(predicted us, Plan) of every launch of every configuration of ``paths`` that runs here and has
     coefficients; ``forced``: a path without its own priced as mma.sync (gemm.cuh's kernel too)."""
     found = []
-    runnable = [c for c in configs if c.bits == shape.bits and c.path in paths and c.runs_on(device)]
+    runnable = [c for c in configs if c.bits == shape.bits and c.runs_on(device)]
     for config in runnable:
-        if config.tokens < shape.tokens and any(c.path is config.path and c.tokens > config.tokens for c in runnable):
-            continue  # more passes than a larger pass of its path needs: the model has no measure of extra passes
+        if config.path not in paths:
+            continue
+        if config.tokens < shape.tokens and any(_mma(c) == _mma(config) and c.tokens > config.tokens for c in runnable):
+            continue  # more passes than a larger pass of its kind of MMA needs: the fits never measure extra passes
         cost = coefficients.paths.get(config.path) or (coefficients.paths.get(Path.MMA_SYNC) if forced else None)
         if cost is None:
             continue

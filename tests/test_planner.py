@@ -153,6 +153,8 @@ def test_within_3_percent_of_the_fastest_measured_path(path):
     for (bits, N, K), shape in measured.items():
         for i, M in enumerate(shape.tokens):
             times = {p: t[i] for p, t in shape.us.items() if t[i] is not None}
+            if len(times) < 2:
+                continue  # one path measured (M <= 16, from bench_gemm.py): a fit measurement, no race
             chosen = planner.plan(device, CONFIGS, co, N, K, M, bits)
             cells += 1
             near += times.get(chosen.path, math.inf) <= 1.03 * min(times.values())
