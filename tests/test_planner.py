@@ -97,7 +97,8 @@ def test_forced_paths():
     for name, paths in planner.FORCED_PATHS.items():
         for M in (1, 16, 64, 300):
             chosen = planner.plan(H100, CONFIGS, co, 4096, 4096, M, 4, fused_only=True, force=paths)
-            assert chosen.path in paths, (name, M)
+            # The k split holds at most 16 tokens a pass; past them mma.sync's larger passes replace its passes.
+            assert (chosen.path in paths) == (name != "k_split" or M <= 16), (name, M)
     ws = planner.FORCED_PATHS["ws"]  # a forced path that cannot run here is ignored
     assert planner.plan(A100, CONFIGS, coefficients(A100), 4096, 4096, 1, 3, fused_only=True, force=ws).path \
         is Path.MMA_SYNC
