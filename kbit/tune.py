@@ -251,21 +251,33 @@ def nonnegative_least_squares(rows: list, targets: list) -> list:
     return [float(v) for v in c]
 
 
+CONTENDER = 1.25  # a path's times are fitted where it is within this of the fastest path: where plans are decided
+
+
 def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
-    """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error. A path
-    with no measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it."""
+    """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error, on the
+    cells where it contends (all of them where too few do). A path with no measurements gets none: the planner leaves
+    it out unless ``KBIT_GEMM_PATH`` forces it."""
     from . import planner
 
     paths: dict = {path: [] for path in Path}  # path -> [(Shape, GemmConfig or None, us)]
     for (bits, out_features, in_features), shape in measured.items():
+        fastest = [min((t[i] for t in shape.us.values() if t[i] is not None), default=None)
+                   for i in range(len(shape.tokens))]
         for path, times in shape.us.items():
             recorded = shape.configs.get(path)
             for i, (M, us) in enumerate(zip(shape.tokens, times)):
                 config = None if path is Path.DEQUANTIZE_CUBLAS else measured_config(
                     configs, path, bits, M, recorded[i] if recorded else None)
                 if us is not None and (config is not None or path is Path.DEQUANTIZE_CUBLAS):
-                    paths[path].append((planner.Shape(out_features, in_features, M, bits), config, us))
-    fitted = {path: _fit_cells(path, cells, device, configs, cut, rounds) for path, cells in paths.items() if cells}
+                    paths[path].append((planner.Shape(out_features, in_features, M, bits), config, us,
+                                        us <= CONTENDER * fastest[i]))
+    fitted = {}
+    for path, cells in paths.items():
+        contenders = [cell[:3] for cell in cells if cell[3]]
+        if cells:  # where too few contend, all (a fit of 7 coefficients wants several cells each)
+            chosen = contenders if len(contenders) >= 3 * len(planner.FEATURES) else [cell[:3] for cell in cells]
+            fitted[path] = _fit_cells(path, chosen, device, configs, cut, rounds)
     return planner.Coefficients(device.name, fitted, cut, source)
 
 

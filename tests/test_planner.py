@@ -140,8 +140,8 @@ def _committed_tune_files():
     return sorted((ROOT / "benchmarks" / "results").glob("tune_*.json"))
 
 
-# The issue's target is 97% of the cells; the model reaches 92% on both GPUs' data (docs/PERFORMANCE.md, Planner).
-WITHIN_3_PERCENT = 0.90
+# The issue's target is 97% of the cells; the model reaches 94-95% on both GPUs' data (docs/PERFORMANCE.md, Planner).
+WITHIN_3_PERCENT = 0.93
 
 
 @pytest.mark.parametrize("path", _committed_tune_files(), ids=lambda p: p.name)
