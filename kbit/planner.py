@@ -50,7 +50,7 @@ FORCED_PATHS = {
 }
 K_GROUP = 256  # columns per k-group of the GEMM layout (kbit.h kKGroup)
 MAX_TILE_PARTS_GRID = 256  # cut.h kMaxGroupedGrid: CTAs of a launch that cuts tiles in parts
-CUBLAS_TILE = 128  # rows and tokens of cuBLAS's output tiles, as the model counts its waves
+CUBLAS_TILE = 128  # tokens per cuBLAS output tile, as the model counts its multiply-adds
 GPU_DIR = FilePath(__file__).parent / "gpus"
 DEFAULT_GPU = "NVIDIA H100 80GB HBM3"  # the defaults of a GPU with no file of its own
 MIB = float(1 << 20)
@@ -188,7 +188,7 @@ def best_launch(config: GemmConfig, shape: Shape, cut: CutCost, sms: int, cost: 
 
     def rank(launch: Launch):
         if cost is not None:
-            return predict(cost, fused_features(config, shape, launch, cut, sms, steps))
+            return predict(cost, fused_features(config, shape, launch, cut, steps))
         return busiest(config, steps, launch, cut)
 
     return min(launches(config, steps, sms), key=rank)
@@ -210,7 +210,7 @@ def busiest(config: GemmConfig, steps: Steps, launch: Launch, cut: CutCost) -> t
     return per_cta, tiles + 1, True
 
 
-def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCost, sms: int,
+def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCost,
                    steps: Optional[Steps] = None) -> tuple:
     """The cost model's features (``FEATURES``) of a fused launch (``steps``: the shape's, unless given)."""
     steps = steps or steps_of(config, shape)
@@ -265,7 +265,7 @@ def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficient
             continue
         steps = steps_of(config, shape)
         for launch in launches(config, steps, device.sms):
-            us = predict(cost, fused_features(config, shape, launch, coefficients.cut, device.sms))
+            us = predict(cost, fused_features(config, shape, launch, coefficients.cut))
             found.append((us, Plan.of(config, launch)))
     return found
 
@@ -329,7 +329,7 @@ def rows_per_pass(device: Device, configs: Iterable[GemmConfig], coefficients: C
             one = steps_of(config, expert)
             steps = Steps(active * -(-per_expert // rows), one.row_tiles, one.k_steps)
             launch = Launch(min(device.sms, steps.total))
-            features = fused_features(config, expert, launch, coefficients.cut, device.sms, steps)
+            features = fused_features(config, expert, launch, coefficients.cut, steps)
             memory = (active * expert.weight_bytes + 2 * slots * (expert.in_features + expert.out_features)) / MIB
             us += predict(cost, features[:-1] + (memory,))
         if best is None or us < best[0]:

@@ -221,7 +221,7 @@ def _features(device, configs, cut, path: Path, shape, config, cost=None):
     if path is Path.DEQUANTIZE_CUBLAS:
         return planner.cublas_features(shape, device.sms)
     launch = planner.best_launch(config, shape, cut, device.sms, cost)
-    return planner.fused_features(config, shape, launch, cut, device.sms)
+    return planner.fused_features(config, shape, launch, cut)
 
 
 def nonnegative_least_squares(rows: list, targets: list) -> list:

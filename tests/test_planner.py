@@ -115,7 +115,7 @@ def test_time_never_falls_with_more_tokens_or_rows_at_a_fixed_configuration(bits
 
         def best(N, M, K=4096):
             shape = Shape(N, K, M, bits)
-            return min(planner.predict(cost, planner.fused_features(config, shape, launch, co.cut, H200.sms))
+            return min(planner.predict(cost, planner.fused_features(config, shape, launch, co.cut))
                        for launch in planner.launches(config, planner.steps_of(config, shape), H200.sms))
 
         for N in (256, 1024, 4096, 14336):
@@ -130,7 +130,7 @@ def test_more_columns_never_move_fewer_bytes():
     for config in CONFIGS:
         for K in range(256, 20000, 992):
             small, large = (planner.fused_features(config, Shape(4096, k, 64, config.bits), Launch(132),
-                                                   planner.DEFAULT_CUT, 132) for k in (K, K + 992))
+                                                   planner.DEFAULT_CUT) for k in (K, K + 992))
             small, large = (dict(zip(planner.FEATURES, f)) for f in (small, large))
             assert large["load_us"] >= small["load_us"] and large["memory_us"] > small["memory_us"]
 
