@@ -123,6 +123,7 @@ DEFAULT_CUT = CutCost({256: 0.06})
 class Coefficients(NamedTuple):
     device: str
     paths: dict  # Path -> PathCost
+    passes: dict  # GemmConfig.key -> the most token passes it was measured at: how far the fit holds for it
     cut: CutCost
     source: str  # what they were fitted from
 
@@ -258,8 +259,10 @@ def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficient
     for config in runnable:
         if config.path not in paths:
             continue
-        if config.tokens < shape.tokens and any(_mma(c) == _mma(config) and c.tokens > config.tokens for c in runnable):
-            continue  # more passes than a larger pass of its kind of MMA needs: the fits never measure extra passes
+        passes = -(-shape.tokens // config.tokens)
+        if passes > coefficients.passes.get(config.key, 1) and any(
+                _mma(c) == _mma(config) and c.tokens > config.tokens for c in runnable):
+            continue  # more passes than it was measured at, where a larger pass of its kind of MMA holds more
         cost = coefficients.paths.get(config.path) or (coefficients.paths.get(Path.MMA_SYNC) if forced else None)
         if cost is None:
             continue
@@ -342,6 +345,9 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
     """The coefficient file's contents (``kbit/gpus/*.json``, the tuned cache's ``coefficients``), checked."""
     try:
         paths = {Path(name): PathCost(**{f: float(v[f]) for f in FEATURES}) for name, v in data["paths"].items()}
+        passes = {tuple(int(i) for i in key.split(",")): int(n) for key, n in data["passes"].items()}
+        if any(len(key) != 4 or n < 1 for key, n in passes.items()):
+            raise ValueError("passes: mb,wgmma_tiles,ws_tokens,k_split -> a count >= 1")
         cut = data["cut"]
         cut_cost = CutCost({int(t): float(g) for t, g in cut["whole_tiles_gain"].items()})
         device = str(data["device"])
@@ -351,12 +357,13 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
            if not math.isfinite(v) or v < 0]
     if bad:
         raise ValueError(f"{source}: coefficients must be finite and >= 0: {', '.join(bad)}")
-    return Coefficients(device, paths, cut_cost, str(data.get("source", source)))
+    return Coefficients(device, paths, passes, cut_cost, str(data.get("source", source)))
 
 
 def coefficients_to_json(coefficients: Coefficients) -> dict:
     return {"device": coefficients.device, "source": coefficients.source,
             "paths": {path.value: dict(zip(FEATURES, cost)) for path, cost in coefficients.paths.items()},
+            "passes": {",".join(map(str, key)): n for key, n in sorted(coefficients.passes.items())},
             "cut": {"whole_tiles_gain": {str(t): g for t, g in coefficients.cut.whole_tiles_gain.items()}}}
 
 

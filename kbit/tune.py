@@ -278,7 +278,12 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
         if cells:  # where too few contend, all (a fit of 7 coefficients wants several cells each)
             chosen = contenders if len(contenders) >= 3 * len(planner.FEATURES) else [cell[:3] for cell in cells]
             fitted[path] = _fit_cells(path, chosen, device, configs, cut, rounds)
-    return planner.Coefficients(device.name, fitted, cut, source)
+    passes: dict = {}  # configuration -> the most passes measured
+    for cells in paths.values():
+        for shape, config, _, _ in cells:
+            if config is not None:
+                passes[config.key] = max(passes.get(config.key, 1), -(-shape.tokens // config.tokens))
+    return planner.Coefficients(device.name, fitted, passes, cut, source)
 
 
 def _fit_cells(path: Path, cells: list, device, configs, cut, rounds: int):
