@@ -104,6 +104,21 @@ def test_forced_paths():
         is Path.MMA_SYNC
 
 
+def test_a_configuration_runs_no_more_passes_than_it_was_measured_at():
+    co = coefficients(H200)
+    ws = planner.FORCED_PATHS["ws"]
+    assert co.passes[(4, 0, 32, 1)] == 1  # the 32-token tiles were measured at up to 32 tokens
+    for M in (33, 100, 1000):
+        assert planner.plan(H200, CONFIGS, co, 4096, 4096, M, 4, fused_only=True, force=ws).ws_tokens != 32
+    wider = co._replace(passes={**co.passes, (4, 0, 32, 1): 1 << 20, (8, 0, 64, 1): 1 << 20,
+                                (16, 0, 128, 1): 1 << 20})
+    # The largest pass of a kind runs any number of passes; with the range opened the others may too.
+    assert planner.plan(H200, CONFIGS, co, 4096, 4096, 5000, 4, fused_only=True, force=ws).ws_tokens == 256
+    chosen = {planner.plan(H200, CONFIGS, wider, 4096, 4096, M, 4, fused_only=True, force=ws).ws_tokens
+              for M in range(33, 2000, 31)}
+    assert chosen - {256}, chosen
+
+
 # ----------------------------------------------------------------------------- the cost model's physics
 @pytest.mark.parametrize("bits", BITS)
 def test_time_never_falls_with_more_tokens_or_rows_at_a_fixed_configuration(bits):
@@ -140,8 +155,8 @@ def _committed_tune_files():
     return sorted((ROOT / "benchmarks" / "results").glob("tune_*.json"))
 
 
-# The issue's target is 97% of the cells; the model reaches 94-95% on both GPUs' data (docs/PERFORMANCE.md, Planner).
-WITHIN_3_PERCENT = 0.93
+# The issue's target is 97% of the cells; the model reaches 94-96% on both GPUs' data (docs/PERFORMANCE.md, Planner).
+WITHIN_3_PERCENT = 0.94
 
 
 @pytest.mark.parametrize("path", _committed_tune_files(), ids=lambda p: p.name)
