@@ -123,7 +123,7 @@ DEFAULT_CUT = CutCost({256: 0.06})
 class Coefficients(NamedTuple):
     device: str
     paths: dict  # Path -> PathCost
-    passes: dict  # GemmConfig.key -> the most token passes it was measured at: how far the fit holds for it
+    tokens: dict  # (bits,) + GemmConfig.key -> (fewest, most) tokens it was measured at: where the fit holds for it
     cut: CutCost
     source: str  # what they were fitted from
 
@@ -250,19 +250,34 @@ def _mma(config: GemmConfig) -> str:
     return "warp_specialized" if config.ws_tokens else "wgmma" if config.wgmma_tiles else "mma.sync"
 
 
+def _fitted_for(config: GemmConfig, tokens: int, coefficients: Coefficients, runnable: list) -> bool:
+    """Whether the fit holds for ``config`` at ``tokens``: within the token counts it was measured at (from just past
+    the next smaller pass of its kind of MMA where that one was measured through its pass), or past them where it is
+    the largest pass of its kind; never measured, where one pass holds them or it is that largest."""
+    kind = sorted(c for c in runnable if _mma(c) == _mma(config))
+    smaller = [c for c in kind if c.tokens < config.tokens]
+    largest = config.tokens == max(c.tokens for c in kind)
+    measured = coefficients.tokens.get((config.bits,) + config.key)
+    if measured is None:
+        return tokens <= config.tokens or largest
+    fewest, most = measured
+    if smaller and fewest <= config.tokens:
+        below = max(smaller, key=lambda c: c.tokens)
+        reach = coefficients.tokens.get((below.bits,) + below.key, (0, 0))[1]
+        if reach >= below.tokens:  # the smaller pass was measured through its size: no gap between the two
+            fewest = min(fewest, below.tokens + 1)
+    return fewest <= tokens <= most or (tokens > most and largest)
+
+
 def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficients, shape: Shape,
                       paths, forced: bool = False) -> list:
     """(predicted us, Plan) of every launch of every configuration of ``paths`` that runs here and has
-    coefficients; ``forced``: a path without its own priced as mma.sync (gemm.cuh's kernel too)."""
-    found = []
+    coefficients, of those the fit holds for (``_fitted_for``) where there are any; ``forced``: a path without its
+    own priced as mma.sync (gemm.cuh's kernel too)."""
     runnable = [c for c in configs if c.bits == shape.bits and c.runs_on(device)]
-    for config in runnable:
-        if config.path not in paths:
-            continue
-        passes = -(-shape.tokens // config.tokens)
-        if passes > coefficients.passes.get(config.key, 1) and any(
-                _mma(c) == _mma(config) and c.tokens > config.tokens for c in runnable):
-            continue  # more passes than it was measured at, where a larger pass of its kind of MMA holds more
+    fitted = [c for c in runnable if c.path in paths and _fitted_for(c, shape.tokens, coefficients, runnable)]
+    found = []
+    for config in fitted or [c for c in runnable if c.path in paths]:
         cost = coefficients.paths.get(config.path) or (coefficients.paths.get(Path.MMA_SYNC) if forced else None)
         if cost is None:
             continue
@@ -345,9 +360,10 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
     """The coefficient file's contents (``kbit/gpus/*.json``, the tuned cache's ``coefficients``), checked."""
     try:
         paths = {Path(name): PathCost(**{f: float(v[f]) for f in FEATURES}) for name, v in data["paths"].items()}
-        passes = {tuple(int(i) for i in key.split(",")): int(n) for key, n in data["passes"].items()}
-        if any(len(key) != 4 or n < 1 for key, n in passes.items()):
-            raise ValueError("passes: mb,wgmma_tiles,ws_tokens,k_split -> a count >= 1")
+        tokens = {tuple(int(i) for i in key.split(",")): (int(low), int(high))
+                  for key, (low, high) in data["tokens"].items()}
+        if any(len(key) != 5 or not 1 <= low <= high for key, (low, high) in tokens.items()):
+            raise ValueError("tokens: bits,mb,wgmma_tiles,ws_tokens,k_split -> [fewest, most], 1 <= fewest <= most")
         cut = data["cut"]
         cut_cost = CutCost({int(t): float(g) for t, g in cut["whole_tiles_gain"].items()})
         device = str(data["device"])
@@ -357,13 +373,13 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
            if not math.isfinite(v) or v < 0]
     if bad:
         raise ValueError(f"{source}: coefficients must be finite and >= 0: {', '.join(bad)}")
-    return Coefficients(device, paths, passes, cut_cost, str(data.get("source", source)))
+    return Coefficients(device, paths, tokens, cut_cost, str(data.get("source", source)))
 
 
 def coefficients_to_json(coefficients: Coefficients) -> dict:
     return {"device": coefficients.device, "source": coefficients.source,
             "paths": {path.value: dict(zip(FEATURES, cost)) for path, cost in coefficients.paths.items()},
-            "passes": {",".join(map(str, key)): n for key, n in sorted(coefficients.passes.items())},
+            "tokens": {",".join(map(str, key)): list(r) for key, r in sorted(coefficients.tokens.items())},
             "cut": {"whole_tiles_gain": {str(t): g for t, g in coefficients.cut.whole_tiles_gain.items()}}}
 
 

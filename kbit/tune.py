@@ -278,12 +278,14 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
         if cells:  # where too few contend, all (a fit of 7 coefficients wants several cells each)
             chosen = contenders if len(contenders) >= 3 * len(planner.FEATURES) else [cell[:3] for cell in cells]
             fitted[path] = _fit_cells(path, chosen, device, configs, cut, rounds)
-    passes: dict = {}  # configuration -> the most passes measured
+    tokens: dict = {}  # configuration -> (fewest, most) tokens measured
     for cells in paths.values():
         for shape, config, _, _ in cells:
             if config is not None:
-                passes[config.key] = max(passes.get(config.key, 1), -(-shape.tokens // config.tokens))
-    return planner.Coefficients(device.name, fitted, passes, cut, source)
+                key = (config.bits,) + config.key
+                low, high = tokens.get(key, (shape.tokens, shape.tokens))
+                tokens[key] = (min(low, shape.tokens), max(high, shape.tokens))
+    return planner.Coefficients(device.name, fitted, tokens, cut, source)
 
 
 def _fit_cells(path: Path, cells: list, device, configs, cut, rounds: int):
