@@ -19,6 +19,7 @@ import math
 import statistics
 import sys
 import warnings
+from typing import Optional
 
 import torch
 
@@ -251,7 +252,9 @@ def nonnegative_least_squares(rows: list, targets: list) -> list:
     return [float(v) for v in c]
 
 
-CONTENDER = 1.25  # a path's times are fitted where it is within this of the fastest path: where plans are decided
+CLASSIC = frozenset({Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA})  # gemm.cuh's kernel: also the MoE's
+CONTENDER = 1.25  # a path's times are fitted where it is within this of the fastest path (of gemm.cuh's, for those
+# paths): where plans are decided
 
 
 def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
@@ -262,16 +265,18 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
 
     paths: dict = {path: [] for path in Path}  # path -> [(Shape, GemmConfig or None, us)]
     for (bits, out_features, in_features), shape in measured.items():
-        fastest = [min((t[i] for t in shape.us.values() if t[i] is not None), default=None)
-                   for i in range(len(shape.tokens))]
+        def fastest(i: int, among) -> Optional[float]:
+            return min((t[i] for p, t in shape.us.items() if p in among and t[i] is not None), default=None)
+
         for path, times in shape.us.items():
+            rivals = [frozenset(Path)] + ([CLASSIC] if path in CLASSIC else [])  # the MoE picks among gemm.cuh's
             recorded = shape.configs.get(path)
             for i, (M, us) in enumerate(zip(shape.tokens, times)):
                 config = None if path is Path.DEQUANTIZE_CUBLAS else measured_config(
                     configs, path, bits, M, recorded[i] if recorded else None)
                 if us is not None and (config is not None or path is Path.DEQUANTIZE_CUBLAS):
                     paths[path].append((planner.Shape(out_features, in_features, M, bits), config, us,
-                                        us <= CONTENDER * fastest[i]))
+                                        any(us <= CONTENDER * fastest(i, among) for among in rivals)))
     fitted = {}
     for path, cells in paths.items():
         contenders = [cell[:3] for cell in cells if cell[3]]
