@@ -1,9 +1,9 @@
-"""Compare two runs of the same benchmark (bench_gemm.py or bench_moe.py JSON): per cell new / old speed, the
-geometric mean and the worst cell.
+"""Compare two sides of an A/B of one benchmark (bench_gemm.py or bench_moe.py JSON files): per cell new / old speed,
+the geometric mean and the worst cell.
 
-    python benchmarks/compare_ab.py OLD.json NEW.json
+    python benchmarks/compare_ab.py OLD.json [OLD2.json ...] -- NEW.json [NEW2.json ...]
 
-A cell is one row's identity (shape or layer, M or tokens, K, dtype); speed is 1 / ``kbit_us``.
+A cell is one row's identity (shape or model, dtype, M or tokens, bits); speed is 1 / ``kbit_us``.
 """
 
 from __future__ import annotations
@@ -12,16 +12,23 @@ import json
 import math
 import sys
 
-KEYS = ("shape", "layer", "model", "dtype", "M", "tokens", "K", "k")
+KEYS = ("shape", "model", "dtype", "M", "tokens", "K", "k")
 
 
-def cells(path: str) -> dict:
-    rows = json.load(open(path))["rows"]
-    return {tuple((k, r[k]) for k in KEYS if k in r): r["kbit_us"] for r in rows if r.get("kbit_us")}
+def cells(paths: list) -> dict:
+    found = {}
+    for path in paths:
+        for row in json.load(open(path))["rows"]:
+            if row.get("kbit_us"):
+                found[tuple((k, row[k]) for k in KEYS if k in row)] = row["kbit_us"]
+    return found
 
 
-def main(old_path: str, new_path: str) -> int:
-    old, new = cells(old_path), cells(new_path)
+def main(argv: list) -> int:
+    if "--" not in argv:
+        raise SystemExit(__doc__)
+    split = argv.index("--")
+    old, new = cells(argv[:split]), cells(argv[split + 1:])
     common = sorted(set(old) & set(new), key=str)
     if not common:
         print("no common cells")
@@ -30,10 +37,12 @@ def main(old_path: str, new_path: str) -> int:
     geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
     worst = min(ratios, key=ratios.get)
     slow = sum(r < 0.95 for r in ratios.values())
-    print(f"{new_path}: {len(common)} cells, geomean new/old speed {geomean:.4f}x, {slow} cells below 0.95x, "
-          f"worst {ratios[worst]:.3f}x at {dict(worst)} ({old[worst]:.1f} -> {new[worst]:.1f} us)")
+    print(f"{len(common)} cells: geomean new/old speed {geomean:.4f}x, {slow} below 0.95x, worst {ratios[worst]:.3f}x "
+          f"at {dict(worst)} ({old[worst]:.1f} -> {new[worst]:.1f} us)")
+    for cell in sorted(ratios, key=ratios.get)[:5]:
+        print(f"  {ratios[cell]:.3f}x {dict(cell)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(sys.argv[1:]))
