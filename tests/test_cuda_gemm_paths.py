@@ -88,7 +88,7 @@ def test_gemm_ws_256_token_tiles(k):
     assert not failures, tag(seed_for("gemm-ws256", k), op="gemm ws_tokens=256", bits=k) + "\n  " + "\n  ".join(failures)
 
 
-# Tiles cut in parts on the planned grid (cut.h, ws_tile_parts; the parts named are those of 132 SMs), (tokens per
+# Tiles cut in parts (cut.h; the parts named are those the planner would cut for 132 SMs), (tokens per
 # tile, N, K, M, parts): every tile width, parts of one k-group to six, halves where the k-groups are few (40 tiles of
 # 8 and 64 of 2), and 16 parts, past a cluster's 8 CTAs (summed through L2 in every mode). On the H100 and H200 only
 # clusters of two fit the planned grids (66 at once; of 3, 4, 8: 39, 30, 15, short of the 43, 32, 16 tiles).

@@ -142,7 +142,7 @@ struct GemmParams {
   uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   ClusterUse ws_clusters;   // host only: how launch_gemm_ws launches tiles cut in parts
   uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut; always in
-                            // gemm.cuh's kernels), or the CTAs sharing one tile (its parts; gemm.cu, ws_tile_parts)
+                            // gemm.cuh's kernels), or the CTAs sharing one tile (its parts: the planner's tile_parts)
   uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
