@@ -86,11 +86,13 @@ def test_binding_refuses_launches_that_do_not_fit():
     x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def run(grid, parts, whole, config=(16, 0, 1, 128)):
-        return cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, None, 4, 256, 4096, grid, parts, whole, *config, False)
+    def run(grid, parts, whole, config=(16, 0, 1, 128), rows=64):
+        return cuda_ext().gemm(x[:rows], b, a, qw.codebook, qw.scale, None, 4, 256, 4096, grid, parts, whole, *config,
+                               False)
 
     # 64 tokens in one 128-token pass, 256 rows: one tile of 16 steps.
     assert run(1, 0, True).shape == (64, 256) and run(4, 4, False).shape == (64, 256)
+    assert run(1, 0, False, rows=0).shape == (0, 256)  # no rows: no steps, nothing launched
     for bad in ((0, 0, False), (sms + 1, 0, False), (17, 0, False), (2, 0, True), (3, 4, False), (2, 1, False),
                 (17, 17, False), (2, 2, True)):
         with pytest.raises(RuntimeError, match="the launch"):

@@ -109,6 +109,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   // (GemmConfig::kWeightsStreamed up to 16 tokens, ws_copy_weights past). Codes and E4M4 block scales.
   const int64_t weight_bytes = static_cast<int64_t>(N) * K_w * k / 8 + static_cast<int64_t>(N) * K_w / 32;
   plan.weights_stream = plan.m_passes == 1 && l2_bytes > 0 && weight_bytes > l2_bytes;
+  if (M == 0) return plan;  // nothing runs: no launch to check
   plan.grid = launch.grid;
   const int parts = launch.tile_parts;
   // Hard limits only. At most one CTA per SM: a split tile's reducer waits for the CTAs after it (finish_tile), in the
