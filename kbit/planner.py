@@ -192,7 +192,17 @@ def best_launch(config: GemmConfig, shape: Shape, cut: CutCost, sms: int, cost: 
             return predict(cost, fused_features(config, shape, launch, cut, steps))
         return busiest(config, steps, launch, cut)
 
-    return min(launches(config, steps, sms), key=rank)
+    return _least((rank(launch), launch) for launch in launches(config, steps, sms))
+
+
+def _least(pairs: Iterable[tuple]):
+    """The item of the (key, item) pair of least key, the first of equals. A loop: torch.compile traces the
+    planner (``kbit.matmul`` plans while traced), and not min(..., key=...)."""
+    best = None
+    for pair in pairs:
+        if best is None or pair[0] < best[0]:
+            best = pair
+    return best[1]
 
 
 def busiest(config: GemmConfig, steps: Steps, launch: Launch, cut: CutCost) -> tuple:
@@ -254,15 +264,15 @@ def _fitted_for(config: GemmConfig, tokens: int, coefficients: Coefficients, run
     """Whether the fit holds for ``config`` at ``tokens``: within the token counts it was measured at (from just past
     the next smaller pass of its kind of MMA where that one was measured through its pass), or past them where it is
     the largest pass of its kind; never measured, where one pass holds them or it is that largest."""
-    kind = sorted(c for c in runnable if _mma(c) == _mma(config))
+    kind = [c for c in runnable if _mma(c) == _mma(config)]
     smaller = [c for c in kind if c.tokens < config.tokens]
-    largest = config.tokens == max(c.tokens for c in kind)
+    largest = not any(c.tokens > config.tokens for c in kind)
     measured = coefficients.tokens.get((config.bits,) + config.key)
     if measured is None:
         return tokens <= config.tokens or largest
     fewest, most = measured
     if smaller and fewest <= config.tokens:
-        below = max(smaller, key=lambda c: c.tokens)
+        below = _least((-c.tokens, c) for c in smaller)
         reach = coefficients.tokens.get((below.bits,) + below.key, (0, 0))[1]
         if reach >= below.tokens:  # the smaller pass was measured through its size: no gap between the two
             fewest = min(fewest, below.tokens + 1)
@@ -317,7 +327,7 @@ def plan(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficien
             f"kbit: no fused GEMM configuration at {bits} bits runs on this GPU ({device.name}, compute capability "
             f"{device.capability[0]}.{device.capability[1]}, {device.smem_per_block // 1024} KB of shared memory per "
             f"block): use dequantize + matmul")
-    chosen = min(candidates, key=lambda c: c[0])[1]
+    chosen = _least(candidates)
     if grid_override > 0:
         config = next(c for c in configs if c.bits == bits and c.key == chosen.key)
         total = steps_of(config, shape).total
@@ -335,7 +345,7 @@ def rows_per_pass(device: Device, configs: Iterable[GemmConfig], coefficients: C
     per_expert = -(-slots // active)
     configs = tuple(configs)
     best = None
-    for rows in sorted(supported):  # a loop, not min(generator): torch.compile traces this
+    for rows in sorted(supported):  # a loop, not min(generator): torch.compile traces this (see _least)
         config = next((c for c in configs if c.bits == bits and c.tokens == rows and c.k_split == 1
                        and not c.ws_tokens and c.runs_on(device)), None)
         cost = coefficients.paths.get(config.path) if config is not None else None

@@ -118,6 +118,24 @@ def test_a_configuration_is_planned_within_the_tokens_it_was_measured_at():
     assert chosen - {256}, chosen  # with the ranges opened, smaller tiles run several passes too
 
 
+@pytest.mark.slow  # ~15 s: tracing
+def test_the_planner_traces_whole_under_torch_compile():
+    """kbit.matmul plans while torch.compile traces it, M symbolic after the first recompile: no graph break."""
+    co = coefficients(H200)
+
+    def f(x, rows):
+        chosen = planner.plan(H200, CONFIGS, co, 4096, 4096, x.shape[0], 4)
+        moe = planner.rows_per_pass(H200, CONFIGS, co, rows.shape[0], 64, ((1536, 2048), (2048, 768)), 4,
+                                    (8, 16, 32, 128))
+        return x * (1.0 if chosen.path is Path.DEQUANTIZE_CUBLAS else 2.0) + chosen.mb + moe
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="eager")
+    for M in (16, 300):
+        x, rows = torch.randn(M, 2), torch.empty(8 * M)
+        torch.testing.assert_close(compiled(x, rows), f(x, rows))
+
+
 # ----------------------------------------------------------------------------- the cost model's physics
 @pytest.mark.parametrize("bits", BITS)
 def test_time_never_falls_with_more_tokens_or_rows_at_a_fixed_configuration(bits):
