@@ -6,16 +6,17 @@ built configuration and its launch (grid, and how the steps are cut among the CT
 or each tile in parts; cut.h). The binding runs exactly that and refuses what is not built or does not fit.
 ``rows_per_pass`` plans the MoE grouped GEMM's token rows per pass from the same model.
 
-It picks the candidate of least predicted time. The cost model, per path (``PathCost``), for a launch whose busiest
-CTA runs ``E`` steps (a step: one CTA tile's k-group of 256 columns, or 8 of them where the warps split k):
+It picks the candidate of least predicted time among the configurations the fit holds for at these tokens
+(``_fitted_for``). The cost model, per path (``PathCost``), for a launch whose busiest CTA runs ``E`` steps (a step:
+one CTA tile's k-group of 256 columns, or 8 of them where the warps split k):
 
     time = fixed + max(E x bytes per step / load rate, E x (weights per step / lookup rate + MACs per step / MMA
            rate)) + tiles started x tile cost + a split tile's partial sums / hand-off rate
            + the call's distinct bytes / bandwidth
 
 ``E`` counts the waves over the SMs: the busiest CTA's steps, less ``whole_tiles_gain`` of them where the CTAs own
-whole tiles and so sweep k in step. Dequantize + cuBLAS: a fixed cost, the bytes of dequantizing and re-reading the weight
-over bandwidth, and cuBLAS's waves of 128 x 128 output tiles over its MMA rate.
+whole tiles and so sweep k in step. Dequantize + cuBLAS: a fixed cost, the dequantize kernel's bytes over bandwidth,
+and the larger of cuBLAS's loads and its multiply-adds (tokens in tiles of 128) per SM.
 
 The coefficients are per GPU (``Coefficients``): ``python -m kbit tune`` fits them on this GPU into the tuned cache
 (``kbit.tune_cache``); else the shipped defaults of ``kbit/gpus/<GPU>.json`` (fitted the same way from
@@ -115,8 +116,8 @@ class CutCost(NamedTuple):
     whole_tiles_gain: dict  # tokens per tile -> the share of steps saved where CTAs own whole tiles (k in step)
 
 
-# From where the grid rules measured on the H100 and H200 turned (docs/PERFORMANCE.md, "Planner"): whole 256-token
-# tiles won with the busiest CTA up to 6% past the mean.
+# From where the grid rules measured on the H100 and H200 turned (docs/PERFORMANCE.md, "Measured choices"): whole
+# 256-token tiles won with the busiest CTA up to 6% past the mean.
 DEFAULT_CUT = CutCost({256: 0.06})
 
 
