@@ -259,8 +259,8 @@ CONTENDER = 1.25  # a path's times are fitted where it is within this of the fas
 
 def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
     """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error, on the
-    cells where it contends (all of them where too few do). A path with no measurements gets none: the planner leaves
-    it out unless ``KBIT_GEMM_PATH`` forces it."""
+    cells where it contends (all of them where too few do); the k split shares mma.sync's. A path with no
+    measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it."""
     from . import planner
 
     paths: dict = {path: [] for path in Path}  # path -> [(Shape, GemmConfig or None, us)]
@@ -277,6 +277,8 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
                 if us is not None and (config is not None or path is Path.DEQUANTIZE_CUBLAS):
                     paths[path].append((planner.Shape(out_features, in_features, M, bits), config, us,
                                         any(us <= CONTENDER * fastest(i, among) for among in rivals)))
+    # The k split is mma.sync's kernel with the warps splitting k: its features differ, not its rates.
+    paths[Path.MMA_SYNC] += paths.pop(Path.K_SPLIT)
     fitted = {}
     for path, cells in paths.items():
         contenders = [cell[:3] for cell in cells if cell[3]]
@@ -290,6 +292,8 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
                 key = (config.bits,) + config.key
                 low, high = tokens.get(key, (shape.tokens, shape.tokens))
                 tokens[key] = (min(low, shape.tokens), max(high, shape.tokens))
+    if Path.MMA_SYNC in fitted:
+        fitted[Path.K_SPLIT] = fitted[Path.MMA_SYNC]
     return planner.Coefficients(device.name, fitted, tokens, cut, source)
 
 
