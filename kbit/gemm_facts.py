@@ -1,0 +1,68 @@
+"""What the GEMM planner plans from: the paths, the GPU, and the fused configurations the CUDA extension built.
+
+The extension owns the configurations (the compile-time lists in gemm.cuh / gemm_ws.cuh): ``gemm_configs()`` reports
+each one's pass, tile, shared memory and the compute capabilities its code is built for, and
+``parse_configs`` reads that report. ``tests/gemm_configs.json`` pins it for the CPU tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import NamedTuple
+
+
+class Path(str, enum.Enum):
+    MMA_SYNC = "mma_sync"
+    K_SPLIT = "k_split"
+    WGMMA = "wgmma"
+    WARP_SPECIALIZED = "warp_specialized"
+    DEQUANTIZE_CUBLAS = "dequantize_cublas"
+
+
+FUSED_PATHS = (Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED)
+
+
+class Device(NamedTuple):
+    name: str
+    capability: tuple  # (major, minor)
+    sms: int  # multiprocessors
+    smem_per_block: int  # opt-in maximum shared memory per block, bytes
+
+
+class GemmConfig(NamedTuple):
+    """One built configuration of the fused GEMM, as the extension reports it (``GemmConfigInfo`` in kbit.h)."""
+
+    bits: int
+    mb: int  # 8-token MMA tiles per pass
+    wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp
+    ws_tokens: int  # > 0: the warp-specialized kernel with that many tokens per tile
+    k_split: int  # 1, or 8: the warps split the k-groups of one tile
+    tile_rows: int  # weight rows per CTA tile
+    smem_bytes: int  # per CTA, static included
+    cc_major_min: int  # the compute capabilities (major) its code is built for
+    cc_major_max: int
+
+    @property
+    def path(self) -> Path:
+        if self.ws_tokens:
+            return Path.WARP_SPECIALIZED
+        return Path.WGMMA if self.wgmma_tiles else Path.K_SPLIT if self.k_split > 1 else Path.MMA_SYNC
+
+    @property
+    def key(self) -> tuple:
+        return self.mb, self.wgmma_tiles, self.ws_tokens, self.k_split
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per pass: the kernel reads the weights once per pass."""
+        return self.mb * 8
+
+    def runs_on(self, device: Device) -> bool:
+        return (self.cc_major_min <= device.capability[0] <= self.cc_major_max
+                and self.smem_bytes <= device.smem_per_block)
+
+
+def parse_configs(text: str) -> tuple:
+    """The extension's report (``kbit_cuda.gemm_configs()``, JSON) as GemmConfigs."""
+    return tuple(GemmConfig(**{field: int(row[field]) for field in GemmConfig._fields}) for row in json.loads(text))
