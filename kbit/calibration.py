@@ -25,12 +25,25 @@ from .rotation import Rotation
 from .weight import QuantizedWeight
 
 __all__ = ["collect_hessians", "collect_hessians_by_block", "quantize_layers", "check_calibration", "model_outputs",
-           "run_with_loss"]
+           "run_with_loss", "uses_calibration", "check_calibration_used"]
 
 CALIBRATION_BATCH = 8  # sequences per forward pass when calibration is a tensor of token ids
 
 
 # ----------------------------------------------------------------------------- running the model
+def uses_calibration(method: str, bits, tune_steps: int) -> bool:
+    """Whether quantizing with these (checked) settings runs calibration data through the model: ``method="gptq"``,
+    a bit budget (a float ``bits``: per-layer sensitivities) or end-to-end tuning."""
+    return method == "gptq" or isinstance(bits, float) or tune_steps > 0
+
+
+def check_calibration_used(calibration, method: str, bits, tune_steps: int) -> None:
+    """Refuse calibration data that these (checked) settings would not use: it would be silently ignored."""
+    if calibration is not None and not uses_calibration(method, bits, tune_steps):
+        raise ValueError(f"calibration is used by method='gptq', bit budgets and tune_steps only, got "
+                         f"method={method!r}, bits={bits!r} and tune_steps={tune_steps}")
+
+
 def check_calibration(calibration) -> list:
     """The calibration data as a list of ``(args, kwargs)`` model inputs; raises on anything else.
 

@@ -209,6 +209,7 @@ def quantize_directory(
     """
     from ._atomic import atomic_directory
     from .bit_budget import check_bits_setting
+    from .calibration import uses_calibration
     from .finetune import check_tune_steps
     from .model_card import README, write_model_card
     from .nn import KbitLinear, quantized_fraction
@@ -242,8 +243,9 @@ def quantize_directory(
         tune_steps = check_tune_steps(tune_steps)
     except (TypeError, ValueError) as e:
         raise ConversionError(str(e)) from None
-    if calibration is not None and method != "gptq" and not tune_steps:
-        raise ConversionError(f"--calibration is used by --method gptq and --tune-steps only, got --method {method}")
+    if calibration is not None and not uses_calibration(method, bits, tune_steps):
+        raise ConversionError(f"--calibration is used by --method gptq, a bits budget and --tune-steps only, got "
+                              f"--method {method}, --bits {bits} and --tune-steps {tune_steps}")
 
     try:
         import transformers

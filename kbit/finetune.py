@@ -197,8 +197,7 @@ def _swap(model: nn.Module, new_of: dict) -> None:
     """Replace every module whose id is a key of ``new_of`` (under each of its names) with its value."""
     for name, m in list(model.named_modules(remove_duplicate=False)):
         if id(m) in new_of and name:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new_of[id(m)])
+            model.set_submodule(name, new_of[id(m)])
 
 
 def tune_end_to_end(model: nn.Module, batches: list, references: list, steps: int, seed: int = 0) -> dict:

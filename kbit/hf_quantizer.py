@@ -39,7 +39,7 @@ from . import hf_format
 from ._progress import Progress
 from ._validate import check_int, check_skip, codebook_values
 from .bit_budget import check_bits_setting
-from .calibration import check_calibration
+from .calibration import check_calibration, check_calibration_used
 from .finetune import check_tune_steps
 from .methods import check_method
 from .moe import FUSED_PARAMETERS, KbitExperts
@@ -102,9 +102,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.method = check_method(method)
         self.tune_steps = check_tune_steps(tune_steps)
         if calibration is not None:
-            if self.method != "gptq" and isinstance(self.bits, int) and not self.tune_steps:
-                raise ValueError(f"calibration is used by method='gptq', bit budgets and tune_steps only, got "
-                                 f"method={self.method!r}, bits={self.bits!r} and tune_steps=0")
+            check_calibration_used(calibration, self.method, self.bits, self.tune_steps)
             check_calibration(calibration)
         self.calibration = calibration
         self.format_version = format_version

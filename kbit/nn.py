@@ -66,7 +66,7 @@ from ._validate import (
     refuse_assignment,
 )
 from .bit_budget import check_bits_setting, choose_layer_bits
-from .calibration import check_calibration, quantize_layers
+from .calibration import check_calibration, check_calibration_used, quantize_layers, uses_calibration
 from .calibration_text import default_calibration
 from .dequantized_weight import DequantizedWeight
 from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
@@ -623,10 +623,8 @@ def quantize_model(
     min_features = check_int(min_features, "min_features", 0)
     method = check_method(method)
     tune_steps = check_tune_steps(tune_steps)
-    calibrated = method == "gptq" or isinstance(bits, float) or tune_steps > 0
-    if calibration is not None and not calibrated:
-        raise ValueError(f"calibration is used by method='gptq', bit budgets and tune_steps only, got "
-                         f"method={method!r}, bits={bits!r} and tune_steps=0")
+    calibrated = uses_calibration(method, bits, tune_steps)
+    check_calibration_used(calibration, method, bits, tune_steps)
     if calibration is not None:
         check_calibration(calibration)
     if not isinstance(rotate, bool):
@@ -717,9 +715,7 @@ def quantize_model(
     for name, m in targets + expert_targets:
         if name == "":
             return modules[id(m)]
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, modules[id(m)])
+        model.set_submodule(name, modules[id(m)])
     if references is not None:
         tuned = tune_end_to_end(model, tune_on, references, tune_steps)
         logger.info(f"quantize_model: {tune_steps} tuning steps, calibration loss {tuned['loss_before']:.4g} -> "

@@ -108,6 +108,11 @@ def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_
 @matmul_stored.register_kernel("cpu")
 def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
     _op_contract.matmul_stored(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
+    return _matmul_stored_cpu(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
+
+
+def _matmul_stored_cpu(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
+    """The CPU kernel, or the reference where it cannot be built; arguments checked by the caller."""
     kernel = stored_cpu_kernel(packed, absmax, codebook, scale, bits, out_features, in_features_padded)
     if kernel is None:
         return matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features,
@@ -282,11 +287,7 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
     # QuantizedWeight keeps it, never pays this).
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     packed, absmax = unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
-    kernel = stored_cpu_kernel(packed, absmax, codebook, scale, bits, out_features, in_features_padded)
-    if kernel is None:
-        return matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features,
-                                       in_features_padded)
-    return kernel(x, bias)
+    return _matmul_stored_cpu(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
 
 
 _register_gemm_autograd(gemm, unrepack)
