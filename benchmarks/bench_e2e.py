@@ -5,6 +5,7 @@ Qwen3-MoE-shaped one (Qwen3-30B-A3B's dimensions, fewer layers).
     python benchmarks/bench_e2e.py --check                  # also: graph decode == eager greedy decode
     python benchmarks/bench_e2e.py --layers 4 --bits 4      # a quicker, shallower run
     python benchmarks/bench_e2e.py --model qwen3-moe --layers 4 --bits 4 --check    # MoE: kbit K=4 vs bf16
+    python benchmarks/bench_e2e.py --bits 4 --no-fp16 --fuse-ab     # q/k/v, gate/up fused vs apart (--no-fuse: apart)
     python benchmarks/bench_e2e.py --device cpu --layers 2 --hidden 256 --intermediate 512 \\
         --heads 4 --kv-heads 2 --vocab 1000 --new-tokens 8 --check      # tiny end-to-end smoke run
     python benchmarks/bench_e2e.py --device cpu --model qwen3-moe --layers 2 --hidden 256 --heads 4 --kv-heads 2 \\
@@ -103,7 +104,8 @@ def model_config(model: str, shape: dict):
 
 def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=None):
     """The random-weight causal LM of ``config`` on ``device``; Linear projections and routed experts
-    kbit-quantized if ``bits``, the lm_head too (to ``lm_head_bits``) if that is given."""
+    kbit-quantized if ``bits``, the lm_head too (to ``lm_head_bits``) if that is given (sibling projections fused,
+    the default: ``kbit.fuse_projections`` switches that on the built model)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     torch.manual_seed(seed)
@@ -346,17 +348,26 @@ def run(args) -> dict:
 
     rows = []
     ok = True
-    for bits in formats:
+    model, built_bits = None, None
+    for bits, fused in fusion_settings(formats, args):
         label = "fp16" if bits is None else f"kbit K={bits}"
         if bits is None and dtype != torch.float16:
             label = str(dtype).replace("torch.", "")
         t0 = time.perf_counter()
         if bits is not None and args.quantize_lm_head:
             label += f" + lm_head K={args.quantize_lm_head}"
-        model = build_model(config, device, dtype, seed=args.seed, bits=bits, lm_head_bits=args.quantize_lm_head)
+        if not fused and bits is not None:
+            label += ", q/k/v gate/up apart"
+        if model is None or bits != built_bits:  # --fuse-ab: both settings on one quantized model
+            model = built_bits = None
+            gc.collect()
+            model = build_model(config, device, dtype, seed=args.seed, bits=bits, lm_head_bits=args.quantize_lm_head)
+            built_bits = bits
+        if bits is not None:
+            kbit.fuse_projections(model, fused)
         nbytes = model_bytes(model)
-        row = {"format": label, "bits": bits, "resident_bytes": nbytes["total"], "build_s": time.perf_counter() - t0,
-               "batches": {}}
+        row = {"format": label, "bits": bits, "fused_projections": fused, "resident_bytes": nbytes["total"],
+               "build_s": time.perf_counter() - t0, "batches": {}}
         for b in batches:
             res = {"bytes_per_step": step_bytes(nbytes, b)}
             dec = GreedyDecoder(model, b, max_len, mode=mode).prepare(prompts[b])
@@ -396,10 +407,10 @@ def run(args) -> dict:
             row["prefill_s"] = time_prefill(model, prompt, args.repeats)
             print(f"{label:>10}  prefill {args.prefill_len}: {1e3 * row['prefill_s']:.1f} ms", file=sys.stderr, flush=True)
         rows.append(row)
-        del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    del model
 
     import transformers
 
@@ -417,6 +428,16 @@ def run(args) -> dict:
             "prefill_len": args.prefill_len,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "max_cache_len": max_len, "env": env,
             "rows": rows, "check_passed": ok if args.check else None}
+
+
+def fusion_settings(formats, args) -> list:
+    """(bits, fused) of each row: fp16 (None, None); a kbit format with its sibling projections fused (one GEMM launch
+    for q/k/v and one for gate/up, the default), apart with ``--no-fuse``, or both with ``--fuse-ab``."""
+    fused = (True, False) if args.fuse_ab else (not args.no_fuse,)
+    settings = []
+    for bits in formats:
+        settings += [(None, None)] if bits is None else [(bits, f) for f in fused]
+    return settings
 
 
 def _git_revision() -> str:
@@ -536,6 +557,10 @@ def parse_args(argv=None):
                    help="time to first token of a batch-1 prompt this long (CUDA; 0: skip)")
     p.add_argument("--quantize-lm-head", type=int, default=0, metavar="BITS",
                    help="also quantize lm_head (to 4 or 5 bits, say) in the kbit rows (default: fp16)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="kbit rows: q/k/v and gate/up as separate GEMM launches (kbit.fuse_projections(model, False))")
+    p.add_argument("--fuse-ab", action="store_true",
+                   help="kbit rows: each K timed fused and then apart, on one quantized model")
     p.add_argument("--profile", action="store_true",
                    help="GPU kernel time per decode step by group (kbit GEMM, cuBLAS, attention, other)")
     p.add_argument("--seed", type=int, default=0)

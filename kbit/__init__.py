@@ -6,6 +6,7 @@
     layer = kbit.KbitLinear.from_linear(linear, bits=4)
     kbit.quantize_model(model, bits=4)     # swaps eligible nn.Linear layers in place
     kbit.prepare(model)                 # GEMM layouts on the GPU now (before torch.compile / CUDA graphs)
+    kbit.fuse_projections(model, enabled=False)  # q/k/v and gate/up: one GEMM launch each (on by default)
 
     # transformers: quantize while loading, save_pretrained / from_pretrained round-trip
     model = AutoModelForCausalLM.from_pretrained(model_id, quantization_config=kbit.KbitConfig(bits=4))
@@ -16,6 +17,7 @@ The seeds' functional API on raw tensors (quantize_kbit, kbit_gemm, ...) is ``kb
 from . import ops  # noqa: F401  (registers the torch.library ops)
 from .weight import PrecisionLoss, PrecisionWarning, QuantizedWeight, dequantize, matmul, quantize
 from .nn import KbitLinear, prepare, quantize_model, quantized_fraction
+from .fusion import fuse_projections
 from .moe import KbitExperts
 from .dequantized_weight import DequantizedWeight
 from .hf import save_quantized  # transformers is imported only when used
@@ -40,6 +42,6 @@ def __getattr__(name):
 
 __all__ = [
     "QuantizedWeight", "quantize", "dequantize", "matmul", "KbitLinear", "KbitExperts", "quantize_model",
-    "quantized_fraction", "prepare",
+    "quantized_fraction", "prepare", "fuse_projections",
     "DequantizedWeight", "KbitConfig", "save_quantized", "PrecisionWarning", "PrecisionLoss",
 ]

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._validate import GEMM_DTYPES, INPUT_DTYPES, _dtype_name, check_dtype
 from .formats import BLOCK_SIZE, SUPPORTED_BITS, block_count
-from .layout import gemm_shapes
+from .layout import gemm_shapes, row_blocks
 
 
 def _bits(bits: int) -> None:
@@ -39,11 +39,14 @@ def _tensor(t: Tensor, name: str, dtype: torch.dtype, shape, device: torch.devic
         raise ValueError(f"kbit: {name} must be on {device} with the op's other tensors, got {t.device}")
 
 
-def _codebook_and_scale(codebook: Tensor, scale: Tensor, bits: int, device: torch.device) -> None:
+def _codebook_and_scale(codebook: Tensor, scale: Tensor, bits: int, device: torch.device, rows: int = 0) -> None:
+    """``rows`` > 0: the scale may also be one float32 per 256 of the ``rows`` output rows (``layout.row_blocks``:
+    the GEMM of fused projections)."""
     _tensor(codebook, "codebook", torch.float32, (2**bits,), device)
     _tensor(scale, "scale", torch.float32, None, device)
-    if scale.numel() != 1:
-        raise ValueError(f"kbit: scale must hold one float32, got shape {tuple(scale.shape)}")
+    if scale.numel() != 1 and not (rows and tuple(scale.shape) == (row_blocks(rows),)):
+        per_rows = f" or one per 256 output rows ({row_blocks(rows)},)" if rows else ""
+        raise ValueError(f"kbit: scale must hold one float32{per_rows}, got shape {tuple(scale.shape)}")
 
 
 def quantize(A: Tensor, codebook: Tensor, bits: int, scale: Tensor) -> None:
@@ -86,8 +89,9 @@ def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, bits: int, out_features: int, 
 
 
 def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.device, codebook: Tensor, scale: Tensor,
-                 bits: int) -> None:
-    """x [tokens, <= in_features_padded] of an ``allowed`` dtype on the weight's device; codebook and scale."""
+                 bits: int, scale_rows: int = 0) -> None:
+    """x [tokens, <= in_features_padded] of an ``allowed`` dtype on the weight's device; codebook and scale (per
+    256 rows allowed with ``scale_rows``)."""
     if x.dim() != 2:
         raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
     check_dtype(x.dtype, "kbit: x", allowed)
@@ -95,13 +99,13 @@ def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.devi
         raise ValueError(f"kbit: x has {x.shape[1]} columns, more than the weight's {in_features_padded}")
     if x.device != device:
         raise ValueError(f"kbit: x must be on {device} with the weight, got {x.device}")
-    _codebook_and_scale(codebook, scale, bits, device)
+    _codebook_and_scale(codebook, scale, bits, device, scale_rows)
 
 
 def gemm(x: Tensor, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, bias, bits: int,
          out_features: int, in_features_padded: int) -> None:
     unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
-    _activations(x, GEMM_DTYPES, in_features_padded, b_gemm.device, codebook, scale, bits)
+    _activations(x, GEMM_DTYPES, in_features_padded, b_gemm.device, codebook, scale, bits, out_features)
     if bias is not None:
         _tensor(bias, "bias", x.dtype, (out_features,), x.device)
 

@@ -41,6 +41,7 @@ from ._validate import check_int, check_skip, codebook_values
 from .bit_budget import check_bits_setting
 from .calibration import check_calibration, check_calibration_used
 from .finetune import check_tune_steps
+from .fusion import FUSE_BY_DEFAULT, fuse_projections
 from .methods import check_method
 from .moe import FUSED_PARAMETERS, KbitExperts
 from .nn import KbitLinear, experts_targets, linear_targets, quantize_model, quantized_fraction
@@ -49,6 +50,9 @@ __all__ = ["KbitConfig", "KbitHfQuantizer", "register", "record_quantization", "
 
 QUANT_METHOD = "kbit"
 logger = logging.getLogger("kbit")
+
+
+RUNTIME_SETTINGS = ("calibration", "fuse_projections")  # KbitConfig's settings that config.json does not keep
 
 
 class KbitConfig(QuantizationConfigMixin):
@@ -73,6 +77,9 @@ class KbitConfig(QuantizationConfigMixin):
             saved.
         tune_steps: end-to-end tuning steps after quantizing (``kbit.quantize_model``'s, ``kbit.finetune``; 0, the
             default: none); with tuning the model is quantized once loaded.
+        fuse_projections: sibling projections that read the same input (q/k/v, gate/up) run as one GEMM launch
+            where that is exact (``kbit.fuse_projections``); how the model runs, not how it is stored: not saved
+            (a kbit folder loads fused; ``kbit.fuse_projections(model, enabled=False)`` turns it off).
 
     ``format_version`` is the version of the saved format; a folder from a newer kbit is refused with a message.
     """
@@ -80,7 +87,7 @@ class KbitConfig(QuantizationConfigMixin):
     def __init__(self, bits: int = 4, skip=None, min_features: int = 128, codebook=None,
                  format_version: int = hf_format.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
                  kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None,
-                 tune_steps: int = 0):
+                 tune_steps: int = 0, fuse_projections: bool = FUSE_BY_DEFAULT):
         from . import __version__
 
         if quant_method != QUANT_METHOD:
@@ -105,14 +112,17 @@ class KbitConfig(QuantizationConfigMixin):
             check_calibration_used(calibration, self.method, self.bits, self.tune_steps)
             check_calibration(calibration)
         self.calibration = calibration
+        if not isinstance(fuse_projections, bool):
+            raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
+        self.fuse_projections = fuse_projections
         self.format_version = format_version
         self.kbit_version = kbit_version or __version__
 
     def codebook_tensor(self) -> Optional[torch.Tensor]:
         return None if self.codebook is None else torch.tensor(self.codebook, dtype=torch.float32)
 
-    def to_dict(self) -> dict:  # config.json: the settings, not the calibration data
-        return {key: value for key, value in super().to_dict().items() if key != "calibration"}
+    def to_dict(self) -> dict:  # config.json: the stored format's settings, not the calibration data or how it runs
+        return {key: value for key, value in super().to_dict().items() if key not in RUNTIME_SETTINGS}
 
     def to_diff_dict(self) -> dict:  # every field: early transformers 5.x have no default for this
         return self.to_dict()
@@ -217,17 +227,19 @@ class KbitHfQuantizer(HfQuantizer):
         # buffers are persistent ones that state_dict leaves out (kbit.nn). prepare() makes sure of both.
         if self.pre_quantized:
             hf_format.check_loaded_layers(model)
+        config = self.quantization_config
+        fuse = config.fuse_projections
+        fuse_projections(model, fuse)  # first: each layer's layout then moves into its group's stack as it is made
         for module in model.modules():
             if isinstance(module, (KbitLinear, KbitExperts)):
                 module.prepare()
         if self.pre_quantized:
             return model
-        config = self.quantization_config
         if not self.quantized_while_loading:  # the whole model is loaded: quantize it block by block
             quantize_model(model, config.bits, config.codebook_tensor(),
                            default_skip(model) if config.skip is None else config.skip, config.min_features,
                            method=config.method, calibration=config.calibration, rotate=config.rotate,
-                           tune_steps=config.tune_steps)
+                           tune_steps=config.tune_steps, fuse_projections=fuse)
             return model
         incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()
                       for missing in FUSED_PARAMETERS if missing not in loaded]

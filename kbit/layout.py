@@ -75,9 +75,15 @@ def pair_bit_offsets(bits: int) -> torch.Tensor:
     return torch.where(s < 3, in_byte, gathered)
 
 
+def row_blocks(out_features: int) -> int:
+    """Blocks of 256 rows (``N_ALIGN``) of the layout: also the length of a scale per 256 rows (``kbit::gemm`` of
+    fused projections, each padded to whole blocks)."""
+    return -(-out_features // N_ALIGN)
+
+
 def gemm_shapes(bits: int, out_features: int, in_features_padded: int):
     """Shapes of (B_gemm, absmax_gemm) for an [out_features, in_features_padded] weight."""
-    blocks = -(-out_features // N_ALIGN)
+    blocks = row_blocks(out_features)
     k_groups = -(-in_features_padded // K_GROUP)
     return (blocks, k_groups, BLOCK_TILES, bits, LANES, 4), (blocks, k_groups, BLOCK_TILES, 2, 8, 8)
 

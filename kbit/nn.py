@@ -71,6 +71,8 @@ from .calibration_text import default_calibration
 from .dequantized_weight import DequantizedWeight
 from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
+from .fusion import FUSE_BY_DEFAULT, FusedProjections
+from .fusion import fuse_projections as _fuse_projections  # the name of quantize_model's argument
 from .methods import GPTQ_DAMP, check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
 from .rotation import Rotation, check_rotation, hadamard
@@ -167,6 +169,8 @@ class KbitLinear(nn.Linear):
             self.register_parameter("bias", None)
         self._qw: Optional[QuantizedWeight] = None
         self._direct = None  # (qweight, bias, kernel) of _direct_cpu_kernel
+        self._fusion: Optional[FusedProjections] = None  # the sibling projections it shares GEMM launches with
+        self._fusion_slot = 0  # its place among them
         self.prepare()
 
     # ------------------------------------------------------------------ construction
@@ -266,8 +270,13 @@ class KbitLinear(nn.Linear):
         """
         device = self.codebook.device
         self._hold_count()
-        if device.type != "cuda":
-            return self
+        if device.type == "cuda":
+            self._prepare_on_cuda(device)
+        if self._fusion is not None:  # its siblings' stacked layout takes its rows back (kbit.fusion)
+            self._fusion.refresh()
+        return self
+
+    def _prepare_on_cuda(self, device) -> None:
         if not self.is_gemm_resident:
             qw = self.qweight.gemm_resident()
             self.packed = self.absmax = None
@@ -280,7 +289,6 @@ class KbitLinear(nn.Linear):
         for t in (self.codebook, self.scale, self.gemm_codes, self.gemm_absmax):
             # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
             torch._dynamo.mark_static_address(t, guard=False)
-        return self
 
     def _hold_count(self) -> None:
         hold_count(self, WEIGHT_COUNT, self.out_features * self.in_features, self.weight_dtype, self.codebook.device)
@@ -307,6 +315,10 @@ class KbitLinear(nn.Linear):
         raise TypeError("a KbitLinear's weight is stored quantized and cannot be re-initialized")
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._fusion is not None:  # one launch for this layer and its siblings (kbit.fusion)
+            y = self._fusion.output(self, self._fusion_slot, x)
+            if y is not None:
+                return y
         rotation = self.rotation
         if rotation is not None:
             x = rotation.rotate(x)
@@ -322,6 +334,7 @@ class KbitLinear(nn.Linear):
         op). Bound once, checked then by the op's contract, again when the weight (``qweight``) or bias changes."""
         bias = self.bias
         if (type(x) is not Tensor or x.device.type != "cpu" or x.dtype not in INPUT_DTYPES or x.dim() == 0
+                or self.is_gemm_resident and x.dtype in GEMM_DTYPES  # kbit.matmul multiplies from the layout
                 or x.shape[-1] != self.in_features or torch.compiler.is_compiling()
                 or torch.is_grad_enabled() and (x.requires_grad or bias is not None and bias.requires_grad)):
             return None
@@ -451,6 +464,8 @@ class KbitLinear(nn.Linear):
         super().__setstate__(state)
         self._qw = None
         self._hold_count()
+        self.__dict__.setdefault("_fusion", None)  # pickled before fusion existed
+        self.__dict__.setdefault("_fusion_slot", 0)
 
     def __setattr__(self, name, value):
         refuse_assignment(self, name, ("weight",))
@@ -556,6 +571,7 @@ def quantize_model(
     rotate: bool = False,
     tokenizer=None,
     tune_steps: int = 0,
+    fuse_projections: bool = FUSE_BY_DEFAULT,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
@@ -603,6 +619,9 @@ def quantize_model(
     now quantized (``quantized_fraction``) is logged to the ``"kbit"`` logger and, with ``progress``, printed after
     the progress bar (on a terminal; one line per tenth of the layers in a log).
 
+    ``fuse_projections``: sibling projections that read the same input (q/k/v, gate/up) run as one GEMM launch
+    where that is exact (``kbit.fuse_projections``; each layer keeps its own tensors and state dict).
+
     On a transformers model the settings are also recorded as ``model.config.quantization_config`` (a
     ``kbit.KbitConfig``), so ``save_pretrained`` writes a folder that ``from_pretrained`` loads back.
 
@@ -629,6 +648,8 @@ def quantize_model(
         check_calibration(calibration)
     if not isinstance(rotate, bool):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+    if not isinstance(fuse_projections, bool):
+        raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
 
     targets, skipped, small = linear_targets(model, skip, min_features)
     expert_targets, experts_skipped, experts_small, unsupported = experts_targets(model, skip, min_features)
@@ -720,6 +741,7 @@ def quantize_model(
         tuned = tune_end_to_end(model, tune_on, references, tune_steps)
         logger.info(f"quantize_model: {tune_steps} tuning steps, calibration loss {tuned['loss_before']:.4g} -> "
                     f"{tuned['loss_after']:.4g} ({'kept' if tuned['kept'] else 'not lower: the tuning is dropped'})")
+    _fuse_projections(model, fuse_projections)
     if uniform:
         described = f"{bits} bits"
     else:

@@ -147,7 +147,7 @@ def _register_gemm_autograd(op, storage) -> None:
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             packed, absmax = storage(codes, block_scales, bits, N, K)
-            w = dequantize(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+            w = dequantize_rows(packed, absmax, codebook, bits, N, K, scale)
             grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
         if bias_dtype is not None and ctx.needs_input_grad[5]:
             grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
@@ -238,6 +238,19 @@ def weights_settled(*tensors: Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- fused GEMM
+def dequantize_rows(packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, N: int, K: int, scale: Tensor,
+                    dequantize_flat=None) -> Tensor:
+    """The [N, K] weight in float32 with a per-tensor ``scale`` or one per 256 rows (``layout.row_blocks``: fused
+    projections, each row times its own projection's power of two, the same product as that projection's per-tensor
+    scale). ``dequantize_flat``: the dequantize op (default) or ``formats.dequantize_reference``."""
+    dequantize_flat = dequantize if dequantize_flat is None else dequantize_flat
+    if scale.numel() == 1:
+        return dequantize_flat(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+    unit = torch.ones((), dtype=torch.float32, device=scale.device)
+    w = dequantize_flat(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K)
+    return w * scale.repeat_interleave(layout.N_ALIGN)[:N, None]
+
+
 @torch.library.custom_op("kbit::gemm", mutates_args=())
 def gemm(
     x: Tensor,
@@ -252,7 +265,9 @@ def gemm(
     grid_override: int,
 ) -> Tensor:
     """y[M, N] = x[M, K_pad] @ W_hat[N, K_pad]^T (+ bias), fp32 accumulation, y in x's dtype; x may have fewer
-    columns (the rest read as zeros).
+    columns (the rest read as zeros). ``scale``: the per-tensor scale, or one per 256 output rows
+    [``layout.row_blocks(N)``] (sibling projections fused into one launch, each padded to 256 rows: ``kbit.fusion``),
+    applied where the per-tensor one is.
 
     ``grid_override`` > 0 forces the CUDA kernel's grid size (to force split-K in tests), at most one CTA per SM
     (CTAs of a split tile wait for each other, so all must be resident); 0 = auto.
@@ -260,8 +275,8 @@ def gemm(
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     N, K = out_features, in_features_padded
     packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, N, K)
-    w = formats.dequantize_reference(packed, absmax, codebook, bits, N * K, torch.float32, scale)
-    y = x.to(torch.float32) @ w.reshape(N, K)[:, : x.shape[1]].T
+    w = dequantize_rows(packed, absmax, codebook, bits, N, K, scale, formats.dequantize_reference)
+    y = x.to(torch.float32) @ w[:, : x.shape[1]].T
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
@@ -287,7 +302,23 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
     # QuantizedWeight keeps it, never pays this).
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     packed, absmax = unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+    if scale.numel() != 1:  # one scale per 256 rows (fused projections): each run of rows with its own scale
+        return _gemm_cpu_by_row_scale(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
     return _matmul_stored_cpu(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
+
+
+def _gemm_cpu_by_row_scale(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
+    """``gemm`` on CPU with one scale per 256 rows: the storage rows of each run of blocks that share a scale go
+    through ``matmul_stored`` with that scale (the CPU kernel takes one scale per call), their outputs side by side."""
+    rows_packed, rows_absmax = packed.view(out_features, -1), absmax.view(out_features, -1)
+    parts, start = [], 0
+    for value, count in zip(*torch.unique_consecutive(scale, return_counts=True)):
+        stop = min(start + int(count) * layout.N_ALIGN, out_features)
+        part_bias = None if bias is None else bias[start:stop]
+        parts.append(matmul_stored(x, rows_packed[start:stop].reshape(-1), rows_absmax[start:stop].reshape(-1),
+                                   codebook, value, part_bias, bits, stop - start, in_features_padded))
+        start = stop
+    return torch.cat(parts, dim=-1)
 
 
 _register_gemm_autograd(gemm, unrepack)

@@ -481,6 +481,9 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
             b, a = qw.gemm_layout()
             y = ops.gemm(x2, b, a, qw.codebook, qw.scale, bias_c, qw.bits, out_features, qw.in_features_padded,
                          grid_override)
+    elif qw.is_gemm_resident and x.dtype in GEMM_DTYPES:  # from the layout it holds (the reference op), as on CUDA
+        y = ops.gemm(x2, *qw.gemm_layout(), qw.codebook, qw.scale, None if bias is None else bias.to(x.dtype),
+                     qw.bits, out_features, qw.in_features_padded, grid_override)
     else:
         y = qw._matmul_stored(x2, bias)
     return y.reshape(*lead, out_features)

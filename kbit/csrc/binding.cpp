@@ -235,7 +235,7 @@ void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor
   p.M = static_cast<int>(M);
   p.K_x = static_cast<int>(x.size(1));
   p.lda = static_cast<int>(x.size(1));
-  p.k = static_cast<uint16_t>(k);
+  p.k = static_cast<uint8_t>(k);
   p.dtype = to_dtype(x.scalar_type());
 }
 
@@ -260,7 +260,13 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   check_input(b, "b_gemm", at::kInt, layout_codes_shape(k, N, K_w), on);
   check_input(absmax, "absmax_gemm", at::kByte, layout_absmax_shape(N, K_w), on);
   check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
-  const float* scale_ptr = scalar_ptr(scale, on);
+  // One float32 for the whole weight, or one per 256 output rows (sibling projections fused: kbit/fusion.py).
+  const int64_t row_blocks = (N + kbit::kLayoutNAlign - 1) / kbit::kLayoutNAlign;
+  const bool row_scales = scale.numel() != 1;
+  TORCH_CHECK(!row_scales || scale.dim() == 1, "kbit: scale must hold one float32 or one per 256 output rows (",
+              num(row_blocks), "), got shape ", shape_string(scale.sizes()));
+  if (row_scales) check_input(scale, "scale", at::kFloat, {row_blocks}, on);
+  const float* scale_ptr = row_scales ? scale.data_ptr<float>() : scalar_ptr(scale, on);
   if (bias) check_input(*bias, "bias", x_in.scalar_type(), {N}, on);
   const c10::cuda::CUDAGuard guard(on);
   // The kernel reads x in 16-byte pieces: pad the columns to a multiple of kXColumnAlign and realign if needed.
@@ -300,6 +306,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kbit::GemmParams p{};
   fill_gemm_inputs(p, x, b, absmax, codebook, scale_ptr, y, plan, M, k, weights_settled, stream);
+  p.row_scales = row_scales;
   p.bias = bias ? bias->data_ptr() : nullptr;
   kbit::gemm_fill_params(p, plan, static_cast<int>(N), static_cast<int>(K_w));
   p.grid_room = 2 * plan.grid <= sms ? kbit::GridRoom::kHalfOrLess

@@ -869,6 +869,9 @@ __device__ __forceinline__ void store_tile_grouped(const GemmParams& p, const St
   }
 }
 
+// A finished tile into y. s: the per-tensor scale times kAccScale (loaded before the main loop); with row_scales
+// (GemmParams) the scale of the tile's 256-row block (a CTA tile, 16 to 256 rows, lies in one) times the same
+// kAccScale: the one product a launch of that block's projection alone makes.
 template <class Cfg, typename T>
 __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor& c, float s,
                                            const float (&acc)[Cfg::kFrags][4]) {
@@ -876,6 +879,8 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const StepCursor
     store_tile_grouped<Cfg, T>(p, c, acc);
     return;
   }
+  static_assert(kLayoutNAlign % Cfg::kTileRows == 0, "a CTA tile lies in one 256-row block");
+  if (p.row_scales) s = p.scale[c.ntile * Cfg::kTileRows / kLayoutNAlign] * Cfg::kAccScale;
   constexpr int MB = Cfg::kMB;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);

@@ -286,6 +286,14 @@ __device__ __forceinline__ float ws_row_bias(const T* bias, int N, int n) {
   return bias && n < N ? to_float(bias[n]) : 0.0f;
 }
 
+// The output scale of row tile ntile: the per-tensor one (s), or with row_scales (GemmParams) that of the 256-row block
+// it lies in (fused projections: kbit/fusion.py).
+template <class Cfg>
+__device__ __forceinline__ float ws_tile_scale(const GemmParams& p, float s, int ntile) {
+  static_assert(kLayoutNAlign % Cfg::kTileRows == 0, "a CTA tile lies in one 256-row block");
+  return p.row_scales ? p.scale[ntile * Cfg::kTileRows / kLayoutNAlign] : s;
+}
+
 // One D fragment's four sums (rows n[0], n[1] = g, g + 8 of a 16-row tile, tokens m, m + 1: common.cuh) into y,
 // scaled and biased, where they lie inside it.
 template <typename T>
@@ -310,6 +318,7 @@ __device__ __forceinline__ void ws_store(const GemmParams& p, const StepCursor& 
                                          const float (&acc)[Cfg::kFrags][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
+  s = ws_tile_scale<Cfg>(p, s, c.ntile);
   int n[2];  // rows g, g + 8
   float bn[2];
 #pragma unroll
@@ -337,6 +346,7 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
   constexpr int kPieceFrags = Cfg::kStoreTokens / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2;
   const T* bias = static_cast<const T*>(p.bias);
+  s = ws_tile_scale<Cfg>(p, s, c.ntile);
   const int n0 = c.ntile * Cfg::kTileRows + tile16 * 16;
   const float bn[2] = {ws_row_bias(bias, p.N, n0 + g), ws_row_bias(bias, p.N, n0 + g + 8)};  // rows g, g + 8
   // Lane l: row l % 8 of stored matrix l / 8 = token l % 8 of fragment j + l / 16, rows 8 (l / 8 % 2) .. + 7.
@@ -506,7 +516,8 @@ __device__ __forceinline__ void ws_store_item(const GemmParams& p, uint32_t item
     rows[half] = ntile * Cfg::kTileRows + tile16 * 16 + (lane >> 2) + 8 * half;
     bn[half] = ws_row_bias(bias, p.N, rows[half]);
   }
-  ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + ws_item_token<Cfg>(item), out_scale, v);
+  ws_store_fragment<T>(p, rows, bn, mpass * Cfg::kTokens + ws_item_token<Cfg>(item),
+                       ws_tile_scale<Cfg>(p, out_scale, ntile), v);
 }
 
 // This CTA's slice of split tile `tile`: items [kItems * i / n, kItems * (i + 1) / n) for the i-th of its n CTAs,

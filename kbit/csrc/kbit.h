@@ -83,7 +83,8 @@ cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, 
                      uint8_t* absmax, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------- fused GEMM
-// y[M, N] = (x[M, K_x] @ W_hat[N, K_w]^T) * scale + bias, with W_hat from the GEMM layout.
+// y[M, N] = (x[M, K_x] @ W_hat[N, K_w]^T) * scale + bias, with W_hat from the GEMM layout (scale per tensor, or per
+// 256 output rows: GemmParams::row_scales).
 // The SMs a grid leaves idle. Launched early (programmatic dependent launch), CTAs start on idle SMs while the previous
 // kernel runs, so they have time to copy settled weights into their stages; on a full grid they start in its tail.
 enum class GridRoom : uint8_t {
@@ -108,7 +109,8 @@ struct GemmParams {
   const uint4* b;           // B_gemm  [n_tiles16, k_groups, k, 32, 4] words
   const uint8_t* absmax;    // absmax_gemm [n_tiles16, k_groups, 2, 8, 8]
   const float* codebook;    // [2^k]
-  const float* scale;       // per-tensor scale (device scalar)
+  const float* scale;       // per-tensor scale (device scalar); with row_scales one per 256 output rows (a block of the
+                            // layout), [ceil(N / 256)]
   const void* bias;         // [N] in x's dtype, or nullptr
   void* y;                  // [M, N] in x's dtype, row-major
   float* partials;          // split-K workspace, gemm_plan().partial_floats: every word kPartialEmpty before the
@@ -125,7 +127,9 @@ struct GemmParams {
   int mb;                   // 8-token MMA tiles per pass: 1, 2 or 4 (mma.sync); 8 or 16 (wgmma)
   int ws_tokens;            // 0: gemm.cuh's kernel; 32, 64, 128, 256: the warp-specialized kernel (gemm_ws.cuh, sm_90a)
                             // with that many tokens per tile (mb = ws_tokens / 8)
-  uint16_t k;               // bits
+  uint8_t k;                // bits
+  bool row_scales;          // scale holds one float per 256 output rows: sibling projections fused into one launch,
+                            // each padded to 256 rows with its own per-tensor scale (kbit/fusion.py); epilogue only
   uint16_t cut_unit;        // pipeline steps per unit of the cut: 1, or k_steps where every CTA owns whole tiles (the
                             // warp-specialized kernel; gemm.cuh's kernels cut in steps and do not read it)
   int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
