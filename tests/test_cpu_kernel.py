@@ -94,8 +94,8 @@ def test_matmul_matches_reference(ext, threads, bits, dtype, rows):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 16])
 def test_matmul_row_lanes_match_reference(ext, threads, bits, rows):
-    """Shapes for the row-lane kernels (AVX-512, K <= 4): groups of 16 output rows in tiles of 64, 32 and 16, 5 rows
-    left for the other path, 42 blocks per row (spans of 16 blocks, the last one partial), odd in_features, bias;
+    """Shapes for the row-lane kernels (AVX-512, K <= 4): groups of 16 output rows in tiles of 64, 32 and 16, a last
+    group of 5 rows, 42 blocks per row (spans of 16 blocks, the last one partial), odd in_features, bias;
     and the output's memory last held NaNs, so a row the kernels skip cannot pass."""
     out_features, in_features = 85, 1313
     qw = _weight(out_features, in_features, bits)
@@ -108,6 +108,23 @@ def test_matmul_row_lanes_match_reference(ext, threads, bits, rows):
     want = ops.matmul_stored_reference(x, qw.packed, qw.absmax, qw.codebook, qw.scale, bias, bits, out_features,
                                        qw.in_features_padded)
     _assert_within_rounding(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_a_rows_output_does_not_depend_on_the_rows_after_it(ext, bits, rows):
+    """The first 37 rows of a weight alone give the same bits as within all 64 (a partial last lane group against a
+    whole one): fused sibling projections (kbit.fusion) rely on it to equal each projection's own call on the CPU."""
+    qw = _weight(64, 300, bits)
+    kept = 37
+    packed = qw.packed.view(64, -1)[:kept].reshape(-1)
+    absmax = qw.absmax.view(64, -1)[:kept].reshape(-1)
+    x, bias = torch.randn(rows, 300), torch.randn(64)
+    whole = torch.ops.kbit_cpu.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.scale, bias, bits, 64,
+                                    qw.in_features_padded)
+    part = torch.ops.kbit_cpu.gemm(x, packed, absmax, qw.codebook, qw.scale, bias[:kept], bits, kept,
+                                   qw.in_features_padded)
+    assert torch.equal(part, whole[:, :kept])
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -419,21 +419,26 @@ inline __m512 block_scales(__m512i code, __m512 tensor_scale) {
   return _mm512_mul_ps(_mm512_mask_blend_ps(is_normal, small, normal), tensor_scale);
 }
 
-// The 16 rows n0 .. n0+15 of a weight, 16 blocks at a time (a span): each row's plane words and E4M4 codes
-// transposed so that word b of block kb is one vector with a row per lane (rows are far apart: gathers cost more).
+// The rows n0 .. n0+15 of a weight (fewer in the last group: its other lanes read zeros and are never stored, so
+// that a row sums in the same order whether or not its group is whole), 16 blocks at a time (a span): each row's
+// plane words and E4M4 codes transposed so that word b of block kb is one vector with a row per lane (rows are far
+// apart: gathers cost more).
 constexpr int SPAN = 16;
 template <int BITS>
 struct Group {
   const uint32_t* planes;  // row n0, block 0
   const uint8_t* absmax;
   int64_t blocks;
+  int rows;  // lanes that hold a weight row
   alignas(64) __m512i words[SPAN * BITS];  // [block * BITS + b]
   alignas(64) __m512 scales[SPAN];
   void start(const GemmArgs& a, int64_t n0) {
     blocks = a.K / BLOCK;
+    rows = static_cast<int>(std::min<int64_t>(L, a.N - n0));
     planes = a.planes + n0 * blocks * BITS;
     absmax = a.absmax + n0 * blocks;
   }
+  __mmask16 lanes() const { return static_cast<__mmask16>((1u << rows) - 1); }
   void load(int64_t kb0, __m512 tensor_scale, int ahead) {
     const int64_t count = std::min<int64_t>(SPAN, blocks - kb0);
     __m512i r[16];
@@ -441,14 +446,16 @@ struct Group {
       const int64_t first = kb0 * BITS + 16 * b, left = count * BITS - 16 * b;
       if (left <= 0) break;
       const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      for (int l = 0; l < L; ++l) r[l] = _mm512_maskz_loadu_epi32(mask, planes + l * blocks * BITS + first);
+      for (int l = 0; l < L; ++l)
+        r[l] = l < rows ? _mm512_maskz_loadu_epi32(mask, planes + l * blocks * BITS + first) : _mm512_setzero_si512();
       transpose16(r);
       for (int i = 0; i < 16; ++i) words[16 * b + i] = r[i];
     }
     for (int l = 0; l < L; ++l) {
       const uint8_t* codes = absmax + l * blocks + kb0;
       alignas(16) uint8_t tail[16] = {};
-      if (count < SPAN) codes = static_cast<const uint8_t*>(std::memcpy(tail, codes, count));
+      if (l >= rows) codes = tail;
+      else if (count < SPAN) codes = static_cast<const uint8_t*>(std::memcpy(tail, codes, count));
       r[l] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     }
     transpose16(r);
@@ -577,12 +584,13 @@ void tile(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0) {
   for (int t = 0; t < NG; ++t)
     for (int m = 0; m < MT; ++m) {
       __m512 y = acc[m][t];
-      if (a.bias) y = _mm512_add_ps(y, _mm512_loadu_ps(a.bias + n0 + t * L));
-      _mm512_storeu_ps(a.y + (m0 + m) * a.N + n0 + t * L, y);
+      const __mmask16 lanes = g[t].lanes();
+      if (a.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(lanes, a.bias + n0 + t * L));
+      _mm512_mask_storeu_ps(a.y + (m0 + m) * a.N + n0 + t * L, lanes, y);
     }
 }
 
-// Rows n0 .. n1 (whole lane groups) for every activation row, in chunks of up to 8 activation rows.
+// Rows n0 .. n1 (lane groups; the last may be partial) for every activation row, in chunks of up to 8 activation rows.
 template <int BITS, int MT, int NG, bool PAIRS>
 void groups_of(const GemmArgs& a, const Inputs& in, int64_t m0, int64_t n0, int64_t n1) {
   int64_t n = n0;
@@ -658,37 +666,36 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   alignas(64) float cb32[32];
   padded_codebook(codebook, cb32);
   const BlockScales bs(s);
-  // Whole groups of 16 output rows go through the row-lane kernels where there are (AVX-512, K <= 4); the other
-  // rows (and every row elsewhere) through the tiles above, which read the activations as panels.
-  int64_t lane_rows = 0;
+  // Every output row goes through the row-lane kernels where there are (AVX-512, K <= 4), else through the tiles
+  // above, which read the activations as panels.
+  bool row_lane_kernels = false;
 #if defined(__AVX512F__)
-  if (bits <= 4) lane_rows = N / row_lanes::L * row_lanes::L;
+  row_lane_kernels = bits <= 4;
   alignas(64) float cb16[16];
   for (int i = 0; i < 16; ++i) cb16[i] = cb32[i % (1 << bits)];
   // Pair tables pay off for one activation row; with more, one codebook lookup serves them all.
-  const at::Tensor tables = bits == 2 && M == 1 && lane_rows ? row_lanes::pair_tables(xf.data_ptr<float>(), K, cb32)
-                                                           : at::Tensor();
+  const at::Tensor tables = bits == 2 && M == 1 && row_lane_kernels ? row_lanes::pair_tables(xf.data_ptr<float>(), K, cb32)
+                                                                    : at::Tensor();
   const row_lanes::Inputs in{xf.data_ptr<float>(), tables.defined() ? tables.data_ptr<float>() : nullptr,
                              _mm512_load_ps(cb16), _mm512_set1_ps(s)};
 #endif
-  const at::Tensor panels = lane_rows < N ? panel_of(xf) : xf;
+  const at::Tensor panels = row_lane_kernels ? xf : panel_of(xf);
   GemmArgs a{panels.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
              absmax.data_ptr<uint8_t>(), bias ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K};
   // At least 2^19 weights (~0.1 ms) per thread: a small layer runs on the calling thread, where waking the pool
   // would cost more than it saves (on a machine shared with other work, a descheduled thread stalls the barrier).
-  // Threads take units of 16 rows, whole lane groups.
+  // Threads take units of 16 rows, lane groups.
   constexpr int64_t UNIT = 16;
   const int64_t grain = std::max<int64_t>(1, (1 << 19) / K / UNIT);
   with_bits(bits, [&](auto B) {
     constexpr int BITS = decltype(B)::value;
     at::parallel_for(0, (N + UNIT - 1) / UNIT, grain, [&](int64_t u0, int64_t u1) {
-      const int64_t n0 = u0 * UNIT, n1 = std::min(u1 * UNIT, N), split = std::clamp(lane_rows, n0, n1);
+      const int64_t n0 = u0 * UNIT, n1 = std::min(u1 * UNIT, N);
 #if defined(__AVX512F__)
       if constexpr (BITS <= 4)
-        if (split > n0) row_lanes::rows<BITS>(a, in, n0, split);
+        if (row_lane_kernels) return row_lanes::rows<BITS>(a, in, n0, n1);
 #endif
-      const Simd::Codebook cb(cb32);
-      if (n1 > split) gemm_rows<BITS>(a, cb, bs, split, n1);
+      gemm_rows<BITS>(a, Simd::Codebook(cb32), bs, n0, n1);
     });
   });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
