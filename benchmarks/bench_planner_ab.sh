@@ -17,12 +17,12 @@ M=${AB_M:-1,4,16,32,64,128,256,512,1024,2048,4096}
 K=${AB_K:-2,3,4,5}
 CACHE=${KBIT_CACHE_DIR:-/tmp/kbit_cache}
 start=$SECONDS
+mkdir -p "$RES/old" "$RES/new"  # before any redirection into them
 
 in_tree() {  # side, command...
   local side=$1 tree=$NEW
   shift
   [ "$side" = old ] && tree=$OLD
-  mkdir -p "$RES/$side"
   (cd "$tree" && KBIT_CACHE_DIR=${CACHE}_$side "$@")
 }
 
