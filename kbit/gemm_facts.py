@@ -1,8 +1,8 @@
-"""What the GEMM dispatch plans from: the paths, the GPU, and the fused configurations the CUDA extension built.
+"""What the GEMM planner plans from: the paths, the GPU, and the fused configurations the CUDA extension built.
 
 The extension owns the configurations (the compile-time lists in gemm.cuh / gemm_ws.cuh): ``gemm_configs()`` reports
-each one's pass, shared memory and the compute capabilities its code is built for, and ``parse_configs`` reads that
-report. ``tests/gemm_configs.json`` pins it for the CPU tests.
+each one's pass, tile, shared memory and the compute capabilities its code is built for, and
+``parse_configs`` reads that report. ``tests/gemm_configs.json`` pins it for the CPU tests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Path(str, enum.Enum):
     DEQUANTIZE_CUBLAS = "dequantize_cublas"
 
 
-FUSED_PATHS = frozenset({Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED})
+FUSED_PATHS = (Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED)
 
 
 class Device(NamedTuple):
@@ -37,7 +37,8 @@ class GemmConfig(NamedTuple):
     mb: int  # 8-token MMA tiles per pass
     wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp
     ws_tokens: int  # > 0: the warp-specialized kernel with that many tokens per tile
-    k_split: int  # 1, or 8: the warps split the k-groups of one 32-row tile (16-row at mb = 2)
+    k_split: int  # 1, or 8: the warps split the k-groups of one tile
+    tile_rows: int  # weight rows per CTA tile
     smem_bytes: int  # per CTA, static included
     cc_major_min: int  # the compute capabilities (major) its code is built for
     cc_major_max: int

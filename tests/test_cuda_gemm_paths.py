@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbit import formats, ops
+from kbit import formats, ops, planner
 from cuda_harness import (BITS, _gemm_sweep, GemmChecker, gen, MODEL_SHAPES, _name, needs_hopper, quantized_weight,
     seed_for, SMALL_SHAPES, tag)
 
@@ -31,6 +31,17 @@ WS_SHAPES = ((4096, 4096), (1000, 4128), (256, 40), (130, 4104), (1536, 2048), (
 K_SPLIT_MS = (1, 2, 3, 5, 8, 9, 13, 16)
 FORCED_PATH_CASES = ([("ws", WS_MS, N, K) for N, K in WS_SHAPES] +
                      [("k_split", K_SPLIT_MS, N, K) for N, K in SMALL_SHAPES + MODEL_SHAPES])
+
+
+def _launch(k: int, key: tuple, M: int, N: int, K: int, grid: int = 0) -> tuple:
+    """(grid, tile_parts, whole_tiles): ``grid`` CTAs > 0 (one per SM at most), the steps in one group; else the
+    planner's launch of the configuration ``key``."""
+    facts = planner.device_facts(torch.device("cuda"))
+    config = next(c for c in facts.configs if c.bits == k and c.key == key)
+    shape = planner.Shape(N, formats.padded_in_features(K), M, k)
+    if grid:
+        return min(grid, facts.device.sms, planner.steps_of(config, shape).total), 0, False
+    return tuple(planner.best_launch(config, shape, facts.coefficients.cut, facts.device.sms))
 
 
 @needs_hopper
@@ -69,14 +80,16 @@ def test_gemm_ws_256_token_tiles(k):
             dtype = torch.bfloat16 if i % 3 == 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 else None
-            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, in_features_padded, grid, 32, 0, 1, 256, settled)
+            launch = _launch(k, (32, 0, 256, 1), M, N, K, grid)
+            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, in_features_padded, *launch, 32, 0, 1, 256,
+                         settled)
             st = chk.stats(x, bias, y)
             if not st["ok"]:
                 failures.append(f"N={N} K={K} seed={seed} M={M} grid={grid} {_name(dtype)}: {chk.describe(st)}")
     assert not failures, tag(seed_for("gemm-ws256", k), op="gemm ws_tokens=256", bits=k) + "\n  " + "\n  ".join(failures)
 
 
-# Tiles cut in parts on the planned grid (cut.h, ws_tile_parts; the parts named are those of 132 SMs), (tokens per
+# Tiles cut in parts (cut.h; the parts named are those the planner would cut for 132 SMs), (tokens per
 # tile, N, K, M, parts): every tile width, parts of one k-group to six, halves where the k-groups are few (40 tiles of
 # 8 and 64 of 2), and 16 parts, past a cluster's 8 CTAs (summed through L2 in every mode). On the H100 and H200 only
 # clusters of two fit the planned grids (66 at once; of 3, 4, 8: 39, 30, 15, short of the 43, 32, 16 tiles).
@@ -108,8 +121,12 @@ def test_gemm_ws_tile_parts_in_clusters(k, monkeypatch):
             dtype = torch.bfloat16 if (i + parts) % 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 == 0 else None
-            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 0, tokens // 8, 0,
-                         1, tokens, ops.weights_settled(b, a, qw.codebook))
+            tiles = -(-M // tokens) * -(-N // (128 if tokens == 256 else 256))
+            cut = min(parts, sms // tiles)  # the parts of 132 SMs, as many as this GPU holds
+            if cut < 2:
+                continue
+            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), tiles * cut, cut,
+                         False, tokens // 8, 0, 1, tokens, ops.weights_settled(b, a, qw.codebook))
             st = chk.stats(x, bias, y)
             if not st["ok"]:
                 failures.append(f"N={N} K={K} M={M} {tokens} tokens per tile, {parts} parts, KBIT_WS_CLUSTERS={use}, "
@@ -122,7 +139,7 @@ def test_gemm_ws_tile_parts_in_clusters(k, monkeypatch):
 @pytest.mark.parametrize("k", BITS)
 def test_gemm_ws_whole_tiles_grid_128_token_tiles(k):
     """128-token tiles on the grid the host plans where every SM gets two or more: 4096x4096 at 4096 tokens is 512
-    tiles of 256 rows, 4 whole tiles on each of 128 CTAs (gemm.cu, ws_whole_tiles_grid)."""
+    tiles of 256 rows, 4 whole tiles on each of 128 CTAs."""
     from kbit._build import cuda_ext
 
     N, K, M = 4096, 4096, 4096
@@ -132,8 +149,8 @@ def test_gemm_ws_whole_tiles_grid_128_token_tiles(k):
     g = gen(seed + 1, "cuda")
     x = torch.randn(M, K, generator=g, device="cuda").half()
     bias = torch.randn(N, generator=g, device="cuda").half()
-    y = cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 0, 16, 0, 1, 128,
-                        ops.weights_settled(b, a, qw.codebook))
+    y = cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 128, 0, True, 16,
+                        0, 1, 128, ops.weights_settled(b, a, qw.codebook))
     chk = GemmChecker(qw)
     st = chk.stats(x, bias, y)
     assert st["ok"], tag(seed, op="gemm ws_tokens=128, whole tiles", bits=k) + " " + chk.describe(st)

@@ -17,10 +17,15 @@ def _generated_block(doc: Path, generator: str) -> str:
     return found.group(1)
 
 
-def test_design_configuration_table_is_generated_from_the_pinned_report():
-    spec = importlib.util.spec_from_file_location("gemm_config_table", ROOT / "scripts" / "gemm_config_table.py")
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_design_configuration_table_is_generated_from_the_pinned_report():
+    module = _script("gemm_config_table")
     rows = json.loads((ROOT / "tests" / "gemm_configs.json").read_text())
     assert _generated_block(ROOT / "docs" / "DESIGN.md", "scripts/gemm_config_table.py") == module.table(rows), (
         "docs/DESIGN.md's configuration table differs from tests/gemm_configs.json: "
@@ -61,3 +66,11 @@ def test_readme_format_section_names_every_saved_config_field():
     assert listed, "README.md's Format section: no quantization_config field list"
     keys = re.findall(r'"(\w+)"', re.sub(r':\s*"\w+"', "", listed.group(1)))  # "quant_method": "kbit" names a value
     assert set(keys) == set(kbit.KbitConfig(bits=4).to_dict())
+
+
+def test_performance_coefficient_table_is_generated_from_the_shipped_coefficients():
+    module = _script("planner_table")
+    files = sorted((ROOT / "kbit" / "gpus").glob("*.json"))
+    assert files and _generated_block(ROOT / "docs" / "PERFORMANCE.md", "scripts/planner_table.py") == \
+        module.table(files), ("docs/PERFORMANCE.md's coefficient table differs from kbit/gpus/*.json: "
+                              "run python scripts/planner_table.py and paste its output")

@@ -1236,7 +1236,7 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 or 16
 // tokens the warps splitting 32- or 16-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens
-// and 128- or 256-row tiles (not 256 at BITS = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them:
+// and 128- or 256-row tiles (not 256 at BITS = 5: no room). kbit/planner.py picks among them (gemm.cu reports them:
 // gemm_configs).
 constexpr int gemm_config_key(int mb, int wgmma_tiles, int k_split = 1) {
   return (k_split > 1 ? 1024 : 0) + wgmma_tiles * 32 + mb;

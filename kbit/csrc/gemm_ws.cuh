@@ -42,7 +42,7 @@
 
 namespace kbit {
 
-// Tokens per tile NT: 32, 64, 128 or 256 (the planner picks, kbit/dispatch.py; past NT tokens, more passes).
+// Tokens per tile NT: 32, 64, 128 or 256 (the planner picks, kbit/planner.py; past NT tokens, more passes).
 template <int BITS, int NT>
 struct WsConfig {
   static constexpr int kBits = BITS, kTokens = NT;

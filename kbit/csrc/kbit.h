@@ -147,7 +147,7 @@ struct GemmParams {
   uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   ClusterUse ws_clusters;   // host only: how launch_gemm_ws launches tiles cut in parts
   uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut; always in
-                            // gemm.cuh's kernels), or the CTAs sharing one tile (its parts; gemm.cu, ws_tile_parts)
+                            // gemm.cuh's kernels), or the CTAs sharing one tile (its parts: the planner's tile_parts)
   uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
 };
 // 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
@@ -158,12 +158,13 @@ static_assert(sizeof(GemmParams) == 128, "GemmParams grew: measure the GEMM befo
 // 0x7FFFFFFF), so each word of a partial tile says by itself whether it has landed.
 constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
 
-// One configuration of the fused GEMM, as built. kbit/dispatch.py plans every call from this list (through the
+// One configuration of the fused GEMM, as built. kbit/planner.py plans every call from this list (through the
 // binding's gemm_configs): it never picks one that is not built, or that this GPU cannot run.
 struct GemmConfigInfo {
   int bits, mb, wgmma_tiles;  // GemmConfig<bits, mb, wgmma_tiles, 0, k_split> of gemm.cuh, or with ws_tokens:
   int k_split;                // warps splitting one tile's k-groups (GemmParams), 1 with ws_tokens
   int ws_tokens;              // > 0: WsConfig<bits, ws_tokens> of gemm_ws.cuh (mb = ws_tokens / 8, wgmma_tiles = 0)
+  int tile_rows;              // weight rows per CTA tile
   int smem_bytes;             // shared memory per CTA, static included
   int cc_major_min, cc_major_max;  // the compute capabilities (major) its code is built for
 };
@@ -187,13 +188,21 @@ struct GemmPlan {
   int cc_major;             // the device's compute capability, major (0 if unknown)
   bool built;               // whether the configuration is built for the device's architecture
   bool weights_stream;      // one token pass over more weight bytes than L2 holds (GemmParams)
+  const char* refused;      // why the launch cannot run (nullptr: it can); the configuration's own facts aside
 };
 
-// The launch of the configuration (k, mb, wgmma_tiles, k_split, ws_tokens) for M tokens; chooses nothing. num_sms:
-// multiprocessors of the device; grid_override > 0 forces the CTA count (tests use it to force split-K). A
-// configuration that is not built comes back with built = false and nothing else set.
-GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
-                   int grid_override);
+// The grid and the cut of the steps among its CTAs, as kbit/planner.py chose them (cut.h): the steps in one group
+// (tile_parts = 0, whole_tiles = false), whole tiles per CTA, or each tile in tile_parts parts (grid = tiles x parts).
+struct GemmLaunch {
+  int grid, tile_parts;
+  bool whole_tiles;
+};
+
+// The configuration (k, mb, wgmma_tiles, k_split, ws_tokens) run for M tokens on `launch`; chooses nothing. num_sms:
+// multiprocessors of the device. A configuration that is not built comes back with built = false and nothing else
+// set; a launch that does not fit it with `refused` set.
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens,
+                   const GemmLaunch& launch, int num_sms);
 // Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);
