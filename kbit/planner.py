@@ -15,8 +15,9 @@ one CTA tile's k-group of 256 columns, or 8 of them where the warps split k):
            + the call's distinct bytes / bandwidth
 
 ``E`` counts the waves over the SMs: the busiest CTA's steps, less ``whole_tiles_gain`` of them where the CTAs own
-whole tiles and so sweep k in step. Dequantize + cuBLAS: a fixed cost, the dequantize kernel's bytes over bandwidth,
-and the larger of cuBLAS's loads and its multiply-adds (tokens in tiles of 128) per SM.
+whole tiles and so sweep k in step. Dequantize + cuBLAS: a fixed cost, the bytes of the passes before cuBLAS over
+bandwidth (a weight that holds only its GEMM layout, as kbit's layers do, is unrepacked to its storage format first,
+then dequantized), and the larger of cuBLAS's loads and its multiply-adds (tokens in tiles of 128) per SM.
 
 The coefficients are per GPU (``Coefficients``): ``python -m kbit tune`` fits them on this GPU into the tuned cache
 (``kbit.tune_cache``); else the shipped defaults of ``kbit/gpus/<GPU>.json`` (fitted the same way from
@@ -234,11 +235,14 @@ def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCos
             partials / MIB, shape.memory_mib)
 
 
-def cublas_features(shape: Shape, sms: int) -> tuple:
-    """Dequantize + cuBLAS: the dequantize kernel's bytes (the codes read, the 16-bit weight written) over bandwidth;
-    cuBLAS's loads (the 16-bit weight, x, y) and multiply-adds per SM, tokens in tiles of 128."""
+def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
+    """Dequantize + cuBLAS: the bytes of the passes before cuBLAS over bandwidth: the dequantize kernel's (the codes
+    read, the 16-bit weight written) and, for a weight holding only its GEMM layout (``gemm_resident``),
+    ``ops.unrepack``'s first (the layout read, the storage format written: as many bytes each); cuBLAS's loads (the
+    16-bit weight, x, y) and multiply-adds per SM, tokens in tiles of 128."""
     weights = shape.out_features * shape.in_features
-    dequantize_mib = (shape.weight_bytes + 2 * weights) / MIB
+    unrepack_bytes = 2 * shape.weight_bytes if gemm_resident else 0.0
+    dequantize_mib = (unrepack_bytes + shape.weight_bytes + 2 * weights) / MIB
     gemm_mib = (2 * weights + 2 * shape.tokens * (shape.in_features + shape.out_features)) / MIB
     macs = -(-shape.tokens // CUBLAS_TILE) * CUBLAS_TILE * weights / 2**30  # its tiles hold 128 tokens
     return 1.0, gemm_mib / sms, 0.0, macs / sms, 0.0, 0.0, dequantize_mib
@@ -301,14 +305,15 @@ def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficient
 
 def plan(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficients, out_features: int,
          in_features: int, tokens: int, bits: int, *, fused_only: bool = False, force: Optional[frozenset] = None,
-         grid_override: int = 0) -> Plan:
+         grid_override: int = 0, gemm_resident: bool = True) -> Plan:
     """The path, configuration and launch for ``tokens`` x in_features activations times an
     [out_features, in_features] weight of ``bits`` bits on ``device``: the least predicted time.
 
     ``fused_only`` leaves dequantize + cuBLAS out (``kbit::gemm``); raises NoFusedConfig when no fused configuration
     of ``bits`` runs on the device. ``force``: the fused paths allowed (``FORCED_PATHS``), ignored when none of them
     runs here. ``grid_override`` > 0: that many CTAs (at most one per SM and one per step), the steps in one group;
-    fused only (tests force split-K with it).
+    fused only (tests force split-K with it). ``gemm_resident``: the weight holds only its GEMM layout (kbit's layers
+    on CUDA), so dequantize + cuBLAS unrepacks it first.
     """
     shape = Shape(out_features, padded_in_features(in_features), max(tokens, 1), bits)
     fused_only = fused_only or grid_override > 0
@@ -319,7 +324,7 @@ def plan(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficien
     if not candidates:
         candidates = _fused_candidates(device, configs, coefficients, shape, FUSED_PATHS)
     if not fused_only and Path.DEQUANTIZE_CUBLAS in coefficients.paths:
-        us = predict(coefficients.paths[Path.DEQUANTIZE_CUBLAS], cublas_features(shape, device.sms))
+        us = predict(coefficients.paths[Path.DEQUANTIZE_CUBLAS], cublas_features(shape, device.sms, gemm_resident))
         candidates.append((us, DEQUANTIZE_CUBLAS))
     if not candidates:
         if not fused_only:
@@ -414,7 +419,7 @@ class DeviceFacts(NamedTuple):
 
 
 _FACTS: dict = {}  # CUDA device index -> DeviceFacts
-_PLANS: dict = {}  # (device index, out, in, tokens, bits, fused_only, forced, grid_override) -> Plan
+_PLANS: dict = {}  # (device index, out, in, tokens, bits, fused_only, forced, grid_override, gemm_resident) -> Plan
 _MAX_PLANS = 1 << 14
 
 
@@ -466,18 +471,21 @@ def forced_paths() -> Optional[frozenset]:
 
 
 def gemm_plan(device: torch.device, out_features: int, in_features: int, tokens: int, bits: int,
-              fused_only: bool = False, grid_override: int = 0) -> Plan:
+              fused_only: bool = False, grid_override: int = 0, gemm_resident: bool = True) -> Plan:
     """``plan`` on a CUDA device, with its facts and coefficients. ``KBIT_GEMM_PATH`` applies to fused-only plans:
     it chooses among the fused kernels, never whether the fused path is taken."""
     facts = device_facts(device)
     force = forced_paths() if fused_only or grid_override else None
     args = (facts.device, facts.configs, facts.coefficients, out_features, in_features, tokens, bits)
     if torch.compiler.is_compiling():  # traced: no memo (its contents would become guards)
-        return plan(*args, fused_only=fused_only, force=force, grid_override=grid_override)
-    key = (device_index(device), out_features, in_features, tokens, bits, fused_only, force, grid_override)
+        return plan(*args, fused_only=fused_only, force=force, grid_override=grid_override,
+                    gemm_resident=gemm_resident)
+    key = (device_index(device), out_features, in_features, tokens, bits, fused_only, force, grid_override,
+           gemm_resident)
     chosen = _PLANS.get(key)
     if chosen is None:
-        chosen = plan(*args, fused_only=fused_only, force=force, grid_override=grid_override)
+        chosen = plan(*args, fused_only=fused_only, force=force, grid_override=grid_override,
+                      gemm_resident=gemm_resident)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = chosen

@@ -1,8 +1,8 @@
 """``python -m kbit tune``: time every GEMM path on this GPU and fit the planner's coefficients to the times.
 
-For each bit width, shape and token count, every fused path that runs here (the configuration and launch the planner
-would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path) are timed from CUDA
-graphs on weight copies rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused
+For each shape, bit width and token count, every fused path that runs here (the configuration and launch the planner
+would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path for a weight holding
+only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused
 path whose output disagrees with dequantize + cuBLAS is left out. ``fit`` fits each path's ``kbit.planner.PathCost``
 to its times (least squares in relative error, coefficients >= 0); the times and the coefficients go to the tuned
 cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from from then on.
@@ -18,8 +18,9 @@ import argparse
 import math
 import statistics
 import sys
+import time
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: {DEFAULT_TOKENS})")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation dtype (default: fp16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed graph replays per measurement (default: 5)")
+    parser.add_argument("--seconds", type=float, default=0.0,
+                        help="start no further shape after this many seconds and fit what was measured; shapes are "
+                             "timed in the order given, each at every bit width (default: 0, no limit)")
     parser.add_argument("--fit", metavar="MEASUREMENTS", help="fit the coefficients to this tune file, no GPU needed")
     parser.add_argument("--configs", metavar="REPORT", help="with --fit: the configuration report (gemm_configs())")
     parser.add_argument("--out", metavar="FILE", help="with --fit: write the coefficients here (else print them)")
@@ -97,15 +101,16 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
     in_features_padded = padded_in_features(in_features)
     layout = qw.gemm_layout()
     layouts = _rotation(tuple(layout), sum(t.numel() * t.element_size() for t in layout), l2)
-    storages = _rotation((qw.packed, qw.absmax), qw.packed.numel() * 4 + qw.absmax.numel(), l2)
-    weights = [QuantizedWeight(p, a, qw.codebook, qw.scale, bits, qw.shape, dtype) for p, a in storages]
+    # As a kbit layer holds its weight on CUDA: the GEMM layout alone (dequantize + cuBLAS unrepacks it first).
+    weights = [QuantizedWeight.from_gemm_layout(b, a, qw.codebook, qw.scale, bits, qw.shape, dtype)
+               for b, a in layouts]
     us = {path.value: [] for path in Path}
     timed_configs = {path.value: [] for path in FUSED_PATHS}
     for M in tokens:
         x = torch.randn(M, in_features, device=device, dtype=dtype)
 
-        def dequantize_cublas(w, x=x):
-            return torch.nn.functional.linear(x, w.dequantize(dtype))
+        def dequantize_cublas(w, x=x):  # kbit.matmul's dequantize + cuBLAS path
+            return torch.nn.functional.linear(x, w._dequantize(dtype))
 
         reference = dequantize_cublas(weights[0]).float()
         us[Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats))
@@ -116,7 +121,7 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
             except planner.NoFusedConfig:
                 c = None
             config = c if c is not None and c.path is path else None
-            time = None
+            measured_us = None
             if config is not None:
                 def fused(lay, x=x, c=config):
                     return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features,
@@ -125,19 +130,19 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
 
                 error = float((fused(layouts[0]).float() - reference).norm() / reference.norm().clamp_min(1e-30))
                 if error <= AGREEMENT:
-                    time = _time_us(fused, layouts, repeats)
+                    measured_us = _time_us(fused, layouts, repeats)
                 else:
                     log(f"  {path.value} at M = {M}: output differs from dequantize + cuBLAS by {error:.2g}; "
                         "left out")
-            us[path.value].append(time)
-            timed_configs[path.value].append(list(config.key) if time is not None else None)
+            us[path.value].append(measured_us)
+            timed_configs[path.value].append(list(config.key) if measured_us is not None else None)
         timed = {name: times[-1] for name, times in us.items() if times[-1] is not None}
         fastest = min(timed, key=timed.get)
         log(f"  {bits} bits {in_features}->{out_features} M = {M}: {fastest} {timed[fastest]:.1f} us")
-    del layouts, storages, weights, qw
+    del layouts, weights, qw
     torch.cuda.empty_cache()
     return {"bits": bits, "out_features": out_features, "in_features": in_features, "tokens": list(tokens), "us": us,
-            "configs": timed_configs}
+            "configs": timed_configs, "gemm_resident": True}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -162,8 +167,14 @@ def main(args: argparse.Namespace) -> int:
 
     log(f"kbit tune: {facts.device.name}, {len(bits_list)} bit widths x {len(shapes)} shapes x {len(tokens)} token "
         f"counts")
-    entries = [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log)
-               for bits in bits_list for k_in, n_out in shapes]
+    entries = []
+    start = time.monotonic()
+    for n, (k_in, n_out) in enumerate(shapes):
+        if args.seconds and n and time.monotonic() - start > args.seconds:
+            log(f"kbit tune: {args.seconds:g} s passed: {n} of {len(shapes)} shapes timed, the rest left out")
+            break
+        entries += [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log) for bits in bits_list]
+        log(f"kbit tune: {k_in}->{n_out} done at {time.monotonic() - start:.0f} s")
     measured = tune_cache.parse({"format": tune_cache.FORMAT, "shapes": entries})
     coefficients = fit(measured, facts.device, facts.configs, facts.coefficients.cut, "python -m kbit tune")
     path = tune_cache.save(facts.device, entries, planner.coefficients_to_json(coefficients))
@@ -216,13 +227,23 @@ def measured_config(configs, path: Path, bits: int, tokens: int, recorded=None):
     return min((c for c in same if c.tokens == tokens_per_pass), key=lambda c: (c.tile_rows != 128, c.tile_rows))
 
 
-def _features(device, configs, cut, path: Path, shape, config, cost=None):
+class Cell(NamedTuple):
+    """One measurement as the fit sees it: what ran (the configuration, None for dequantize + cuBLAS, and whether
+    that path unrepacked a GEMM-resident weight first) and its time."""
+
+    shape: object  # planner.Shape
+    config: object  # GemmConfig or None
+    gemm_resident: bool
+    us: float
+
+
+def _features(device, cut, path: Path, cell: Cell, cost=None):
     from . import planner
 
     if path is Path.DEQUANTIZE_CUBLAS:
-        return planner.cublas_features(shape, device.sms)
-    launch = planner.best_launch(config, shape, cut, device.sms, cost)
-    return planner.fused_features(config, shape, launch, cut)
+        return planner.cublas_features(cell.shape, device.sms, cell.gemm_resident)
+    launch = planner.best_launch(cell.config, cell.shape, cut, device.sms, cost)
+    return planner.fused_features(cell.config, cell.shape, launch, cut)
 
 
 def nonnegative_least_squares(rows: list, targets: list) -> list:
@@ -263,7 +284,7 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
     measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it."""
     from . import planner
 
-    paths: dict = {path: [] for path in Path}  # path -> [(Shape, GemmConfig or None, us)]
+    paths: dict = {path: [] for path in Path}  # path -> [(Cell, whether it contends)]
     for (bits, out_features, in_features), shape in measured.items():
         def fastest(i: int, among) -> Optional[float]:
             return min((t[i] for p, t in shape.us.items() if p in among and t[i] is not None), default=None)
@@ -275,44 +296,44 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
                 config = None if path is Path.DEQUANTIZE_CUBLAS else measured_config(
                     configs, path, bits, M, recorded[i] if recorded else None)
                 if us is not None and (config is not None or path is Path.DEQUANTIZE_CUBLAS):
-                    paths[path].append((planner.Shape(out_features, in_features, M, bits), config, us,
-                                        any(us <= CONTENDER * fastest(i, among) for among in rivals)))
+                    cell = Cell(planner.Shape(out_features, in_features, M, bits), config, shape.gemm_resident, us)
+                    paths[path].append((cell, any(us <= CONTENDER * fastest(i, among) for among in rivals)))
     # The k split is mma.sync's kernel with the warps splitting k: its features differ, not its rates.
     paths[Path.MMA_SYNC] += paths.pop(Path.K_SPLIT)
     fitted = {}
     for path, cells in paths.items():
-        contenders = [cell[:3] for cell in cells if cell[3]]
+        contenders = [cell for cell, contends in cells if contends]
         if cells:  # where too few contend, all (a fit of 7 coefficients wants several cells each)
-            chosen = contenders if len(contenders) >= 3 * len(planner.FEATURES) else [cell[:3] for cell in cells]
-            fitted[path] = _fit_cells(path, chosen, device, configs, cut, rounds)
+            chosen = contenders if len(contenders) >= 3 * len(planner.FEATURES) else [cell for cell, _ in cells]
+            fitted[path] = _fit_cells(path, chosen, device, cut, rounds)
     tokens: dict = {}  # configuration -> (fewest, most) tokens measured
     for cells in paths.values():
-        for shape, config, _, _ in cells:
-            if config is not None:
-                key = (config.bits,) + config.key
-                low, high = tokens.get(key, (shape.tokens, shape.tokens))
-                tokens[key] = (min(low, shape.tokens), max(high, shape.tokens))
+        for cell, _ in cells:
+            if cell.config is not None:
+                key = (cell.config.bits,) + cell.config.key
+                low, high = tokens.get(key, (cell.shape.tokens, cell.shape.tokens))
+                tokens[key] = (min(low, cell.shape.tokens), max(high, cell.shape.tokens))
     if Path.MMA_SYNC in fitted:
         fitted[Path.K_SPLIT] = fitted[Path.MMA_SYNC]
     return planner.Coefficients(device.name, fitted, tokens, cut, source)
 
 
-def _fit_cells(path: Path, cells: list, device, configs, cut, rounds: int):
-    """One PathCost fitted to ``cells`` ([(Shape, GemmConfig, us)]). The model's max (loads against lookups and
-    MMAs) is fitted by turns: each measurement counts the side the coefficients fitted so far say is the longer (at
-    first both), and is taken as the launch the planner runs (at first the one of fewest steps)."""
+def _fit_cells(path: Path, cells: list, device, cut, rounds: int):
+    """One PathCost fitted to ``cells`` ([Cell]). The model's max (loads against lookups and MMAs) is fitted by
+    turns: each measurement counts the side the coefficients fitted so far say is the longer (at first both), and is
+    taken as the launch the planner runs (at first the one of fewest steps)."""
     from . import planner
 
     cost = None
     for _ in range(rounds):
         rows = []
-        for cell, config, us in cells:
-            features = list(_features(device, configs, cut, path, cell, config, cost))
+        for cell in cells:
+            features = list(_features(device, cut, path, cell, cost))
             if cost is not None:  # only the longer side of the max counts
                 loading, computing, _ = planner.terms(cost, features)
                 for i in ((2, 3) if loading >= computing else (1,)):
                     features[i] = 0.0
-            rows.append([f / us for f in features])
+            rows.append([f / cell.us for f in features])
         cost = planner.PathCost(*nonnegative_least_squares(rows, [1.0] * len(rows)))
     return cost
 
@@ -325,7 +346,8 @@ def _report(device, configs, coefficients, measured: dict, log) -> None:
         for i, M in enumerate(shape.tokens):
             times = {path: t[i] for path, t in shape.us.items() if t[i] is not None}
             fastest = min(times, key=times.get)
-            chosen = planner.plan(device, configs, coefficients, out_features, in_features, M, bits)
+            chosen = planner.plan(device, configs, coefficients, out_features, in_features, M, bits,
+                                  gemm_resident=shape.gemm_resident)
             slower = times.get(chosen.path, math.inf) / times[fastest]
             note = f" (planned {chosen.path.value}: {slower:.2f}x)" if slower > 1 else ""
             log(f"  {bits} bits {in_features}->{out_features} M = {M:>5}: {fastest.value} {times[fastest]:.1f} us"

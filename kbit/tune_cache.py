@@ -12,11 +12,13 @@ Format 1::
      "coefficients": {...},
      "shapes": [{"bits": 4, "out_features": 28672, "in_features": 8192, "tokens": [1, 16, ...],
                  "us": {"mma_sync": [...], "wgmma": [...], "warp_specialized": [...], "dequantize_cublas": [...]},
-                 "configs": {"mma_sync": [[4, 0, 0, 1], ...], ...}}]}
+                 "configs": {"mma_sync": [[4, 0, 0, 1], ...], ...}, "gemm_resident": true}]}
 
 ``tokens`` ascending; ``us[path][i]`` the microseconds per call of that path at ``tokens[i]``, null where it was not
 timed (not runnable here, or its output disagreed with dequantize + cuBLAS); ``configs[path][i]`` the configuration
 timed, (mb, wgmma_tiles, ws_tokens, k_split), optional (measurements written before it say none).
+``gemm_resident``: dequantize + cuBLAS was timed on a weight holding only its GEMM layout (unrepacked first, as in
+kbit's layers); optional, false (the storage format held) where absent.
 ``coefficients``: ``kbit.planner.coefficients_to_json``'s, required in the cache.
 """
 
@@ -47,6 +49,7 @@ class TunedShape(NamedTuple):
     tokens: tuple
     us: dict  # Path -> tuple of float or None
     configs: dict  # Path -> tuple of (mb, wgmma_tiles, ws_tokens, k_split) or None; {} where not recorded
+    gemm_resident: bool  # dequantize + cuBLAS timed from the GEMM layout alone (an unrepack first)
 
 
 def file_tag(device_name: str) -> str:
@@ -165,5 +168,9 @@ def parse(data) -> dict:
                 raise ValueError(f"{where}.configs.{name} must hold one [mb, wgmma_tiles, ws_tokens, k_split] or "
                                  "null per token count")
             configs[Path(name)] = tuple(None if v is None else tuple(v) for v in values)
-        tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times, configs)
+        gemm_resident = entry.get("gemm_resident", False)
+        if not isinstance(gemm_resident, bool):
+            raise ValueError(f"{where}.gemm_resident must be true or false, got {gemm_resident!r}")
+        tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times, configs,
+                                                                                  gemm_resident)
     return tuned

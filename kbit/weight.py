@@ -474,7 +474,7 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
     if x.device.type == "cuda":
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
         chosen = None if grid_override else planner.gemm_plan(x.device, out_features, qw.in_features_padded,
-                                                              x2.shape[0], qw.bits)
+                                                              x2.shape[0], qw.bits, gemm_resident=qw.is_gemm_resident)
         if chosen is not None and chosen.path is planner.Path.DEQUANTIZE_CUBLAS:
             y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kbit import planner, tune, tune_cache
+from kbit.formats import padded_in_features
 from kbit.gemm_facts import Device, Path, parse_configs
 from kbit.planner import Launch, Plan, Shape
 
@@ -167,6 +168,23 @@ def test_more_columns_never_move_fewer_bytes():
             assert large["load_us"] >= small["load_us"] and large["memory_us"] > small["memory_us"]
 
 
+def test_dequantize_cublas_of_a_gemm_resident_weight_counts_its_unrepack():
+    """A weight holding only its GEMM layout (kbit's layers on CUDA) is unrepacked before it is dequantized: the
+    layout read and the storage format written, as many bytes each, on top of the dequantize kernel's."""
+    co = coefficients(H200)
+    decided = 0
+    for (N, K), M, bits in ((shape, M, bits) for shape in SHAPES for M in TOKENS for bits in BITS):
+        shape = Shape(N, padded_in_features(K), M, bits)
+        held, resident = (dict(zip(planner.FEATURES, planner.cublas_features(shape, H200.sms, gemm_resident)))
+                          for gemm_resident in (False, True))
+        assert resident.pop("memory_us") - held.pop("memory_us") == pytest.approx(2 * shape.weight_bytes / planner.MIB)
+        assert resident == held
+        plans = [planner.plan(H200, CONFIGS, co, N, K, M, bits, gemm_resident=r) for r in (False, True)]
+        assert plans[0] == CUBLAS or plans[1] != CUBLAS, (N, K, M, bits)  # the unrepack makes cuBLAS dearer only
+        decided += plans[0] == CUBLAS and plans[1] != CUBLAS
+    assert decided, "the unrepack decided no plan"
+
+
 # ----------------------------------------------------------------------------- against the measurements
 def _committed_tune_files():
     return sorted((ROOT / "benchmarks" / "results").glob("tune_*.json"))
@@ -188,7 +206,7 @@ def test_within_3_percent_of_the_fastest_measured_path(path):
             times = {p: t[i] for p, t in shape.us.items() if t[i] is not None}
             if len(times) < 2:
                 continue  # one path measured (M <= 16, from bench_gemm.py): a fit measurement, no race
-            chosen = planner.plan(device, CONFIGS, co, N, K, M, bits)
+            chosen = planner.plan(device, CONFIGS, co, N, K, M, bits, gemm_resident=shape.gemm_resident)
             cells += 1
             near += times.get(chosen.path, math.inf) <= 1.03 * min(times.values())
     assert near >= WITHIN_3_PERCENT * cells, f"{near} of {cells} cells within 3%"
@@ -209,6 +227,22 @@ def test_every_measured_gpu_ships_its_coefficients_fitted_from_its_measurements(
 
 def test_unknown_gpus_take_the_default_gpus_coefficients():
     assert planner.shipped_coefficients("NVIDIA B200").device == planner.DEFAULT_GPU
+
+
+def test_the_fit_counts_the_unrepack_where_the_measurements_did():
+    """Times made by known dequantize + cuBLAS coefficients, once from GEMM-resident weights and once from held
+    storage: the fit recovers the coefficients from each only by counting the unrepack where it ran."""
+    truth = planner.PathCost(4.0, 0.0, 0.0, 300.0, 0.0, 0.0, 0.3)
+    for gemm_resident in (False, True):
+        measured = {}
+        for N, K in ((4096, 4096), (14336, 4096), (1536, 2048), (28672, 8192), (4096, 14336)):
+            tokens = (1, 64, 256, 1024, 4096)
+            us = [planner.predict(truth, planner.cublas_features(Shape(N, K, M, 4), H200.sms, gemm_resident))
+                  for M in tokens]
+            measured[(4, N, K)] = tune_cache.TunedShape(tokens, {Path.DEQUANTIZE_CUBLAS: tuple(us)}, {},
+                                                        gemm_resident)
+        fitted = tune.fit(measured, H200, CONFIGS, planner.DEFAULT_CUT, "test").paths[Path.DEQUANTIZE_CUBLAS]
+        assert fitted == pytest.approx(truth, abs=1e-6), gemm_resident
 
 
 def test_nonnegative_least_squares():
@@ -256,6 +290,9 @@ def test_cache_round_trip(cache_dir):
     assert tune_cache.load(H100.name) == FREE_CUBLAS
     measured = tune_cache.parse(json.loads(path.read_text()))
     assert measured[(4, 4096, 4096)].us[Path.WARP_SPECIALIZED] == (40.0, 100.0, None)
+    assert not measured[(4, 4096, 4096)].gemm_resident  # not recorded: timed from the held storage format
+    tune_cache.save(H100, [dict(TUNED, gemm_resident=True)], FREE_CUBLAS)
+    assert tune_cache.parse(json.loads(path.read_text()))[(4, 4096, 4096)].gemm_resident
     assert tune_cache.load(H200.name) is None  # another GPU: another file, none here
 
 
@@ -281,6 +318,7 @@ def test_cache_file_is_fsynced_before_it_replaces_the_old(cache_dir, monkeypatch
     "BAD:" + json.dumps(entry(4, 64, 64, (1,), cutlass=[1.0])),
     "BAD:" + json.dumps(entry(6, 64, 64, (1,), mma_sync=[1.0])),
     "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), configs={"mma_sync": [[4, 0, 0]]})),
+    "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), gemm_resident="yes")),
 ], ids=lambda s: s[:20])
 def test_unusable_cache_is_ignored_with_a_warning(cache_dir, corrupt):
     path = tune_cache.save(H100, [TUNED], FREE_CUBLAS)
@@ -346,3 +384,31 @@ def test_tune_without_a_gpu_says_so(capsys):
     tune.add_arguments(parser)
     assert tune.main(parser.parse_args(["--bits", "4"])) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_tune_stops_starting_shapes_after_its_seconds(cache_dir, monkeypatch):
+    """--seconds: the shape running when the time is up finishes (at every bit width), no later shape starts, and
+    the coefficients are fitted to what was timed."""
+    import argparse
+
+    clock = [0.0]
+    timed = []
+
+    def tune_shape(facts, bits, k_in, n_out, tokens, dtype, repeats, log):
+        clock[0] += 50.0  # seconds per shape and bit width
+        timed.append((k_in, n_out, bits))
+        return dict(TUNED, bits=bits, out_features=n_out, in_features=k_in)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(planner, "device_facts", lambda device: planner.DeviceFacts(
+        H100, CONFIGS, planner.shipped_coefficients(H100.name)))
+    monkeypatch.setattr(tune, "tune_shape", tune_shape)
+    monkeypatch.setattr(tune.time, "monotonic", lambda: clock[0])
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    args = parser.parse_args(["--bits", "2,4", "--shapes", "4096->4096,1024->1024,2048->2048", "--seconds", "150"])
+    assert tune.main(args) == 0
+    assert timed == [(4096, 4096, 2), (4096, 4096, 4), (1024, 1024, 2), (1024, 1024, 4)]  # 200 s > 150 after two
+    written = json.loads(tune_cache.cache_file(H100.name).read_text())
+    assert [(e["in_features"], e["bits"]) for e in written["shapes"]] == [(4096, 2), (4096, 4), (1024, 2), (1024, 4)]
+    assert set(written["coefficients"]["paths"]) >= {"mma_sync", "wgmma", "dequantize_cublas"}
