@@ -1,48 +1,159 @@
 #!/usr/bin/env bash
-# A/B of the GEMM launch planner: bench_gemm.py's sweep (the seed shapes, K = 2..5, M from 1 to 4096) and
-# bench_moe.py --quick, run in a tree with the other planner (OLD, e.g. ../base) and in this one, then compare_ab.py:
-# geomean new/old speed and the worst cell per benchmark. Run from this tree's root:
+# The planner A/B in one device call (an H200, at most 10 minutes), run from this tree's root:
 #
-#   benchmarks/bench_planner_ab.sh OLD [STEP]     STEP: build | gemm | moe | compare | all (default)
+#   benchmarks/bench_planner_ab.sh OLD                 OLD: the tree with the other planner (e.g. the repository root)
+#   AB_DRY_RUN=1 benchmarks/bench_planner_ab.sh OLD    no GPU: the fit, compare and summary on committed files
 #
-# Steps keep their results in $AB_DIR (default /tmp/planner_ab), so on a machine that stays warm they can run as
-# separate calls; `compare` also copies the JSON files to $OUT when set. Each tree builds its own extension
-# (KBIT_CACHE_DIR_old / _new). AB_M and AB_K narrow the sweep (e.g. AB_K=2,3 then AB_K=4,5: the runs append).
+# 1. build both trees' CUDA extensions at once, each into its own cache (/tmp/kbit_ab_old, /tmp/kbit_ab_new);
+# 2. time the GEMM paths on this tree (`python -m kbit tune`, AB_TUNE_* restrict it, --seconds AB_TUNE_S) and fit
+#    the planner's coefficients to those times (the tuned cache, which this tree's planner then plans from);
+# 3. fit them again offline from the tune file as kbit/gpus/<GPU>.json is made, and check the two fits agree;
+# 4. the A/B: benchmarks/planner_ab.py times kbit.matmul as a layer runs it over bench_gemm.py's sweep (AB_M x
+#    AB_K x its nine shapes) in OLD, then in this tree, each side given half the time left;
+# 5. bench_moe.py --quick in both trees, if AB_MOE_S seconds are left;
+# 6. the summary, printed last: compare_ab.py on the layer GEMM and on the fused op alone, the MoE, the coefficients.
+# Everything goes to $AB_DIR (default /tmp/planner_ab); with $OUT set, a tar of it and the summary, tune file,
+# coefficient file and A/B files beside it. Phases start only while AB_BUDGET_S (default 560) leaves them time.
 set -euo pipefail
 OLD=$(cd "$1" && pwd)
-STEP=${2:-all}
 NEW=$(pwd)
 RES=${AB_DIR:-/tmp/planner_ab}
+DRY=${AB_DRY_RUN:-0}
+BUDGET=${AB_BUDGET_S:-560}
+TUNE_S=${AB_TUNE_S:-150}
+# The shapes the fit needs most first (the A/B's losing cells: tile parts on 4096->4096, few tiles on 2048->1536,
+# tile widths on 4096->14336, long k on 11008->4096), then the largest weight; the rest as time allows.
+TUNE_SHAPES=${AB_TUNE_SHAPES:-4096->4096,2048->1536,4096->14336,11008->4096,8192->28672,2048->10240,14336->4096,\
+28672->8192,4096->11008}
+TUNE_TOKENS=${AB_TUNE_TOKENS:-1,16,32,64,128,256,512,1024,2048,4096}
+BITS=${AB_K:-2,3,4,5}
 M=${AB_M:-1,4,16,32,64,128,256,512,1024,2048,4096}
-K=${AB_K:-2,3,4,5}
-CACHE=${KBIT_CACHE_DIR:-/tmp/kbit_cache}
+MOE_S=${AB_MOE_S:-120}
+CACHE=${AB_CACHE:-/tmp/kbit_ab}
 start=$SECONDS
-mkdir -p "$RES/old" "$RES/new"  # before any redirection into them
+rm -rf "$RES"
+mkdir -p "$RES"
 
-in_tree() {  # side, command...
-  local side=$1 tree=$NEW
+left() { echo $((BUDGET - (SECONDS - start))); }
+say() { echo "[$((SECONDS - start)) s] $*" | tee -a "$RES/phases.log"; }
+tree_of() { if [ "$1" = old ]; then echo "$OLD"; else echo "$NEW"; fi; }
+in_tree() {  # side, command...: run in that tree with its own extension cache
+  local side=$1
   shift
-  [ "$side" = old ] && tree=$OLD
-  (cd "$tree" && KBIT_CACHE_DIR=${CACHE}_$side "$@")
+  (cd "$(tree_of "$side")" && KBIT_CACHE_DIR=${CACHE}_$side "$@")
 }
 
-for side in old new; do
-  case $STEP in
-    build | all)
-      in_tree $side python -c "import kbit, torch; x = torch.randn(1, 64, device='cuda', dtype=torch.float16); \
-kbit.matmul(x, kbit.quantize(torch.randn(64, 64, device='cuda', dtype=torch.float16), 4))" >"$RES/$side/build.log" 2>&1
-      echo "$side: built at $((SECONDS - start)) s" ;;&
-    gemm | all)
-      in_tree $side python benchmarks/bench_gemm.py --m "$M" --k "$K" --calls 10 --replays 3 --peers none --no-plot \
-        --no-check --out "$RES/$side/k${K//,/}" --tag ab >"$RES/$side/gemm_k${K//,/}.log" 2>&1
-      echo "$side: gemm K=$K at $((SECONDS - start)) s" ;;&
-    moe | all)
-      in_tree $side python benchmarks/bench_moe.py --quick --replays 3 --out "$RES/$side/moe" >"$RES/$side/moe.log" 2>&1
-      echo "$side: moe at $((SECONDS - start)) s" ;;
-  esac
-done
-if [ "$STEP" = compare ] || [ "$STEP" = all ]; then
-  python benchmarks/compare_ab.py "$RES"/old/k*/gemm_*.json -- "$RES"/new/k*/gemm_*.json
-  python benchmarks/compare_ab.py "$RES"/old/moe/moe_*.json -- "$RES"/new/moe/moe_*.json
-  if [ -n "${OUT:-}" ]; then cp -r "$RES" "$OUT/planner_ab"; fi
+# 1. build
+if [ "$DRY" = 0 ]; then
+  pids=()
+  for side in old new; do
+    in_tree $side env MAX_JOBS=8 python -m kbit build >"$RES/build_$side.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || { say "build failed"; tail -20 "$RES"/build_*.log; exit 1; }; done
+  say "both trees built"
 fi
+
+# 2. tune this tree
+if [ "$DRY" = 0 ]; then
+  in_tree new python -m kbit tune --bits "$BITS" --shapes "$TUNE_SHAPES" --tokens "$TUNE_TOKENS" \
+    --seconds "$TUNE_S" >"$RES/tune.log" 2>&1 || { say "tune failed"; tail -20 "$RES/tune.log"; exit 1; }
+  tuned=$(ls "${CACHE}_new"/tuned/*.json)
+else
+  tuned=$NEW/benchmarks/results/tune_NVIDIA_H200.json
+fi
+tag=$(python - "$tuned" <<'EOF'
+import json, sys
+from kbit import tune_cache
+print(tune_cache.file_tag(json.load(open(sys.argv[1]))["device"]))
+EOF
+)
+cp "$tuned" "$RES/tune_$tag.json"
+say "tuned: $(python -c "import json, sys; d = json.load(open(sys.argv[1])); print(len(d['shapes']), 'shapes x bits,', \
+sum(len(e['tokens']) for e in d['shapes']), 'cells')" "$RES/tune_$tag.json"), $RES/tune_$tag.json"
+
+# 3. the offline fit, as the shipped file is made; the device's fit (in the tuned cache) must equal it
+python -m kbit tune --fit "$RES/tune_$tag.json" --configs tests/gemm_configs.json --out "$RES/$tag.json" \
+  2>"$RES/fit_report.log"
+python - "$RES/tune_$tag.json" "$RES/$tag.json" <<'EOF' | tee -a "$RES/phases.log"
+import json, math, sys
+device_fit = json.load(open(sys.argv[1])).get("coefficients")
+offline = json.load(open(sys.argv[2]))
+if device_fit is None:
+    print("fit: the tune file holds no coefficients (not from kbit tune on a device): nothing to check")
+else:
+    far = [f"{p}.{f}" for p, cost in offline["paths"].items() for f, v in cost.items()
+           if not math.isclose(v, device_fit["paths"][p][f], rel_tol=1e-6, abs_tol=1e-9)]
+    same_tokens = device_fit["tokens"] == offline["tokens"]
+    print("fit: the device's fit equals the offline fit" if not far and same_tokens
+          else f"fit: the device's fit differs from the offline fit: {far or 'tokens'}")
+EOF
+say "fitted: $RES/$tag.json"
+
+# 4. the A/B over bench_gemm.py's sweep
+if [ "$DRY" = 0 ]; then
+  per_side=$((($(left) - 40) / 2))
+  [ "$per_side" -ge 30 ] || per_side=30
+  for side in old new; do
+    in_tree $side python "$NEW/benchmarks/planner_ab.py" --tree "$(tree_of $side)" --out "$RES/ab_$side.json" \
+      --m "$M" --k "$BITS" --seconds "$per_side" >"$RES/ab_$side.log" 2>&1 ||
+      { say "A/B $side failed"; tail -20 "$RES/ab_$side.log"; }
+    say "A/B $side done ($per_side s allowed)"
+  done
+else
+  for side in old new; do cp "$NEW/benchmarks/results/gemm_NVIDIA_H200_prefill.json" "$RES/ab_$side.json"; done
+fi
+
+# 5. MoE, if time is left
+if [ "$DRY" = 0 ] && [ "$(left)" -ge "$MOE_S" ]; then
+  for side in old new; do
+    in_tree $side python benchmarks/bench_moe.py --quick --replays 3 --out "$RES/moe_$side" \
+      >"$RES/moe_$side.log" 2>&1 || say "MoE $side failed"
+    say "MoE $side done"
+  done
+elif [ "$DRY" != 0 ]; then
+  for side in old new; do mkdir -p "$RES/moe_$side" && cp "$NEW"/benchmarks/results/moe_*.json "$RES/moe_$side/"; done
+else
+  say "MoE A/B left out: $(left) s left, $MOE_S wanted"
+fi
+
+# 6. the summary (whatever fails in it, the rest is still printed)
+set +e
+{
+  echo "== planner A/B, $((SECONDS - start)) s: old $OLD, new $NEW"
+  grep -h "kbit tune: .*\(done at\|passed\)" "$RES/tune.log" 2>/dev/null | tail -3 || true
+  cat "$RES/phases.log"
+  echo "-- the layer GEMM (kbit.matmul on a GEMM-resident weight; dequantize + cuBLAS where planned):"
+  python benchmarks/compare_ab.py --worst 8 "$RES/ab_old.json" -- "$RES/ab_new.json" || true
+  echo "-- the fused op alone (kbit.ops.gemm, bench_gemm.py's kbit row):"
+  if grep -q '"fused_us"' "$RES/ab_new.json"; then
+    python benchmarks/compare_ab.py --field fused_us --worst 5 "$RES/ab_old.json" -- "$RES/ab_new.json" || true
+  else
+    echo "  (no fused_us in these rows)"
+  fi
+  if ls "$RES"/moe_old/moe_*.json "$RES"/moe_new/moe_*.json >/dev/null 2>&1; then
+    echo "-- MoE (bench_moe.py --quick):"
+    python benchmarks/compare_ab.py --worst 3 "$RES"/moe_old/moe_*.json -- "$RES"/moe_new/moe_*.json || true
+  fi
+  echo "-- fitted coefficients (kbit/gpus/$tag.json: python -m kbit tune --fit" \
+    "benchmarks/results/tune_$tag.json --configs tests/gemm_configs.json --out kbit/gpus/$tag.json):"
+  python - "$RES/$tag.json" "$RES/fit_report.log" <<'EOF'
+import json, re, sys
+fitted = json.load(open(sys.argv[1]))
+for path, cost in fitted["paths"].items():
+    print(f"  {path}: " + " ".join(f"{name}={value:.6g}" for name, value in cost.items()))
+print("  tokens " + json.dumps(fitted["tokens"], separators=(",", ":")))
+# kbit tune's report: one line per measured cell, "(planned PATH: R.RRx)" where the plan is not the fastest path
+report = [line for line in open(sys.argv[2]) if " M = " in line]
+slower = [float(m.group(1)) for line in report for m in [re.search(r": ([0-9.]+)x\)", line)] if m]
+near = sum(r <= 1.03 for r in slower) + len(report) - len(slower)
+print(f"  on its own data: the planned path within 3% of the fastest in {near} of {len(report)} cells, "
+      f"worst {max(slower, default=1.0):.2f}x")
+EOF
+} >"$RES/summary.txt" 2>&1
+if [ -n "${OUT:-}" ]; then
+  tar -czf "$OUT/planner_ab.tar.gz" -C "$(dirname "$RES")" "$(basename "$RES")"
+  cp "$RES/summary.txt" "$RES/tune_$tag.json" "$RES/$tag.json" "$OUT/"
+  for side in old new; do cp "$RES/ab_$side.json" "$OUT/ab_$side.json" 2>/dev/null || true; done
+fi
+cat "$RES/summary.txt"

@@ -2,8 +2,9 @@
 
 For each shape, bit width and token count, every fused path that runs here (the configuration and launch the planner
 would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path for a weight holding
-only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused
-path whose output disagrees with dequantize + cuBLAS is left out. ``fit`` fits each path's ``kbit.planner.PathCost``
+only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies
+rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
+disagrees with dequantize + cuBLAS is left out. ``fit`` fits each path's ``kbit.planner.PathCost``
 to its times (least squares in relative error, coefficients >= 0); the times and the coefficients go to the tuned
 cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from from then on.
 
