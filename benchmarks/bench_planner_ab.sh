@@ -54,31 +54,36 @@ if [ "$DRY" = 0 ]; then
   say "both trees built"
 fi
 
-# 2. tune this tree
+# 2. tune this tree (if that fails, the A/B still runs: the new planner on its shipped coefficients)
+tuned=
 if [ "$DRY" = 0 ]; then
-  in_tree new python -m kbit tune --bits "$BITS" --shapes "$TUNE_SHAPES" --tokens "$TUNE_TOKENS" \
-    --seconds "$TUNE_S" >"$RES/tune.log" 2>&1 || { say "tune failed"; tail -20 "$RES/tune.log"; exit 1; }
-  tuned=$(ls "${CACHE}_new"/tuned/*.json)
+  rm -rf "${CACHE}_new/tuned"  # a tuned cache of an earlier run on this machine
+  if in_tree new python -m kbit tune --bits "$BITS" --shapes "$TUNE_SHAPES" --tokens "$TUNE_TOKENS" \
+    --seconds "$TUNE_S" >"$RES/tune.log" 2>&1; then
+    tuned=$(ls "${CACHE}_new"/tuned/*.json)
+  else
+    say "tune failed: $(tail -1 "$RES/tune.log")"
+  fi
 else
   tuned=$NEW/benchmarks/results/tune_NVIDIA_H200.json
 fi
-tag=$(python - "$tuned" <<'EOF'
+
+# 3. fit the tune file offline, as the shipped kbit/gpus/<GPU>.json is made; the device's fit must equal it
+fit() {
+  tag=$(python - "$1" <<'EOF'
 import json, sys
 from kbit import tune_cache
 print(tune_cache.file_tag(json.load(open(sys.argv[1]))["device"]))
 EOF
-)
-cp "$tuned" "$RES/tune_$tag.json"
-say "tuned: $(python -c "import json, sys; d = json.load(open(sys.argv[1])); print(len(d['shapes']), 'shapes x bits,', \
-sum(len(e['tokens']) for e in d['shapes']), 'cells')" "$RES/tune_$tag.json"), $RES/tune_$tag.json"
-
-# 3. the offline fit, as the shipped file is made; the device's fit (in the tuned cache) must equal it
-python -m kbit tune --fit "$RES/tune_$tag.json" --configs tests/gemm_configs.json --out "$RES/$tag.json" \
-  2>"$RES/fit_report.log"
-python - "$RES/tune_$tag.json" "$RES/$tag.json" <<'EOF' | tee -a "$RES/phases.log"
+  )
+  cp "$1" "$RES/tune_$tag.json"
+  python -m kbit tune --fit "$RES/tune_$tag.json" --configs tests/gemm_configs.json --out "$RES/$tag.json" \
+    2>"$RES/fit_report.log"
+  python - "$RES/tune_$tag.json" "$RES/$tag.json" <<'EOF' | tee -a "$RES/phases.log"
 import json, math, sys
-device_fit = json.load(open(sys.argv[1])).get("coefficients")
-offline = json.load(open(sys.argv[2]))
+data = json.load(open(sys.argv[1]))
+print(f"tuned: {len(data['shapes'])} shapes x bits, {sum(len(e['tokens']) for e in data['shapes'])} cells")
+device_fit, offline = data.get("coefficients"), json.load(open(sys.argv[2]))
 if device_fit is None:
     print("fit: the tune file holds no coefficients (not from kbit tune on a device): nothing to check")
 else:
@@ -88,7 +93,10 @@ else:
     print("fit: the device's fit equals the offline fit" if not far and same_tokens
           else f"fit: the device's fit differs from the offline fit: {far or 'tokens'}")
 EOF
-say "fitted: $RES/$tag.json"
+  say "fitted: $RES/$tag.json"
+}
+tag=none
+if [ -n "$tuned" ]; then fit "$tuned"; fi
 
 # 4. the A/B over bench_gemm.py's sweep
 if [ "$DRY" = 0 ]; then
@@ -135,8 +143,9 @@ set +e
     echo "-- MoE (bench_moe.py --quick):"
     python benchmarks/compare_ab.py --worst 3 "$RES"/moe_old/moe_*.json -- "$RES"/moe_new/moe_*.json || true
   fi
-  echo "-- fitted coefficients (kbit/gpus/$tag.json: python -m kbit tune --fit" \
-    "benchmarks/results/tune_$tag.json --configs tests/gemm_configs.json --out kbit/gpus/$tag.json):"
+  [ -f "$RES/$tag.json" ] || echo "-- no fitted coefficients (the tune failed: $RES/tune.log)"
+  [ -f "$RES/$tag.json" ] && echo "-- fitted coefficients (kbit/gpus/$tag.json: python -m kbit tune --fit" \
+    "benchmarks/results/tune_$tag.json --configs tests/gemm_configs.json --out kbit/gpus/$tag.json):" &&
   python - "$RES/$tag.json" "$RES/fit_report.log" <<'EOF'
 import json, re, sys
 fitted = json.load(open(sys.argv[1]))
