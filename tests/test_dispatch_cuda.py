@@ -106,7 +106,7 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
     planner.forget()
     try:
         args = argparse.Namespace(bits="4", shapes="1024->2048", tokens="1,64,512", dtype="fp16", repeats=2,
-                                  fit=None, configs=None, out=None)
+                                  seconds=0.0, fit=None, configs=None, out=None)
         assert tune.main(args) == 0
         device = planner.device_facts(torch.device("cuda")).device
         cached = tune_cache.load(device.name)
@@ -114,5 +114,25 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
         assert planner.device_facts(torch.device("cuda")).coefficients == planner.coefficients_from_json(cached, "")
         measured = tune_cache.parse(json.loads(tune_cache.cache_file(device.name).read_text()))
         assert measured[(4, 2048, 1024)].configs  # what ran is recorded
+        assert measured[(4, 2048, 1024)].gemm_resident  # dequantize + cuBLAS timed as a layer runs it
     finally:
         planner.forget()
+
+
+def test_matmul_plans_dequantize_cublas_with_the_weights_form(monkeypatch):
+    """A weight holding only its GEMM layout is unrepacked before dequantize + cuBLAS, one holding its storage format
+    is not: kbit.matmul tells the planner which."""
+    seen = []
+    real = planner.gemm_plan
+
+    def gemm_plan(*args, **kwargs):
+        if not kwargs.get("fused_only"):  # kbit.matmul's plan, not the fused op's
+            seen.append(kwargs.get("gemm_resident"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "gemm_plan", gemm_plan)
+    qw = kbit.quantize(torch.randn(256, 512, device="cuda", dtype=torch.float16), 4)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.float16)
+    kbit.matmul(x, qw)
+    kbit.matmul(x, qw.gemm_resident())
+    assert seen == [False, True]
