@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             del W
             first = tuple(qw.gemm_layout())
             nbytes = sum(t.numel() * t.element_size() for t in first)
-            copies = max(2, min(64, math.ceil(2 * l2 / nbytes) + 1))
+            copies = max(2, min(1024, math.ceil(2 * l2 / nbytes) + 1))  # past twice the L2, as kbit tune
             layouts = [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
             layers = [QuantizedWeight.from_gemm_layout(b, a, qw.codebook, qw.scale, bits, qw.shape, dtype)
                       for b, a in layouts]

@@ -376,6 +376,16 @@ def test_tune_arguments():
         tune._int_list("1,-2", "--tokens")
 
 
+def test_tune_rotates_weight_copies_past_twice_the_l2():
+    """A small weight takes as many copies as move twice the L2 per pass (2048->1536 at 2 bits on an H200: 144), so
+    its times are from memory as in inference, not from the L2."""
+    l2 = 60 * 2**20
+    small = int(1536 * 2048 * (2 / 8 + 1 / 32))
+    assert len(tune._rotation((torch.zeros(1),), small, l2)) == 144
+    assert len(tune._rotation((torch.zeros(1),), 100 * 2**20, l2)) == 3
+    assert len(tune._rotation((torch.zeros(1),), 1, l2)) == tune.MAX_COPIES
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures when a GPU is visible")
 def test_tune_without_a_gpu_says_so(capsys):
     import argparse
