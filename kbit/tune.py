@@ -4,7 +4,9 @@ For each shape, bit width and token count, every fused path that runs here (the 
 would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path for a weight holding
 only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies
 rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
-disagrees with dequantize + cuBLAS is left out. ``fit`` fits each path's ``kbit.planner.PathCost``
+disagrees with dequantize + cuBLAS is left out. The warp-specialized kernel's configuration is also timed on its
+other launches (cut in one group, in whole tiles, in tile parts), each recorded with the launch that ran, so the fit
+sees what the launch alone changes. ``fit`` fits each path's ``kbit.planner.PathCost``
 to its times (least squares in relative error, coefficients >= 0); the times and the coefficients go to the tuned
 cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from from then on.
 
@@ -110,6 +112,7 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
                for b, a in layouts]
     us = {path.value: [] for path in Path}
     timed_configs = {path.value: [] for path in FUSED_PATHS}
+    timed_launches = {path.value: [] for path in FUSED_PATHS}
     for M in tokens:
         x = torch.randn(M, in_features, device=device, dtype=dtype)
 
@@ -125,28 +128,49 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
             except planner.NoFusedConfig:
                 c = None
             config = c if c is not None and c.path is path else None
-            measured_us = None
+            measured_us, launches = None, []
             if config is not None:
-                def fused(lay, x=x, c=config):
+                def fused(lay, launch, x=x, c=config):
                     return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features,
-                                    in_features_padded, c.grid, c.tile_parts, c.whole_tiles, c.mb, c.wgmma_tiles,
-                                    c.k_split, c.ws_tokens, ops.weights_settled(*lay, qw.codebook))
+                                    in_features_padded, launch.grid, launch.tile_parts, launch.whole_tiles, c.mb,
+                                    c.wgmma_tiles, c.k_split, c.ws_tokens, ops.weights_settled(*lay, qw.codebook))
 
-                error = float((fused(layouts[0]).float() - reference).norm() / reference.norm().clamp_min(1e-30))
-                if error <= AGREEMENT:
-                    measured_us = _time_us(fused, layouts, repeats)
-                else:
-                    log(f"  {path.value} at M = {M}: output differs from dequantize + cuBLAS by {error:.2g}; "
-                        "left out")
+                planned = planner.Launch(config.grid, config.tile_parts, config.whole_tiles)
+                for launch in [planned] + _other_launches(facts, config, out_features, in_features, M, bits):
+                    error = float((fused(layouts[0], launch).float() - reference).norm()
+                                  / reference.norm().clamp_min(1e-30))
+                    if error > AGREEMENT:
+                        log(f"  {path.value} {tuple(launch)} at M = {M}: output differs from dequantize + cuBLAS "
+                            f"by {error:.2g}; left out")
+                        continue
+                    launches.append(list(launch) + [_time_us(lambda lay, o=launch: fused(lay, o), layouts, repeats)])
+                    if launch == planned:
+                        measured_us = launches[-1][-1]
             us[path.value].append(measured_us)
             timed_configs[path.value].append(list(config.key) if measured_us is not None else None)
+            timed_launches[path.value].append(launches or None)
         timed = {name: times[-1] for name, times in us.items() if times[-1] is not None}
         fastest = min(timed, key=timed.get)
         log(f"  {bits} bits {in_features}->{out_features} M = {M}: {fastest} {timed[fastest]:.1f} us")
     del layouts, weights, qw
     torch.cuda.empty_cache()
     return {"bits": bits, "out_features": out_features, "in_features": in_features, "tokens": list(tokens), "us": us,
-            "configs": timed_configs, "gemm_resident": True}
+            "configs": timed_configs, "launches": timed_launches, "gemm_resident": True}
+
+
+def _other_launches(facts, plan, out_features: int, in_features: int, tokens: int, bits: int) -> list:
+    """The warp-specialized configuration's launches other than the planned one (``kbit.planner.launches``): where
+    the cost model ranks the cuts, the fit wants each one's time."""
+    from . import planner
+    from .formats import padded_in_features
+
+    if plan.path is not Path.WARP_SPECIALIZED:
+        return []
+    config = next(c for c in facts.configs if c.bits == bits and c.key == plan.key)
+    shape = planner.Shape(out_features, padded_in_features(in_features), tokens, bits)
+    planned = planner.Launch(plan.grid, plan.tile_parts, plan.whole_tiles)
+    return [launch for launch in planner.launches(config, planner.steps_of(config, shape), facts.device.sms)
+            if launch != planned]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -233,12 +257,13 @@ def measured_config(configs, path: Path, bits: int, tokens: int, recorded=None):
 
 class Cell(NamedTuple):
     """One measurement as the fit sees it: what ran (the configuration, None for dequantize + cuBLAS, and whether
-    that path unrepacked a GEMM-resident weight first) and its time."""
+    that path unrepacked a GEMM-resident weight first; the launch where it was recorded) and its time."""
 
     shape: object  # planner.Shape
     config: object  # GemmConfig or None
     gemm_resident: bool
     us: float
+    launch: object = None  # planner.Launch; None: the one the model fitted so far ranks first
 
 
 def _features(device, cut, path: Path, cell: Cell, cost=None):
@@ -246,7 +271,7 @@ def _features(device, cut, path: Path, cell: Cell, cost=None):
 
     if path is Path.DEQUANTIZE_CUBLAS:
         return planner.cublas_features(cell.shape, device.sms, cell.gemm_resident)
-    launch = planner.best_launch(cell.config, cell.shape, cut, device.sms, cost)
+    launch = cell.launch or planner.best_launch(cell.config, cell.shape, cut, device.sms, cost)
     return planner.fused_features(cell.config, cell.shape, launch, cut)
 
 
@@ -296,12 +321,18 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
         for path, times in shape.us.items():
             rivals = [frozenset(Path)] + ([CLASSIC] if path in CLASSIC else [])  # the MoE picks among gemm.cuh's
             recorded = shape.configs.get(path)
+            launched = shape.launches.get(path)
             for i, (M, us) in enumerate(zip(shape.tokens, times)):
                 config = None if path is Path.DEQUANTIZE_CUBLAS else measured_config(
                     configs, path, bits, M, recorded[i] if recorded else None)
-                if us is not None and (config is not None or path is Path.DEQUANTIZE_CUBLAS):
-                    cell = Cell(planner.Shape(out_features, in_features, M, bits), config, shape.gemm_resident, us)
-                    paths[path].append((cell, any(us <= CONTENDER * fastest(i, among) for among in rivals)))
+                if us is None or (config is None and path is not Path.DEQUANTIZE_CUBLAS):
+                    continue
+                cell = Cell(planner.Shape(out_features, in_features, M, bits), config, shape.gemm_resident, us)
+                # each launch timed, where recorded (the planned one among them), else the one the model ranks first
+                found = ([cell._replace(launch=planner.Launch(*launch), us=t) for launch, t in launched[i]]
+                         if launched and launched[i] else [cell])
+                for one in found:
+                    paths[path].append((one, any(one.us <= CONTENDER * fastest(i, among) for among in rivals)))
     # The k split is mma.sync's kernel with the warps splitting k: its features differ, not its rates.
     paths[Path.MMA_SYNC] += paths.pop(Path.K_SPLIT)
     fitted = {}

@@ -12,13 +12,17 @@ Format 1::
      "coefficients": {...},
      "shapes": [{"bits": 4, "out_features": 28672, "in_features": 8192, "tokens": [1, 16, ...],
                  "us": {"mma_sync": [...], "wgmma": [...], "warp_specialized": [...], "dequantize_cublas": [...]},
-                 "configs": {"mma_sync": [[4, 0, 0, 1], ...], ...}, "gemm_resident": true}]}
+                 "configs": {"mma_sync": [[4, 0, 0, 1], ...], ...},
+                 "launches": {"warp_specialized": [[[132, 0, false, 41.0], [96, 2, false, 38.5]], ...], ...},
+                 "gemm_resident": true}]}
 
 ``tokens`` ascending; ``us[path][i]`` the microseconds per call of that path at ``tokens[i]``, null where it was not
 timed (not runnable here, or its output disagreed with dequantize + cuBLAS); ``configs[path][i]`` the configuration
 timed, (mb, wgmma_tiles, ws_tokens, k_split), optional (measurements written before it say none).
-``gemm_resident``: dequantize + cuBLAS was timed on a weight holding only its GEMM layout (unrepacked first, as in
-kbit's layers); optional, false (the storage format held) where absent.
+``launches[path][i]``: the launches of that configuration timed, [grid, tile_parts, whole_tiles, us] each (the
+planned one, whose time is ``us[path][i]``, and others), or null; optional. ``gemm_resident``: dequantize + cuBLAS
+was timed on a weight holding only its GEMM layout (unrepacked first, as in kbit's layers); optional, false (the
+storage format held) where absent.
 ``coefficients``: ``kbit.planner.coefficients_to_json``'s, required in the cache.
 """
 
@@ -49,6 +53,7 @@ class TunedShape(NamedTuple):
     tokens: tuple
     us: dict  # Path -> tuple of float or None
     configs: dict  # Path -> tuple of (mb, wgmma_tiles, ws_tokens, k_split) or None; {} where not recorded
+    launches: dict  # Path -> tuple of (tuple of ((grid, tile_parts, whole_tiles), us)) or None; {} if not recorded
     gemm_resident: bool  # dequantize + cuBLAS timed from the GEMM layout alone (an unrepack first)
 
 
@@ -121,6 +126,13 @@ def _int(value, what: str, low: int) -> int:
     return value
 
 
+def _is_launch(value) -> bool:
+    """[grid, tile_parts, whole_tiles, us]: integers >= 1 and >= 0, a bool, a positive time."""
+    return (isinstance(value, list) and len(value) == 4 and all(type(v) is int for v in value[:2])
+            and value[0] >= 1 and value[1] >= 0 and isinstance(value[2], bool)
+            and type(value[3]) in (int, float) and math.isfinite(value[3]) and value[3] > 0)
+
+
 def parse(data) -> dict:
     """The measurements of a cache or results file, checked (ValueError naming what is wrong):
     {(bits, out_features, in_features padded to 32): TunedShape}."""
@@ -168,9 +180,17 @@ def parse(data) -> dict:
                 raise ValueError(f"{where}.configs.{name} must hold one [mb, wgmma_tiles, ws_tokens, k_split] or "
                                  "null per token count")
             configs[Path(name)] = tuple(None if v is None else tuple(v) for v in values)
+        launches = {}
+        for name, values in (entry.get("launches") or {}).items():
+            if not isinstance(values, list) or len(values) != len(tokens) or not all(
+                    v is None or (isinstance(v, list) and all(_is_launch(t) for t in v)) for v in values):
+                raise ValueError(f"{where}.launches.{name} must hold one list of [grid, tile_parts, whole_tiles, us] "
+                                 "or null per token count")
+            launches[Path(name)] = tuple(None if v is None else tuple(((t[0], t[1], t[2]), float(t[3])) for t in v)
+                                         for v in values)
         gemm_resident = entry.get("gemm_resident", False)
         if not isinstance(gemm_resident, bool):
             raise ValueError(f"{where}.gemm_resident must be true or false, got {gemm_resident!r}")
-        tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times, configs,
+        tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times, configs, launches,
                                                                                   gemm_resident)
     return tuned

@@ -115,6 +115,9 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
         measured = tune_cache.parse(json.loads(tune_cache.cache_file(device.name).read_text()))
         assert measured[(4, 2048, 1024)].configs  # what ran is recorded
         assert measured[(4, 2048, 1024)].gemm_resident  # dequantize + cuBLAS timed as a layer runs it
+        ws = measured[(4, 2048, 1024)].launches.get(planner.Path.WARP_SPECIALIZED) or ()
+        if torch.cuda.get_device_capability()[0] == 9:  # the warp-specialized kernel on each of its launches
+            assert all(len(timed) >= 2 for timed in ws if timed) and any(ws)
     finally:
         planner.forget()
 

@@ -239,10 +239,56 @@ def test_the_fit_counts_the_unrepack_where_the_measurements_did():
             tokens = (1, 64, 256, 1024, 4096)
             us = [planner.predict(truth, planner.cublas_features(Shape(N, K, M, 4), H200.sms, gemm_resident))
                   for M in tokens]
-            measured[(4, N, K)] = tune_cache.TunedShape(tokens, {Path.DEQUANTIZE_CUBLAS: tuple(us)}, {},
+            measured[(4, N, K)] = tune_cache.TunedShape(tokens, {Path.DEQUANTIZE_CUBLAS: tuple(us)}, {}, {},
                                                         gemm_resident)
         fitted = tune.fit(measured, H200, CONFIGS, planner.DEFAULT_CUT, "test").paths[Path.DEQUANTIZE_CUBLAS]
         assert fitted == pytest.approx(truth, abs=1e-6), gemm_resident
+
+
+def _ws_times_on_every_launch(truth: planner.PathCost) -> dict:
+    """A tune file's measurements (``tune_cache.parse``'s) of the warp-specialized kernel made by ``truth``: each
+    cell's configuration timed on each of its launches, the first (one group) as the planned one."""
+    measured = {}
+    for N, K in ((4096, 4096), (1536, 2048), (14336, 4096), (4096, 14336), (10240, 2048), (28672, 8192)):
+        tokens, planned, launched, keys = (64, 256, 1024, 2048), [], [], []
+        for M in tokens:
+            shape = Shape(N, K, M, 4)
+            config = next(c for c in CONFIGS if c.bits == 4 and c.ws_tokens == (64 if M == 64 else 256))
+            timed = tuple((tuple(launch), planner.predict(truth, planner.fused_features(
+                config, shape, launch, planner.DEFAULT_CUT)))
+                for launch in planner.launches(config, planner.steps_of(config, shape), H200.sms))
+            planned.append(timed[0][1])
+            launched.append(timed)
+            keys.append(config.key)
+        ws = Path.WARP_SPECIALIZED
+        measured[(4, N, K)] = tune_cache.TunedShape(tokens, {ws: tuple(planned)}, {ws: tuple(keys)},
+                                                    {ws: tuple(launched)}, True)
+    return measured
+
+
+def test_the_fit_takes_each_recorded_launch_as_it_ran():
+    """Times made by known coefficients on every launch of the planned configuration: fitted with the launches that
+    ran, the model picks each cell's fastest launch (23 of 24) and is within 25% on every launch; fitted from the
+    planned times alone, their launches guessed, it picks fewer (13)."""
+    measured = _ws_times_on_every_launch(planner.PathCost(3.0, 10.0, 6.0, 350.0, 0.7, 200.0, 0.15))
+
+    def fitted_picks(measurements) -> tuple:
+        cost = tune.fit(measurements, H200, CONFIGS, planner.DEFAULT_CUT, "test").paths[Path.WARP_SPECIALIZED]
+        right, worst = 0, 0.0
+        for (bits, N, K), shape in measured.items():
+            for i, M in enumerate(shape.tokens):
+                config = next(c for c in CONFIGS if c.bits == bits and c.key == shape.configs[Path.WARP_SPECIALIZED][i])
+                timed = dict(shape.launches[Path.WARP_SPECIALIZED][i])
+                predicted = {launch: planner.predict(cost, planner.fused_features(
+                    config, Shape(N, K, M, bits), planner.Launch(*launch), planner.DEFAULT_CUT)) for launch in timed}
+                right += min(predicted, key=predicted.get) == min(timed, key=timed.get)
+                worst = max([worst] + [abs(predicted[launch] / us - 1) for launch, us in timed.items()])
+        return right, worst
+
+    right, worst = fitted_picks(measured)
+    assert right >= 22 and worst < 0.25, (right, worst)
+    guessed, _ = fitted_picks({key: shape._replace(launches={}) for key, shape in measured.items()})
+    assert guessed < right
 
 
 def test_nonnegative_least_squares():
@@ -291,8 +337,11 @@ def test_cache_round_trip(cache_dir):
     measured = tune_cache.parse(json.loads(path.read_text()))
     assert measured[(4, 4096, 4096)].us[Path.WARP_SPECIALIZED] == (40.0, 100.0, None)
     assert not measured[(4, 4096, 4096)].gemm_resident  # not recorded: timed from the held storage format
-    tune_cache.save(H100, [dict(TUNED, gemm_resident=True)], FREE_CUBLAS)
-    assert tune_cache.parse(json.loads(path.read_text()))[(4, 4096, 4096)].gemm_resident
+    ws = [[[132, 0, False, 40.0], [96, 2, False, 35.5]], None, None]
+    tune_cache.save(H100, [dict(TUNED, gemm_resident=True, launches={"warp_specialized": ws})], FREE_CUBLAS)
+    measured = tune_cache.parse(json.loads(path.read_text()))[(4, 4096, 4096)]
+    assert measured.gemm_resident
+    assert measured.launches[Path.WARP_SPECIALIZED] == ((((132, 0, False), 40.0), ((96, 2, False), 35.5)), None, None)
     assert tune_cache.load(H200.name) is None  # another GPU: another file, none here
 
 
@@ -319,6 +368,9 @@ def test_cache_file_is_fsynced_before_it_replaces_the_old(cache_dir, monkeypatch
     "BAD:" + json.dumps(entry(6, 64, 64, (1,), mma_sync=[1.0])),
     "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), configs={"mma_sync": [[4, 0, 0]]})),
     "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), gemm_resident="yes")),
+    "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), launches={"mma_sync": [[[132, 0, 0, 1.0]]]})),
+    "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), launches={"mma_sync": [[[0, 0, False, 1.0]]]})),
+    "BAD:" + json.dumps(dict(entry(4, 64, 64, (1, 2), mma_sync=[1.0, 1.0]), launches={"mma_sync": [None]})),
 ], ids=lambda s: s[:20])
 def test_unusable_cache_is_ignored_with_a_warning(cache_dir, corrupt):
     path = tune_cache.save(H100, [TUNED], FREE_CUBLAS)
