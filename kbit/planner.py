@@ -7,7 +7,7 @@ or each tile in parts; cut.h). The binding runs exactly that and refuses what is
 ``rows_per_pass`` plans the MoE grouped GEMM's token rows per pass from the same model.
 
 It picks the candidate of least predicted time among the configurations the fit holds for at these tokens
-(``_fitted_for``). The cost model, per path (``PathCost``), for a launch whose busiest CTA runs ``E`` steps (a step:
+(``_fitted_for``), each on its launches (``launches``: the warp-specialized kernel's cut by its measured rules). The cost model, per path (``PathCost``), for a launch whose busiest CTA runs ``E`` steps (a step:
 one CTA tile's k-group of 256 columns, or 8 of them where the warps split k):
 
     time = fixed + max(E x bytes per step / load rate, E x (weights per step / lookup rate + MACs per step / MMA
@@ -170,18 +170,55 @@ def steps_of(config: GemmConfig, shape: Shape) -> Steps:
 
 def launches(config: GemmConfig, steps: Steps, sms: int) -> list:
     """The launches the binding accepts that are worth comparing: the steps in one group on one CTA per SM (or a CTA
-    per tile where the warps split k); for the warp-specialized kernel also whole tiles on the fewest CTAs that give
-    none more than ceil(tiles / SMs), and each tile in parts where the tiles are at most half the SMs."""
+    per tile where the warps split k); for the warp-specialized kernel, the one its measured cut rules give
+    (``ws_launch``)."""
+    if config.ws_tokens:
+        return [ws_launch(config, steps, sms)]
     found = [Launch(min(sms, steps.total))]
     if config.k_split > 1 and steps.tiles <= sms:
         found.append(Launch(steps.tiles))
-    if config.ws_tokens:
-        most = -(-steps.tiles // sms)
-        found.append(Launch(-(-steps.tiles // most), 0, True))
-        if 2 * steps.tiles <= sms <= MAX_TILE_PARTS_GRID and steps.k_steps >= 2:
-            for parts in sorted({2, min(sms // steps.tiles, steps.k_steps)}):
-                found.append(Launch(steps.tiles * parts, parts))
     return found
+
+
+# The warp-specialized kernel's cut, by the rules measured on the H100 and H200 (docs/PERFORMANCE.md, "Measured
+# choices"): the cost model does not rank these cuts as they measure (on the H200 A/B, the faster of two launches of
+# one configuration in 17 of 49 cells, even fitted to those times), so the launch is the rules' and the model prices it.
+def ws_launch(config: GemmConfig, steps: Steps, sms: int) -> Launch:
+    """Each tile in parts where the tiles are at most half the SMs (``_ws_tile_parts``); else whole tiles per CTA where
+    a grid of 95% of the SMs or more divides them (at least 2 each below 256-token tiles), or for 256-token tiles
+    unevenly where the busiest CTA's excess is small (``_ws_uneven_whole_tiles``); else the steps in one group."""
+    parts = _ws_tile_parts(steps.tiles, steps.k_steps, sms)
+    if parts:
+        return Launch(steps.tiles * parts, parts)
+    grid = next((g for g in range(sms, 0, -1) if 20 * g >= 19 * sms and steps.tiles % g == 0
+                 and steps.tiles // g >= (1 if config.ws_tokens == 256 else 2)), 0)
+    if not grid and config.ws_tokens == 256:
+        grid = _ws_uneven_whole_tiles(steps, sms)
+    return Launch(grid, 0, True) if grid else Launch(min(sms, steps.total))
+
+
+def _ws_tile_parts(tiles: int, k_steps: int, sms: int) -> int:
+    """Parts of whole k-steps per tile on tiles x parts CTAs where that keeps 95% of the SMs; else halves where the
+    k-steps are few (a CTA at most 2.5 steps more than the one-group cut); else 0."""
+    if sms > MAX_TILE_PARTS_GRID:
+        return 0
+    parts = min(sms // tiles, k_steps)
+    if parts >= 2 and 20 * tiles * parts >= 19 * sms:
+        return parts
+    return 2 if k_steps >= 2 and 2 * tiles <= sms and k_steps * (sms - 2 * tiles) <= 5 * sms else 0
+
+
+def _ws_uneven_whole_tiles(steps: Steps, sms: int) -> int:
+    """256-token tiles no grid divides: whole tiles on ceil(tiles / most) CTAs, where the busiest CTA's tiles past the
+    mean are few, or the SMs span two token passes or more and the most is within 1.3x the mean (1.2x below 32
+    k-steps); else 0."""
+    tiles = steps.tiles
+    most = -(-tiles // sms)
+    excess = most * sms - tiles
+    few_past = 50 * excess <= 3 * tiles or (4 * excess <= tiles and excess * steps.k_steps <= 5 * sms)
+    spans_passes = 2 * steps.row_tiles <= sms
+    bound_tenths = 13 if steps.k_steps >= 32 else 12
+    return -(-tiles // most) if few_past or (spans_passes and 10 * most * sms <= bound_tenths * tiles) else 0
 
 
 def best_launch(config: GemmConfig, shape: Shape, cut: CutCost, sms: int, cost: Optional[PathCost] = None) -> Launch:

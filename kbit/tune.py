@@ -4,9 +4,8 @@ For each shape, bit width and token count, every fused path that runs here (the 
 would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path for a weight holding
 only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies
 rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
-disagrees with dequantize + cuBLAS is left out. The warp-specialized kernel's configuration is also timed on its
-other launches (cut in one group, in whole tiles, in tile parts), each recorded with the launch that ran, so the fit
-sees what the launch alone changes. ``fit`` fits each path's ``kbit.planner.PathCost``
+disagrees with dequantize + cuBLAS is left out. Each fused time is recorded with the launch that ran, which the fit
+takes as it is. ``fit`` fits each path's ``kbit.planner.PathCost``
 to its times (least squares in relative error, coefficients >= 0); the times and the coefficients go to the tuned
 cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from from then on.
 
@@ -136,16 +135,14 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
                                     c.wgmma_tiles, c.k_split, c.ws_tokens, ops.weights_settled(*lay, qw.codebook))
 
                 planned = planner.Launch(config.grid, config.tile_parts, config.whole_tiles)
-                for launch in [planned] + _other_launches(facts, config, out_features, in_features, M, bits):
-                    error = float((fused(layouts[0], launch).float() - reference).norm()
-                                  / reference.norm().clamp_min(1e-30))
-                    if error > AGREEMENT:
-                        log(f"  {path.value} {tuple(launch)} at M = {M}: output differs from dequantize + cuBLAS "
-                            f"by {error:.2g}; left out")
-                        continue
-                    launches.append(list(launch) + [_time_us(lambda lay, o=launch: fused(lay, o), layouts, repeats)])
-                    if launch == planned:
-                        measured_us = launches[-1][-1]
+                error = float((fused(layouts[0], planned).float() - reference).norm()
+                              / reference.norm().clamp_min(1e-30))
+                if error <= AGREEMENT:
+                    measured_us = _time_us(lambda lay: fused(lay, planned), layouts, repeats)
+                    launches.append(list(planned) + [measured_us])
+                else:
+                    log(f"  {path.value} at M = {M}: output differs from dequantize + cuBLAS by {error:.2g}; "
+                        "left out")
             us[path.value].append(measured_us)
             timed_configs[path.value].append(list(config.key) if measured_us is not None else None)
             timed_launches[path.value].append(launches or None)
@@ -156,21 +153,6 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
     torch.cuda.empty_cache()
     return {"bits": bits, "out_features": out_features, "in_features": in_features, "tokens": list(tokens), "us": us,
             "configs": timed_configs, "launches": timed_launches, "gemm_resident": True}
-
-
-def _other_launches(facts, plan, out_features: int, in_features: int, tokens: int, bits: int) -> list:
-    """The warp-specialized configuration's launches other than the planned one (``kbit.planner.launches``): where
-    the cost model ranks the cuts, the fit wants each one's time."""
-    from . import planner
-    from .formats import padded_in_features
-
-    if plan.path is not Path.WARP_SPECIALIZED:
-        return []
-    config = next(c for c in facts.configs if c.bits == bits and c.key == plan.key)
-    shape = planner.Shape(out_features, padded_in_features(in_features), tokens, bits)
-    planned = planner.Launch(plan.grid, plan.tile_parts, plan.whole_tiles)
-    return [launch for launch in planner.launches(config, planner.steps_of(config, shape), facts.device.sms)
-            if launch != planned]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -104,6 +104,21 @@ def test_forced_paths():
         is Path.MMA_SYNC
 
 
+@pytest.mark.parametrize("case", [
+    # (out, in, tokens, bits, ws tokens per tile) -> the launch main's gemm.cu chose by these rules on the H200 A/B
+    ((1536, 2048, 1024, 4, 256), Launch(96, 2)),  # 48 tiles of 8 k-steps: halves
+    ((4096, 4096, 256, 2, 64), Launch(128, 2)),  # 64 tiles, parts keeping 95% of the SMs
+    ((10240, 2048, 1024, 4, 256), Launch(107, 0, True)),  # 320 tiles: 3 each, unevenly
+    ((14336, 4096, 256, 5, 256), Launch(112, 0, True)),  # 112 tiles: one each
+    ((28672, 8192, 64, 5, 64), Launch(132)),  # 224 tiles: the steps in one group
+], ids=str)
+def test_the_warp_specialized_cut_follows_the_measured_rules(case):
+    (N, K, M, bits, ws_tokens), launch = case
+    config = next(c for c in CONFIGS if c.bits == bits and c.ws_tokens == ws_tokens)
+    steps = planner.steps_of(config, Shape(N, K, M, bits))
+    assert planner.launches(config, steps, H200.sms) == [launch]
+
+
 def test_a_configuration_is_planned_within_the_tokens_it_was_measured_at():
     co = coefficients(H200)
     fewest, most = co.tokens[(4, 4, 0, 32, 1)]  # 32-token tiles, measured at 17 to 32 tokens
@@ -146,10 +161,10 @@ def test_time_never_falls_with_more_tokens_or_rows_at_a_fixed_configuration(bits
         if cost is None:
             continue
 
-        def best(N, M, K=4096):
+        def best(N, M, K=4096):  # the steps in one group, a launch every configuration takes
             shape = Shape(N, K, M, bits)
-            return min(planner.predict(cost, planner.fused_features(config, shape, launch, co.cut))
-                       for launch in planner.launches(config, planner.steps_of(config, shape), H200.sms))
+            launch = Launch(min(H200.sms, planner.steps_of(config, shape).total))
+            return planner.predict(cost, planner.fused_features(config, shape, launch, co.cut))
 
         for N in (256, 1024, 4096, 14336):
             times = [best(N, M) for M in range(1, 1100, 7)]
@@ -254,9 +269,11 @@ def _ws_times_on_every_launch(truth: planner.PathCost) -> dict:
         for M in tokens:
             shape = Shape(N, K, M, 4)
             config = next(c for c in CONFIGS if c.bits == 4 and c.ws_tokens == (64 if M == 64 else 256))
+            steps = planner.steps_of(config, shape)
+            cuts = [Launch(min(H200.sms, steps.total)), Launch(-(-steps.tiles // -(-steps.tiles // H200.sms)), 0, True)]
+            cuts += [Launch(steps.tiles * 2, 2)] if 2 * steps.tiles <= H200.sms else []
             timed = tuple((tuple(launch), planner.predict(truth, planner.fused_features(
-                config, shape, launch, planner.DEFAULT_CUT)))
-                for launch in planner.launches(config, planner.steps_of(config, shape), H200.sms))
+                config, shape, launch, planner.DEFAULT_CUT))) for launch in cuts)
             planned.append(timed[0][1])
             launched.append(timed)
             keys.append(config.key)
@@ -267,9 +284,9 @@ def _ws_times_on_every_launch(truth: planner.PathCost) -> dict:
 
 
 def test_the_fit_takes_each_recorded_launch_as_it_ran():
-    """Times made by known coefficients on every launch of the planned configuration: fitted with the launches that
-    ran, the model picks each cell's fastest launch (23 of 24) and is within 25% on every launch; fitted from the
-    planned times alone, their launches guessed, it picks fewer (13)."""
+    """Times made by known coefficients on several launches of one configuration: fitted with the launches that ran,
+    the model picks each cell's fastest launch and is within 25% on every launch; fitted from the first launch's
+    times alone, their launches guessed by the model, it picks fewer."""
     measured = _ws_times_on_every_launch(planner.PathCost(3.0, 10.0, 6.0, 350.0, 0.7, 200.0, 0.15))
 
     def fitted_picks(measurements) -> tuple:
