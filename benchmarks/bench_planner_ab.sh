@@ -9,9 +9,12 @@
 #    the planner's coefficients to those times (the tuned cache, which this tree's planner then plans from);
 # 3. fit them again offline from the tune file as kbit/gpus/<GPU>.json is made, and check the two fits agree;
 # 4. the A/B: benchmarks/planner_ab.py times kbit.matmul as a layer runs it over bench_gemm.py's sweep (AB_M x
-#    AB_K x its nine shapes) in OLD, then in this tree, each side given half the time left;
-# 5. bench_moe.py --quick in both trees, if AB_MOE_S seconds are left;
-# 6. the summary, printed last: compare_ab.py on the layer GEMM and on the fused op alone, the MoE, the coefficients.
+#    AB_K x its nine shapes, the most telling first) on three sides one after the other, each given a third of the
+#    time left: OLD; this tree on its shipped coefficients (kbit/gpus/, the tuned cache set aside); this tree on the
+#    coefficients just fitted;
+# 5. bench_moe.py --quick in OLD and this tree (tuned), if AB_MOE_S seconds are left;
+# 6. the summary, printed last: compare_ab.py of each new side against OLD on the layer GEMM and on the fused op
+#    alone, the MoE, the fitted coefficients.
 # Everything goes to $AB_DIR (default /tmp/planner_ab); with $OUT set, a tar of it and the summary, tune file,
 # coefficient file and A/B files beside it. Phases start only while AB_BUDGET_S (default 560) leaves them time.
 set -euo pipefail
@@ -20,14 +23,14 @@ NEW=$(pwd)
 RES=${AB_DIR:-/tmp/planner_ab}
 DRY=${AB_DRY_RUN:-0}
 BUDGET=${AB_BUDGET_S:-560}
-TUNE_S=${AB_TUNE_S:-150}
+TUNE_S=${AB_TUNE_S:-100}
 # The shapes the fit needs most first (the A/B's losing cells: tile parts on 4096->4096, few tiles on 2048->1536,
 # tile widths on 4096->14336, long k on 11008->4096), then the largest weight; the rest as time allows.
 TUNE_SHAPES=${AB_TUNE_SHAPES:-4096->4096,2048->1536,4096->14336,11008->4096,8192->28672,2048->10240,14336->4096,\
 28672->8192,4096->11008}
 TUNE_TOKENS=${AB_TUNE_TOKENS:-1,16,32,64,128,256,512,1024,2048,4096}
 BITS=${AB_K:-2,3,4,5}
-M=${AB_M:-1,4,16,32,64,128,256,512,1024,2048,4096}
+M=${AB_M:-1,16,32,64,128,256,512,1024,2048,4096}  # bench_gemm.py's but 4 (decode: the same plan as at 1 and 16)
 MOE_S=${AB_MOE_S:-120}
 CACHE=${AB_CACHE:-/tmp/kbit_ab}
 start=$SECONDS
@@ -37,10 +40,11 @@ mkdir -p "$RES"
 left() { echo $((BUDGET - (SECONDS - start))); }
 say() { echo "[$((SECONDS - start)) s] $*" | tee -a "$RES/phases.log"; }
 tree_of() { if [ "$1" = old ]; then echo "$OLD"; else echo "$NEW"; fi; }
-in_tree() {  # side, command...: run in that tree with its own extension cache
-  local side=$1
+in_tree() {  # side, command...: run in that tree with its own extension cache (the new sides share one)
+  local side=$1 cache=${CACHE}_new
   shift
-  (cd "$(tree_of "$side")" && KBIT_CACHE_DIR=${CACHE}_$side "$@")
+  [ "$side" = old ] && cache=${CACHE}_old
+  (cd "$(tree_of "$side")" && KBIT_CACHE_DIR=$cache "$@")
 }
 
 # 1. build
@@ -98,23 +102,30 @@ EOF
 tag=none
 if [ -n "$tuned" ]; then fit "$tuned"; fi
 
-# 4. the A/B over bench_gemm.py's sweep
+# 4. the A/B over bench_gemm.py's sweep: old, new on its shipped coefficients, new on the ones just fitted
+ab() {  # side: time it, given a share of the time left
+  in_tree "$1" python "$NEW/benchmarks/planner_ab.py" --tree "$(tree_of "$1")" --out "$RES/ab_$1.json" \
+    --m "$M" --k "$BITS" --seconds "$2" >"$RES/ab_$1.log" 2>&1 || { say "A/B $1 failed"; tail -20 "$RES/ab_$1.log"; }
+  say "A/B $1 done ($2 s allowed)"
+}
+sides="old shipped"
+[ -n "$tuned" ] && sides="old shipped tuned"
 if [ "$DRY" = 0 ]; then
-  per_side=$((($(left) - 40) / 2))
+  n=$(echo $sides | wc -w)
+  per_side=$((($(left) - 30) / n))
   [ "$per_side" -ge 30 ] || per_side=30
-  for side in old new; do
-    in_tree $side python "$NEW/benchmarks/planner_ab.py" --tree "$(tree_of $side)" --out "$RES/ab_$side.json" \
-      --m "$M" --k "$BITS" --seconds "$per_side" >"$RES/ab_$side.log" 2>&1 ||
-      { say "A/B $side failed"; tail -20 "$RES/ab_$side.log"; }
-    say "A/B $side done ($per_side s allowed)"
+  for side in $sides; do
+    if [ "$side" = shipped ] && [ -d "${CACHE}_new/tuned" ]; then mv "${CACHE}_new/tuned" "${CACHE}_new/tuned.aside"; fi
+    if [ "$side" = tuned ]; then mv "${CACHE}_new/tuned.aside" "${CACHE}_new/tuned"; fi
+    ab "$side" "$per_side"
   done
 else
-  for side in old new; do cp "$NEW/benchmarks/results/gemm_NVIDIA_H200_prefill.json" "$RES/ab_$side.json"; done
+  for side in $sides; do cp "$NEW/benchmarks/results/gemm_NVIDIA_H200_prefill.json" "$RES/ab_$side.json"; done
 fi
 
 # 5. MoE, if time is left
 if [ "$DRY" = 0 ] && [ "$(left)" -ge "$MOE_S" ]; then
-  for side in old new; do
+  for side in old new; do  # new: on the tuned cache where there is one
     in_tree $side python benchmarks/bench_moe.py --quick --replays 3 --out "$RES/moe_$side" \
       >"$RES/moe_$side.log" 2>&1 || say "MoE $side failed"
     say "MoE $side done"
@@ -131,14 +142,18 @@ set +e
   echo "== planner A/B, $((SECONDS - start)) s: old $OLD, new $NEW"
   grep -h "kbit tune: .*\(done at\|passed\)" "$RES/tune.log" 2>/dev/null | tail -3 || true
   cat "$RES/phases.log"
-  echo "-- the layer GEMM (kbit.matmul on a GEMM-resident weight; dequantize + cuBLAS where planned):"
-  python benchmarks/compare_ab.py --worst 8 "$RES/ab_old.json" -- "$RES/ab_new.json" || true
-  echo "-- the fused op alone (kbit.ops.gemm, bench_gemm.py's kbit row):"
-  if grep -q '"fused_us"' "$RES/ab_new.json"; then
-    python benchmarks/compare_ab.py --field fused_us --worst 5 "$RES/ab_old.json" -- "$RES/ab_new.json" || true
-  else
-    echo "  (no fused_us in these rows)"
-  fi
+  for side in $sides; do
+    [ "$side" = old ] && continue
+    echo "-- $side against old, the layer GEMM (kbit.matmul on a GEMM-resident weight, dequantize + cuBLAS where" \
+      "planned):"
+    python benchmarks/compare_ab.py --worst 8 "$RES/ab_old.json" -- "$RES/ab_$side.json" || true
+    echo "-- $side against old, the fused op alone (kbit.ops.gemm, bench_gemm.py's kbit row):"
+    if grep -q '"fused_us"' "$RES/ab_$side.json"; then
+      python benchmarks/compare_ab.py --field fused_us --worst 5 "$RES/ab_old.json" -- "$RES/ab_$side.json" || true
+    else
+      echo "  (no fused_us in these rows)"
+    fi
+  done
   if ls "$RES"/moe_old/moe_*.json "$RES"/moe_new/moe_*.json >/dev/null 2>&1; then
     echo "-- MoE (bench_moe.py --quick):"
     python benchmarks/compare_ab.py --worst 3 "$RES"/moe_old/moe_*.json -- "$RES"/moe_new/moe_*.json || true
@@ -163,6 +178,6 @@ EOF
 if [ -n "${OUT:-}" ]; then
   tar -czf "$OUT/planner_ab.tar.gz" -C "$(dirname "$RES")" "$(basename "$RES")"
   cp "$RES/summary.txt" "$RES/tune_$tag.json" "$RES/$tag.json" "$OUT/"
-  for side in old new; do cp "$RES/ab_$side.json" "$OUT/ab_$side.json" 2>/dev/null || true; done
+  for side in $sides; do cp "$RES/ab_$side.json" "$OUT/ab_$side.json" 2>/dev/null || true; done
 fi
 cat "$RES/summary.txt"

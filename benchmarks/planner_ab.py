@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--m", default=M_LIST, help="token counts, comma-separated")
     p.add_argument("--k", default="2,3,4,5", help="bit widths, comma-separated")
     p.add_argument("--calls", type=int, default=10, help="calls per CUDA graph at least (default 10)")
-    p.add_argument("--replays", type=int, default=3, help="timed graph replays, the median kept (default 3)")
+    p.add_argument("--replays", type=int, default=5, help="timed graph replays, the median kept (default 5)")
     p.add_argument("--seconds", type=float, default=0.0, help="start no (shape, bits) after this (0: no limit)")
     return p.parse_args(argv)
 
