@@ -5,9 +5,9 @@ would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` doe
 only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies
 rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
 disagrees with dequantize + cuBLAS is left out. Each fused time is recorded with the launch that ran, which the fit
-takes as it is. ``fit`` fits each path's ``kbit.planner.PathCost``
-to its times (least squares in relative error, coefficients >= 0); the times and the coefficients go to the tuned
-cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from from then on.
+takes as it is. ``fit`` fits each path's ``kbit.planner.PathCost`` to its times (least squares in relative error,
+coefficients >= 0); the times and the coefficients go to the tuned cache (``kbit.tune_cache``), which
+``kbit.matmul`` plans from from then on.
 
 ``python -m kbit tune --fit MEASUREMENTS --configs REPORT --out FILE`` fits without a GPU, from a tune file
 (``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``):
