@@ -53,7 +53,8 @@ from torch import Tensor, nn
 
 from . import ops, planner
 from ._build import cuda_ext
-from ._counted import count_name, counts_hidden, hold_count
+from ._counted import count_name, hold_count
+from ._kbit_module import KbitModule
 from ._validate import (
     GEMM_DTYPES,
     check_bits,
@@ -65,7 +66,6 @@ from ._validate import (
     check_range,
     check_tensor,
     check_weight,
-    refuse_assignment,
 )
 from .formats import block_count, create_normal_float_codebook, experts_meta_tensor, padded_in_features
 from .grouped import gate_up_row_order
@@ -89,7 +89,7 @@ def _is_silu(act: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-class KbitExperts(nn.Module):
+class KbitExperts(KbitModule):
     """The routed experts of a MoE layer, k-bit quantized (module docstring: layout and forward).
 
     Args:
@@ -104,7 +104,9 @@ class KbitExperts(nn.Module):
     ``from_experts``.
     """
 
-    # State-dict entries derived from the GEMM layouts when the module is GEMM-resident (module docstring).
+    # KbitModule's names: the storage format (its codes derived from the GEMM layouts when GEMM-resident), the
+    # layouts, the counting parameters, transformers' weights that are held quantized.
+    FORMAT_KEYS, LAYOUT_KEYS, COUNTS, REFUSED = STORAGE, GEMM_LAYOUTS, WEIGHT_COUNTS, FUSED_PARAMETERS
     DERIVED_KEYS = tuple(f"{p}_{s}" for p in PROJECTIONS for s in ("packed", "absmax"))
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, bits: int = 4,
@@ -207,15 +209,6 @@ class KbitExperts(nn.Module):
             packed[e], absmax[e] = self._derive(proj, e)
         return packed, absmax
 
-    def _hold_storage(self) -> None:
-        """Hold the storage format (derived from the GEMM layouts on their device if need be) and no layouts."""
-        for proj in PROJECTIONS:
-            packed, absmax = self.storage(proj)
-            setattr(self, f"{proj}_packed", packed)
-            setattr(self, f"{proj}_absmax", absmax)
-        for name in GEMM_LAYOUTS:
-            setattr(self, name, None)
-
     def dequantize(self, proj: str, dtype=None) -> Tensor:
         """Every expert's reconstructed weight, [E, 2I, H] (``"gate_up"``) or [E, H, I] (``"down"``)."""
         self._check_projection(proj)
@@ -317,6 +310,8 @@ class KbitExperts(nn.Module):
             setattr(self, f"{proj}_gemm_codes", codes)
             setattr(self, f"{proj}_gemm_absmax", absmax)
 
+    _derive_layout = derive_gemm_layouts  # KbitModule's name for it
+
     def prepare(self) -> "KbitExperts":
         """On a CUDA device where the grouped GEMM runs: hold the GEMM layouts (derived from the storage format,
         which is then dropped), as buffers marked static for ``torch.compile``. Elsewhere: hold the storage format
@@ -335,14 +330,7 @@ class KbitExperts(nn.Module):
         if device.type != "cuda" or not self.grouped_supported() or not self._rows_supported:
             self._hold_storage()
             return self
-        if not self.is_gemm_resident:
-            self.derive_gemm_layouts()
-            for proj in PROJECTIONS:
-                setattr(self, f"{proj}_packed", None)
-                setattr(self, f"{proj}_absmax", None)
-        for t in self.buffers():
-            # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
-            torch._dynamo.mark_static_address(t, guard=False)
+        self._hold_layout()
         return self
 
     # ------------------------------------------------------------------ forward
@@ -423,65 +411,24 @@ class KbitExperts(nn.Module):
                 f"intermediate_dim={self.intermediate_dim}, bits={self.bits}, "
                 f"dtype={str(self.weight_dtype).replace('torch.', '')}")
 
-    # ------------------------------------------------------------------ device / dtype moves
-    def _apply(self, fn, recurse=True):
-        # Leaving the GPU, the storage format travels (derived there by the CUDA kernel), not the layouts.
-        if self.is_gemm_resident and fn(self.gate_up_gemm_codes.new_empty(0)).device.type != "cuda":
-            self._hold_storage()
-        # Module-wide dtype casts (.half(), .to(dtype)) must not change the format's buffers (codebook and scales
-        # are float32 by definition): apply fn for the target device, then move the originals there unchanged.
-        before = {name: self._buffers.get(name) for name in STORAGE + GEMM_LAYOUTS}
-        with counts_hidden(self, WEIGHT_COUNTS):
-            super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers.get(name)
-            if old is not None and new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
+    # ------------------------------------------------------------------ moving, saving, loading (KbitModule)
+    def _moved(self) -> None:
         self.prepare()
-        return self
 
-    def __setattr__(self, name, value):
-        refuse_assignment(self, name, FUSED_PARAMETERS)
-        super().__setattr__(name, value)
+    def _derived_storage(self) -> dict:
+        derived = {}
+        for proj in PROJECTIONS:
+            derived[f"{proj}_packed"], derived[f"{proj}_absmax"] = self.storage(proj)
+        return derived
 
-    def __setstate__(self, state):  # a copied parameter loses its attributes: the counts are made again
-        super().__setstate__(state)
-        self._hold_counts()
-
-    # ------------------------------------------------------------------ saving
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # The storage format, whichever form the module holds; never the GEMM layouts.
-        saved = {}
-        with counts_hidden(self, WEIGHT_COUNTS):
-            super()._save_to_state_dict(saved, prefix, keep_vars)
-        if self.is_gemm_resident:
-            for proj in PROJECTIONS:
-                saved[f"{prefix}{proj}_packed"], saved[f"{prefix}{proj}_absmax"] = self.storage(proj)
-        for name in (*self._parameters, *self._buffers):  # in the order of a module that holds the storage format
-            if name not in GEMM_LAYOUTS and prefix + name in saved:
-                destination[prefix + name] = saved[prefix + name]
-
-    # ------------------------------------------------------------------ loading
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # A checkpoint is untrusted: check everything it holds for this layer before any of it is assigned. It holds
-        # the storage format: load into that (the current one derived, so that a partial load keeps the rest), then
-        # derive the layouts again (prepare), one layer at a time.
-        self._hold_storage()
-        dtype = self.weight_dtype
+    def _check_state(self, state_dict, prefix: str) -> torch.dtype:
+        self._hold_storage()  # the checks compare against the storage buffers, which a GEMM-resident module lacks
         meta = state_dict.get(prefix + "meta")
-        try:
-            if isinstance(meta, Tensor) and meta.device.type != "meta":
-                dtype = self._check_meta(meta, prefix + "meta")
-            self._check_incoming(state_dict, prefix, dtype)
-        except (TypeError, ValueError) as e:
-            error_msgs.append(str(e))
-            return
-        with counts_hidden(self, WEIGHT_COUNTS):
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
-        self.weight_dtype = dtype
-        self.prepare()
+        dtype = self.weight_dtype
+        if isinstance(meta, Tensor) and meta.device.type != "meta":
+            dtype = self._check_meta(meta, prefix + "meta")
+        self._check_incoming(state_dict, prefix, dtype)
+        return dtype
 
     def _check_meta(self, meta, name: str) -> torch.dtype:
         bits, E, H, I, dtype = check_experts_meta(meta, name)

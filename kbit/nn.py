@@ -45,7 +45,8 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ._counted import count_name, counts_hidden, hold_count
+from ._counted import count_name, hold_count
+from ._kbit_module import KbitModule
 from ._layers import linear_features, linear_weight
 from ._progress import Progress
 from ._validate import (
@@ -62,7 +63,6 @@ from ._validate import (
     check_skip,
     check_storage_tensor,
     check_weight,
-    refuse_assignment,
 )
 from .bit_budget import check_bits_setting, choose_layer_bits
 from .calibration import check_calibration, check_calibration_used, quantize_layers, uses_calibration
@@ -94,7 +94,7 @@ def _same_tensors(a, b) -> bool:
     return True
 
 
-class KbitLinear(nn.Linear):
+class KbitLinear(KbitModule, nn.Linear):
     """``y = x @ W_hat.T + bias`` with ``W_hat`` stored quantized to ``bits`` bits per weight (``kbit.matmul``).
 
     It subclasses ``nn.Linear`` (as bitsandbytes' quantized layers do) so that code which picks layers by type treats
@@ -119,7 +119,9 @@ class KbitLinear(nn.Linear):
     it with ``from_linear`` / ``from_quantized``.
     """
 
-    # State-dict entries derived from the GEMM layout when the module is GEMM-resident (module docstring).
+    # KbitModule's names: the storage format (its codes derived from the GEMM layout when GEMM-resident), the
+    # layout, the counting parameter, the full-precision weight that is held quantized.
+    FORMAT_KEYS, LAYOUT_KEYS, COUNTS, REFUSED = STATE_KEYS, GEMM_LAYOUT, (WEIGHT_COUNT,), ("weight",)
     DERIVED_KEYS = ("packed", "absmax")
 
     def __init__(
@@ -256,12 +258,6 @@ class KbitLinear(nn.Linear):
     def _invalidate(self) -> None:
         self._qw = None
 
-    def _hold_storage(self) -> None:
-        """Hold the storage format (derived from the GEMM layout on its device if need be) and no layout."""
-        if self.is_gemm_resident:
-            self.packed, self.absmax = self.qweight.storage()
-        self.gemm_codes = self.gemm_absmax = None
-
     def prepare(self) -> "KbitLinear":
         """On a CUDA device: hold the GEMM layout (derived from the storage format, which is then dropped), as
         buffers marked static for ``torch.compile``. Does nothing elsewhere. Returns self.
@@ -270,28 +266,25 @@ class KbitLinear(nn.Linear):
         ``kbit.prepare(model)``) after assigning ``packed`` or ``absmax`` by hand.
         """
         device = self.codebook.device
-        self._hold_count()
+        self._hold_counts()
         if device.type == "cuda":
-            self._prepare_on_cuda(device)
+            self._hold_layout()
+            self.qweight.prepare()
+            if self._block:  # the Hadamard matrices forward uses, made now rather than inside a captured region
+                for dtype in GEMM_DTYPES:
+                    hadamard(self._block, dtype, device)
         if self._fusion is not None:  # its siblings' stacked layout takes its rows back (kbit.fusion)
             self._fusion.refresh()
         return self
 
-    def _prepare_on_cuda(self, device) -> None:
-        if not self.is_gemm_resident:
-            qw = self.qweight.gemm_resident()
-            self.packed = self.absmax = None
-            self.gemm_codes, self.gemm_absmax = qw.gemm_layout()
-            self._qw = qw
-        self.qweight.prepare()
-        if self._block:  # the Hadamard matrices forward uses, made now rather than inside a captured region
-            for dtype in GEMM_DTYPES:
-                hadamard(self._block, dtype, device)
-        for t in (self.codebook, self.scale, self.gemm_codes, self.gemm_absmax):
-            # CUDA graphs (torch.compile mode="reduce-overhead") then read these in place instead of copying them in.
-            torch._dynamo.mark_static_address(t, guard=False)
+    def _derive_layout(self) -> None:
+        """Set ``gemm_codes`` / ``gemm_absmax`` from the held storage format, on its device, keeping the storage
+        (``KbitModule._hold_layout`` drops it); the view ``qweight`` holding that layout is kept too."""
+        qw = self.qweight.gemm_resident()
+        self.gemm_codes, self.gemm_absmax = qw.gemm_layout()
+        self._qw = qw
 
-    def _hold_count(self) -> None:
+    def _hold_counts(self) -> None:
         hold_count(self, WEIGHT_COUNT, self.out_features * self.in_features, self.weight_dtype, self.codebook.device)
 
     @property
@@ -353,79 +346,39 @@ class KbitLinear(nn.Linear):
             + (f", rotation_block={self._block}" if self._block else "")
         )
 
-    # ------------------------------------------------------------------ device / dtype moves
-    def _apply(self, fn, recurse=True):
-        # Leaving the GPU, the storage format travels (derived there by the CUDA kernel), not the layout.
-        if self.is_gemm_resident and fn(self.gemm_codes.new_empty(0)).device.type != "cuda":
-            self._hold_storage()
-        # Module-wide dtype casts (.half(), .to(dtype), .float()) must not change the format's
-        # buffers: codebook and scale are float32 by definition. Apply fn to find the target
-        # device, then move the original tensor there without changing its dtype.
-        before = {name: self._buffers.get(name) for name in STATE_KEYS + GEMM_LAYOUT}
-        with counts_hidden(self, (WEIGHT_COUNT,)):
-            super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers.get(name)
-            if old is not None and new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
+    # ------------------------------------------------------------------ moving, saving, loading (KbitModule)
+    def _moved(self) -> None:
         self._invalidate()
-        self._hold_count()
+        self._hold_counts()
         if self.codebook.device.type != "meta":
             self.prepare()
-        return self
 
-    # ------------------------------------------------------------------ saving
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # The storage format, whichever form the module holds; never the GEMM layout.
-        saved = {}
-        with counts_hidden(self, (WEIGHT_COUNT,)):
-            super()._save_to_state_dict(saved, prefix, keep_vars)
-        if self.is_gemm_resident:
-            saved[prefix + "packed"], saved[prefix + "absmax"] = self.qweight.storage()
-        for name in (*self._parameters, *self._buffers):  # in the order of a module that holds the storage format
-            if name not in GEMM_LAYOUT and prefix + name in saved:
-                destination[prefix + name] = saved[prefix + name]
+    def _derived_storage(self) -> dict:
+        return dict(zip(self.DERIVED_KEYS, self.qweight.storage()))
 
-    # ------------------------------------------------------------------ loading
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # A checkpoint is untrusted: check what it holds for this layer before any of it is assigned.
+    def _check_state(self, state_dict, prefix: str) -> torch.dtype:
         meta = state_dict.get(prefix + "meta")
         dtype = self.weight_dtype
         if isinstance(meta, Tensor) and meta.device.type != "meta":
-            try:
-                bits, shape, dtype = check_meta(meta, prefix + "meta")
-            except (TypeError, ValueError) as e:
-                error_msgs.append(str(e))
-                return
+            bits, shape, dtype = check_meta(meta, prefix + "meta")
             if (bits, shape) != (self.bits, (self.out_features, self.in_features)):
-                error_msgs.append(
+                raise ValueError(
                     f"{prefix}meta describes a bits={bits} {list(shape)} weight, but this KbitLinear is "
                     f"bits={self.bits} [{self.out_features}, {self.in_features}]; build it with the checkpoint's "
                     f"shape and bits"
                 )
-                return
         for name in ("codebook", "scale"):  # float32 by definition; a checkpoint cast to 16 bits still loads
             t = state_dict.get(prefix + name)
             if isinstance(t, Tensor) and t.dtype != torch.float32 and t.is_floating_point():
                 state_dict[prefix + name] = t.to(torch.float32)
-        try:
-            self._check_incoming(state_dict, prefix, dtype)
-        except (TypeError, ValueError) as e:
-            error_msgs.append(str(e))
-            return
-        # A state dict holds the storage format: load into it, then derive the layout again (prepare), one layer at a
-        # time. The current storage is derived, not left empty, so that a partial or failed load keeps the weight.
-        self._hold_storage()
-        with counts_hidden(self, (WEIGHT_COUNT,)):
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
-        self.weight_dtype = dtype
+        self._check_incoming(state_dict, prefix, dtype)
+        return dtype
+
+    def _loaded(self, state_dict, prefix: str) -> None:
         block = state_dict.get(prefix + "rotation_block")
         if self.rotation_block is not None and isinstance(block, Tensor) and block.device.type != "meta":
             self._block = int(block)
         self._invalidate()
-        self.prepare()
 
     def _check_incoming(self, state_dict, prefix: str, dtype: torch.dtype) -> None:
         """Dtype, shape and values of each storage tensor a state dict brings (missing ones keep the module's), and
@@ -461,16 +414,11 @@ class KbitLinear(nn.Linear):
     def __getstate__(self):  # the bound kernel holds its own references to the tensors: a copy binds its own
         return {**super().__getstate__(), "_direct": None}
 
-    def __setstate__(self, state):  # a copied parameter loses its attributes: the count is made again
+    def __setstate__(self, state):
         super().__setstate__(state)
         self._qw = None
-        self._hold_count()
         self.__dict__.setdefault("_fusion", None)  # pickled before fusion existed
         self.__dict__.setdefault("_fusion_slot", 0)
-
-    def __setattr__(self, name, value):
-        refuse_assignment(self, name, ("weight",))
-        super().__setattr__(name, value)
 
 
 # ---------------------------------------------------------------------- model conversion

@@ -27,9 +27,7 @@ def _gemm_resident(model: nn.Module) -> None:
     """What prepare() does on CUDA, on CPU by hand; then every layer's prepare(), which builds the groups."""
     layers = [m for m in model.modules() if isinstance(m, kbit.KbitLinear)]
     for layer in layers:
-        g = layer.qweight.gemm_resident()
-        layer.packed = layer.absmax = None
-        layer.gemm_codes, layer.gemm_absmax = g.gemm_layout()
+        layer._hold_layout()
     for layer in layers:
         layer.prepare()
 
@@ -302,9 +300,7 @@ def test_each_layer_moves_into_the_stack_as_it_becomes_gemm_resident():
     x = torch.randn(2, 96, dtype=torch.bfloat16)
     want = [kbit.matmul(x, m.qweight, m.bias) for m in group.members]
     for i, m in enumerate(group.members):
-        g = m.qweight.gemm_resident()
-        m.packed = m.absmax = None
-        m.gemm_codes, m.gemm_absmax = g.gemm_layout()
+        m._hold_layout()
         m.prepare()  # its own layout copied into its rows of the stack, made at the first one: one copy held
         assert m.gemm_codes is group._stacked.views[i][0] and m.gemm_absmax is group._stacked.views[i][1]
         assert (group._compute(x) is None) == (i < 2)  # one launch once all three are in
@@ -325,9 +321,7 @@ def test_a_group_made_before_loading_lets_its_layers_go_when_a_late_one_differs(
         if i == 1:  # arrives with another codebook (on CUDA the others wait on meta, unchecked, until then)
             m.codebook = other
             want = [kbit.matmul(x, m.qweight, m.bias) for m in group.members]
-        g = m.qweight.gemm_resident()
-        m.packed = m.absmax = None
-        m.gemm_codes, m.gemm_absmax = g.gemm_layout()
+        m._hold_layout()
         m.prepare()
         assert (group._stacked is None) == (i == 1)
     q = model.q_proj

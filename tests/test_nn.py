@@ -497,3 +497,15 @@ def test_quantize_model_checks_bits_once(monkeypatch, method, codebook):
     calls = count_bits_checks(monkeypatch)
     kbit.quantize_model(model, bits=3, codebook=cb, method=method, min_features=1, progress=False)
     assert isinstance(model[0], kbit.KbitLinear) and calls == [3]
+
+
+def test_kbit_layers_share_their_module_plumbing():
+    """Moving, saving, loading and the passage between the storage format and the GEMM layout are one implementation
+    for KbitLinear and KbitExperts (kbit._kbit_module), each layer supplying only its buffers' names and the steps
+    that differ."""
+    from kbit._kbit_module import KbitModule
+
+    shared = ("_apply", "_save_to_state_dict", "_load_from_state_dict", "__setattr__", "_hold_storage",
+              "_hold_layout")
+    for name in shared:
+        assert getattr(kbit.KbitLinear, name) is getattr(kbit.KbitExperts, name) is getattr(KbitModule, name), name

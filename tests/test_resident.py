@@ -96,9 +96,7 @@ def _layer(bits: int, out_features: int, in_features: int, rotate: bool = False)
 
 def _as_gemm_resident_on_cpu(layer: kbit.KbitLinear) -> None:
     """What prepare() does on CUDA, on CPU by hand (the reference ops read the layout anywhere)."""
-    g = layer.qweight.gemm_resident()
-    layer.packed = layer.absmax = None
-    layer.gemm_codes, layer.gemm_absmax = g.gemm_layout()
+    layer._hold_layout()
 
 
 def test_cpu_layer_holds_the_storage_format_only():
@@ -149,9 +147,7 @@ def test_gemm_resident_experts_give_back_their_storage_bit_for_bit(k):
     assert list(want) == list(STORAGE[:6]) + ["codebook", "meta"]
     mod.derive_gemm_layouts()
     _assert_same_state(mod.state_dict(), want)  # both forms held: the layouts are never saved
-    for proj in ("gate_up", "down"):  # what prepare() does on CUDA, by hand
-        setattr(mod, f"{proj}_packed", None)
-        setattr(mod, f"{proj}_absmax", None)
+    mod._hold_layout()  # what prepare() does on CUDA, on CPU by hand
     assert mod.is_gemm_resident
     _assert_same_state(mod.state_dict(), want)
     for proj in ("gate_up", "down"):
@@ -160,6 +156,25 @@ def test_gemm_resident_experts_give_back_their_storage_bit_for_bit(k):
     mod.to("cpu")  # leaving for a device other than CUDA: the storage format alone
     assert not mod.is_gemm_resident and all(getattr(mod, name) is None for name in GEMM_LAYOUTS)
     _assert_same_state(mod.state_dict(), want)
+
+
+def test_both_layers_hold_their_layout_alike():
+    """KbitModule._hold_layout, what prepare() does on CUDA for either layer: the storage format's codes dropped, the
+    layout in their place, every buffer the GEMM reads marked static for CUDA graphs; KbitLinear keeps the view that
+    derived the layout (no second derivation, no new check at the next call)."""
+    layer = _layer(3, 40, 64)
+    want = layer.qweight.gemm_layout()
+    layer._hold_layout()
+    kept = layer._qw
+    assert layer.packed is None and layer.absmax is None and kept.is_gemm_resident and layer.qweight is kept
+    assert kept.resident[:2] == (layer.gemm_codes, layer.gemm_absmax)
+    assert all(torch.equal(getattr(layer, name), t) for name, t in zip(GEMM_LAYOUT, want))
+    mod, _ = KbitExperts.from_weights(torch.randn(2, 64, 32) * 0.05, torch.randn(2, 32, 32) * 0.05, bits=3)
+    mod._hold_layout()
+    assert all(getattr(mod, f"{proj}_{s}") is None for proj in ("gate_up", "down") for s in ("packed", "absmax"))
+    for module, names in ((layer, ("codebook", "scale", *GEMM_LAYOUT)), (mod, ("codebook", *GEMM_LAYOUTS))):
+        for name in names:
+            assert getattr(module, name)._dynamo_static_input_type == "unguarded", name
 
 
 def test_layout_reference_inverse_on_padding_is_dropped():

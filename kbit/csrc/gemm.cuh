@@ -1097,6 +1097,11 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     }
   }
 #endif
+  // The tables too where the whole grid starts beside the previous one (as gemm_ws.cuh does with settled weights), so
+  // that after the wait only the activations remain; on grids of more CTAs, which start in the previous kernel's
+  // tail, tables built before the wait made the calls slower (docs/PERFORMANCE.md, "Measured choices").
+  const bool tables_early = copied_early == S;
+  if (tables_early) build_tables<Cfg, T>(code_value, layout.tables());
   if constexpr (Cfg::kBlockColumns) clear_block_columns<Cfg>(layout);  // seen by every warp after the tables' barrier
   grid_dependency_wait();
   allow_dependent_launch();
@@ -1118,7 +1123,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   for (int s = 0; s < S - 1 && first + s < last; ++s, load_at.advance(p, Split{})) {  // every CTA has a step 0
     if (s >= copied_early) copy_weights(s, load_at, issues(s));
     if (!Cfg::kActsByIssuer || issues(s)) copy_activations(s, load_at);
-    if (s == 0) build_tables<Cfg, T>(code_value, layout.tables());
+    if (s == 0 && !tables_early) build_tables<Cfg, T>(code_value, layout.tables());
   }
   const uint32_t sel = lane_select<Cfg>(layout.table, lane);
   __syncthreads();  // tables complete
