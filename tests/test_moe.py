@@ -130,6 +130,39 @@ def test_expert_storage_is_per_expert_quantize(k):
     assert torch.equal(mod.dequantize("gate_up"), torch.stack([kbit.dequantize(kbit.quantize(w, k)) for w in gate_up]))
 
 
+def test_projections_are_views_of_the_buffers_in_both_forms():
+    """``projection(proj)`` is a QuantizedWeight [E, N, K] over the module's buffers; expert e of it is the weight
+    built from row e of each saved buffer; the gate/up layout is the grouped GEMM's (rows interleaved by 8); dequantize
+    is each expert's, stacked. The same from the GEMM layouts (derived there bit for bit)."""
+    E, H, I = 3, 72, 40
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, torch.bfloat16), bits=3)
+    state = {key: t.clone() for key, t in mod.state_dict().items()}
+    for resident in (False, True):
+        if resident:
+            mod._hold_layout()  # what prepare() does on CUDA
+        for proj, (N, K) in mod.shapes().items():
+            qw = mod.projection(proj)
+            assert qw.shape == (E, N, K) and qw.is_gemm_resident == resident and qw.dtype == torch.bfloat16
+            assert qw.codebook is mod.codebook and qw.scale is getattr(mod, f"{proj}_scale")
+            assert (qw.row_order is not None) == (proj == "gate_up")
+            if not resident:
+                assert qw.packed is getattr(mod, f"{proj}_packed") and qw.absmax is getattr(mod, f"{proj}_absmax")
+            for e in range(E):
+                want = kbit.QuantizedWeight(state[f"{proj}_packed"][e], state[f"{proj}_absmax"][e], state["codebook"],
+                                            state[f"{proj}_scale"][e], 3, (N, K), torch.bfloat16)
+                got = mod.expert_weight(proj, e)
+                for key in ("packed", "absmax", "scale", "codebook"):
+                    assert torch.equal(getattr(got, key), getattr(want, key)), (resident, proj, e, key)
+                assert got.shape == (N, K) and not got.is_gemm_resident
+            want = torch.stack([mod.expert_weight(proj, e).dequantize() for e in range(E)])
+            assert torch.equal(mod.dequantize(proj), want)
+    for e in range(E):  # the layout the grouped GEMM reads: each expert's, gate/up rows interleaved
+        rows = [grouped.interleave_gate_up(state[f"gate_up_{key}"][e].view(2 * I, -1), I).reshape(-1)
+                for key in ("packed", "absmax")]
+        b, a = ops.repack(*rows, 3, 2 * I, padded_in_features(H))
+        assert torch.equal(mod.gate_up_gemm_codes[e], b) and torch.equal(mod.gate_up_gemm_absmax[e], a)
+
+
 def test_experts_empty_input_and_duplicate_choices():
     gate_up, down = random_experts(6, 64, 32)
     mod, _ = KbitExperts.from_weights(gate_up, down, bits=4)
