@@ -28,21 +28,20 @@ Row e of each projection is exactly what ``kbit.quantize`` makes of that expert'
 (``projection``), and ``expert_weight(proj, e)`` is its expert e.
 
 On a CUDA device where the grouped GEMM runs, the module holds each projection's GEMM layout (``kbit.layout``), one
-per expert, stacked (``gate_up_gemm_codes`` [E, *B_gemm shape], ``gate_up_gemm_absmax`` [E, *absmax_gemm shape],
-the same for ``down``), in place of the ``*_packed`` and ``*_absmax`` buffers (then None): one copy of the codes,
-derived when the module lands there (``prepare``; the storage format is dropped), and the storage format derived back
-from it whenever asked for (``state_dict``, ``.to("cpu")``, ``dequantize``, ``expert_weight``), bit for bit. The
-layout buffers are registered persistent (loaders that re-create non-persistent buffers empty leave them alone) but
-never saved. The gate/up layout is that of
-the weight with its rows interleaved by 8 (the projection's ``row_order``, ``kbit.grouped.gate_up_row_order``): each 16-row MMA tile then holds
-8 gate rows and their 8 up rows, so the grouped GEMM applies ``silu(gate) * up`` in its epilogue. The forward
-there runs ``kbit.ops.moe_route`` (the tokens sorted by expert on the GPU), two grouped GEMMs (every expert's
-tokens in one launch each; the routing weights applied in the second's epilogue) and ``moe_combine``: no host
-synchronization, CUDA-graph and ``torch.compile`` safe (``kbit.grouped`` documents the ops). Elsewhere (CPU,
-float32 activations, shapes the kernel does not take: H or I not a multiple of 8, more than
-``MAX_GROUPED_EXPERTS`` experts, or a GPU whose shared memory holds none of its configurations at this K) the
-forward is the per-expert reference: each routed expert's weights dequantized to float32. Inference only: no
-gradients flow through the grouped ops.
+per expert, stacked (``gate_up_gemm_codes`` [E, *B_gemm shape], ``gate_up_gemm_absmax`` [E, *absmax_gemm shape], the
+same for ``down``), in place of the ``*_packed`` and ``*_absmax`` buffers (then None): one copy of the codes,
+derived when the module lands there (``prepare``; the storage format is dropped), and the storage format derived
+back from it whenever asked for (``state_dict``, ``.to("cpu")``, ``dequantize``, ``expert_weight``), bit for bit.
+The layout buffers are registered persistent (loaders that re-create non-persistent buffers empty leave them alone)
+but never saved. The gate/up layout is that of the weight with its rows interleaved by 8 (the projection's
+``row_order``, ``kbit.grouped.gate_up_row_order``): each 16-row MMA tile then holds 8 gate rows and their 8 up rows,
+so the grouped GEMM applies ``silu(gate) * up`` in its epilogue. The forward there runs ``kbit.ops.moe_route`` (the
+tokens sorted by expert on the GPU), two grouped GEMMs (every expert's tokens in one launch each; the routing
+weights applied in the second's epilogue) and ``moe_combine``: no host synchronization, CUDA-graph and
+``torch.compile`` safe (``kbit.grouped`` documents the ops). Elsewhere (CPU, float32 activations, shapes the kernel
+does not take: H or I not a multiple of 8, more than ``MAX_GROUPED_EXPERTS`` experts, or a GPU whose shared memory
+holds none of its configurations at this K) the forward is the per-expert reference: each routed expert's weights
+dequantized to float32. Inference only: no gradients flow through the grouped ops.
 """
 
 from __future__ import annotations
@@ -148,10 +147,9 @@ class KbitExperts(KbitModule):
         self.weight_dtype = dtype
         self.act_fn = act_fn if act_fn is not None else nn.SiLU()
         self._invalidate()
-        for proj in PROJECTIONS:
-            shape, _ = self._weight_shape(proj)
+        for proj, (N, K) in self.shapes().items():
             for key, fill in (("packed", torch.zeros), ("absmax", torch.zeros), ("scale", torch.ones)):
-                dtype_of, shape_of = storage_spec(key, bits, shape)
+                dtype_of, shape_of = storage_spec(key, bits, (num_experts, N, K))
                 self.register_buffer(f"{proj}_{key}", fill(shape_of, dtype=dtype_of, device=device))
         cb = create_normal_float_codebook(bits) if codebook is None else codebook
         self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))

@@ -175,8 +175,8 @@ class QuantizedWeight:
         if self.experts is None:
             _, b, a = self._gemm
             return ops.unrepack(b, a, self.bits, self.out_features, self.in_features_padded)
-        packed, absmax = (torch.empty(shape, dtype=dtype, device=self.device)
-                          for dtype, shape in (storage_spec(key, self.bits, self.shape) for key in ("packed", "absmax")))
+        specs = (storage_spec(key, self.bits, self.shape) for key in ("packed", "absmax"))
+        packed, absmax = (torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs)
         for e in range(self.experts):
             packed[e], absmax[e] = self._expert_storage(e)
         return packed, absmax
