@@ -423,6 +423,7 @@ def run(args) -> dict:
             row["prefill_s"] = time_prefill(model, prompt, args.repeats)
             print(f"{label:>10}  prefill {args.prefill_len}: {1e3 * row['prefill_s']:.1f} ms", file=sys.stderr, flush=True)
         rows.append(row)
+        print(f"{label:>10}  row done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -447,15 +448,16 @@ def run(args) -> dict:
 
 
 def row_settings(formats, args) -> list:
-    """(bits, fused) of each row: fp16 (None, None); torchao's int4 (TORCHAO, None) after it with ``--torchao``; a kbit
-    format with its sibling projections fused (one GEMM launch for q/k/v and one for gate/up, the default), apart
-    with ``--no-fuse``, or both with ``--fuse-ab``."""
+    """(bits, fused) of each row: fp16 (None, None); a kbit format with its sibling projections fused (one GEMM launch
+    for q/k/v and one for gate/up, the default), apart with ``--no-fuse``, or both with ``--fuse-ab``; last, with
+    ``--torchao``, torchao's int4 (TORCHAO, None): its build and compilation take minutes, so a run cut short by a
+    time limit keeps the kbit rows."""
     fused = (True, False) if args.fuse_ab else (not args.no_fuse,)
     settings = []
     for bits in formats:
         settings += [(None, None)] if bits is None else [(bits, f) for f in fused]
     if args.torchao:
-        settings.insert(1 if formats and formats[0] is None else 0, (TORCHAO, None))
+        settings.append((TORCHAO, None))
     return settings
 
 

@@ -87,13 +87,6 @@ WEIGHT_COUNT = count_name("weight")  # the empty parameter that counts the weigh
 QUANTIZED_HOOKS: list = []
 
 
-def _same_tensors(a, b) -> bool:
-    for x, y in zip(a, b):
-        if x is not y:
-            return False
-    return True
-
-
 class KbitLinear(KbitModule, nn.Linear):
     """``y = x @ W_hat.T + bias`` with ``W_hat`` stored quantized to ``bits`` bits per weight (``kbit.matmul``).
 
@@ -120,9 +113,9 @@ class KbitLinear(KbitModule, nn.Linear):
     """
 
     # KbitModule's names: the storage format (its codes derived from the GEMM layout when GEMM-resident), the
-    # layout, the counting parameter, the full-precision weight that is held quantized.
-    FORMAT_KEYS, LAYOUT_KEYS, COUNTS, REFUSED = STATE_KEYS, GEMM_LAYOUT, (WEIGHT_COUNT,), ("weight",)
-    DERIVED_KEYS = ("packed", "absmax")
+    # buffers of the one weight, the counting parameter, the full-precision weight that is held quantized.
+    FORMAT_KEYS, COUNTS, REFUSED = STATE_KEYS, (WEIGHT_COUNT,), ("weight",)
+    WEIGHTS = {"weight": ("packed", "absmax", "scale", *GEMM_LAYOUT)}
 
     def __init__(
         self,
@@ -170,7 +163,7 @@ class KbitLinear(KbitModule, nn.Linear):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        self._qw: Optional[QuantizedWeight] = None
+        self._invalidate()
         self._direct = None  # (qweight, bias, kernel) of _direct_cpu_kernel
         self._fusion: Optional[FusedProjections] = None  # the sibling projections it shares GEMM launches with
         self._fusion_slot = 0  # its place among them
@@ -218,7 +211,7 @@ class KbitLinear(KbitModule, nn.Linear):
             mod.rotation_block = torch.tensor(rotation.block, dtype=torch.int64, device=qw.device)
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
-        mod._qw = qw
+        mod._views["weight"] = qw
         return mod.prepare()
 
     @classmethod
@@ -243,20 +236,11 @@ class KbitLinear(KbitModule, nn.Linear):
     @property
     def qweight(self) -> QuantizedWeight:
         """A ``QuantizedWeight`` view of the held tensors, GEMM-resident when the module is (kept while they stay
-        the same, so a GEMM layout derived from the storage format stays cached)."""
-        gemm = self.is_gemm_resident
-        codes = (self.gemm_codes, self.gemm_absmax) if gemm else (self.packed, self.absmax)
-        held = (*codes, self.codebook, self.scale)
-        qw = self._qw
-        if qw is None or qw.is_gemm_resident != gemm or not _same_tensors(qw.resident, held):
-            # Checked: a buffer may have been assigned by hand, or left on meta by a partial assign-load.
-            shape = (self.out_features, self.in_features)
-            make = QuantizedWeight.from_gemm_layout if gemm else QuantizedWeight
-            qw = self._qw = make(*held, self.bits, shape, self.weight_dtype)
-        return qw
+        the same, so a GEMM layout derived from the storage format stays cached: ``KbitModule._view``)."""
+        return self._view("weight")
 
-    def _invalidate(self) -> None:
-        self._qw = None
+    def _weight_shape(self, name: str) -> tuple:
+        return (self.out_features, self.in_features), None
 
     def prepare(self) -> "KbitLinear":
         """On a CUDA device: hold the GEMM layout (derived from the storage format, which is then dropped), as
@@ -276,13 +260,6 @@ class KbitLinear(KbitModule, nn.Linear):
         if self._fusion is not None:  # its siblings' stacked layout takes its rows back (kbit.fusion)
             self._fusion.refresh()
         return self
-
-    def _derive_layout(self) -> None:
-        """Set ``gemm_codes`` / ``gemm_absmax`` from the held storage format, on its device, keeping the storage
-        (``KbitModule._hold_layout`` drops it); the view ``qweight`` holding that layout is kept too."""
-        qw = self.qweight.gemm_resident()
-        self.gemm_codes, self.gemm_absmax = qw.gemm_layout()
-        self._qw = qw
 
     def _hold_counts(self) -> None:
         hold_count(self, WEIGHT_COUNT, self.out_features * self.in_features, self.weight_dtype, self.codebook.device)
@@ -348,13 +325,9 @@ class KbitLinear(KbitModule, nn.Linear):
 
     # ------------------------------------------------------------------ moving, saving, loading (KbitModule)
     def _moved(self) -> None:
-        self._invalidate()
         self._hold_counts()
         if self.codebook.device.type != "meta":
             self.prepare()
-
-    def _derived_storage(self) -> dict:
-        return dict(zip(self.DERIVED_KEYS, self.qweight.storage()))
 
     def _check_state(self, state_dict, prefix: str) -> torch.dtype:
         meta = state_dict.get(prefix + "meta")
@@ -378,7 +351,6 @@ class KbitLinear(KbitModule, nn.Linear):
         block = state_dict.get(prefix + "rotation_block")
         if self.rotation_block is not None and isinstance(block, Tensor) and block.device.type != "meta":
             self._block = int(block)
-        self._invalidate()
 
     def _check_incoming(self, state_dict, prefix: str, dtype: torch.dtype) -> None:
         """Dtype, shape and values of each storage tensor a state dict brings (missing ones keep the module's), and
@@ -416,7 +388,6 @@ class KbitLinear(KbitModule, nn.Linear):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._qw = None
         self.__dict__.setdefault("_fusion", None)  # pickled before fusion existed
         self.__dict__.setdefault("_fusion_slot", 0)
 

@@ -438,13 +438,25 @@ def test_python_m_kbit_quantize(src_dir, tmp_path):
     assert bad.returncode == 1 and "does not exist" in bad.stderr
 
 
-# ----------------------------------------------------------------------------- CUDA
 def _bench_e2e():
     spec = importlib.util.spec_from_file_location("kbit_bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
+
+def test_bench_e2e_times_the_peer_row_last():
+    """The torchao row takes minutes to build and compile: timed after fp16 and every kbit row, so that a run cut short
+    by a time limit keeps them."""
+    be = _bench_e2e()
+    args = be.parse_args(["--bits", "4,2", "--torchao", "--fuse-ab"])
+    assert be.row_settings([None, 4, 2], args) == [(None, None), (4, True), (4, False), (2, True), (2, False),
+                                                   (be.TORCHAO, None)]
+    assert be.row_settings([4], be.parse_args(["--bits", "4", "--no-fp16", "--torchao"])) == [(4, True),
+                                                                                             (be.TORCHAO, None)]
+
+
+# ----------------------------------------------------------------------------- CUDA
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [None, 2, 4, 5], ids=lambda b: "fp16" if b is None else f"k{b}")
