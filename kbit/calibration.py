@@ -111,11 +111,13 @@ class _HessianHooks:
     ``first_inputs`` keeps each layer's first input tensor, in the order the layers ran: layers fed the very
     same tensor (q/k/v projections, gate/up) form one group of ``first_group``. ``mask``: the current batch's
     real tokens (bool [batch, seq]); an input of that leading shape counts only their rows, not the padding's.
+    ``first_group_only``: sum only for the layers of ``first_group`` (the others' sums would be thrown away).
     """
 
-    def __init__(self, layers: dict):
+    def __init__(self, layers: dict, first_group_only: bool = False):
         self.sums, self.counts, self.first_inputs = {}, {}, {}
         self.mask: Optional[Tensor] = None
+        self.first_group_only = first_group_only
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in layers.items()]
 
     def first_group(self) -> list:
@@ -127,7 +129,9 @@ class _HessianHooks:
 
     def _hook(self, name: str):
         def hook(module, inputs, output):
-            self.first_inputs.setdefault(name, inputs[0])
+            first = self.first_inputs.setdefault(name, inputs[0])
+            if self.first_group_only and first is not next(iter(self.first_inputs.values())):
+                return  # not in first_group: the same test first_group makes
             x = inputs[0].detach()
             if self.mask is not None and tuple(x.shape[:-1]) == tuple(self.mask.shape):
                 x = x[self.mask.to(x.device)]
@@ -217,9 +221,10 @@ def _capture_inputs(model: nn.Module, block: nn.Module, batches: list) -> list:
     return captured
 
 
-def _block_pass(block: nn.Module, inputs: list, masks: list, layers: dict):
-    """Run ``block`` on every captured input with Hessian hooks on ``layers``: (outputs, Hessians, the hooks)."""
-    hooks = _HessianHooks(layers)
+def _block_pass(block: nn.Module, inputs: list, masks: list, layers: dict, first_group_only: bool = False):
+    """Run ``block`` on every captured input with Hessian hooks on ``layers``: (outputs, Hessians, the hooks);
+    ``first_group_only`` as ``_HessianHooks``."""
+    hooks = _HessianHooks(layers, first_group_only)
     try:
         outputs = []
         for (a, kw), mask in zip(inputs, masks):
@@ -338,7 +343,8 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                 for i, block in enumerate(block_list):
                     remaining = dict((n, m) for n, m in layers if n.startswith(f"{prefix}.{i}."))
                     while True:  # one pass per group of layers, and one for the output of the quantized block
-                        outputs, hessians, hooks = _block_pass(block, inputs, masks, remaining)
+                        # Only the first group is quantized after a pass: the later groups' inputs change with it
+                        outputs, hessians, hooks = _block_pass(block, inputs, masks, remaining, first_group_only=True)
                         if not remaining:
                             break
                         group = hooks.first_group() or list(remaining)  # layers never run: quantized with "mse"

@@ -411,6 +411,44 @@ def test_block_calibration_quantizes_in_groups_in_order():
             mods[block + name].weight.data = kbit.dequantize(qws[id(orig[block + name])], torch.float32)
 
 
+def test_block_pass_sums_only_the_first_group_when_asked():
+    """GPTQ's passes sum X^T X only for the group it quantizes next (q/k/v here), the same values as a pass that
+    sums every layer's."""
+    model = _tiny_llama()
+    block = model.model.layers[0]
+    layers = {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+    ids = torch.randint(0, 256, (2, 16))
+    batches = calibration.check_calibration(ids)
+    with torch.no_grad():
+        inputs = calibration._capture_inputs(model, block, batches)
+        masks = [None] * len(inputs)
+        _, every, _ = calibration._block_pass(block, inputs, masks, layers)
+        _, first, hooks = calibration._block_pass(block, inputs, masks, layers, first_group_only=True)
+    group = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    assert hooks.first_group() == group and sorted(first) == sorted(group) and len(every) == 7
+    assert all(torch.equal(first[n], every[n]) for n in group)
+
+
+def test_gptq_budget_unchanged_by_summing_only_the_first_group(monkeypatch):
+    """A budget with gptq and rotation gives the same K's and bit-for-bit the same weights as passes that sum every
+    layer's Hessian (what calibration did before it skipped the groups quantized later)."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    def stored(m):
+        return {n: (l.bits, l.packed, l.absmax, l.codebook) for n, l in m.named_modules()
+                if isinstance(l, kbit.KbitLinear)}
+
+    got = stored(kbit.quantize_model(copy.deepcopy(model), bits=3.25, method="gptq", calibration=ids, rotate=True,
+                                     progress=False))
+    every_pass = calibration._block_pass
+    monkeypatch.setattr(calibration, "_block_pass", lambda *a, first_group_only=False: every_pass(*a))
+    want = stored(kbit.quantize_model(model, bits=3.25, method="gptq", calibration=ids, rotate=True, progress=False))
+    assert len({k for k, *_ in got.values()}) > 1  # the budget chose more than one K
+    for name, (k, *tensors) in want.items():
+        assert got[name][0] == k and all(torch.equal(a, b) for a, b in zip(got[name][1:], tensors)), name
+
+
 @pytest.mark.parametrize("method", ["rtn", "mse", "gptq"])
 def test_quantize_model_llama(method):
     model = _tiny_llama()
