@@ -544,21 +544,64 @@ def test_cuda_kernels_on_method_outputs(method, k):
     kbit.QuantizedWeight.from_state_dict(gptq_gpu.state_dict())
 
 
-def test_quantize_methods_benchmark_runs_tiny(tmp_path, capsys):
-    """benchmarks/bench_quantize_methods.py in its CPU smoke size: one row per method, every decoder Linear."""
-    pytest.importorskip("transformers")
+def _bench_module():
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quantize_methods.py"
     spec = importlib.util.spec_from_file_location("kbit_bench_quantize_methods", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_quantize_methods_benchmark_runs_tiny(tmp_path, capsys):
+    """benchmarks/bench_quantize_methods.py in its CPU smoke size: one row per method, every decoder Linear."""
+    pytest.importorskip("transformers")
+    import json
+
+    bench = _bench_module()
     out = tmp_path / "q.json"
     argv = ["--tiny", "--device", "cpu", "--layers", "1", "--calib-seqs", "2", "--calib-len", "16",
             "--methods", "rtn,gptq+rotate", "--out", str(out)]
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["rtn", "gptq+rotate"] and all(r["layers"] == 5 for r in rows)
+    assert rows[0]["phase_seconds"]["quantize"] == 0 < rows[1]["phase_seconds"]["quantize"]
+    assert all(r["average_bits"] == 4.25 and r["target_seconds"] < 900 for r in rows)
     assert "x 32" in capsys.readouterr().out
+
+
+def test_quantize_methods_benchmark_times_a_budget_with_tuning(tmp_path, capsys):
+    """--bits 3.25 --tune-steps 2: the budget is met as stored, its sensitivities and tuning are timed, and the
+    row's target is the budget's (tuning included)."""
+    pytest.importorskip("transformers")
+    import json
+
+    bench = _bench_module()
+    out = tmp_path / "q.json"
+    argv = ["--tiny", "--device", "cpu", "--layers", "1", "--calib-seqs", "2", "--calib-len", "16",
+            "--methods", "rtn", "--bits", "3.25", "--tune-steps", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert data["bits"] == row["bits"] == 3.25 and row["tune_steps"] == 2 and row["target_seconds"] == 900
+    assert row["average_bits"] <= 3.25
+    assert row["phase_seconds"]["sensitivities"] > 0 and row["phase_seconds"]["tuning"] > 0
+    assert "a budget of 3.25 bits per weight, 2 tuning steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--bits", "3.3x"], "--bits"), (["--bits", "6"], "one of"),
+                                           (["--bits", "5.5"], "between 2.25 and 5.25"),
+                                           (["--tune-steps", "-1"], "int >= 0"), (["--tune-steps", "2.5"], "int")])
+def test_quantize_methods_benchmark_refuses_bad_bits_and_steps(argv, message, capsys):
+    bench = _bench_module()
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--device", "cpu"] + argv)
+    assert message in capsys.readouterr().err
+
+
+def test_quantize_methods_benchmark_parses_bits():
+    bench = _bench_module()
+    assert bench.bits_argument("3") == 3 and isinstance(bench.bits_argument("3"), int)
+    assert bench.bits_argument("3.25") == 3.25 and isinstance(bench.bits_argument("3.25"), float)
