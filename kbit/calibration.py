@@ -94,7 +94,7 @@ def _run(model: nn.Module, batches: list, hooks: Optional["_HessianHooks"] = Non
     takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
     for args, kwargs in batches:
         if hooks is not None:
-            hooks.mask = _token_mask(kwargs)
+            hooks.start_batch(_token_mask(kwargs))
         args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
         kwargs = {key: v.to(device) if isinstance(v, Tensor) else v for key, v in kwargs.items()}
         if takes_use_cache:
@@ -109,16 +109,22 @@ class _HessianHooks:
     """Forward hooks summing ``X^T X`` (float32, on the layer's device) and the row count of each layer's input.
 
     ``first_inputs`` keeps each layer's first input tensor, in the order the layers ran: layers fed the very
-    same tensor (q/k/v projections, gate/up) form one group of ``first_group``. ``mask``: the current batch's
-    real tokens (bool [batch, seq]); an input of that leading shape counts only their rows, not the padding's.
-    ``first_group_only``: sum only for the layers of ``first_group`` (the others' sums would be thrown away).
+    same tensor (q/k/v projections, gate/up) form one group of ``first_group``. ``start_batch(mask)`` before each
+    batch; ``mask``: its real tokens (bool [batch, seq]); an input of that leading shape counts only their rows,
+    not the padding's. ``first_group_only``: sum only for the layers of ``first_group`` (the others' sums would be
+    thrown away), and from the second batch on, end the forward pass (``_StopForward``) when a layer outside the
+    group runs after the whole group ran (the first batch ran whole, so the group is known).
     """
 
     def __init__(self, layers: dict, first_group_only: bool = False):
         self.sums, self.counts, self.first_inputs = {}, {}, {}
         self.mask: Optional[Tensor] = None
         self.first_group_only = first_group_only
+        self.batch, self.ran = -1, set()
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in layers.items()]
+
+    def start_batch(self, mask: Optional[Tensor]) -> None:
+        self.mask, self.batch, self.ran = mask, self.batch + 1, set()
 
     def first_group(self) -> list:
         """Names of the layers that ran first, all on the same input."""
@@ -131,7 +137,11 @@ class _HessianHooks:
         def hook(module, inputs, output):
             first = self.first_inputs.setdefault(name, inputs[0])
             if self.first_group_only and first is not next(iter(self.first_inputs.values())):
-                return  # not in first_group: the same test first_group makes
+                # not in first_group (the same test first_group makes)
+                if self.batch > 0 and self.ran.issuperset(self.first_group()):
+                    raise _StopForward
+                return
+            self.ran.add(name)
             x = inputs[0].detach()
             if self.mask is not None and tuple(x.shape[:-1]) == tuple(self.mask.shape):
                 x = x[self.mask.to(x.device)]
@@ -222,17 +232,20 @@ def _capture_inputs(model: nn.Module, block: nn.Module, batches: list) -> list:
 
 
 def _block_pass(block: nn.Module, inputs: list, masks: list, layers: dict, first_group_only: bool = False):
-    """Run ``block`` on every captured input with Hessian hooks on ``layers``: (outputs, Hessians, the hooks);
-    ``first_group_only`` as ``_HessianHooks``."""
+    """Run ``block`` on every captured input with Hessian hooks on ``layers``: (outputs, Hessians, the hooks).
+    ``first_group_only`` as ``_HessianHooks``; the outputs are then None (the passes may have stopped early)."""
     hooks = _HessianHooks(layers, first_group_only)
     try:
         outputs = []
         for (a, kw), mask in zip(inputs, masks):
-            hooks.mask = mask
-            outputs.append(block(*a, **kw))
+            hooks.start_batch(mask)
+            try:
+                outputs.append(block(*a, **kw))
+            except _StopForward:
+                pass
     finally:
         hessians = hooks.remove()
-    return outputs, hessians, hooks
+    return None if first_group_only else outputs, hessians, hooks
 
 
 def _with_hidden(args: tuple, kwargs: dict, output):
@@ -342,11 +355,9 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                 masks = [_token_mask(kw) for _, kw in batches]
                 for i, block in enumerate(block_list):
                     remaining = dict((n, m) for n, m in layers if n.startswith(f"{prefix}.{i}."))
-                    while True:  # one pass per group of layers, and one for the output of the quantized block
+                    while remaining:  # one pass per group of layers
                         # Only the first group is quantized after a pass: the later groups' inputs change with it
-                        outputs, hessians, hooks = _block_pass(block, inputs, masks, remaining, first_group_only=True)
-                        if not remaining:
-                            break
+                        _, hessians, hooks = _block_pass(block, inputs, masks, remaining, first_group_only=True)
                         group = hooks.first_group() or list(remaining)  # layers never run: quantized with "mse"
                         del hooks  # its first inputs
                         for name in group:
@@ -354,9 +365,9 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                             substitution.put(layer, quantize(name, layer, hessians.get(name)),
                                              rotations.get(id(layer)))
                             done.add(name)
-                        if not remaining and i + 1 == len(block_list):
-                            break  # nothing reads the last block's output
-                    inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
+                    if i + 1 < len(block_list):  # the next block's inputs (nothing reads the last block's output)
+                        outputs, _, _ = _block_pass(block, inputs, masks, {})
+                        inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
             rest = [(n, m) for n, m in layers if n not in done]
             if rest:  # outside the blocks (or no blocks): one pass of the model as quantized so far
                 hessians = _hessians_over(model, dict(rest), batches)

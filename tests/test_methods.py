@@ -413,27 +413,31 @@ def test_block_calibration_quantizes_in_groups_in_order():
 
 def test_block_pass_sums_only_the_first_group_when_asked():
     """GPTQ's passes sum X^T X only for the group it quantizes next (q/k/v here), the same values as a pass that
-    sums every layer's."""
+    sums every layer's, and from the second batch on stop once the group ran (down_proj runs in the first only)."""
     model = _tiny_llama()
     block = model.model.layers[0]
     layers = {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
-    ids = torch.randint(0, 256, (2, 16))
+    ids = torch.randint(0, 256, (calibration.CALIBRATION_BATCH + 2, 16))
     batches = calibration.check_calibration(ids)
+    calls = []
+    block.mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
     with torch.no_grad():
         inputs = calibration._capture_inputs(model, block, batches)
         masks = [None] * len(inputs)
-        _, every, _ = calibration._block_pass(block, inputs, masks, layers)
-        _, first, hooks = calibration._block_pass(block, inputs, masks, layers, first_group_only=True)
+        outputs, every, _ = calibration._block_pass(block, inputs, masks, layers)
+        assert len(calls) == len(outputs) == 2
+        outputs, first, hooks = calibration._block_pass(block, inputs, masks, layers, first_group_only=True)
     group = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     assert hooks.first_group() == group and sorted(first) == sorted(group) and len(every) == 7
     assert all(torch.equal(first[n], every[n]) for n in group)
+    assert outputs is None and len(calls) == 3
 
 
 def test_gptq_budget_unchanged_by_summing_only_the_first_group(monkeypatch):
     """A budget with gptq and rotation gives the same K's and bit-for-bit the same weights as passes that sum every
-    layer's Hessian (what calibration did before it skipped the groups quantized later)."""
+    layer's Hessian and run whole (what calibration did before it skipped the groups quantized later)."""
     model = _tiny_llama()
-    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (calibration.CALIBRATION_BATCH + 4, 32), generator=torch.Generator().manual_seed(1))
 
     def stored(m):
         return {n: (l.bits, l.packed, l.absmax, l.codebook) for n, l in m.named_modules()
