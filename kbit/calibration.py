@@ -113,18 +113,19 @@ class _HessianHooks:
     batch; ``mask``: its real tokens (bool [batch, seq]); an input of that leading shape counts only their rows,
     not the padding's. ``first_group_only``: sum only for the layers of ``first_group`` (the others' sums would be
     thrown away), and from the second batch on, end the forward pass (``_StopForward``) when a layer outside the
-    group runs after the whole group ran (the first batch ran whole, so the group is known).
+    group runs after each layer of the group ran as often as in the first batch (which runs whole: the group and
+    its calls are known).
     """
 
     def __init__(self, layers: dict, first_group_only: bool = False):
         self.sums, self.counts, self.first_inputs = {}, {}, {}
         self.mask: Optional[Tensor] = None
         self.first_group_only = first_group_only
-        self.batch, self.ran = -1, set()
+        self.batch, self.first_calls, self.calls = -1, {}, {}  # calls per layer of the group: first batch, this one
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in layers.items()]
 
     def start_batch(self, mask: Optional[Tensor]) -> None:
-        self.mask, self.batch, self.ran = mask, self.batch + 1, set()
+        self.mask, self.batch, self.calls = mask, self.batch + 1, {}
 
     def first_group(self) -> list:
         """Names of the layers that ran first, all on the same input."""
@@ -133,15 +134,22 @@ class _HessianHooks:
         first = next(iter(self.first_inputs.values()))
         return [n for n, x in self.first_inputs.items() if x is first]
 
+    def _group_ran(self) -> bool:
+        """From the second batch on: each layer of the group ran as often as in the first batch."""
+        return self.batch > 0 and bool(self.first_calls) and all(
+            self.calls.get(n, 0) >= c for n, c in self.first_calls.items())
+
     def _hook(self, name: str):
         def hook(module, inputs, output):
             first = self.first_inputs.setdefault(name, inputs[0])
             if self.first_group_only and first is not next(iter(self.first_inputs.values())):
                 # not in first_group (the same test first_group makes)
-                if self.batch > 0 and self.ran.issuperset(self.first_group()):
+                if self._group_ran():
                     raise _StopForward
                 return
-            self.ran.add(name)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.batch == 0:
+                self.first_calls[name] = self.calls[name]
             x = inputs[0].detach()
             if self.mask is not None and tuple(x.shape[:-1]) == tuple(self.mask.shape):
                 x = x[self.mask.to(x.device)]

@@ -433,6 +433,28 @@ def test_block_pass_sums_only_the_first_group_when_asked():
     assert outputs is None and len(calls) == 3
 
 
+class _TwiceBlock(nn.Module):
+    """``p`` runs twice on the same input, with ``q`` (outside p's group) between its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.p, self.q = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.q(self.p(x))
+        return y + self.p(x)
+
+
+def test_block_pass_stops_only_after_every_call_of_the_group():
+    block = _TwiceBlock()
+    inputs = [((torch.randn(4, 8),), {}) for _ in range(3)]
+    layers = {"p": block.p, "q": block.q}
+    with torch.no_grad():
+        _, every, _ = calibration._block_pass(block, inputs, [None] * 3, layers)
+        _, first, hooks = calibration._block_pass(block, inputs, [None] * 3, layers, first_group_only=True)
+    assert hooks.first_group() == ["p"] and list(first) == ["p"] and torch.equal(first["p"], every["p"])
+
+
 def test_gptq_budget_unchanged_by_summing_only_the_first_group(monkeypatch):
     """A budget with gptq and rotation gives the same K's and bit-for-bit the same weights as passes that sum every
     layer's Hessian and run whole (what calibration did before it skipped the groups quantized later)."""
