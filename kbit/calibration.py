@@ -6,10 +6,11 @@ inputs. Quantization errors compound through depth, so a model whose layers sit 
 transformer's ``model.layers`` / ``encoder.layer``) is calibrated block by block: block i's Hessians come from
 the inputs that the already-quantized blocks before it produce, which lets GPTQ compensate for them too. Inside a
 block, the layers are quantized in the order they run, in groups that share one input (q/k/v projections,
-gate/up), each group with the Hessians of a pass of the block in which the groups before it are quantized. While
-that runs, a quantized layer's weight is temporarily replaced by its dequantized value; every original weight
-is back in place when ``quantize_layers`` returns or raises, so the model changes only when
-``quantize_model`` swaps in the finished layers.
+gate/up), each group with the Hessians of a pass of the block in which the groups before it are quantized (a
+pass sums only that group's Hessians and, from the second batch on, stops once the group ran; one more pass gives
+the quantized block's outputs to the next block). While that runs, a quantized layer's weight is temporarily
+replaced by its dequantized value; every original weight is back in place when ``quantize_layers`` returns or
+raises, so the model changes only when ``quantize_model`` swaps in the finished layers.
 """
 
 from __future__ import annotations
