@@ -573,6 +573,8 @@ def quantize_model(
     tokenizer=None,
     tune_steps: int = 0,
     fuse_projections: bool = FUSE_BY_DEFAULT,
+    fp_targets: bool = False,
+    block_tune_steps: int = 0,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
@@ -599,6 +601,14 @@ def quantize_model(
     distributions (an encoder's outputs) on the calibration data match the unquantized model's; the result is the
     same storage format. Runs on the model's device; needs calibration as gptq does (the built-in text when none
     is given). Fused MoE experts are not tuned.
+
+    Two refinements of ``method="gptq"`` for the layers inside a model's list of blocks, both off by default
+    (``kbit.calibration``): ``fp_targets=True`` fits each layer to the unquantized model's outputs on the
+    unquantized model's inputs rather than to its own weight on the inputs the quantized layers before it produce,
+    so a layer also corrects the error the layers before it left (the unquantized model runs beside the quantized
+    one: about twice the calibration passes); ``block_tune_steps=N`` tunes each block's codebooks and block scales
+    for N Adam steps, once its layers are quantized, so that the block's outputs match the unquantized model's
+    (``kbit.finetune.tune_block``) before the next block is calibrated on them.
 
     ``rotate``: quantize each layer's weight in a rotated basis of its input features (``kbit.rotation``: random
     signs, then a block-diagonal Hadamard transform), which spreads outlier weights over many inputs and lowers
@@ -655,6 +665,12 @@ def quantize_model(
         check_calibration(calibration)
     if not isinstance(rotate, bool):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+    if not isinstance(fp_targets, bool):
+        raise TypeError(f"fp_targets must be a bool, got {type(fp_targets).__name__}")
+    block_tune_steps = check_int(block_tune_steps, "block_tune_steps", 0)
+    if (fp_targets or block_tune_steps) and method != "gptq":
+        raise ValueError(f"fp_targets and block_tune_steps refine method='gptq', got method={method!r} with "
+                         f"fp_targets={fp_targets} and block_tune_steps={block_tune_steps}")
     if not isinstance(fuse_projections, bool):
         raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
 
@@ -704,7 +720,8 @@ def quantize_model(
         if method != "rtn":  # kbit.calibration runs the method; the swap below is the same for every method
             try:
                 chosen = quantize_layers(model, unique, ks, method, codebook, calibration, on_layer=bar.update,
-                                         weight_of=linear_weight, rotations=rotations)
+                                         weight_of=linear_weight, rotations=rotations, fp_targets=fp_targets,
+                                         block_tune_steps=block_tune_steps)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
         for name, lin in targets:
