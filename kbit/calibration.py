@@ -381,8 +381,9 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
         w = weight_of(layer).detach()
         label = f"{name or type(layer).__name__}.weight"
         rotation, bits = rotations.get(id(layer)), k if isinstance(k, int) else k[id(layer)]
-        if cross is not None and hessian is not None:
-            w = weight_for_fp_inputs(w, hessian, cross).to(w.dtype)
+        if cross is not None and hessian is not None:  # where GPTQ runs: a solve of H's size
+            on = "cuda" if method == "gptq" and torch.cuda.is_available() else w.device
+            w = weight_for_fp_inputs(w.to(on), hessian.to(on), cross.to(on)).to(device=w.device, dtype=w.dtype)
         if rotation is not None:
             w = rotation.rotate(w.float()).to(w.dtype)
             hessian = None if hessian is None else rotation.hessian(hessian)
@@ -405,7 +406,7 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
     batches = check_calibration(calibration)
     substitution = _WeightSubstitution(weight_of)
 
-    def tune(block: nn.Module, prefix: str, mine: list, inputs: list, masks: list, targets: list) -> None:
+    def tune(block: nn.Module, mine: list, inputs: list, masks: list, targets: list) -> None:
         from .finetune import tune_block  # kbit.finetune runs the model through this module
 
         names = {id(p): n for n, p in block.named_parameters(remove_duplicate=False)}
@@ -447,7 +448,7 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                             done.add(name)
                         if not remaining and block_tune_steps:
                             mine = [(n, m) for n, m in layers if n.startswith(f"{prefix}.{i}.")]
-                            tune(block, f"{prefix}.{i}.", mine, inputs, masks, fp_next)
+                            tune(block, mine, inputs, masks, fp_next)
                         if not remaining and i + 1 == len(block_list):
                             break  # nothing reads the last block's output
                     inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]

@@ -310,7 +310,8 @@ def weight_for_fp_inputs(W: Tensor, H: Tensor, cross: Tensor, damp: float = GPTQ
     torch.diagonal(H)[dead] = 1.0
     torch.diagonal(H).add_(damp * live_mean)
     W64 = W.to(torch.float64)
-    correction = torch.linalg.solve(H, (W64 @ cross.to(device=W.device, dtype=torch.float64)).T).T
+    rhs = (W64 @ cross.to(device=W.device, dtype=torch.float64)).T  # H is symmetric: (W C H^-1)^T = H^-1 (W C)^T
+    correction = torch.cholesky_solve(rhs, torch.linalg.cholesky(H)).T
     return (W64 + share * correction).to(torch.float32)
 
 
