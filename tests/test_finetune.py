@@ -222,3 +222,29 @@ def test_block_tuning_that_does_not_lower_the_loss_is_dropped(monkeypatch):
     for _, m in layers:
         assert torch.equal(tuned[id(m)].absmax, plain[id(m)].absmax)
         assert torch.equal(tuned[id(m)].codebook, plain[id(m)].codebook)
+
+
+def test_block_tuning_computes_the_weights_as_substituted():
+    """``tune_block`` builds each weight as calibration puts it in the layer (un-rotated, and transposed for a GPT-2
+    ``Conv1D``): aimed at the block's own outputs with those weights, there is nothing to gain and it returns None;
+    aimed at the unquantized block's outputs, it returns tuned weights of the same shapes."""
+    from kbit.rotation import Rotation
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=128, n_layer=1, n_head=4, n_positions=32)
+    block = transformers.GPT2LMHeadModel(cfg).eval().transformer.h[0]
+    x = [((torch.randn(2, 8, 128),), {}), ((torch.randn(2, 8, 128),), {})]
+    with torch.no_grad():
+        unquantized = [block(*a, **kw) for a, kw in x]
+    weights = {}
+    for name, p in block.named_parameters():
+        if name.endswith("weight") and p.dim() == 2:
+            rotation = Rotation.for_layer(name, p.shape[0])
+            qw = kbit.quantize(rotation.rotate(p.detach().T.contiguous()), 2)
+            weights[name] = (qw, rotation, True)
+            p.data = rotation.unrotate(kbit.dequantize(qw, torch.float32)).T.contiguous()
+    with torch.no_grad():
+        own = [block(*a, **kw) for a, kw in x]
+    assert finetune.tune_block(block, weights, x, [None, None], own, steps=4) is None
+    tuned = finetune.tune_block(block, weights, x, [None, None], unquantized, steps=4)
+    assert tuned is not None and {n: t.shape for n, t in tuned.items()} == {n: w[0].shape for n, w in weights.items()}
