@@ -593,8 +593,8 @@ def quantize_model(
     the model, from ``model.config._name_or_path``). ``calibration`` may also be text (a str): tokenized the same
     way and mixed with the built-in text (``calibration_tokens``), which keeps narrow text (markdown and code,
     say) from fitting the layers to one kind of text; or a list of short texts (sentences, for a sentence
-    encoder): padded batches with the built-in text's lines beside them (``calibration_batches``). Token ids and
-    model inputs are used as given.
+    encoder): padded batches with the built-in text's lines and sentences of random vocabulary words beside them
+    (``calibration_batches``). Token ids and model inputs are used as given.
 
     ``tune_steps``: after quantizing, tune every ``KbitLinear``'s codebook and block scales end to end for this many
     Adam steps (``kbit.finetune``; 0, the default: no tuning), codes fixed, so that the model's next-token
