@@ -460,8 +460,9 @@ def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=
                     calibration_text="everyday", tune_steps=0):
     """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated, one
     batch), ``"everyday+builtin"`` (the same sentences given to kbit as a list of texts: batches of 64 with the
-    built-in text's lines beside them, tagged "[sentences as texts]") or ``"docs"`` (128 sentences of the Python
-    documentation prose; its gptq rows are tagged "[docs calib.]")."""
+    built-in text's lines and the vocabulary sentences beside them, tagged "[sentences as texts + vocabulary]";
+    rows tagged "[sentences as texts]" were measured before the vocabulary sentences) or ``"docs"`` (128 sentences
+    of the Python documentation prose; its gptq rows are tagged "[docs calib.]")."""
     sentences = make_sentences(n_sentences)
     model, tok = load_minilm(path)
     ref = embed(model, tok, sentences, batch_size)
@@ -473,7 +474,8 @@ def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=
     else:
         calibration = [dict(tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt"))]
     metric = lambda q: compare(ref, embed(q, tok, sentences, batch_size))  # noqa: E731
-    tag = {"docs": " [docs calib.]", "everyday+builtin": " [sentences as texts]"}.get(calibration_text, "")
+    tag = {"docs": " [docs calib.]",
+           "everyday+builtin": " [sentences as texts + vocabulary]"}.get(calibration_text, "")
     rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log, tag,
                  tune_steps)
     q, werr = quantized_reference(model, _layer_names(model), lambda w: w.half().float())
