@@ -349,7 +349,8 @@ def collect_hessians_by_block(model: nn.Module, layers: dict, batches: list, mea
 def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Optional[Tensor] = None,
                     calibration=None, on_layer: Optional[Callable[[], None]] = None,
                     weight_of: Callable[[nn.Module], Tensor] = lambda layer: layer.weight,
-                    rotations: Optional[dict] = None, fp_targets: bool = False, block_tune_steps: int = 0) -> dict:
+                    rotations: Optional[dict] = None, fp_targets: bool = False,
+                    block_tuner: Optional[Callable] = None) -> dict:
     """``{id(layer): QuantizedWeight}`` for ``layers`` (``[(name, module)]``, one entry per module), at ``k`` bits:
     an int, or ``{id(layer): K}`` per layer (``k`` and ``codebook`` as ``kbit.quantize_model`` checked them).
 
@@ -366,9 +367,9 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
     ``fp_targets`` (gptq, layers inside blocks): each layer's target is the unquantized model's output on the
     unquantized model's inputs, not its own weight on the inputs the quantized layers before it produce
     (``weight_for_fp_inputs``); the unquantized model runs beside the quantized one, block by block.
-    ``block_tune_steps`` (gptq, layers inside blocks): once a block's layers are quantized, their codebooks and
-    block scales are tuned for this many steps so that the block's outputs match the unquantized model's
-    (``kbit.finetune.tune_block``), before the next block is calibrated on them.
+    ``block_tuner`` (gptq, layers inside blocks): once a block's layers are quantized, ``block_tuner(block, weights,
+    inputs, masks, targets)`` (``kbit.finetune.tune_block`` with its steps) tunes their codebooks and block scales
+    so that the block's outputs match the unquantized model's, before the next block is calibrated on them.
     """
     method = check_method(method)
     if method == "rtn":
@@ -407,12 +408,10 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
     substitution = _WeightSubstitution(weight_of)
 
     def tune(block: nn.Module, mine: list, inputs: list, masks: list, targets: list) -> None:
-        from .finetune import tune_block  # kbit.finetune runs the model through this module
-
         names = {id(p): n for n, p in block.named_parameters(remove_duplicate=False)}
         weights = {names[id(layer.weight)]: (result[id(layer)], rotations.get(id(layer)),
                                             weight_of(layer) is not layer.weight) for _, layer in mine}
-        tuned = tune_block(block, weights, inputs, masks, targets, block_tune_steps)
+        tuned = block_tuner(block, weights, inputs, masks, targets)
         for _, layer in mine if tuned is not None else []:
             qw = result[id(layer)] = tuned[names[id(layer.weight)]]
             substitution.put(layer, qw, rotations.get(id(layer)))
@@ -425,7 +424,7 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                 prefix, block_list = blocks
                 inputs = _capture_inputs(model, block_list[0], batches)
                 # the unquantized model's inputs, block by block
-                fp_inputs = inputs if fp_targets or block_tune_steps else None
+                fp_inputs = inputs if fp_targets or block_tuner is not None else None
                 masks = [_token_mask(kw) for _, kw in batches]
                 for i, block in enumerate(block_list):
                     remaining = dict((n, m) for n, m in layers if n.startswith(f"{prefix}.{i}."))
@@ -446,7 +445,7 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
                             substitution.put(layer, quantize(name, layer, hessians.get(name), crosses.get(name)),
                                              rotations.get(id(layer)))
                             done.add(name)
-                        if not remaining and block_tune_steps:
+                        if not remaining and block_tuner is not None:
                             mine = [(n, m) for n, m in layers if n.startswith(f"{prefix}.{i}.")]
                             tune(block, mine, inputs, masks, fp_next)
                         if not remaining and i + 1 == len(block_list):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import warnings
+from functools import partial
 from typing import Iterable, Optional, Union
 
 import torch
@@ -68,7 +69,7 @@ from .bit_budget import check_bits_setting, choose_layer_bits
 from .calibration import check_calibration, check_calibration_used, quantize_layers, uses_calibration
 from .calibration_text import default_calibration, is_text
 from .dequantized_weight import DequantizedWeight
-from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
+from .finetune import check_tune_steps, reference_outputs, tune_block, tune_end_to_end, tuning_batches
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
 from .fusion import FUSE_BY_DEFAULT, FusedProjections, groups_of, why_separate
 from .methods import GPTQ_DAMP, check_method
@@ -721,7 +722,8 @@ def quantize_model(
             try:
                 chosen = quantize_layers(model, unique, ks, method, codebook, calibration, on_layer=bar.update,
                                          weight_of=linear_weight, rotations=rotations, fp_targets=fp_targets,
-                                         block_tune_steps=block_tune_steps)
+                                         block_tuner=partial(tune_block, steps=block_tune_steps) if block_tune_steps
+                                         else None)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
         for name, lin in targets:

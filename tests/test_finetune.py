@@ -2,6 +2,7 @@
 block scales tuned to the unquantized model's outputs, the result in the same storage format."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -191,7 +192,8 @@ def test_block_tuning_matches_each_block_to_the_unquantized_one():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     plain = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids)
-    tuned = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids, block_tune_steps=20)
+    tuned = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids,
+                                        block_tuner=partial(finetune.tune_block, steps=20))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     block0 = [m for n, m in layers if n.startswith("model.layers.0.")]
     assert all(torch.equal(tuned[id(m)].packed, plain[id(m)].packed) for m in block0)
@@ -218,7 +220,8 @@ def test_block_tuning_that_does_not_lower_the_loss_is_dropped(monkeypatch):
     plain = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids)
     monkeypatch.setattr(finetune, "LEVEL_LR", 5.0)  # steps far too large: the loss goes up
     monkeypatch.setattr(finetune, "GAIN_LR", 5.0)
-    tuned = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids, block_tune_steps=3)
+    tuned = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids,
+                                        block_tuner=partial(finetune.tune_block, steps=3))
     for _, m in layers:
         assert torch.equal(tuned[id(m)].absmax, plain[id(m)].absmax)
         assert torch.equal(tuned[id(m)].codebook, plain[id(m)].codebook)
@@ -248,3 +251,15 @@ def test_block_tuning_computes_the_weights_as_substituted():
     assert finetune.tune_block(block, weights, x, [None, None], own, steps=4) is None
     tuned = finetune.tune_block(block, weights, x, [None, None], unquantized, steps=4)
     assert tuned is not None and {n: t.shape for n, t in tuned.items()} == {n: w[0].shape for n, w in weights.items()}
+
+
+def test_quantize_model_takes_the_gptq_refinements():
+    """``quantize_model(fp_targets=True, block_tune_steps=N)`` reaches the calibration: other block scales than plain
+    gptq, the same storage format."""
+    model, ids = _tiny_llama(), _ids()
+    plain = kbit.quantize_model(copy.deepcopy(model), bits=2, method="gptq", calibration=ids, progress=False)
+    refined = kbit.quantize_model(copy.deepcopy(model), bits=2, method="gptq", calibration=ids, progress=False,
+                                  fp_targets=True, block_tune_steps=5)
+    a, b = _kbit_layers(plain), _kbit_layers(refined)
+    assert a.keys() == b.keys() and any(not torch.equal(a[n].absmax, b[n].absmax) for n in a)
+    assert all(a[n].packed.shape == b[n].packed.shape and a[n].bits == b[n].bits for n in a)
