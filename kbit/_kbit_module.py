@@ -1,15 +1,16 @@
 """What ``KbitLinear`` and ``KbitExperts`` do alike as modules: move, save, load and prepare their quantized weights.
 
 Both hold the storage format (what is saved) or, GEMM-resident on CUDA, the GEMM layout in place of its codes
-(derived, never saved), and empty parameters counting the quantized elements (``kbit._counted``). This class owns
-the passage between the two forms (``_hold_storage``, ``_hold_layout``) and every step that goes through it: device
-and dtype moves, saving, loading. A subclass names its buffers and count parameters in the class attributes below
-and supplies:
+(derived, never saved), and empty parameters counting the quantized elements (``kbit._counted``). Each quantized
+weight it holds (``WEIGHTS``: KbitLinear's one, KbitExperts' two projections with a leading expert dimension) is
+seen through a ``QuantizedWeight`` view of its buffers (``_view``), which derives one form from the other. This
+class owns those views, the passage between the two forms (``_hold_storage``, ``_hold_layout``) and every step that
+goes through it: device and dtype moves, saving, loading. A subclass names its buffers and count parameters in the
+class attributes below and supplies:
 
 - ``is_gemm_resident``: whether it holds the layout;
+- ``_weight_shape``: the shape and layout row order of each of its weights;
 - ``_hold_counts``: make the counting parameters (again);
-- ``_derived_storage``: {buffer: tensor} of the storage format's codes, derived from the layout;
-- ``_derive_layout``: set the layout's buffers from the held storage format, keeping it;
 - ``_moved``: what follows a device or dtype move;
 - ``_check_state``: check what a state dict brings for it and return the weight's dtype;
 - ``prepare``: which form to hold where, and what else its GEMM needs made beforehand.
@@ -22,21 +23,75 @@ from torch import nn
 
 from ._counted import counts_hidden
 from ._validate import refuse_assignment
+from .weight import QuantizedWeight
+
+
+def _same_tensors(a, b) -> bool:
+    for x, y in zip(a, b):
+        if x is not y:
+            return False
+    return True
 
 
 class KbitModule(nn.Module):
     FORMAT_KEYS: tuple = ()  # buffers of the storage format, as saved
+    # {weight: (packed, absmax, scale, layout codes, layout absmax)}: the buffers of each quantized weight, which
+    # share the buffer ``codebook``. DERIVED_KEYS and LAYOUT_KEYS follow from it.
+    WEIGHTS: dict = {}
     DERIVED_KEYS: tuple = ()  # the storage format's codes: held off CUDA, derived from the layout when saved on CUDA
     LAYOUT_KEYS: tuple = ()  # buffers of the GEMM layout, held in place of DERIVED_KEYS on CUDA
     COUNTS: tuple = ()  # the empty parameters counting the quantized elements
     REFUSED: tuple = ()  # names that cannot be assigned: the full-precision weights the module stands for
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.DERIVED_KEYS = tuple(key for keys in cls.WEIGHTS.values() for key in keys[:2])
+        cls.LAYOUT_KEYS = tuple(key for keys in cls.WEIGHTS.values() for key in keys[3:])
+
+    # ------------------------------------------------------------------ the weights
+    def _view(self, name: str) -> QuantizedWeight:
+        """A ``QuantizedWeight`` of weight ``name``'s buffers (``WEIGHTS``), GEMM-resident when the module is; kept
+        while they stay the same tensors, so that a GEMM layout derived from the storage format stays cached."""
+        packed, absmax, scale, codes, gemm_absmax = self.WEIGHTS[name]
+        gemm = self.is_gemm_resident
+        codes_held = (codes, gemm_absmax) if gemm else (packed, absmax)
+        held = tuple(getattr(self, key) for key in (*codes_held, "codebook", scale))
+        qw = self._views.get(name)
+        if qw is None or qw.is_gemm_resident != gemm or not _same_tensors(qw.resident, held):
+            # Checked: a buffer may have been assigned by hand, or left on meta by a partial assign-load.
+            shape, row_order = self._weight_shape(name)
+            make = QuantizedWeight.from_gemm_layout if gemm else QuantizedWeight
+            qw = self._views[name] = make(*held, self.bits, shape, self.weight_dtype, row_order)
+        return qw
+
+    def _invalidate(self) -> None:
+        """Forget the views: the buffers they were made of have been replaced or written."""
+        self._views = {}
+
     # ------------------------------------------------------------------ the two forms
+    def _derived_storage(self) -> dict:
+        """{buffer: tensor} of the storage format's codes, derived from the GEMM layout (new tensors)."""
+        derived = {}
+        for name, (packed, absmax, *_) in self.WEIGHTS.items():
+            derived[packed], derived[absmax] = self._view(name).storage()
+        return derived
+
+    def _derive_layout(self) -> None:
+        """Set the layout's buffers from the held storage format, on its device, keeping it; the views then hold
+        that layout (no second derivation or check at the next call)."""
+        for name, (*_, codes, absmax) in self.WEIGHTS.items():
+            qw = self._view(name).gemm_resident()
+            b, a = qw.gemm_layout()
+            setattr(self, codes, b)
+            setattr(self, absmax, a)
+            self._views[name] = qw
+
     def _hold_storage(self) -> None:
         """Hold the storage format (derived from the GEMM layout on its device if need be) and no layout."""
         if self.is_gemm_resident:
             for name, t in self._derived_storage().items():
                 setattr(self, name, t)
+            self._invalidate()  # the views hold the layout
         for name in self.LAYOUT_KEYS:
             setattr(self, name, None)
 
@@ -67,6 +122,7 @@ class KbitModule(nn.Module):
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        self._invalidate()
         self._moved()
         return self
 
@@ -98,6 +154,7 @@ class KbitModule(nn.Module):
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                           error_msgs)
         self.weight_dtype = dtype
+        self._invalidate()  # loaded in place, or assigned
         self._loaded(state_dict, prefix)
         self.prepare()
 
@@ -106,6 +163,7 @@ class KbitModule(nn.Module):
 
     def __setstate__(self, state):  # a copied parameter loses its attributes: the counts are made again
         super().__setstate__(state)
+        self._invalidate()  # a copy makes its own views of its own buffers
         self._hold_counts()
 
     def __setattr__(self, name: str, value) -> None:

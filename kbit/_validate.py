@@ -275,7 +275,7 @@ def check_storage_tensor(t, key: str, bits: int, shape, prefix: str = "") -> Non
         raise TypeError(f"{prefix}{key} must be {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
     if tuple(t.shape) != want:
         raise ValueError(
-            f"{prefix}{key} of a bits={bits} [{shape[0]}, {shape[1]}] weight (blocks of {BLOCK_SIZE}) must have shape "
+            f"{prefix}{key} of a bits={bits} {list(shape)} weight (blocks of {BLOCK_SIZE}) must have shape "
             f"{want}, got {tuple(t.shape)}"
         )
     if not t.is_contiguous():

@@ -63,11 +63,13 @@ def padded_in_features(in_features: int) -> int:
 
 
 def storage_spec(key: str, bits: int, shape) -> tuple:
-    """(dtype, shape) of storage tensor ``key`` of a ``bits``-bit [out_features, in_features] weight."""
-    out_features, in_features = shape
+    """(dtype, shape) of storage tensor ``key`` of a ``bits``-bit [out_features, in_features] weight; of E such
+    weights for a shape [E, out_features, in_features] (``packed``, ``absmax`` and ``scale`` then have a leading E,
+    one weight's per row; the codebook is shared)."""
+    *experts, out_features, in_features = shape
     blocks = block_count(out_features * padded_in_features(in_features))
-    return {"packed": (torch.int32, (blocks * bits,)), "absmax": (torch.uint8, (blocks,)),
-            "codebook": (torch.float32, (2**bits,)), "scale": (torch.float32, ()),
+    return {"packed": (torch.int32, (*experts, blocks * bits)), "absmax": (torch.uint8, (*experts, blocks)),
+            "codebook": (torch.float32, (2**bits,)), "scale": (torch.float32, tuple(experts)),
             "meta": (torch.int64, (len(META_FIELDS),))}[key]
 
 

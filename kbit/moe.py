@@ -24,24 +24,24 @@ experts' weights, ``kbit._counted``):
     meta            int64   [5]                        kbit.formats.EXPERTS_META_FIELDS: [bits, E, H, I, dtype code]
 
 Row e of each projection is exactly what ``kbit.quantize`` makes of that expert's weight alone
-(``QuantizedWeight.state_dict``), so ``expert_weight(proj, e)`` is a ``QuantizedWeight`` view of it.
+(``QuantizedWeight.state_dict``): each projection is a ``QuantizedWeight`` of shape [E, N, K] over these buffers
+(``projection``), and ``expert_weight(proj, e)`` is its expert e.
 
 On a CUDA device where the grouped GEMM runs, the module holds each projection's GEMM layout (``kbit.layout``), one
-per expert, stacked (``gate_up_gemm_codes`` [E, *B_gemm shape], ``gate_up_gemm_absmax`` [E, *absmax_gemm shape],
-the same for ``down``), in place of the ``*_packed`` and ``*_absmax`` buffers (then None): one copy of the codes,
-derived when the module lands there (``prepare``; the storage format is dropped), and the storage format derived back
-from it whenever asked for (``state_dict``, ``.to("cpu")``, ``dequantize``, ``expert_weight``), bit for bit. The
-layout buffers are registered persistent (loaders that re-create non-persistent buffers empty leave them alone) but
-never saved. The gate/up layout is that of
-the weight with its rows interleaved by 8 (``kbit.grouped.gate_up_row_order``): each 16-row MMA tile then holds
-8 gate rows and their 8 up rows, so the grouped GEMM applies ``silu(gate) * up`` in its epilogue. The forward
-there runs ``kbit.ops.moe_route`` (the tokens sorted by expert on the GPU), two grouped GEMMs (every expert's
-tokens in one launch each; the routing weights applied in the second's epilogue) and ``moe_combine``: no host
-synchronization, CUDA-graph and ``torch.compile`` safe (``kbit.grouped`` documents the ops). Elsewhere (CPU,
-float32 activations, shapes the kernel does not take: H or I not a multiple of 8, more than
-``MAX_GROUPED_EXPERTS`` experts, or a GPU whose shared memory holds none of its configurations at this K) the
-forward is the per-expert reference: each routed expert's weights dequantized to float32. Inference only: no
-gradients flow through the grouped ops.
+per expert, stacked (``gate_up_gemm_codes`` [E, *B_gemm shape], ``gate_up_gemm_absmax`` [E, *absmax_gemm shape], the
+same for ``down``), in place of the ``*_packed`` and ``*_absmax`` buffers (then None): one copy of the codes,
+derived when the module lands there (``prepare``; the storage format is dropped), and the storage format derived
+back from it whenever asked for (``state_dict``, ``.to("cpu")``, ``dequantize``, ``expert_weight``), bit for bit.
+The layout buffers are registered persistent (loaders that re-create non-persistent buffers empty leave them alone)
+but never saved. The gate/up layout is that of the weight with its rows interleaved by 8 (the projection's
+``row_order``, ``kbit.grouped.gate_up_row_order``): each 16-row MMA tile then holds 8 gate rows and their 8 up rows,
+so the grouped GEMM applies ``silu(gate) * up`` in its epilogue. The forward there runs ``kbit.ops.moe_route`` (the
+tokens sorted by expert on the GPU), two grouped GEMMs (every expert's tokens in one launch each; the routing
+weights applied in the second's epilogue) and ``moe_combine``: no host synchronization, CUDA-graph and
+``torch.compile`` safe (``kbit.grouped`` documents the ops). Elsewhere (CPU, float32 activations, shapes the kernel
+does not take: H or I not a multiple of 8, more than ``MAX_GROUPED_EXPERTS`` experts, or a GPU whose shared memory
+holds none of its configurations at this K) the forward is the per-expert reference: each routed expert's weights
+dequantized to float32. Inference only: no gradients flow through the grouped ops.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ from ._validate import (
     check_tensor,
     check_weight,
 )
-from .formats import block_count, create_normal_float_codebook, experts_meta_tensor, padded_in_features
-from .grouped import gate_up_row_order
-from .layout import X_ALIGN, gemm_shapes
+from .formats import create_normal_float_codebook, experts_meta_tensor, padded_in_features, storage_spec
+from .grouped import GATE_UP_GROUP, gate_up_row_order
+from .layout import X_ALIGN
 from .weight import PrecisionLoss, QuantizedWeight, quantize_checked
 
 __all__ = ["KbitExperts", "find_experts", "rows_per_pass", "MAX_GROUPED_EXPERTS"]
@@ -79,7 +79,6 @@ FUSED_PARAMETERS = tuple(f"{proj}_proj" for proj in PROJECTIONS)  # transformers
 WEIGHT_COUNTS = tuple(count_name(name) for name in FUSED_PARAMETERS)  # empty parameters counting them (kbit._counted)
 _FORMAT_SUFFIXES = ("packed", "absmax", "scale")
 STORAGE = tuple(f"{p}_{s}" for p in PROJECTIONS for s in _FORMAT_SUFFIXES) + ("codebook", "meta")  # the state dict
-GEMM_LAYOUTS = tuple(f"{p}_gemm_{s}" for p in PROJECTIONS for s in ("codes", "absmax"))  # on CUDA (module docstring)
 # Experts per layer the routing kernel sorts in one CTA's shared memory (real models have up to 512).
 MAX_GROUPED_EXPERTS = 1024
 
@@ -120,9 +119,10 @@ class KbitExperts(KbitModule):
     """
 
     # KbitModule's names: the storage format (its codes derived from the GEMM layouts when GEMM-resident), the
-    # layouts, the counting parameters, transformers' weights that are held quantized.
-    FORMAT_KEYS, LAYOUT_KEYS, COUNTS, REFUSED = STORAGE, GEMM_LAYOUTS, WEIGHT_COUNTS, FUSED_PARAMETERS
-    DERIVED_KEYS = tuple(f"{p}_{s}" for p in PROJECTIONS for s in ("packed", "absmax"))
+    # buffers of each projection, the counting parameters, transformers' weights that are held quantized.
+    FORMAT_KEYS, COUNTS, REFUSED = STORAGE, WEIGHT_COUNTS, FUSED_PARAMETERS
+    WEIGHTS = {p: (f"{p}_packed", f"{p}_absmax", f"{p}_scale", f"{p}_gemm_codes", f"{p}_gemm_absmax")
+               for p in PROJECTIONS}
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, bits: int = 4,
                  dtype: torch.dtype = torch.float16, device=None, codebook: Optional[Tensor] = None,
@@ -146,16 +146,15 @@ class KbitExperts(KbitModule):
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.weight_dtype = dtype
         self.act_fn = act_fn if act_fn is not None else nn.SiLU()
-        E = self.num_experts
+        self._invalidate()
         for proj, (N, K) in self.shapes().items():
-            nb = block_count(N * padded_in_features(K))
-            self.register_buffer(f"{proj}_packed", torch.zeros(E, nb * bits, dtype=torch.int32, device=device))
-            self.register_buffer(f"{proj}_absmax", torch.zeros(E, nb, dtype=torch.uint8, device=device))
-            self.register_buffer(f"{proj}_scale", torch.ones(E, dtype=torch.float32, device=device))
+            for key, fill in (("packed", torch.zeros), ("absmax", torch.zeros), ("scale", torch.ones)):
+                dtype_of, shape_of = storage_spec(key, bits, (num_experts, N, K))
+                self.register_buffer(f"{proj}_{key}", fill(shape_of, dtype=dtype_of, device=device))
         cb = create_normal_float_codebook(bits) if codebook is None else codebook
         self.register_buffer("codebook", cb.to(device=device, dtype=torch.float32))
         self.register_buffer("meta", self._meta_tensor(device))
-        for name in GEMM_LAYOUTS:  # on CUDA, in place of the *_packed and *_absmax buffers (prepare)
+        for name in self.LAYOUT_KEYS:  # on CUDA, in place of the *_packed and *_absmax buffers (prepare)
             self.register_buffer(name, None)
         self._rows_supported = ()  # rows per pass the device's grouped GEMM runs at these bits (prepare)
         self._hold_counts()
@@ -185,49 +184,31 @@ class KbitExperts(KbitModule):
         """Whether the module holds the GEMM layouts in place of the storage format (module docstring)."""
         return self.gate_up_packed is None
 
+    def _weight_shape(self, proj: str) -> tuple:
+        """([E, N, K], row order of the GEMM layout) of projection ``proj`` (``KbitModule._view``): gate/up's rows
+        interleaved by 8 for the grouped GEMM's fused activation, which runs only where I is a multiple of 8."""
+        N, K = self.shapes()[proj]
+        interleaved = proj == "gate_up" and self.intermediate_dim % GATE_UP_GROUP == 0
+        return (self.num_experts, N, K), gate_up_row_order(self.intermediate_dim, "cpu") if interleaved else None
+
+    def projection(self, proj: str) -> QuantizedWeight:
+        """The ``"gate_up"`` ([E, 2I, H]) or ``"down"`` ([E, H, I]) weights of every expert: a ``QuantizedWeight``
+        view of the module's buffers, GEMM-resident when the module is (its layout's rows in the grouped GEMM's
+        order, ``row_order``)."""
+        return self._view(self._check_projection(proj))
+
     def expert_weight(self, proj: str, expert: int) -> QuantizedWeight:
         """A ``QuantizedWeight`` of expert ``expert``'s ``"gate_up"`` ([2I, H]) or ``"down"`` ([H, I]) weight in the
-        storage format: a view of the module's, or derived from its GEMM layout."""
-        self._check_projection(proj)
-        e = check_int(expert, "expert", 0)
-        if e >= self.num_experts:
-            raise ValueError(f"expert must be < {self.num_experts}, got {e}")
-        packed = getattr(self, f"{proj}_packed")
-        p, a = (packed[e], getattr(self, f"{proj}_absmax")[e]) if packed is not None else self._derive(proj, e)
-        return QuantizedWeight.from_checked(p, a, self.codebook, getattr(self, f"{proj}_scale")[e], self.bits,
-                                            self.shapes()[proj], self.weight_dtype)
-
-    def _derive(self, proj: str, e: int) -> tuple:
-        """(packed, absmax) of expert ``e``'s ``proj`` weight, derived from its GEMM layout: the inverse of
-        ``derive_gemm_layouts`` (for gate/up, the rows put back from the interleaved order)."""
-        N, K = self.shapes()[proj]
-        codes, absmax = getattr(self, f"{proj}_gemm_codes")[e], getattr(self, f"{proj}_gemm_absmax")[e]
-        p, a = ops.unrepack(codes, absmax, self.bits, N, padded_in_features(K))
-        if proj == "gate_up":  # row i of the layout is row order[i] of the weight (a storage row is whole blocks)
-            order = gate_up_row_order(self.intermediate_dim, p.device)
-            p = torch.empty_like(p).view(N, -1).index_copy_(0, order, p.view(N, -1)).reshape(-1)
-            a = torch.empty_like(a).view(N, -1).index_copy_(0, order, a.view(N, -1)).reshape(-1)
-        return p, a
+        storage format: a view of the module's, or derived from its GEMM layout (``projection(proj)[expert]``)."""
+        return self.projection(proj)[expert]
 
     def storage(self, proj: str) -> tuple:
         """(packed [E, ...], absmax [E, ...]) of ``proj``: held, or derived from the GEMM layouts now (new tensors)."""
-        self._check_projection(proj)
-        packed, absmax = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_absmax")
-        if packed is not None:
-            return packed, absmax
-        N, K = self.shapes()[proj]
-        nb = block_count(N * padded_in_features(K))
-        device = self.codebook.device
-        packed = torch.empty(self.num_experts, nb * self.bits, dtype=torch.int32, device=device)
-        absmax = torch.empty(self.num_experts, nb, dtype=torch.uint8, device=device)
-        for e in range(self.num_experts):
-            packed[e], absmax[e] = self._derive(proj, e)
-        return packed, absmax
+        return self.projection(proj).storage()
 
     def dequantize(self, proj: str, dtype=None) -> Tensor:
         """Every expert's reconstructed weight, [E, 2I, H] (``"gate_up"``) or [E, H, I] (``"down"``)."""
-        self._check_projection(proj)
-        return torch.stack([self.expert_weight(proj, e).dequantize(dtype) for e in range(self.num_experts)])
+        return self.projection(proj).dequantize(dtype)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -280,6 +261,7 @@ class KbitExperts(KbitModule):
                 qw, loss = quantize_checked(check_weight(weight[e].detach(), label), self.bits, self.codebook)
                 (packed[e], absmax[e]), scale[e] = qw.storage(), qw.scale
                 losses.append((label, loss))
+        self._invalidate()  # written in place: a layout a view derived before is stale
         return losses
 
     @classmethod
@@ -308,24 +290,7 @@ class KbitExperts(KbitModule):
     def derive_gemm_layouts(self) -> None:
         """Set the ``*_gemm_codes`` / ``*_gemm_absmax`` buffers from the held storage format, on its device, keeping
         the storage (``prepare`` does this on CUDA, then drops the storage; on CPU the reference ops read them too)."""
-        device = self.gate_up_packed.device
-        for proj, (N, K) in self.shapes().items():
-            in_features_padded = padded_in_features(K)
-            b_shape, a_shape = gemm_shapes(self.bits, N, in_features_padded)
-            codes = torch.empty(self.num_experts, *b_shape, dtype=torch.int32, device=device)
-            absmax = torch.empty(self.num_experts, *a_shape, dtype=torch.uint8, device=device)
-            packed_all, absmax_all = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_absmax")
-            order = gate_up_row_order(self.intermediate_dim, device) if proj == "gate_up" else None
-            for e in range(self.num_experts):
-                p, a = packed_all[e], absmax_all[e]
-                if order is not None:  # a storage row is whole blocks: reordering rows reorders their blocks
-                    p = p.view(N, -1)[order].reshape(-1)
-                    a = a.view(N, -1)[order].reshape(-1)
-                codes[e], absmax[e] = ops.repack(p, a, self.bits, N, in_features_padded)
-            setattr(self, f"{proj}_gemm_codes", codes)
-            setattr(self, f"{proj}_gemm_absmax", absmax)
-
-    _derive_layout = derive_gemm_layouts  # KbitModule's name for it
+        self._derive_layout()
 
     def prepare(self) -> "KbitExperts":
         """On a CUDA device where the grouped GEMM runs: hold the GEMM layouts (derived from the storage format,
@@ -475,6 +440,9 @@ class KbitExperts(KbitModule):
                              for s in ("absmax", "scale"))
             if all(t.device.type != "meta" for t in (absmax, scale, codebook)):
                 check_range(absmax, scale, codebook, dtype, f"{prefix}{proj}_absmax with {prefix}{proj}_scale")
+
+
+GEMM_LAYOUTS = KbitExperts.LAYOUT_KEYS  # on CUDA (module docstring)
 
 
 # ---------------------------------------------------------------------- finding experts in a model

@@ -40,6 +40,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import warnings
+from functools import partial
 from typing import Iterable, Optional, Union
 
 import torch
@@ -68,7 +69,7 @@ from .bit_budget import check_bits_setting, choose_layer_bits
 from .calibration import check_calibration, check_calibration_used, quantize_layers, uses_calibration
 from .calibration_text import default_calibration, is_text
 from .dequantized_weight import DequantizedWeight
-from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
+from .finetune import check_tune_steps, reference_outputs, tune_block, tune_end_to_end, tuning_batches
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
 from .fusion import FUSE_BY_DEFAULT, FusedProjections, groups_of, why_separate
 from .methods import GPTQ_DAMP, check_method
@@ -85,13 +86,6 @@ WEIGHT_COUNT = count_name("weight")  # the empty parameter that counts the weigh
 # Called as hook(model, **settings) once quantize_model is done. kbit.hf, drawn above this module, adds the one that
 # records the settings on a transformers model (kbit.hf.hook.install), so that this module need not import it.
 QUANTIZED_HOOKS: list = []
-
-
-def _same_tensors(a, b) -> bool:
-    for x, y in zip(a, b):
-        if x is not y:
-            return False
-    return True
 
 
 class KbitLinear(KbitModule, nn.Linear):
@@ -120,9 +114,9 @@ class KbitLinear(KbitModule, nn.Linear):
     """
 
     # KbitModule's names: the storage format (its codes derived from the GEMM layout when GEMM-resident), the
-    # layout, the counting parameter, the full-precision weight that is held quantized.
-    FORMAT_KEYS, LAYOUT_KEYS, COUNTS, REFUSED = STATE_KEYS, GEMM_LAYOUT, (WEIGHT_COUNT,), ("weight",)
-    DERIVED_KEYS = ("packed", "absmax")
+    # buffers of the one weight, the counting parameter, the full-precision weight that is held quantized.
+    FORMAT_KEYS, COUNTS, REFUSED = STATE_KEYS, (WEIGHT_COUNT,), ("weight",)
+    WEIGHTS = {"weight": ("packed", "absmax", "scale", *GEMM_LAYOUT)}
 
     def __init__(
         self,
@@ -170,7 +164,7 @@ class KbitLinear(KbitModule, nn.Linear):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        self._qw: Optional[QuantizedWeight] = None
+        self._invalidate()
         self._direct = None  # (qweight, bias, kernel) of _direct_cpu_kernel
         self._fusion: Optional[FusedProjections] = None  # the sibling projections it shares GEMM launches with
         self._fusion_slot = 0  # its place among them
@@ -218,7 +212,7 @@ class KbitLinear(KbitModule, nn.Linear):
             mod.rotation_block = torch.tensor(rotation.block, dtype=torch.int64, device=qw.device)
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
-        mod._qw = qw
+        mod._views["weight"] = qw
         return mod.prepare()
 
     @classmethod
@@ -243,20 +237,11 @@ class KbitLinear(KbitModule, nn.Linear):
     @property
     def qweight(self) -> QuantizedWeight:
         """A ``QuantizedWeight`` view of the held tensors, GEMM-resident when the module is (kept while they stay
-        the same, so a GEMM layout derived from the storage format stays cached)."""
-        gemm = self.is_gemm_resident
-        codes = (self.gemm_codes, self.gemm_absmax) if gemm else (self.packed, self.absmax)
-        held = (*codes, self.codebook, self.scale)
-        qw = self._qw
-        if qw is None or qw.is_gemm_resident != gemm or not _same_tensors(qw.resident, held):
-            # Checked: a buffer may have been assigned by hand, or left on meta by a partial assign-load.
-            shape = (self.out_features, self.in_features)
-            make = QuantizedWeight.from_gemm_layout if gemm else QuantizedWeight
-            qw = self._qw = make(*held, self.bits, shape, self.weight_dtype)
-        return qw
+        the same, so a GEMM layout derived from the storage format stays cached: ``KbitModule._view``)."""
+        return self._view("weight")
 
-    def _invalidate(self) -> None:
-        self._qw = None
+    def _weight_shape(self, name: str) -> tuple:
+        return (self.out_features, self.in_features), None
 
     def prepare(self) -> "KbitLinear":
         """On a CUDA device: hold the GEMM layout (derived from the storage format, which is then dropped), as
@@ -276,13 +261,6 @@ class KbitLinear(KbitModule, nn.Linear):
         if self._fusion is not None:  # its siblings' stacked layout takes its rows back (kbit.fusion)
             self._fusion.refresh()
         return self
-
-    def _derive_layout(self) -> None:
-        """Set ``gemm_codes`` / ``gemm_absmax`` from the held storage format, on its device, keeping the storage
-        (``KbitModule._hold_layout`` drops it); the view ``qweight`` holding that layout is kept too."""
-        qw = self.qweight.gemm_resident()
-        self.gemm_codes, self.gemm_absmax = qw.gemm_layout()
-        self._qw = qw
 
     def _hold_counts(self) -> None:
         hold_count(self, WEIGHT_COUNT, self.out_features * self.in_features, self.weight_dtype, self.codebook.device)
@@ -348,13 +326,9 @@ class KbitLinear(KbitModule, nn.Linear):
 
     # ------------------------------------------------------------------ moving, saving, loading (KbitModule)
     def _moved(self) -> None:
-        self._invalidate()
         self._hold_counts()
         if self.codebook.device.type != "meta":
             self.prepare()
-
-    def _derived_storage(self) -> dict:
-        return dict(zip(self.DERIVED_KEYS, self.qweight.storage()))
 
     def _check_state(self, state_dict, prefix: str) -> torch.dtype:
         meta = state_dict.get(prefix + "meta")
@@ -378,7 +352,6 @@ class KbitLinear(KbitModule, nn.Linear):
         block = state_dict.get(prefix + "rotation_block")
         if self.rotation_block is not None and isinstance(block, Tensor) and block.device.type != "meta":
             self._block = int(block)
-        self._invalidate()
 
     def _check_incoming(self, state_dict, prefix: str, dtype: torch.dtype) -> None:
         """Dtype, shape and values of each storage tensor a state dict brings (missing ones keep the module's), and
@@ -416,7 +389,6 @@ class KbitLinear(KbitModule, nn.Linear):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._qw = None
         self.__dict__.setdefault("_fusion", None)  # pickled before fusion existed
         self.__dict__.setdefault("_fusion_slot", 0)
 
@@ -521,6 +493,8 @@ def quantize_model(
     tokenizer=None,
     tune_steps: int = 0,
     fuse_projections: bool = FUSE_BY_DEFAULT,
+    fp_targets: bool = False,
+    block_tune_steps: int = 0,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
@@ -539,14 +513,22 @@ def quantize_model(
     the model, from ``model.config._name_or_path``). ``calibration`` may also be text (a str): tokenized the same
     way and mixed with the built-in text (``calibration_tokens``), which keeps narrow text (markdown and code,
     say) from fitting the layers to one kind of text; or a list of short texts (sentences, for a sentence
-    encoder): padded batches with the built-in text's lines beside them (``calibration_batches``). Token ids and
-    model inputs are used as given.
+    encoder): padded batches with the built-in text's lines and sentences of random vocabulary words beside them
+    (``calibration_batches``). Token ids and model inputs are used as given.
 
     ``tune_steps``: after quantizing, tune every ``KbitLinear``'s codebook and block scales end to end for this many
     Adam steps (``kbit.finetune``; 0, the default: no tuning), codes fixed, so that the model's next-token
     distributions (an encoder's outputs) on the calibration data match the unquantized model's; the result is the
     same storage format. Runs on the model's device; needs calibration as gptq does (the built-in text when none
     is given). Fused MoE experts are not tuned.
+
+    Two refinements of ``method="gptq"`` for the layers inside a model's list of blocks, both off by default
+    (``kbit.calibration``): ``fp_targets=True`` fits each layer to the unquantized model's outputs on the
+    unquantized model's inputs rather than to its own weight on the inputs the quantized layers before it produce,
+    so a layer also corrects the error the layers before it left (the unquantized model runs beside the quantized
+    one: about twice the calibration passes); ``block_tune_steps=N`` tunes each block's codebooks and block scales
+    for N Adam steps, once its layers are quantized, so that the block's outputs match the unquantized model's
+    (``kbit.finetune.tune_block``) before the next block is calibrated on them.
 
     ``rotate``: quantize each layer's weight in a rotated basis of its input features (``kbit.rotation``: random
     signs, then a block-diagonal Hadamard transform), which spreads outlier weights over many inputs and lowers
@@ -603,6 +585,12 @@ def quantize_model(
         check_calibration(calibration)
     if not isinstance(rotate, bool):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+    if not isinstance(fp_targets, bool):
+        raise TypeError(f"fp_targets must be a bool, got {type(fp_targets).__name__}")
+    block_tune_steps = check_int(block_tune_steps, "block_tune_steps", 0)
+    if (fp_targets or block_tune_steps) and method != "gptq":
+        raise ValueError(f"fp_targets and block_tune_steps refine method='gptq', got method={method!r} with "
+                         f"fp_targets={fp_targets} and block_tune_steps={block_tune_steps}")
     if not isinstance(fuse_projections, bool):
         raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
 
@@ -652,7 +640,9 @@ def quantize_model(
         if method != "rtn":  # kbit.calibration runs the method; the swap below is the same for every method
             try:
                 chosen = quantize_layers(model, unique, ks, method, codebook, calibration, on_layer=bar.update,
-                                         weight_of=linear_weight, rotations=rotations)
+                                         weight_of=linear_weight, rotations=rotations, fp_targets=fp_targets,
+                                         block_tuner=partial(tune_block, steps=block_tune_steps) if block_tune_steps
+                                         else None)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
         for name, lin in targets:

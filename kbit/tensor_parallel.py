@@ -65,24 +65,29 @@ GATHERED_OUTPUT = ("colwise_gather_output", "colwise_rep")  # a 16-bit layer's r
 
 
 # ---------------------------------------------------------------------- storage-level shards
-def _own(t: Tensor) -> Tensor:
-    """A contiguous 1-D copy: the shard must not keep the full tensor's storage alive."""
-    return t.clone(memory_format=torch.contiguous_format).reshape(-1)
+def _own(t: Tensor, experts: tuple) -> Tensor:
+    """A contiguous copy, one row per expert of ``experts`` (() for a 2-D weight, else (E,)): the shard must not keep
+    the full tensor's storage alive."""
+    return t.clone(memory_format=torch.contiguous_format).reshape(*experts, -1)
 
 
 def _even_part(size: int, rank: int, world: int) -> tuple:
     return rank * size // world, (rank + 1) * size // world
 
 
-def column_shard(qw: QuantizedWeight, rank: int, world: int) -> QuantizedWeight:
-    """Rows ``[rank * N / world, (rank + 1) * N / world)`` of ``qw`` (N = out_features, divisible by ``world``):
-    those rows' bit-plane words and block scales, copied; codebook and scale shared."""
-    N, K = qw.shape
-    if N % world:
-        raise ValueError(f"out_features={N} does not split into {world} equal column shards")
-    lo, hi = _even_part(N, rank, world)
-    packed, absmax = (_own(t.view(N, -1)[lo:hi]) for t in qw.storage())
-    return QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits, (hi - lo, K), qw.dtype)
+def column_shard(qw: QuantizedWeight, rank: int, world: int, groups: int = 1) -> QuantizedWeight:
+    """Rows ``[rank * N / world, (rank + 1) * N / world)`` of ``qw`` (N = out_features, divisible by ``world``), of
+    each expert's for a weight with experts: those rows' bit-plane words and block scales, copied; codebook and scale
+    shared. ``groups`` > 1 splits each of that many equal row groups so (gate/up: the gate rows, then the up rows)."""
+    *experts, N, K = qw.shape
+    if N % (world * groups):
+        of_groups = f" of each of its {groups} row groups" if groups > 1 else ""
+        raise ValueError(f"out_features={N} does not split into {world} equal column shards{of_groups}")
+    lo, hi = _even_part(N // groups, rank, world)
+    packed, absmax = (_own(t.view(*experts, groups, N // groups, -1)[..., lo:hi, :], tuple(experts))
+                      for t in qw.storage())
+    return QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits,
+                                        (*experts, groups * (hi - lo), K), qw.dtype)
 
 
 def row_split_problem(in_features: int, world: int, rotation_block: int = 0) -> Optional[str]:
@@ -96,18 +101,26 @@ def row_split_problem(in_features: int, world: int, rotation_block: int = 0) -> 
 
 
 def row_shard(qw: QuantizedWeight, rank: int, world: int) -> QuantizedWeight:
-    """Input features ``[rank * K / world, (rank + 1) * K / world)`` of ``qw``: whole blocks of every row, copied
-    (``row_split_problem`` must find none); codebook and scale shared."""
-    N, K = qw.shape
+    """Input features ``[rank * K / world, (rank + 1) * K / world)`` of ``qw``: whole blocks of every row (of every
+    expert's for a weight with experts), copied (``row_split_problem`` must find none); codebook and scale shared."""
+    *experts, N, K = qw.shape
     problem = row_split_problem(K, world)
     if problem:
         raise ValueError(problem)
     lo, hi = (b // BLOCK_SIZE for b in _even_part(K, rank, world))
     packed, absmax = qw.storage()  # derived once from a GEMM-resident weight
-    packed = _own(packed.view(N, -1, qw.bits)[:, lo:hi])
-    absmax = _own(absmax.view(N, -1)[:, lo:hi])
+    packed = _own(packed.view(*experts, N, -1, qw.bits)[..., lo:hi, :], tuple(experts))
+    absmax = _own(absmax.view(*experts, N, -1)[..., lo:hi], tuple(experts))
     return QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits,
-                                        (N, (hi - lo) * BLOCK_SIZE), qw.dtype)
+                                        (*experts, N, (hi - lo) * BLOCK_SIZE), qw.dtype)
+
+
+def _gathered_storage(qw: QuantizedWeight, dim: int, group, groups: int = 1) -> tuple:
+    """(packed, absmax) of the whole weight that every rank's shard ``qw`` is part of, in rank order: the inverse of
+    ``column_shard`` (``dim`` -2, the rows of each of ``groups`` row groups) or of ``row_shard`` (``dim`` -1)."""
+    *experts, N, _ = qw.shape
+    return tuple(_all_gather(t.view(*experts, groups, N // groups, -1), dim, group).reshape(*experts, -1)
+                 for t in qw.storage())
 
 
 def kbit_bytes(model: nn.Module) -> int:
@@ -280,15 +293,11 @@ def _shard_experts(experts: KbitExperts, tp: RankGroup):
     problem = experts_split_problem(experts, tp.world)
     if problem:  # replicated input, replicated output: whole experts compute the same on every rank
         return experts, f"whole: intermediate {problem}"
-    E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
-    lo, hi = _even_part(I, tp.rank, tp.world)
-    state = {"codebook": experts.codebook, "gate_up_scale": experts.gate_up_scale, "down_scale": experts.down_scale}
-    for key in ("packed", "absmax"):
-        rows = getattr(experts, f"gate_up_{key}").view(E, 2 * I, -1)  # gate rows, then up rows: split each
-        state[f"gate_up_{key}"] = torch.cat([rows[:, lo:hi], rows[:, I + lo:I + hi]], 1).reshape(E, -1)
-        per_block = experts.bits if key == "packed" else 1
-        down = getattr(experts, f"down_{key}").view(E, H, -1, per_block)
-        state[f"down_{key}"] = down[:, :, lo // BLOCK_SIZE:hi // BLOCK_SIZE].reshape(E, -1)
+    gate_up = column_shard(experts.projection("gate_up"), tp.rank, tp.world, groups=2)  # gate rows, then up rows
+    down = row_shard(experts.projection("down"), tp.rank, tp.world)
+    state = {"codebook": experts.codebook}
+    for proj, qw in (("gate_up", gate_up), ("down", down)):
+        state.update((f"{proj}_{key}", getattr(qw, key)) for key in ("packed", "absmax", "scale"))
     return local_experts(experts, state, tp), "shard of every expert"
 
 
@@ -390,16 +399,15 @@ def _gathered_linear(layer: KbitLinear) -> KbitLinear:
     bias = None if bias is None else bias.detach()
     N, K = qw.shape
     if isinstance(layer, ColumnParallelKbitLinear):
-        packed, absmax = (_all_gather(t.view(N, -1), 0, tp.group) for t in qw.storage())
+        packed, absmax = _gathered_storage(qw, -2, tp.group)
         shape = (N * tp.world, K)
         bias = None if bias is None else _all_gather(bias, 0, tp.group)
     else:
-        packed, absmax = (_all_gather(t.view(N, -1), 1, tp.group) for t in qw.storage())
+        packed, absmax = _gathered_storage(qw, -1, tp.group)
         shape = (N, K * tp.world)
         if rotation is not None:
             rotation = Rotation(_all_gather(rotation.signs, 0, tp.group), rotation.block)
-    whole = QuantizedWeight.from_checked(packed.reshape(-1), absmax.reshape(-1), qw.codebook, qw.scale, qw.bits,
-                                         shape, qw.dtype)
+    whole = QuantizedWeight.from_checked(packed, absmax, qw.codebook, qw.scale, qw.bits, shape, qw.dtype)
     return KbitLinear.from_quantized(whole, bias, rotation)
 
 
@@ -408,13 +416,11 @@ def _gathered_experts(experts: TensorParallelKbitExperts) -> KbitExperts:
     E, H, I_local = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
     whole = KbitExperts(E, H, I_local * tp.world, bits=experts.bits, dtype=experts.weight_dtype, device="meta",
                         act_fn=experts.act_fn)
-    state = {"codebook": experts.codebook, "gate_up_scale": experts.gate_up_scale, "down_scale": experts.down_scale,
-             "meta": whole._meta_tensor(experts.codebook.device)}
-    for key in ("packed", "absmax"):
-        gate, up = getattr(experts, f"gate_up_{key}").view(E, 2 * I_local, -1).chunk(2, dim=1)
-        state[f"gate_up_{key}"] = torch.cat([_all_gather(gate, 1, tp.group), _all_gather(up, 1, tp.group)],
-                                            1).reshape(E, -1)
-        state[f"down_{key}"] = _all_gather(getattr(experts, f"down_{key}").view(E, H, -1), 2, tp.group).reshape(E, -1)
+    gate_up, down = experts.projection("gate_up"), experts.projection("down")
+    state = {"codebook": experts.codebook, "meta": whole._meta_tensor(experts.codebook.device),
+             "gate_up_scale": gate_up.scale, "down_scale": down.scale}
+    state["gate_up_packed"], state["gate_up_absmax"] = _gathered_storage(gate_up, -2, tp.group, groups=2)
+    state["down_packed"], state["down_absmax"] = _gathered_storage(down, -1, tp.group)
     whole.load_state_dict(state, strict=False, assign=True)
     return whole.prepare()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import NamedTuple, Optional
 
@@ -36,6 +37,7 @@ from .formats import (
     nearest_codes,
     pack_bitplanes,
     padded_in_features,
+    storage_spec,
 )
 from .layout import gemm_shapes
 
@@ -68,8 +70,24 @@ class PrecisionLoss(NamedTuple):
         )
 
 
+def _check_row_order(row_order: Optional[Tensor], shape: tuple) -> Optional[Tensor]:
+    """``row_order`` of a weight of ``shape``: None, or for one with experts an int64 [out_features] tensor (its
+    values, a permutation, are not read)."""
+    if row_order is None:
+        return None
+    if len(shape) != 3:
+        raise ValueError(f"row_order is for a weight of experts [E, out_features, in_features]; a {list(shape)} "
+                         f"weight's GEMM layout keeps its rows (kbit.matmul reads it)")
+    check_tensor(row_order, "row_order")
+    if row_order.dtype != torch.int64 or tuple(row_order.shape) != (shape[1],):
+        raise ValueError(f"row_order must be int64 of shape ({shape[1]},), a permutation of the rows, got "
+                         f"{row_order.dtype} {tuple(row_order.shape)}")
+    return row_order
+
+
 class QuantizedWeight:
     """A ``bits``-bit quantized [out_features, in_features] weight: its codes and block scales in one of two forms.
+    Or E such weights of one shape, [E, out_features, in_features] (a mixture-of-experts projection, ``kbit.moe``).
 
     Storage format: the matrix zero-padded to ``padded_in_features`` columns (a multiple of 32), flattened row-major
     and quantized in blocks of 32 (``kbit.formats``), so each block lies within one row. ``scale`` is the per-tensor
@@ -81,45 +99,58 @@ class QuantizedWeight:
     (``storage()``, ``packed``, ``absmax``, ``state_dict``, ``to("cpu")``, ``dequantize``), bit for bit the one it was
     made from (``kbit.ops.unrepack``), and dropped after use.
 
+    With experts (``experts`` is E): ``packed`` [E, blocks * bits], ``absmax`` [E, blocks] and ``scale`` [E] hold
+    each expert's storage in its row (what ``kbit.quantize`` makes of that expert alone), the codebook is shared,
+    and the GEMM layout is each expert's stacked, [E, *layout shape]: what the grouped GEMM reads
+    (``kbit.ops.moe_gemm``), optionally with each expert's rows in ``row_order`` (``row_order[i]`` is the weight row
+    that layout row i holds; the storage format keeps the weight's order). ``w[e]`` is expert e's 2-D weight in
+    the storage format. ``kbit.matmul`` takes 2-D weights only.
+
     The constructor checks dtypes, shapes, devices and contiguity (no values: it is cheap and safe while
-    tracing); ``from_state_dict`` also checks the values an untrusted checkpoint could get wrong.
+    tracing; so a ``row_order`` must be a permutation of range(out_features) unchecked); ``from_state_dict`` also
+    checks the values an untrusted checkpoint could get wrong.
     """
 
-    def __init__(self, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bits: int, shape, dtype):
+    def __init__(self, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bits: int, shape, dtype,
+                 row_order: Optional[Tensor] = None):
         bits = check_bits(bits)
-        if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
-            raise ValueError(f"shape must be (out_features, in_features), got {shape!r}")
-        shape = (check_int(shape[0], "shape[0]", 1), check_int(shape[1], "shape[1]", 1))
+        if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) not in (2, 3):
+            raise ValueError(f"shape must be (out_features, in_features) or (experts, out_features, in_features), "
+                             f"got {shape!r}")
+        shape = tuple(check_int(n, f"shape[{i}]", 1) for i, n in enumerate(shape))
         check_dtype(dtype, "dtype")
         check_storage(packed, absmax, codebook, scale, bits, shape)
-        self._set(packed, absmax, codebook, scale, bits, shape, dtype)
+        self._set(packed, absmax, codebook, scale, bits, shape, dtype, _check_row_order(row_order, shape))
 
     @classmethod
     def from_checked(cls, packed: Tensor, absmax: Tensor, codebook: Tensor, scale: Tensor, bits: int, shape,
-                     dtype) -> "QuantizedWeight":
+                     dtype, row_order: Optional[Tensor] = None) -> "QuantizedWeight":
         """The constructor without its checks, for storage that kbit made or has checked already."""
         qw = cls.__new__(cls)
-        qw._set(packed, absmax, codebook, scale, bits, tuple(shape), dtype)
+        qw._set(packed, absmax, codebook, scale, bits, tuple(shape), dtype, row_order)
         return qw
 
     @classmethod
     def from_gemm_layout(cls, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, bits: int, shape,
-                         dtype) -> "QuantizedWeight":
+                         dtype, row_order: Optional[Tensor] = None) -> "QuantizedWeight":
         """A weight that holds only its GEMM layout (``kbit.layout``; dtypes, shapes and devices checked)."""
         qw = cls.__new__(cls)
-        qw._set(None, None, codebook, scale, check_bits(bits), tuple(shape), dtype)
+        shape = tuple(shape)
+        qw._set(None, None, codebook, scale, check_bits(bits), shape, dtype, _check_row_order(row_order, shape))
         qw._check_gemm_layout(b_gemm, absmax_gemm)
         qw._gemm = (b_gemm.device, b_gemm, absmax_gemm)
         return qw
 
-    def _set(self, packed, absmax, codebook, scale, bits, shape, dtype) -> None:
+    def _set(self, packed, absmax, codebook, scale, bits, shape, dtype, row_order) -> None:
         self._packed, self._absmax = packed, absmax  # None when only the GEMM layout is held
         self.codebook, self.scale = codebook, scale
         self.bits, self.shape, self.dtype = bits, shape, dtype
+        self.row_order = row_order  # of each expert's rows in the GEMM layout; None: the weight's own
         self._gemm = None  # (device, b_gemm, absmax_gemm)
 
     def _check_gemm_layout(self, b_gemm: Tensor, absmax_gemm: Tensor) -> None:
-        want = gemm_shapes(self.bits, self.out_features, self.in_features_padded)
+        want = tuple((*self.shape[:-2], *s) for s in gemm_shapes(self.bits, self.out_features,
+                                                                 self.in_features_padded))
         got = (tuple(b_gemm.shape), tuple(absmax_gemm.shape))
         if got != want or (b_gemm.dtype, absmax_gemm.dtype) != (torch.int32, torch.uint8):
             raise ValueError(f"a GEMM layout of int32 {want[0]} and uint8 {want[1]} was expected, got "
@@ -141,8 +172,32 @@ class QuantizedWeight:
         on its device (a new pair at every call: nothing is kept)."""
         if self._packed is not None:
             return self._packed, self._absmax
+        if self.experts is None:
+            _, b, a = self._gemm
+            return ops.unrepack(b, a, self.bits, self.out_features, self.in_features_padded)
+        specs = (storage_spec(key, self.bits, self.shape) for key in ("packed", "absmax"))
+        packed, absmax = (torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs)
+        for e in range(self.experts):
+            packed[e], absmax[e] = self._expert_storage(e)
+        return packed, absmax
+
+    def _expert_storage(self, e: int) -> tuple:
+        """(packed, absmax) of expert ``e``, derived from its GEMM layout: the inverse of ``_expert_layout``."""
         _, b, a = self._gemm
-        return ops.unrepack(b, a, self.bits, self.out_features, self.in_features_padded)
+        packed, absmax = ops.unrepack(b[e], a[e], self.bits, self.out_features, self.in_features_padded)
+        if self.row_order is None:
+            return packed, absmax
+        order = self.row_order.to(packed.device)  # layout row i is weight row order[i]: put each one back
+        return tuple(torch.empty_like(t).view(self.out_features, -1).index_copy_(0, order, t.view(
+            self.out_features, -1)).reshape(-1) for t in (packed, absmax))
+
+    def _expert_layout(self, e: int, order: Optional[Tensor]) -> tuple:
+        """(B_gemm, absmax_gemm) of expert ``e``, derived from its storage format with its rows in ``order`` (this
+        weight's ``row_order`` on its device, or None)."""
+        packed, absmax = self._packed[e], self._absmax[e]
+        if order is not None:  # a storage row is whole blocks: reordering rows reorders their blocks
+            packed, absmax = (t.view(self.out_features, -1)[order].reshape(-1) for t in (packed, absmax))
+        return ops.repack(packed, absmax, self.bits, self.out_features, self.in_features_padded)
 
     @property
     def packed(self) -> Tensor:
@@ -168,7 +223,8 @@ class QuantizedWeight:
             return self
         check_not_meta(self._packed, "packed")
         b, a = self.gemm_layout()
-        return QuantizedWeight.from_gemm_layout(b, a, self.codebook, self.scale, self.bits, self.shape, self.dtype)
+        return QuantizedWeight.from_gemm_layout(b, a, self.codebook, self.scale, self.bits, self.shape, self.dtype,
+                                                self.row_order)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -176,23 +232,28 @@ class QuantizedWeight:
         return self.resident[0].device
 
     @property
+    def experts(self) -> Optional[int]:
+        """E of a weight of shape [E, out_features, in_features]; None for a 2-D one."""
+        return self.shape[0] if len(self.shape) == 3 else None
+
+    @property
     def in_features(self) -> int:
-        return self.shape[1]
+        return self.shape[-1]
 
     @property
     def out_features(self) -> int:
-        return self.shape[0]
+        return self.shape[-2]
 
     @property
     def in_features_padded(self) -> int:
         """Columns of the stored matrix: in_features rounded up to a multiple of 32."""
-        return padded_in_features(self.shape[1])
+        return padded_in_features(self.in_features)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the storage format (packed + absmax + codebook + scale), in either form."""
         blocks = block_count(self.out_features * self.in_features_padded)
-        return blocks * (4 * self.bits + 1) + 4 * self.codebook.numel() + 4
+        return (self.experts or 1) * (blocks * (4 * self.bits + 1) + 4) + 4 * self.codebook.numel()
 
     @property
     def resident_bytes(self) -> int:
@@ -203,7 +264,7 @@ class QuantizedWeight:
 
     @property
     def bits_per_weight(self) -> float:
-        return 8.0 * self.nbytes / (self.shape[0] * self.shape[1])
+        return 8.0 * self.nbytes / math.prod(self.shape)
 
     def __repr__(self) -> str:
         return (
@@ -220,10 +281,10 @@ class QuantizedWeight:
         if self.is_gemm_resident and device.type == "cuda":  # the layout is plain data: moving it is valid
             _, b, a = self._gemm
             return QuantizedWeight.from_gemm_layout(b.to(device), a.to(device), codebook, scale, self.bits,
-                                                    self.shape, self.dtype)
+                                                    self.shape, self.dtype, self.row_order)
         packed, absmax = self.storage()
         moved = QuantizedWeight.from_checked(packed.to(device), absmax.to(device), codebook, scale, self.bits,
-                                             self.shape, self.dtype)
+                                             self.shape, self.dtype, self.row_order)
         if self._gemm is not None and not self.is_gemm_resident:
             moved._gemm = (device, self._gemm[1].to(device), self._gemm[2].to(device))
         return moved
@@ -244,11 +305,22 @@ class QuantizedWeight:
                     "kbit: this weight's GEMM layout was not prepared before torch.compile; call kbit.prepare(model) "
                     "(or QuantizedWeight.prepare()) after moving the model to the GPU"
                 )
-            b, a = ops.repack(self._packed, self._absmax, self.bits, self.out_features, self.in_features_padded)
-            self._gemm = (self.device, b, a)
-            if self.device.type == "cuda":  # kbit.matmul plans from these facts, also while torch.compile traces it
-                dispatch.device_facts(self.device)
+            self._gemm = (self.device, *self._derived_layout())
+            if self.device.type == "cuda" and self.experts is None:  # kbit.matmul plans from these facts, also
+                dispatch.device_facts(self.device)                    # while torch.compile traces it
         return self._gemm[1], self._gemm[2]
+
+    def _derived_layout(self) -> tuple:
+        """(B_gemm, absmax_gemm) derived from the held storage format now: with experts, each expert's, stacked."""
+        if self.experts is None:
+            return ops.repack(self._packed, self._absmax, self.bits, self.out_features, self.in_features_padded)
+        b_shape, a_shape = gemm_shapes(self.bits, self.out_features, self.in_features_padded)
+        b = torch.empty(self.experts, *b_shape, dtype=torch.int32, device=self.device)
+        a = torch.empty(self.experts, *a_shape, dtype=torch.uint8, device=self.device)
+        order = None if self.row_order is None else self.row_order.to(self.device)
+        for e in range(self.experts):
+            b[e], a[e] = self._expert_layout(e, order)
+        return b, a
 
     def prepare(self) -> "QuantizedWeight":
         """Derive the GEMM layout now when on a CUDA device, so that no later call allocates it. Returns self."""
@@ -259,9 +331,33 @@ class QuantizedWeight:
         return self
 
     def dequantize(self, dtype=None) -> Tensor:
-        """The [out_features, in_features] reconstruction in ``dtype`` (default: the dtype it was quantized from)."""
+        """The [out_features, in_features] reconstruction in ``dtype`` (default: the dtype it was quantized from);
+        with experts [E, out_features, in_features], each expert's ``self[e].dequantize(dtype)``."""
         dtype = self.dtype if dtype is None else check_dtype(dtype, "dtype")
+        if self.experts is not None:
+            return torch.stack([expert.dequantize(dtype) for expert in self])
         return warn_overflow(self._dequantize(dtype), self.dtype)
+
+    # ------------------------------------------------------------------ experts
+    def __getitem__(self, expert: int) -> "QuantizedWeight":
+        """Expert ``expert``'s [out_features, in_features] weight in the storage format: views of this weight's rows,
+        or derived from its GEMM layout (rows in the weight's order), sharing the codebook."""
+        e = check_int(expert, "expert", 0)
+        if e >= self._experts_or_error():
+            raise ValueError(f"expert must be < {self.experts}, got {e}")
+        packed, absmax = (self._packed[e], self._absmax[e]) if self._packed is not None else self._expert_storage(e)
+        return QuantizedWeight.from_checked(packed, absmax, self.codebook, self.scale[e], self.bits, self.shape[1:],
+                                            self.dtype)
+
+    def __iter__(self):
+        """Each expert's 2-D weight (``self[e]``), in order."""
+        return (self[e] for e in range(self._experts_or_error()))
+
+    def _experts_or_error(self) -> int:
+        if self.experts is None:
+            raise TypeError(f"a {list(self.shape)} QuantizedWeight has no experts: only one of shape "
+                            f"[experts, out_features, in_features] is indexed by expert")
+        return self.experts
 
     def _dequantize(self, dtype: torch.dtype) -> Tensor:
         out_features, in_features = self.shape
@@ -289,13 +385,17 @@ class QuantizedWeight:
 
     # ------------------------------------------------------------------ serialization
     def meta_tensor(self) -> Tensor:
+        if self.experts is not None:  # a layer of experts saves its own meta (kbit.moe: KbitExperts)
+            raise TypeError(f"a QuantizedWeight of {self.experts} experts has no single-weight meta or state_dict: "
+                            f"save each expert's (w[e]) or the KbitExperts holding it")
         return meta_tensor(self.bits, self.shape, self.dtype)
 
     def state_dict(self, prefix: str = "") -> dict:
-        """Tensors only (``formats.STATE_KEYS``), so the dict saves with torch.save and safetensors alike."""
+        """Tensors only (``formats.STATE_KEYS``), so the dict saves with torch.save and safetensors alike (a
+        2-D weight's)."""
+        meta = self.meta_tensor()
         packed, absmax = self.storage()
-        tensors = {"packed": packed, "absmax": absmax, "codebook": self.codebook, "scale": self.scale,
-                   "meta": self.meta_tensor()}
+        tensors = {"packed": packed, "absmax": absmax, "codebook": self.codebook, "scale": self.scale, "meta": meta}
         return {prefix + key: tensors[key] for key in STATE_KEYS}
 
     @classmethod
@@ -455,6 +555,9 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
     check_tensor(x, "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"qw must be a kbit.QuantizedWeight, got {type(qw).__name__}")
+    if qw.experts is not None:
+        raise TypeError(f"qw is a QuantizedWeight of {qw.experts} experts, shape {list(qw.shape)}: kbit.matmul "
+                        f"multiplies by a 2-D weight (qw[e] is expert e's)")
     out_features, in_features = qw.shape
     if x.dim() < 1 or x.shape[-1] != in_features:
         raise ValueError(f"x must have shape [..., {in_features}] to multiply a [{out_features}, {in_features}] "

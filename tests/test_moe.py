@@ -16,7 +16,7 @@ from torch import nn
 import kbit
 from kbit import grouped, ops
 from kbit.formats import padded_in_features
-from kbit.moe import KbitExperts
+from kbit.moe import STORAGE, KbitExperts
 
 from test_formats import DTYPES, KS, _name
 
@@ -128,6 +128,39 @@ def test_expert_storage_is_per_expert_quantize(k):
                 assert torch.equal(getattr(got, name), getattr(want, name)), f"{proj}[{e}].{name}"
             assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert torch.equal(mod.dequantize("gate_up"), torch.stack([kbit.dequantize(kbit.quantize(w, k)) for w in gate_up]))
+
+
+def test_projections_are_views_of_the_buffers_in_both_forms():
+    """``projection(proj)`` is a QuantizedWeight [E, N, K] over the module's buffers; expert e of it is the weight
+    built from row e of each saved buffer; the gate/up layout is the grouped GEMM's (rows interleaved by 8); dequantize
+    is each expert's, stacked. The same from the GEMM layouts (derived there bit for bit)."""
+    E, H, I = 3, 72, 40
+    mod, _ = KbitExperts.from_weights(*random_experts(E, H, I, torch.bfloat16), bits=3)
+    state = {key: t.clone() for key, t in mod.state_dict().items()}
+    for resident in (False, True):
+        if resident:
+            mod._hold_layout()  # what prepare() does on CUDA
+        for proj, (N, K) in mod.shapes().items():
+            qw = mod.projection(proj)
+            assert qw.shape == (E, N, K) and qw.is_gemm_resident == resident and qw.dtype == torch.bfloat16
+            assert qw.codebook is mod.codebook and qw.scale is getattr(mod, f"{proj}_scale")
+            assert (qw.row_order is not None) == (proj == "gate_up")
+            if not resident:
+                assert qw.packed is getattr(mod, f"{proj}_packed") and qw.absmax is getattr(mod, f"{proj}_absmax")
+            for e in range(E):
+                want = kbit.QuantizedWeight(state[f"{proj}_packed"][e], state[f"{proj}_absmax"][e], state["codebook"],
+                                            state[f"{proj}_scale"][e], 3, (N, K), torch.bfloat16)
+                got = mod.expert_weight(proj, e)
+                for key in ("packed", "absmax", "scale", "codebook"):
+                    assert torch.equal(getattr(got, key), getattr(want, key)), (resident, proj, e, key)
+                assert got.shape == (N, K) and not got.is_gemm_resident
+            want = torch.stack([mod.expert_weight(proj, e).dequantize() for e in range(E)])
+            assert torch.equal(mod.dequantize(proj), want)
+    for e in range(E):  # the layout the grouped GEMM reads: each expert's, gate/up rows interleaved
+        rows = [grouped.interleave_gate_up(state[f"gate_up_{key}"][e].view(2 * I, -1), I).reshape(-1)
+                for key in ("packed", "absmax")]
+        b, a = ops.repack(*rows, 3, 2 * I, padded_in_features(H))
+        assert torch.equal(mod.gate_up_gemm_codes[e], b) and torch.equal(mod.gate_up_gemm_absmax[e], a)
 
 
 def test_experts_empty_input_and_duplicate_choices():
@@ -605,3 +638,58 @@ def test_e2e_benchmark_runs_a_tiny_qwen3_moe(tmp_path):
     assert [r["format"] for r in result["rows"]] == ["float32", "kbit K=4"]
     assert result["rows"][1]["resident_bytes"] < result["rows"][0]["resident_bytes"] / 2
     assert all(res["hf_generate_equals_eager"] for r in result["rows"] for res in r["batches"].values())
+
+
+# ----------------------------------------------------------------------------- what is saved, pinned
+def _exact_weights(shape, offset: int) -> torch.Tensor:
+    """Values with no rounding anywhere (multiples of 1/256 from integers), so that the pins below hold on any
+    platform: whatever kbit saves for them is fixed."""
+    n = torch.arange(offset, offset + int(torch.Size(shape).numel()), dtype=torch.int64)
+    return (((n * 37) % 29) - 14).to(torch.float32).reshape(shape) / 256
+
+
+def _digest(state: dict, keys) -> str:
+    """sha256 over each key of ``keys`` in order: its name, dtype, shape and bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for key in keys:
+        t = state[key].detach().cpu().contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# The experts' state dict and a saved folder's experts entries of exact weights: any change to what is saved (keys,
+# their order, dtypes, shapes or bytes) changes these digests.
+PINNED_EXPERTS_STATE = "39d60e4a799768af68f2f6d72aee9738ebf9c346ff69632eee2b3eecb8698a50"
+PINNED_FOLDER_EXPERTS = "1c67fdb03f15b8bed7a686a0472535f8af7dbc2be0490608d46cd6230a3d49fd"
+
+
+def test_saved_experts_state_dict_is_pinned():
+    E, H, I = 4, 72, 40
+    gate_up, down = _exact_weights((E, 2 * I, H), 0), _exact_weights((E, H, I), 7)
+    gate_up[1] *= 1024  # another per-tensor scale
+    mod, _ = KbitExperts.from_weights(gate_up.to(torch.bfloat16), down.to(torch.bfloat16), bits=3)
+    state = mod.state_dict()
+    assert list(state) == ["gate_up_packed", "gate_up_absmax", "gate_up_scale", "down_packed", "down_absmax",
+                           "down_scale", "codebook", "meta"]
+    assert _digest(state, state) == PINNED_EXPERTS_STATE
+    mod._hold_layout()  # GEMM-resident (what prepare does on CUDA): the same state derived from the layouts
+    assert _digest(mod.state_dict(), state) == PINNED_EXPERTS_STATE
+
+
+def test_saved_folder_experts_entries_are_pinned(tmp_path):
+    from safetensors import safe_open
+
+    model = tiny_moe("qwen3_moe")
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            p.copy_(_exact_weights(p.shape, 1000 * i))
+    kbit.save_quantized(kbit.quantize_model(model, bits=4, progress=False), tmp_path)
+    entries = {}
+    for path in sorted(tmp_path.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            entries.update((key, f.get_tensor(key)) for key in f.keys() if ".experts." in key)
+    assert entries and all(key.rsplit(".", 1)[1] in STORAGE for key in entries)
+    assert _digest(entries, sorted(entries)) == PINNED_FOLDER_EXPERTS

@@ -161,17 +161,21 @@ def test_gemm_resident_experts_give_back_their_storage_bit_for_bit(k):
 def test_both_layers_hold_their_layout_alike():
     """KbitModule._hold_layout, what prepare() does on CUDA for either layer: the storage format's codes dropped, the
     layout in their place, every buffer the GEMM reads marked static for CUDA graphs; KbitLinear keeps the view that
-    derived the layout (no second derivation, no new check at the next call)."""
+    derived the layout (no second derivation, no new check at the next call), as KbitExperts keeps its projections'."""
     layer = _layer(3, 40, 64)
     want = layer.qweight.gemm_layout()
     layer._hold_layout()
-    kept = layer._qw
+    kept = layer._views["weight"]
     assert layer.packed is None and layer.absmax is None and kept.is_gemm_resident and layer.qweight is kept
     assert kept.resident[:2] == (layer.gemm_codes, layer.gemm_absmax)
     assert all(torch.equal(getattr(layer, name), t) for name, t in zip(GEMM_LAYOUT, want))
     mod, _ = KbitExperts.from_weights(torch.randn(2, 64, 32) * 0.05, torch.randn(2, 32, 32) * 0.05, bits=3)
     mod._hold_layout()
     assert all(getattr(mod, f"{proj}_{s}") is None for proj in ("gate_up", "down") for s in ("packed", "absmax"))
+    for proj in ("gate_up", "down"):
+        kept = mod._views[proj]
+        assert kept.is_gemm_resident and mod.projection(proj) is kept and kept.experts == 2
+        assert kept.resident[:2] == (getattr(mod, f"{proj}_gemm_codes"), getattr(mod, f"{proj}_gemm_absmax"))
     for module, names in ((layer, ("codebook", "scale", *GEMM_LAYOUT)), (mod, ("codebook", *GEMM_LAYOUTS))):
         for name in names:
             assert getattr(module, name)._dynamo_static_input_type == "unguarded", name

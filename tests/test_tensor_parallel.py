@@ -49,6 +49,51 @@ def test_row_shards_are_whole_blocks_of_every_row(bits):
     torch.testing.assert_close(partial, kbit.matmul(x, qw), rtol=1e-5, atol=1e-5)
 
 
+def _experts_weight(E, N, K, bits):
+    """A QuantizedWeight [E, N, K] (each row kbit.quantize of one expert) and its experts' 2-D weights."""
+    each = [kbit.quantize(torch.randn(N, K) * (e + 1), bits=bits) for e in range(E)]
+    packed, absmax, scale = (torch.stack([getattr(q, key) for q in each]) for key in ("packed", "absmax", "scale"))
+    return kbit.QuantizedWeight(packed, absmax, each[0].codebook, scale, bits, (E, N, K), torch.float32), each
+
+
+def test_shards_of_a_weight_with_experts_are_each_experts_shards():
+    qw, each = _experts_weight(3, 48, 128, 3)
+    for r in range(2):
+        rows, cols = tp.column_shard(qw, r, 2), tp.row_shard(qw, r, 2)
+        assert rows.shape == (3, 24, 128) and cols.shape == (3, 48, 64)
+        for e, q in enumerate(each):
+            for got, want in ((rows[e], tp.column_shard(q, r, 2)), (cols[e], tp.row_shard(q, r, 2))):
+                assert torch.equal(got.packed, want.packed) and torch.equal(got.absmax, want.absmax)
+                assert torch.equal(got.scale, q.scale)
+        halves = tp.column_shard(qw, r, 2, groups=2)  # gate rows, then up rows: each half split
+        want = qw.dequantize().view(3, 2, 2, 12, 128)[:, :, r].reshape(3, 24, 128)
+        assert torch.equal(halves.dequantize(), want)
+    with pytest.raises(ValueError, match="out_features=48 does not split into 5 equal column shards of each of its 2"):
+        tp.column_shard(qw, 0, 5, groups=2)
+
+
+class _Rank(tp.RankGroup):
+    """A rank of a group without torch.distributed: what sharding reads (it does not communicate)."""
+
+    def __init__(self, rank: int, world: int):
+        self.group, self.rank, self.world = None, rank, world
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_experts_shards_hold_each_experts_gate_up_and_down_slices(resident):
+    E, H, I = 3, 64, 64
+    whole, _ = kbit.KbitExperts.from_weights(torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05, bits=3)
+    gate_up, down = whole.dequantize("gate_up"), whole.dequantize("down")
+    if resident:
+        whole._hold_layout()  # GEMM-resident, as on CUDA: the shards come from the storage derived from the layouts
+    for r in range(2):
+        local, how = tp._shard_experts(whole, _Rank(r, 2))
+        assert how == "shard of every expert" and local.intermediate_dim == I // 2
+        lo, hi = r * I // 2, (r + 1) * I // 2
+        assert torch.equal(local.dequantize("gate_up"), torch.cat([gate_up[:, lo:hi], gate_up[:, I + lo:I + hi]], 1))
+        assert torch.equal(local.dequantize("down"), down[:, :, lo:hi])
+
+
 def test_row_split_needs_whole_blocks_and_whole_hadamard_blocks():
     assert tp.row_split_problem(256, 2) is None
     assert tp.row_split_problem(256, 2, rotation_block=128) is None
