@@ -277,11 +277,12 @@ def _weight_error(pairs) -> float:
 
 
 def quantized_kbit(model, k: int, method: str = "rtn", calibration=None, skip=("lm_head",), rotate=False,
-                   tune_steps=0):
-    """(kbit-quantized deep copy, names of the quantized layers, weight rel. err., bits/weight)."""
+                   tune_steps=0, **refinements):
+    """(kbit-quantized deep copy, names of the quantized layers, weight rel. err., bits/weight); ``refinements``:
+    more ``quantize_model`` settings (``fp_targets``, ``block_tune_steps``)."""
     q = copy.deepcopy(model)
     kbit.quantize_model(q, bits=k, method=method, calibration=calibration, skip=skip, progress=False, rotate=rotate,
-                        tune_steps=tune_steps)
+                        tune_steps=tune_steps, **refinements)
     names = [n for n, m in q.named_modules() if isinstance(m, kbit.KbitLinear)]
     orig = dict(model.named_modules())
     qmods = dict(q.named_modules())
@@ -399,6 +400,23 @@ def peers(bits) -> list:
 
 
 # ---------------------------------------------------------------------- driver
+def method_spec(spec: str):
+    """``"gptq+rotate+fp+block50"`` -> (method, ``quantize_model`` settings, the label for the row's name):
+    ``+rotate`` (rotate=True), ``+fp`` (fp_targets=True), ``+blockN`` (block_tune_steps=N)."""
+    method, *options = spec.split("+")
+    settings, label = {"rotate": False}, ""
+    for option in options:
+        if option == "rotate":
+            settings["rotate"], label = True, label + " +rotate"
+        elif option == "fp":
+            settings["fp_targets"], label = True, label + " +fp targets"
+        elif option.startswith("block") and option[5:].isdigit():
+            settings["block_tune_steps"], label = int(option[5:]), label + f" +block tune {int(option[5:])}"
+        else:
+            raise ValueError(f"unknown method option {option!r} in {spec!r} (known: +rotate, +fp, +blockN)")
+    return method, settings, label
+
+
 def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with_peers, log, calibration_tag="",
           tune_steps=0):
     """Rows of one model: kbit for every (method, K), then the peers; ``metric(model) -> dict``.
@@ -407,19 +425,17 @@ def _rows(name, metric, ref_model, layer_names, bits, methods, calibration, with
     rows = []
     for k in bits:
         for spec in methods:
-            method, _, option = spec.partition("+")
-            if option not in ("", "rotate"):
-                raise ValueError(f"unknown method option {option!r} in {spec!r} (known: +rotate)")
+            method, settings, label = method_spec(spec)
             t = time.perf_counter()
             budget = isinstance(k, float)  # average bits per weight, K chosen per layer on the calibration data
             calibrated = method == "gptq" or budget or tune_steps > 0
             q, layer_names, werr, bpw = quantized_kbit(ref_model, k, method, calibration if calibrated else None,
-                                                       rotate=option == "rotate", tune_steps=tune_steps)
+                                                       tune_steps=tune_steps, **settings)
             seconds = time.perf_counter() - t
             tag = (f" +tune {tune_steps}" if tune_steps else "") + (calibration_tag if calibrated else "")
             size = f"{k} bits" if budget else f"K={k}"
-            row = {"model": name, "format": f"kbit {size} {method}{' +rotate' if option else ''}{tag}", "bits": k,
-                   "method": method, "rotate": option == "rotate", "tune_steps": tune_steps, "bits_per_weight": bpw,
+            row = {"model": name, "format": f"kbit {size} {method}{label}{tag}", "bits": k, "method": method,
+                   **settings, "tune_steps": tune_steps, "bits_per_weight": bpw,
                    "weight_rel_err": werr, "quantize_seconds": seconds, **metric(q)}
             rows.append(row)
             log(f"  {name} {row['format']}: {json.dumps({key: row[key] for key in row if key not in ('model', 'format')})}")
@@ -444,8 +460,9 @@ def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=
                     calibration_text="everyday", tune_steps=0):
     """``calibration_text``: ``"everyday"`` (``calibration_sentences_everyday``, the kind of text evaluated, one
     batch), ``"everyday+builtin"`` (the same sentences given to kbit as a list of texts: batches of 64 with the
-    built-in text's lines beside them, tagged "[sentences as texts]") or ``"docs"`` (128 sentences of the Python
-    documentation prose; its gptq rows are tagged "[docs calib.]")."""
+    built-in text's lines and the vocabulary sentences beside them, tagged "[sentences as texts + vocabulary]";
+    rows tagged "[sentences as texts]" were measured before the vocabulary sentences) or ``"docs"`` (128 sentences
+    of the Python documentation prose; its gptq rows are tagged "[docs calib.]")."""
     sentences = make_sentences(n_sentences)
     model, tok = load_minilm(path)
     ref = embed(model, tok, sentences, batch_size)
@@ -457,7 +474,8 @@ def evaluate_minilm(bits, methods, with_peers=True, n_sentences=240, batch_size=
     else:
         calibration = [dict(tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt"))]
     metric = lambda q: compare(ref, embed(q, tok, sentences, batch_size))  # noqa: E731
-    tag = {"docs": " [docs calib.]", "everyday+builtin": " [sentences as texts]"}.get(calibration_text, "")
+    tag = {"docs": " [docs calib.]",
+           "everyday+builtin": " [sentences as texts + vocabulary]"}.get(calibration_text, "")
     rows = _rows("MiniLM", metric, model, _layer_names(model), bits, methods, calibration, with_peers, log, tag,
                  tune_steps)
     q, werr = quantized_reference(model, _layer_names(model), lambda w: w.half().float())
@@ -523,8 +541,9 @@ def _row_order(row: dict):
     they ran."""
     if "method" in row:
         method = ("rtn", "mse", "gptq").index(row["method"]) + 0.5 * row.get("rotate", False)
-        return (1, row["bits"], method, row.get("tune_steps", 0))
-    return (2, 0, 0, 0) if row["bits_per_weight"] < 16 else (0, 0, 0, 0)
+        refined = (row.get("fp_targets", False), row.get("block_tune_steps", 0))
+        return (1, row["bits"], method, refined, row.get("tune_steps", 0))
+    return (2, 0, 0, (False, 0), 0) if row["bits_per_weight"] < 16 else (0, 0, 0, (False, 0), 0)
 
 
 def markdown(rows: list) -> str:
@@ -563,7 +582,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="minilm,smollm2")
     p.add_argument("--methods", default="rtn,mse,gptq,gptq+rotate",
-                   help="comma-separated; <method>+rotate quantizes with the incoherence rotation")
+                   help="comma-separated; <method>+rotate quantizes with the incoherence rotation, +fp with "
+                        "fp_targets, +blockN with block_tune_steps=N (gptq)")
     p.add_argument("--bits", default="2,3,4,5", help="comma-separated K values")
     p.add_argument("--no-peers", action="store_true", help="kbit rows only")
     p.add_argument("--sentences", type=int, default=240)

@@ -6,21 +6,23 @@ inputs. Quantization errors compound through depth, so a model whose layers sit 
 transformer's ``model.layers`` / ``encoder.layer``) is calibrated block by block: block i's Hessians come from
 the inputs that the already-quantized blocks before it produce, which lets GPTQ compensate for them too. Inside a
 block, the layers are quantized in the order they run, in groups that share one input (q/k/v projections,
-gate/up), each group with the Hessians of a pass of the block in which the groups before it are quantized. While
-that runs, a quantized layer's weight is temporarily replaced by its dequantized value; every original weight
-is back in place when ``quantize_layers`` returns or raises, so the model changes only when
-``quantize_model`` swaps in the finished layers.
+gate/up), each group with the Hessians of a pass of the block in which the groups before it are quantized (a
+pass sums only that group's Hessians and, from the second batch on, stops once the group ran; one more pass gives
+the quantized block's outputs to the next block). While that runs, a quantized layer's weight is temporarily
+replaced by its dequantized value; every original weight is back in place when ``quantize_layers`` returns or
+raises, so the model changes only when ``quantize_model`` swaps in the finished layers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from .methods import check_method, quantize_tensor_checked
+from .methods import check_method, quantize_tensor_checked, weight_for_fp_inputs
 from .rotation import Rotation
 from .weight import QuantizedWeight
 
@@ -94,7 +96,7 @@ def _run(model: nn.Module, batches: list, hooks: Optional["_HessianHooks"] = Non
     takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
     for args, kwargs in batches:
         if hooks is not None:
-            hooks.mask = _token_mask(kwargs)
+            hooks.start_batch(_token_mask(kwargs))
         args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
         kwargs = {key: v.to(device) if isinstance(v, Tensor) else v for key, v in kwargs.items()}
         if takes_use_cache:
@@ -109,14 +111,26 @@ class _HessianHooks:
     """Forward hooks summing ``X^T X`` (float32, on the layer's device) and the row count of each layer's input.
 
     ``first_inputs`` keeps each layer's first input tensor, in the order the layers ran: layers fed the very
-    same tensor (q/k/v projections, gate/up) form one group of ``first_group``. ``mask``: the current batch's
-    real tokens (bool [batch, seq]); an input of that leading shape counts only their rows, not the padding's.
+    same tensor (q/k/v projections, gate/up) form one group of ``first_group``. ``start_batch(mask)`` before each
+    batch; ``mask``: its real tokens (bool [batch, seq]); an input of that leading shape counts only their rows,
+    not the padding's. ``first_group_only``: sum only for the layers of ``first_group`` (the others' sums would be
+    thrown away), and from the second batch on, end the forward pass (``_StopForward``) when a layer outside the
+    group runs after each layer of the group ran as often as in the first batch (which runs whole: the group and
+    its calls are known). ``targets``: where set (name -> the unquantized model's input of that layer on the
+    current batch), the hooks also sum ``(X_fp - X)^T X`` per layer (``crosses``).
     """
 
-    def __init__(self, layers: dict):
-        self.sums, self.counts, self.first_inputs = {}, {}, {}
+    def __init__(self, layers: dict, first_group_only: bool = False):
+        self.sums, self.counts, self.first_inputs, self.crosses = {}, {}, {}, {}
         self.mask: Optional[Tensor] = None
+        self.targets: Optional[dict] = None
+        self.paused = False  # while the unquantized block runs
+        self.first_group_only = first_group_only
+        self.batch, self.first_calls, self.calls = -1, {}, {}  # calls per layer of the group: first batch, this one
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in layers.items()]
+
+    def start_batch(self, mask: Optional[Tensor]) -> None:
+        self.mask, self.batch, self.calls = mask, self.batch + 1, {}
 
     def first_group(self) -> list:
         """Names of the layers that ran first, all on the same input."""
@@ -125,26 +139,69 @@ class _HessianHooks:
         first = next(iter(self.first_inputs.values()))
         return [n for n, x in self.first_inputs.items() if x is first]
 
+    def _group_ran(self) -> bool:
+        """From the second batch on: each layer of the group ran as often as in the first batch."""
+        return self.batch > 0 and bool(self.first_calls) and all(
+            self.calls.get(n, 0) >= c for n, c in self.first_calls.items())
+
     def _hook(self, name: str):
         def hook(module, inputs, output):
-            self.first_inputs.setdefault(name, inputs[0])
-            x = inputs[0].detach()
-            if self.mask is not None and tuple(x.shape[:-1]) == tuple(self.mask.shape):
-                x = x[self.mask.to(x.device)]
-            x = x.to(torch.float32).reshape(-1, x.shape[-1])
+            if self.paused:
+                return
+            first = self.first_inputs.setdefault(name, inputs[0])
+            if self.first_group_only and first is not next(iter(self.first_inputs.values())):
+                # not in first_group (the same test first_group makes)
+                if self._group_ran():
+                    raise _StopForward
+                return
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.batch == 0:
+                self.first_calls[name] = self.calls[name]
+            x = self._rows(inputs[0])
             if name not in self.sums:
                 self.sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
                 self.counts[name] = 0
             self.sums[name].addmm_(x.T, x)
             self.counts[name] += x.shape[0]
+            if self.targets is not None and name in self.targets:
+                if name not in self.crosses:
+                    self.crosses[name] = torch.zeros_like(self.sums[name])
+                self.crosses[name].addmm_((self._rows(self.targets[name]) - x).T, x)
         return hook
 
+    def _rows(self, x: Tensor) -> Tensor:
+        """An input as float32 rows [n, features], the padding's rows left out."""
+        x = x.detach()
+        if self.mask is not None and tuple(x.shape[:-1]) == tuple(self.mask.shape):
+            x = x[self.mask.to(x.device)]
+        return x.to(torch.float32).reshape(-1, x.shape[-1])
+
     def remove(self) -> dict:
-        """Unhook; ``{name: 2 X^T X / n}`` of the layers that saw at least one input."""
+        """Unhook; ``{name: 2 X^T X / n}`` of the layers that saw at least one input (``crosses`` scaled alike)."""
         for h in self.handles:
             h.remove()
         self.handles = []
+        for n, c in self.crosses.items():
+            c.mul_(2.0 / self.counts[n])
         return {n: s.mul_(2.0 / self.counts[n]) for n, s in self.sums.items() if self.counts[n]}
+
+
+class _InputCapture:
+    """Forward hooks keeping each layer's input of the last forward pass (``inputs``: name -> tensor)."""
+
+    def __init__(self, layers: dict):
+        self.inputs = {}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in layers.items()]
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output):
+            self.inputs[name] = inputs[0].detach()
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 def collect_hessians(model: nn.Module, layers: dict, calibration) -> dict:
@@ -217,17 +274,40 @@ def _capture_inputs(model: nn.Module, block: nn.Module, batches: list) -> list:
     return captured
 
 
-def _block_pass(block: nn.Module, inputs: list, masks: list, layers: dict):
-    """Run ``block`` on every captured input with Hessian hooks on ``layers``: (outputs, Hessians, the hooks)."""
-    hooks = _HessianHooks(layers)
+def _block_pass(block: nn.Module, inputs: list, masks: list, layers: dict, fp=None, first_group_only: bool = False):
+    """Run ``block`` on every captured input with Hessian hooks on ``layers``: (outputs, Hessians, the hooks).
+
+    ``fp``: ``(fp_inputs, substitution, crosses)``, the unquantized model's inputs of this block, the weights
+    swapped in so far and whether to collect the cross terms. Before each batch the block runs once more, on the
+    unquantized model's input with the original weights; the hooks then also collect ``crosses``
+    (``_HessianHooks``) where asked. ``first_group_only`` as ``_HessianHooks``; the outputs are then None (the
+    passes may have stopped early; the unquantized block's always run whole). Returns (outputs, Hessians, the
+    hooks, the unquantized block's outputs or None).
+    """
+    hooks = _HessianHooks(layers, first_group_only)
+    fp_outputs = None if fp is None else []
     try:
         outputs = []
-        for (a, kw), mask in zip(inputs, masks):
-            hooks.mask = mask
-            outputs.append(block(*a, **kw))
+        for b, ((a, kw), mask) in enumerate(zip(inputs, masks)):
+            if fp is not None:
+                fp_inputs, substitution, crosses = fp
+                capture, hooks.paused = _InputCapture(layers if crosses else {}), True
+                try:
+                    with substitution.originals_in_place():
+                        fa, fkw = fp_inputs[b]
+                        fp_outputs.append(block(*fa, **fkw))
+                finally:
+                    capture.remove()
+                    hooks.paused = False
+                hooks.targets = capture.inputs if crosses else None
+            hooks.start_batch(mask)
+            try:
+                outputs.append(block(*a, **kw))
+            except _StopForward:
+                pass
     finally:
         hessians = hooks.remove()
-    return outputs, hessians, hooks
+    return None if first_group_only else outputs, hessians, hooks, fp_outputs
 
 
 def _with_hidden(args: tuple, kwargs: dict, output):
@@ -245,9 +325,11 @@ class _WeightSubstitution:
         self.weight_of, self.originals = weight_of, []
 
     def put(self, layer: nn.Module, qw: QuantizedWeight, rotation: Optional[Rotation]) -> None:
+        """``qw`` dequantized in place of the layer's weight (its original kept aside the first time)."""
         param = layer.weight
-        self.originals.append((param, param.data))
-        param.data = param.data.clone()  # written through the [out, in] view, whatever the layer's own layout
+        if all(p is not param for p, _ in self.originals):
+            self.originals.append((param, param.data))
+            param.data = param.data.clone()  # written through the [out, in] view, whatever the layer's own layout
         view = self.weight_of(layer)
         w = qw.dequantize(torch.float32)
         view.copy_((w if rotation is None else rotation.unrotate(w)).to(device=view.device, dtype=view.dtype))
@@ -256,6 +338,18 @@ class _WeightSubstitution:
         for w, data in reversed(self.originals):
             w.data = data
         self.originals = []
+
+    @contextlib.contextmanager
+    def originals_in_place(self):
+        """The original weights in place for the duration (the unquantized model), the dequantized ones after."""
+        swapped = [(w, w.data) for w, _ in self.originals]
+        for w, data in self.originals:
+            w.data = data
+        try:
+            yield
+        finally:
+            for w, data in swapped:
+                w.data = data
 
 
 def collect_hessians_by_block(model: nn.Module, layers: dict, batches: list, measure: Callable[[dict], None]) -> None:
@@ -270,7 +364,7 @@ def collect_hessians_by_block(model: nn.Module, layers: dict, batches: list, mea
             masks = [_token_mask(kw) for _, kw in batches]
             for i, block in enumerate(block_list):
                 mine = {n: m for n, m in layers.items() if n.startswith(f"{prefix}.{i}.")}
-                outputs, hessians, _ = _block_pass(block, inputs, masks, mine)
+                outputs, hessians, _, _ = _block_pass(block, inputs, masks, mine)
                 measure(hessians)
                 done.update(mine)
                 inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
@@ -282,7 +376,8 @@ def collect_hessians_by_block(model: nn.Module, layers: dict, batches: list, mea
 def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Optional[Tensor] = None,
                     calibration=None, on_layer: Optional[Callable[[], None]] = None,
                     weight_of: Callable[[nn.Module], Tensor] = lambda layer: layer.weight,
-                    rotations: Optional[dict] = None) -> dict:
+                    rotations: Optional[dict] = None, fp_targets: bool = False,
+                    block_tuner: Optional[Callable] = None) -> dict:
     """``{id(layer): QuantizedWeight}`` for ``layers`` (``[(name, module)]``, one entry per module), at ``k`` bits:
     an int, or ``{id(layer): K}`` per layer (``k`` and ``codebook`` as ``kbit.quantize_model`` checked them).
 
@@ -295,6 +390,13 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
     where the layers sit in a list of blocks, see the module docstring). GPTQ runs on the GPU when there is one,
     whatever device the model is on. ``on_layer`` is called after each layer (a progress bar). The model's
     weights are unchanged when this returns or raises.
+
+    ``fp_targets`` (gptq, layers inside blocks): each layer's target is the unquantized model's output on the
+    unquantized model's inputs, not its own weight on the inputs the quantized layers before it produce
+    (``weight_for_fp_inputs``); the unquantized model runs beside the quantized one, block by block.
+    ``block_tuner`` (gptq, layers inside blocks): once a block's layers are quantized, ``block_tuner(block, weights,
+    inputs, masks, targets)`` (``kbit.finetune.tune_block`` with its steps) tunes their codebooks and block scales
+    so that the block's outputs match the unquantized model's, before the next block is calibrated on them.
     """
     method = check_method(method)
     if method == "rtn":
@@ -302,10 +404,14 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
     result = {}
     rotations = rotations or {}
 
-    def quantize(name: str, layer: nn.Module, hessian: Optional[Tensor]) -> QuantizedWeight:
+    def quantize(name: str, layer: nn.Module, hessian: Optional[Tensor], cross: Optional[Tensor] = None
+                 ) -> QuantizedWeight:
         w = weight_of(layer).detach()
         label = f"{name or type(layer).__name__}.weight"
         rotation, bits = rotations.get(id(layer)), k if isinstance(k, int) else k[id(layer)]
+        if cross is not None and hessian is not None:  # where GPTQ runs: a solve of H's size
+            on = "cuda" if method == "gptq" and torch.cuda.is_available() else w.device
+            w = weight_for_fp_inputs(w.to(on), hessian.to(on), cross.to(on)).to(device=w.device, dtype=w.dtype)
         if rotation is not None:
             w = rotation.rotate(w.float()).to(w.dtype)
             hessian = None if hessian is None else rotation.hessian(hessian)
@@ -327,6 +433,16 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
 
     batches = check_calibration(calibration)
     substitution = _WeightSubstitution(weight_of)
+
+    def tune(block: nn.Module, mine: list, inputs: list, masks: list, targets: list) -> None:
+        names = {id(p): n for n, p in block.named_parameters(remove_duplicate=False)}
+        weights = {names[id(layer.weight)]: (result[id(layer)], rotations.get(id(layer)),
+                                            weight_of(layer) is not layer.weight) for _, layer in mine}
+        tuned = block_tuner(block, weights, inputs, masks, targets)
+        for _, layer in mine if tuned is not None else []:
+            qw = result[id(layer)] = tuned[names[id(layer.weight)]]
+            substitution.put(layer, qw, rotations.get(id(layer)))
+
     try:
         with torch.no_grad():
             blocks = _block_list(model, [n for n, _ in layers])
@@ -334,23 +450,40 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
             if blocks is not None:
                 prefix, block_list = blocks
                 inputs = _capture_inputs(model, block_list[0], batches)
+                # the unquantized model's inputs, block by block
+                fp_inputs = inputs if fp_targets or block_tuner is not None else None
                 masks = [_token_mask(kw) for _, kw in batches]
                 for i, block in enumerate(block_list):
                     remaining = dict((n, m) for n, m in layers if n.startswith(f"{prefix}.{i}."))
+                    fp_next = None
                     while True:  # one pass per group of layers, and one for the output of the quantized block
-                        outputs, hessians, hooks = _block_pass(block, inputs, masks, remaining)
+                        with_fp = fp_inputs is not None and (remaining or fp_next is None)
+                        # Only the first group is quantized after a pass (the later groups' inputs change with it):
+                        # those passes sum only its Hessians and may stop early; the last one gives the outputs.
+                        outputs, hessians, hooks, fp_outputs = _block_pass(
+                            block, inputs, masks, remaining, (fp_inputs, substitution, fp_targets) if with_fp else None,
+                            first_group_only=bool(remaining))
+                        if with_fp:
+                            fp_next = fp_outputs  # the unquantized block's outputs (all its weights original)
                         if not remaining:
                             break
                         group = hooks.first_group() or list(remaining)  # layers never run: quantized with "mse"
+                        crosses = hooks.crosses
                         del hooks  # its first inputs
                         for name in group:
                             layer = remaining.pop(name)
-                            substitution.put(layer, quantize(name, layer, hessians.get(name)),
+                            substitution.put(layer, quantize(name, layer, hessians.get(name), crosses.get(name)),
                                              rotations.get(id(layer)))
                             done.add(name)
+                        if not remaining and block_tuner is not None:
+                            mine = [(n, m) for n, m in layers if n.startswith(f"{prefix}.{i}.")]
+                            tune(block, mine, inputs, masks, fp_next)
                         if not remaining and i + 1 == len(block_list):
                             break  # nothing reads the last block's output
-                    inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
+                    if i + 1 < len(block_list):  # the next block's inputs
+                        inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(inputs, outputs)]
+                        if fp_inputs is not None:
+                            fp_inputs = [_with_hidden(a, kw, out) for (a, kw), out in zip(fp_inputs, fp_next)]
             rest = [(n, m) for n, m in layers if n not in done]
             if rest:  # outside the blocks (or no blocks): one pass of the model as quantized so far
                 hessians = _hessians_over(model, dict(rest), batches)

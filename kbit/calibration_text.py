@@ -15,11 +15,13 @@ and evaluated on prose, K=3 gptq +rotate goes from 1.079x of the perplexity that
 
 from __future__ import annotations
 
+import random
 from typing import Optional
 
 import torch
 
-__all__ = ["CALIBRATION_TEXT", "calibration_tokens", "calibration_batches", "builtin_lines", "default_calibration", "is_text"]
+__all__ = ["CALIBRATION_TEXT", "calibration_tokens", "calibration_batches", "builtin_lines", "vocabulary_sentences",
+           "default_calibration", "is_text"]
 
 _PIECES = (
     # narrative prose
@@ -269,13 +271,31 @@ def builtin_lines(min_chars: int = 20) -> list:
 
 
 TEXTS_BATCH = 64  # texts per calibration batch of a list of texts
+# Sentences of random vocabulary words beside a list of texts: a layer's Hessian only knows the directions of the
+# tokens calibration shows it (MiniLM K=3: calibrated on the evaluated sentences with their words shuffled, 0.9818;
+# on other everyday sentences 0.9723; with these beside them 0.9749).
+VOCABULARY_SENTENCES = 240
+WORDS_PER_SENTENCE = 8
+
+
+def vocabulary_sentences(tokenizer, n: int = VOCABULARY_SENTENCES, seed: int = 0) -> list:
+    """``n`` pseudo-sentences ("The w1 ... w8.") of distinct words drawn (seeded) from the tokenizer's vocabulary:
+    the tokens that read as a whole ASCII word of 3 or more letters. Empty when the vocabulary has too few."""
+    tokens = sorted(tokenizer.get_vocab())
+    words = sorted({w for w in (tokenizer.convert_tokens_to_string([t]).strip() for t in tokens)
+                    if len(w) >= 3 and w.isascii() and w.isalpha()})
+    if len(words) < WORDS_PER_SENTENCE:
+        return []
+    rng = random.Random(seed)
+    return ["The " + " ".join(rng.sample(words, WORDS_PER_SENTENCE)) + "." for _ in range(n)]
 
 
 def calibration_batches(tokenizer, texts, builtin: bool = True, batch_size: int = TEXTS_BATCH) -> list:
     """Model inputs (dicts of a padded batch, as the tokenizer gives them) for calibration on short ``texts``
     (sentences, passages), each batch of at most ``batch_size`` texts; with ``builtin``, the built-in text's lines
-    (``builtin_lines``) as more batches beside them. For models that read short texts (sentence encoders), which
-    long windows of ``calibration_tokens`` would show positions and lengths they never see."""
+    (``builtin_lines``) and ``vocabulary_sentences`` as more batches beside them. For models that read short texts
+    (sentence encoders), which long windows of ``calibration_tokens`` would show positions and lengths they never
+    see."""
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not texts \
             or not all(isinstance(t, str) and t for t in texts):
         raise TypeError("texts must be a non-empty list of non-empty str")
@@ -286,7 +306,8 @@ def calibration_batches(tokenizer, texts, builtin: bool = True, batch_size: int 
         return [dict(tokenizer(items[i:i + batch_size], padding=True, truncation=True, return_tensors="pt"))
                 for i in range(0, len(items), batch_size)]
 
-    user, extra = batches(list(texts)), batches(builtin_lines()) if builtin else []
+    user = batches(list(texts))
+    extra = batches(builtin_lines()) + batches(vocabulary_sentences(tokenizer)) if builtin else []
     return [b for pair in zip(user, extra) for b in pair] + user[len(extra):] + extra[len(user):]
 
 

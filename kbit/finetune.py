@@ -36,7 +36,7 @@ from .formats import decode_absmax_e4m4, encode_absmax_e4m4, unpack_bitplanes
 from .methods import MIN_LEVEL_GAP
 from .weight import QuantizedWeight
 
-__all__ = ["check_tune_steps", "tuning_batches", "reference_outputs", "tune_end_to_end"]
+__all__ = ["check_tune_steps", "tuning_batches", "reference_outputs", "tune_end_to_end", "tune_block"]
 
 TOP_K = 128  # reference probabilities kept per token; the rest of the vocabulary is one bin of the KL
 LEVEL_LR = 1e-3  # Adam's learning rate for the codebook levels (units of the block scale)
@@ -136,15 +136,14 @@ class _Gather(torch.autograd.Function):
         return None, grad_levels, (grad * gathered).sum(dim=1)
 
 
-class _TunedLinear(nn.Module):
-    """A ``KbitLinear`` whose codebook and block scales are free (module docstring); codes, tensor scale, bias and
-    rotation stay as stored."""
+class _TunedWeight(nn.Module):
+    """A ``QuantizedWeight`` whose codebook and block scales are free (module docstring); codes and tensor scale
+    stay as stored. ``weight()``: the [out, in] weight the format stores for the current values."""
 
-    def __init__(self, layer):
+    def __init__(self, qw: QuantizedWeight):
         super().__init__()
-        qw = layer.qweight
         packed, absmax = qw.storage()
-        self.layer, self.bits, self.shape, self.dtype = layer, qw.bits, qw.shape, qw.dtype
+        self.packed, self.bits, self.shape, self.dtype = packed, qw.bits, qw.shape, qw.dtype
         self.register_buffer("codes", unpack_bitplanes(packed, qw.bits).to(torch.int32))
         self.register_buffer("base_scale", decode_absmax_e4m4(absmax))
         self.register_buffer("tensor_scale", qw.scale.detach().clone())
@@ -170,12 +169,6 @@ class _TunedLinear(nn.Module):
         w = _Gather.apply(self.codes, codebook, block * self.tensor_scale).reshape(out_features, -1)
         return w[:, :in_features]
 
-    def forward(self, x: Tensor) -> Tensor:
-        rotation = self.layer.rotation
-        if rotation is not None:
-            x = rotation.rotate(x)
-        return nn.functional.linear(x, self.weight().to(x.dtype), self.layer.bias)
-
     @torch.no_grad()
     def keep_levels_apart(self) -> None:
         """Levels strictly ascending, at least ``MIN_LEVEL_GAP`` apart once divided by their peak (so they stay
@@ -184,12 +177,28 @@ class _TunedLinear(nn.Module):
         steps = torch.arange(self.levels.numel(), device=self.levels.device, dtype=torch.float32) * gap
         self.levels.copy_(torch.cummax(self.levels - steps, dim=0).values + steps)
 
+    def quantized(self) -> QuantizedWeight:
+        """The ``QuantizedWeight`` holding the tuned codebook and block scales (the codes as before)."""
+        codebook, absmax = self.stored()
+        return QuantizedWeight(self.packed, absmax, codebook, self.tensor_scale, self.bits, self.shape, self.dtype)
+
+
+class _TunedLinear(_TunedWeight):
+    """A ``KbitLinear`` being tuned: its ``_TunedWeight``, with bias and rotation as stored."""
+
+    def __init__(self, layer):
+        super().__init__(layer.qweight)
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        rotation = self.layer.rotation
+        if rotation is not None:
+            x = rotation.rotate(x)
+        return nn.functional.linear(x, self.weight().to(x.dtype), self.layer.bias)
+
     def tuned_layer(self):
         """A ``KbitLinear`` holding the tuned codebook and block scales (the codes as before)."""
-        codebook, absmax = self.stored()
-        packed, _ = self.layer.qweight.storage()
-        qw = QuantizedWeight(packed, absmax, codebook, self.tensor_scale, self.bits, self.shape, self.dtype)
-        return type(self.layer).from_quantized(qw, self.layer.bias, self.layer.rotation)
+        return type(self.layer).from_quantized(self.quantized(), self.layer.bias, self.layer.rotation)
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -247,3 +256,66 @@ def tune_end_to_end(model: nn.Module, layers: list, batches: list, references: l
         model.train(training)
     _swap(model, result)
     return {"loss_before": before, "loss_after": after, "kept": kept}
+
+
+def tune_block(block: nn.Module, weights: dict, inputs: list, masks: list, targets: list, steps: int,
+               seed: int = 0) -> Optional[dict]:
+    """Tune the codebooks and block scales of one block's quantized weights so that the block's outputs on
+    ``inputs`` match ``targets`` (relative squared error over the real tokens), for ``steps`` Adam steps of one
+    batch each; the block itself is not changed.
+
+    ``weights``: ``{name: (qw, rotation, transposed)}`` for the block's parameters named ``name`` (as
+    ``block.named_parameters`` names them) that hold a ``QuantizedWeight`` ``qw``, stored in the basis rotated
+    by ``rotation`` (or None) and, where ``transposed``, as the [in, out] transpose of the format's [out, in].
+    ``inputs``: ``[(args, kwargs)]`` of the block; ``masks``: each batch's real tokens (or None); ``targets``: the
+    outputs wanted, one per batch. Returns ``{name: tuned QuantizedWeight}``, or None where tuning did not lower
+    the mean loss over all batches.
+    """
+    steps = check_tune_steps(steps)
+    if not weights or not steps:
+        return None
+    tuned = {name: _TunedWeight(qw) for name, (qw, _, _) in weights.items()}
+    dtypes = {name: p.dtype for name, p in block.named_parameters() if name in weights}
+    references = [_output_tensor(t).detach().float() for t in targets]
+
+    def run(i: int):
+        params = {}
+        for name, t in tuned.items():
+            _, rotation, transposed = weights[name]
+            w = t.weight() if rotation is None else rotation.unrotate(t.weight())
+            params[name] = (w.T if transposed else w).to(dtypes[name])
+        args, kwargs = inputs[i]
+        return _loss(torch.func.functional_call(block, params, args, kwargs), references[i], masks[i])
+
+    def mean_loss() -> float:
+        with torch.no_grad():
+            return sum(float(run(i)) for i in range(len(inputs))) / len(inputs)
+
+    frozen = [p for p in block.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    training = block.training
+    block.eval()  # no dropout: the loss compares deterministic outputs
+    try:
+        before = mean_loss()
+        optimizer = torch.optim.Adam([{"params": [t.levels for t in tuned.values()], "lr": LEVEL_LR},
+                                      {"params": [t.log_gain for t in tuned.values()], "lr": GAIN_LR}])
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
+        order, perm = torch.Generator().manual_seed(seed), []
+        for _ in range(steps):
+            if not perm:
+                perm = torch.randperm(len(inputs), generator=order).tolist()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                run(perm.pop()).backward()
+            optimizer.step()
+            schedule.step()
+            for t in tuned.values():
+                t.keep_levels_apart()
+        if mean_loss() >= before:
+            return None
+        return {name: t.quantized() for name, t in tuned.items()}
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        block.train(training)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import warnings
+from functools import partial
 from typing import Iterable, Optional, Union
 
 import torch
@@ -68,7 +69,7 @@ from .bit_budget import check_bits_setting, choose_layer_bits
 from .calibration import check_calibration, check_calibration_used, quantize_layers, uses_calibration
 from .calibration_text import default_calibration, is_text
 from .dequantized_weight import DequantizedWeight
-from .finetune import check_tune_steps, reference_outputs, tune_end_to_end, tuning_batches
+from .finetune import check_tune_steps, reference_outputs, tune_block, tune_end_to_end, tuning_batches
 from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
 from .fusion import FUSE_BY_DEFAULT, FusedProjections, groups_of, why_separate
 from .methods import GPTQ_DAMP, check_method
@@ -492,6 +493,8 @@ def quantize_model(
     tokenizer=None,
     tune_steps: int = 0,
     fuse_projections: bool = FUSE_BY_DEFAULT,
+    fp_targets: bool = False,
+    block_tune_steps: int = 0,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` with a ``KbitLinear``, in place.
 
@@ -510,14 +513,22 @@ def quantize_model(
     the model, from ``model.config._name_or_path``). ``calibration`` may also be text (a str): tokenized the same
     way and mixed with the built-in text (``calibration_tokens``), which keeps narrow text (markdown and code,
     say) from fitting the layers to one kind of text; or a list of short texts (sentences, for a sentence
-    encoder): padded batches with the built-in text's lines beside them (``calibration_batches``). Token ids and
-    model inputs are used as given.
+    encoder): padded batches with the built-in text's lines and sentences of random vocabulary words beside them
+    (``calibration_batches``). Token ids and model inputs are used as given.
 
     ``tune_steps``: after quantizing, tune every ``KbitLinear``'s codebook and block scales end to end for this many
     Adam steps (``kbit.finetune``; 0, the default: no tuning), codes fixed, so that the model's next-token
     distributions (an encoder's outputs) on the calibration data match the unquantized model's; the result is the
     same storage format. Runs on the model's device; needs calibration as gptq does (the built-in text when none
     is given). Fused MoE experts are not tuned.
+
+    Two refinements of ``method="gptq"`` for the layers inside a model's list of blocks, both off by default
+    (``kbit.calibration``): ``fp_targets=True`` fits each layer to the unquantized model's outputs on the
+    unquantized model's inputs rather than to its own weight on the inputs the quantized layers before it produce,
+    so a layer also corrects the error the layers before it left (the unquantized model runs beside the quantized
+    one: about twice the calibration passes); ``block_tune_steps=N`` tunes each block's codebooks and block scales
+    for N Adam steps, once its layers are quantized, so that the block's outputs match the unquantized model's
+    (``kbit.finetune.tune_block``) before the next block is calibrated on them.
 
     ``rotate``: quantize each layer's weight in a rotated basis of its input features (``kbit.rotation``: random
     signs, then a block-diagonal Hadamard transform), which spreads outlier weights over many inputs and lowers
@@ -574,6 +585,12 @@ def quantize_model(
         check_calibration(calibration)
     if not isinstance(rotate, bool):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+    if not isinstance(fp_targets, bool):
+        raise TypeError(f"fp_targets must be a bool, got {type(fp_targets).__name__}")
+    block_tune_steps = check_int(block_tune_steps, "block_tune_steps", 0)
+    if (fp_targets or block_tune_steps) and method != "gptq":
+        raise ValueError(f"fp_targets and block_tune_steps refine method='gptq', got method={method!r} with "
+                         f"fp_targets={fp_targets} and block_tune_steps={block_tune_steps}")
     if not isinstance(fuse_projections, bool):
         raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
 
@@ -623,7 +640,9 @@ def quantize_model(
         if method != "rtn":  # kbit.calibration runs the method; the swap below is the same for every method
             try:
                 chosen = quantize_layers(model, unique, ks, method, codebook, calibration, on_layer=bar.update,
-                                         weight_of=linear_weight, rotations=rotations)
+                                         weight_of=linear_weight, rotations=rotations, fp_targets=fp_targets,
+                                         block_tuner=partial(tune_block, steps=block_tune_steps) if block_tune_steps
+                                         else None)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"quantize_model: {e}; the model is unchanged") from e
         for name, lin in targets:

@@ -281,6 +281,32 @@ def test_calibration_batches_pad_texts_and_mix_in_the_builtin_lines():
         calibration_batches(tok, texts, batch_size=0)
 
 
+def test_vocabulary_sentences_draw_whole_words_of_the_vocabulary():
+    """Pseudo-sentences of 8 distinct whole words (3+ ASCII letters) from the tokenizer's vocabulary, seeded; a
+    vocabulary of characters gives none; ``calibration_batches`` puts them after the built-in lines."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["river", "stone", "piano", "garden", "yellow", "market", "orbit", "candle", "violin", "harbor"]
+    vocab = {"[PAD]": 0, "[UNK]": 1, "the": 2, ".": 3, "a": 4, "x1": 5, "##ing": 6,
+             **{w: i + 7 for i, w in enumerate(words)}}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]")
+    sentences = calibration_text.vocabulary_sentences(tok, 5)
+    assert len(sentences) == 5 and sentences == calibration_text.vocabulary_sentences(tok, 5)
+    assert sentences != calibration_text.vocabulary_sentences(tok, 5, seed=1)
+    for sentence in sentences:
+        assert sentence.startswith("The ") and sentence.endswith(".")
+        drawn = sentence[4:-1].split()
+        assert len(drawn) == len(set(drawn)) == calibration_text.WORDS_PER_SENTENCE and set(drawn) <= {"the", *words}
+    assert calibration_text.vocabulary_sentences(_padding_tokenizer(), 5) == []
+    batches = calibration_batches(tok, ["the river ."], batch_size=4)
+    n_lines = -(-len(calibration_text.builtin_lines()) // 4)
+    vocabulary_batches = -(-calibration_text.VOCABULARY_SENTENCES // 4)
+    assert len(batches) == 1 + n_lines + vocabulary_batches
+    assert torch.equal(batches[-1]["input_ids"], tok(calibration_text.vocabulary_sentences(tok)[-4:], padding=True,
+                                                     return_tensors="pt")["input_ids"])
+
+
 @pytest.mark.slow
 def test_a_list_of_texts_calibrates_an_encoder_with_the_builtin_lines():
     tok = _padding_tokenizer()

@@ -2,6 +2,7 @@
 block scales tuned to the unquantized model's outputs, the result in the same storage format."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -166,3 +167,99 @@ def test_kbitconfig_and_cli_tune(tmp_path):
     assert _kbit_layers(again) and all(not torch.equal(m.codebook, nf) for m in _kbit_layers(again).values())
     assert cli_quantize([str(src), "--bits", "3", "--tune-steps", "-1", "--out", str(tmp_path / "bad"),
                          "--no-progress"]) == 1
+
+
+# ----------------------------------------------------------------------------- block by block (block_tune_steps)
+def _block_outputs(model, ids, block: int):
+    """Block ``block``'s output hidden states on ``ids``."""
+    seen = {}
+    handle = model.model.layers[block].register_forward_hook(
+        lambda m, i, o: seen.__setitem__("out", (o[0] if isinstance(o, tuple) else o).detach()))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    return seen["out"]
+
+
+def test_block_tuning_matches_each_block_to_the_unquantized_one():
+    """``block_tune_steps``: block 0's codebooks and block scales move (its codes do not), its output ends closer
+    to the unquantized block's on the calibration data than without tuning, and every tuned weight is valid
+    storage; the model's own weights are untouched."""
+    from kbit import calibration
+
+    torch.manual_seed(0)
+    model, ids = _tiny_llama(), _ids(8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    plain = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids)
+    tuned = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids,
+                                        block_tuner=partial(finetune.tune_block, steps=20))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    block0 = [m for n, m in layers if n.startswith("model.layers.0.")]
+    assert all(torch.equal(tuned[id(m)].packed, plain[id(m)].packed) for m in block0)
+    assert any(not torch.equal(tuned[id(m)].absmax, plain[id(m)].absmax) for m in block0)
+    for m in block0:
+        check_codebook(tuned[id(m)].codebook, 2)
+
+    def error(qws):
+        q = copy.deepcopy(model)
+        mods = dict(q.named_modules())
+        for n, m in layers:
+            mods[n].weight.data = kbit.dequantize(qws[id(m)], torch.float32)
+        ref = _block_outputs(model, ids, 0)
+        return float((_block_outputs(q, ids, 0) - ref).pow(2).sum() / ref.pow(2).sum())
+
+    assert error(tuned) < 0.95 * error(plain), (error(tuned), error(plain))
+
+
+def test_block_tuning_that_does_not_lower_the_loss_is_dropped(monkeypatch):
+    from kbit import calibration
+
+    model, ids = _tiny_llama(), _ids()
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    plain = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids)
+    monkeypatch.setattr(finetune, "LEVEL_LR", 5.0)  # steps far too large: the loss goes up
+    monkeypatch.setattr(finetune, "GAIN_LR", 5.0)
+    tuned = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids,
+                                        block_tuner=partial(finetune.tune_block, steps=3))
+    for _, m in layers:
+        assert torch.equal(tuned[id(m)].absmax, plain[id(m)].absmax)
+        assert torch.equal(tuned[id(m)].codebook, plain[id(m)].codebook)
+
+
+def test_block_tuning_computes_the_weights_as_substituted():
+    """``tune_block`` builds each weight as calibration puts it in the layer (un-rotated, and transposed for a GPT-2
+    ``Conv1D``): aimed at the block's own outputs with those weights, there is nothing to gain and it returns None;
+    aimed at the unquantized block's outputs, it returns tuned weights of the same shapes."""
+    from kbit.rotation import Rotation
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=128, n_layer=1, n_head=4, n_positions=32)
+    block = transformers.GPT2LMHeadModel(cfg).eval().transformer.h[0]
+    x = [((torch.randn(2, 8, 128),), {}), ((torch.randn(2, 8, 128),), {})]
+    with torch.no_grad():
+        unquantized = [block(*a, **kw) for a, kw in x]
+    weights = {}
+    for name, p in block.named_parameters():
+        if name.endswith("weight") and p.dim() == 2:
+            rotation = Rotation.for_layer(name, p.shape[0])
+            qw = kbit.quantize(rotation.rotate(p.detach().T.contiguous()), 2)
+            weights[name] = (qw, rotation, True)
+            p.data = rotation.unrotate(kbit.dequantize(qw, torch.float32)).T.contiguous()
+    with torch.no_grad():
+        own = [block(*a, **kw) for a, kw in x]
+    assert finetune.tune_block(block, weights, x, [None, None], own, steps=4) is None
+    tuned = finetune.tune_block(block, weights, x, [None, None], unquantized, steps=4)
+    assert tuned is not None and {n: t.shape for n, t in tuned.items()} == {n: w[0].shape for n, w in weights.items()}
+
+
+def test_quantize_model_takes_the_gptq_refinements():
+    """``quantize_model(fp_targets=True, block_tune_steps=N)`` reaches the calibration: other block scales than plain
+    gptq, the same storage format."""
+    model, ids = _tiny_llama(), _ids()
+    plain = kbit.quantize_model(copy.deepcopy(model), bits=2, method="gptq", calibration=ids, progress=False)
+    refined = kbit.quantize_model(copy.deepcopy(model), bits=2, method="gptq", calibration=ids, progress=False,
+                                  fp_targets=True, block_tune_steps=5)
+    a, b = _kbit_layers(plain), _kbit_layers(refined)
+    assert a.keys() == b.keys() and any(not torch.equal(a[n].absmax, b[n].absmax) for n in a)
+    assert all(a[n].packed.shape == b[n].packed.shape and a[n].bits == b[n].bits for n in a)

@@ -411,6 +411,153 @@ def test_block_calibration_quantizes_in_groups_in_order():
             mods[block + name].weight.data = kbit.dequantize(qws[id(orig[block + name])], torch.float32)
 
 
+def test_block_pass_sums_only_the_first_group_when_asked():
+    """GPTQ's passes sum X^T X only for the group it quantizes next (q/k/v here), the same values as a pass that
+    sums every layer's, and from the second batch on stop once the group ran (down_proj runs in the first only)."""
+    model = _tiny_llama()
+    block = model.model.layers[0]
+    layers = {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+    ids = torch.randint(0, 256, (calibration.CALIBRATION_BATCH + 2, 16))
+    batches = calibration.check_calibration(ids)
+    calls = []
+    block.mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        inputs = calibration._capture_inputs(model, block, batches)
+        masks = [None] * len(inputs)
+        outputs, every, _, _ = calibration._block_pass(block, inputs, masks, layers)
+        assert len(calls) == len(outputs) == 2
+        outputs, first, hooks, _ = calibration._block_pass(block, inputs, masks, layers, first_group_only=True)
+    group = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    assert hooks.first_group() == group and sorted(first) == sorted(group) and len(every) == 7
+    assert all(torch.equal(first[n], every[n]) for n in group)
+    assert outputs is None and len(calls) == 3
+
+
+class _TwiceBlock(nn.Module):
+    """``p`` runs twice on the same input, with ``q`` (outside p's group) between its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.p, self.q = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.q(self.p(x))
+        return y + self.p(x)
+
+
+def test_block_pass_stops_only_after_every_call_of_the_group():
+    block = _TwiceBlock()
+    inputs = [((torch.randn(4, 8),), {}) for _ in range(3)]
+    layers = {"p": block.p, "q": block.q}
+    with torch.no_grad():
+        _, every, _, _ = calibration._block_pass(block, inputs, [None] * 3, layers)
+        _, first, hooks, _ = calibration._block_pass(block, inputs, [None] * 3, layers, first_group_only=True)
+    assert hooks.first_group() == ["p"] and list(first) == ["p"] and torch.equal(first["p"], every["p"])
+
+
+@pytest.mark.parametrize("refinements", [{}, {"fp_targets": True, "block_tune_steps": 2}], ids=["plain", "fp+block"])
+def test_gptq_budget_unchanged_by_summing_only_the_first_group(monkeypatch, refinements):
+    """A budget with gptq and rotation (and with fp targets and block tuning) gives the same K's and bit-for-bit the
+    same weights as passes that sum every layer's Hessian and run whole (what calibration did before it skipped the
+    groups quantized later)."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 256, (calibration.CALIBRATION_BATCH + 4, 32), generator=torch.Generator().manual_seed(1))
+
+    def stored(m):
+        return {n: (l.bits, l.packed, l.absmax, l.codebook) for n, l in m.named_modules()
+                if isinstance(l, kbit.KbitLinear)}
+
+    got = stored(kbit.quantize_model(copy.deepcopy(model), bits=3.25, method="gptq", calibration=ids, rotate=True,
+                                     progress=False, **refinements))
+    every_pass = calibration._block_pass
+    monkeypatch.setattr(calibration, "_block_pass", lambda *a, first_group_only=False: every_pass(*a))
+    want = stored(kbit.quantize_model(model, bits=3.25, method="gptq", calibration=ids, rotate=True, progress=False,
+                                      **refinements))
+    assert len({k for k, *_ in got.values()}) > 1  # the budget chose more than one K
+    for name, (k, *tensors) in want.items():
+        assert got[name][0] == k and all(torch.equal(a, b) for a, b in zip(got[name][1:], tensors)), name
+
+
+def test_weight_for_fp_inputs_is_the_least_squares_fit():
+    """Undamped and in full, ``W + W cross H^-1`` is the least-squares weight for the quantized-path inputs X that
+    reproduces the unquantized outputs ``X_fp W^T`` (a solve by ``torch.linalg.lstsq``); ``share`` scales the
+    correction; equal inputs leave the weight as it is."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(256, 48, generator=g, dtype=torch.float64)
+    X_fp = X + 0.1 * torch.randn(256, 48, generator=g, dtype=torch.float64)
+    W = torch.randn(16, 48, generator=g)
+    got = methods.weight_for_fp_inputs(W, _hessian(X), 2 * (X_fp - X).T @ X / 256, damp=0.0, share=1.0)
+    want = torch.linalg.lstsq(X, X_fp @ W.T.double()).solution.T.float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(methods.weight_for_fp_inputs(W, _hessian(X), torch.zeros(48, 48)), W)
+    half = methods.weight_for_fp_inputs(W, _hessian(X), 2 * (X_fp - X).T @ X / 256, damp=0.0, share=0.5)
+    torch.testing.assert_close(half, (W + got) / 2, rtol=1e-5, atol=1e-5)
+
+
+def _outputs_of(model, names, ids) -> dict:
+    """``{name: output}`` of the named layers on ``ids``."""
+    seen, mods = {}, dict(model.named_modules())
+    handles = [mods[n].register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, o.detach())) for n in names]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def _layer_errors_to_fp(model, qws, ids, block: str) -> dict:
+    """Per layer of ``block``: |X_fp W^T - X_q Q^T|^2 / |X_fp W^T|^2, on the unquantized model's input X_fp and the
+    input X_q of the model with every layer quantized (``qws`` dequantized in place)."""
+    q = copy.deepcopy(model)
+    mods = dict(q.named_modules())
+    names = [n for n, m in model.named_modules() if n.startswith(block) and isinstance(m, nn.Linear)]
+    for n, m in model.named_modules():
+        if id(m) in qws:
+            mods[n].weight.data = kbit.dequantize(qws[id(m)], torch.float32)
+    fp, quantized = _outputs_of(model, names, ids), _outputs_of(q, names, ids)
+    return {n: float((fp[n] - quantized[n]).norm() ** 2 / fp[n].norm() ** 2) for n in names}
+
+
+def test_fp_targets_match_the_unquantized_layer_outputs():
+    """``fp_targets``: block 1's layers fit the unquantized model's outputs on its own inputs. Its q_proj is exactly
+    GPTQ of ``weight_for_fp_inputs`` on Hessian and cross term built by hand, and every layer of block 1 ends
+    closer to the unquantized model's output than plain (sequential) GPTQ gets; weights restored afterwards."""
+    model = _tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    plain = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids)
+    asym = calibration.quantize_layers(model, layers, 2, "gptq", calibration=ids, fp_targets=True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    for n, m in layers:  # block 0's first group sees the same inputs either way
+        if n.startswith("model.layers.0.self_attn.") and n[-6:] in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(asym[id(m)].packed, plain[id(m)].packed), n
+
+    q = copy.deepcopy(model)
+    mods = dict(q.named_modules())
+    for n, m in layers:
+        if n.startswith("model.layers.0."):
+            mods[n].weight.data = kbit.dequantize(asym[id(m)], torch.float32)
+    name = "model.layers.1.self_attn.q_proj"
+    seen = {}
+    hooks = [mods[name].register_forward_hook(lambda m, i, o: seen.__setitem__("q", i[0])),
+             dict(model.named_modules())[name].register_forward_hook(lambda m, i, o: seen.__setitem__("fp", i[0]))]
+    with torch.no_grad():
+        q(ids), model(ids)
+    for h in hooks:
+        h.remove()
+    X, X_fp = seen["q"].reshape(-1, 128), seen["fp"].reshape(-1, 128)
+    target = methods.weight_for_fp_inputs(model.model.layers[1].self_attn.q_proj.weight, _hessian(X),
+                                          2 * (X_fp - X).T @ X / X.shape[0])
+    want = methods.quantize_tensor(target, 2, "gptq", hessian=_hessian(X))
+    got = asym[id(model.model.layers[1].self_attn.q_proj)]
+    assert torch.equal(got.packed, want.packed) and torch.equal(got.absmax, want.absmax)
+
+    err_plain = _layer_errors_to_fp(model, plain, ids, "model.layers.1.")
+    err_asym = _layer_errors_to_fp(model, asym, ids, "model.layers.1.")
+    assert all(err_asym[n] < err_plain[n] for n in err_plain), (err_asym, err_plain)
+
+
 @pytest.mark.parametrize("method", ["rtn", "mse", "gptq"])
 def test_quantize_model_llama(method):
     model = _tiny_llama()
@@ -477,6 +624,15 @@ def test_quantize_model_method_argument_errors():
         kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=3.5, progress=False)
     with pytest.raises(ValueError, match="tokenizer"):  # text is accepted, but this model has no tokenizer
         kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration="some text", progress=False)
+    with pytest.raises(TypeError, match="fp_targets"):
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=[torch.randn(4, 128)],
+                            fp_targets=1, progress=False)
+    with pytest.raises(ValueError, match="block_tune_steps"):
+        kbit.quantize_model(copy.deepcopy(model), bits=3, method="gptq", calibration=[torch.randn(4, 128)],
+                            block_tune_steps=-1, progress=False)
+    for refinement in ({"fp_targets": True}, {"block_tune_steps": 2}):
+        with pytest.raises(ValueError, match="refine method='gptq'"):
+            kbit.quantize_model(copy.deepcopy(model), bits=3, method="mse", progress=False, **refinement)
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -506,21 +662,64 @@ def test_cuda_kernels_on_method_outputs(method, k):
     kbit.QuantizedWeight.from_state_dict(gptq_gpu.state_dict())
 
 
-def test_quantize_methods_benchmark_runs_tiny(tmp_path, capsys):
-    """benchmarks/bench_quantize_methods.py in its CPU smoke size: one row per method, every decoder Linear."""
-    pytest.importorskip("transformers")
+def _bench_module():
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quantize_methods.py"
     spec = importlib.util.spec_from_file_location("kbit_bench_quantize_methods", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_quantize_methods_benchmark_runs_tiny(tmp_path, capsys):
+    """benchmarks/bench_quantize_methods.py in its CPU smoke size: one row per method, every decoder Linear."""
+    pytest.importorskip("transformers")
+    import json
+
+    bench = _bench_module()
     out = tmp_path / "q.json"
     argv = ["--tiny", "--device", "cpu", "--layers", "1", "--calib-seqs", "2", "--calib-len", "16",
             "--methods", "rtn,gptq+rotate", "--out", str(out)]
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["rtn", "gptq+rotate"] and all(r["layers"] == 5 for r in rows)
+    assert rows[0]["phase_seconds"]["quantize"] == 0 < rows[1]["phase_seconds"]["quantize"]
+    assert all(r["average_bits"] == 4.25 and r["target_seconds"] < 900 for r in rows)
     assert "x 32" in capsys.readouterr().out
+
+
+def test_quantize_methods_benchmark_times_a_budget_with_tuning(tmp_path, capsys):
+    """--bits 3.25 --tune-steps 2: the budget is met as stored, its sensitivities and tuning are timed, and the
+    row's target is the budget's (tuning included)."""
+    pytest.importorskip("transformers")
+    import json
+
+    bench = _bench_module()
+    out = tmp_path / "q.json"
+    argv = ["--tiny", "--device", "cpu", "--layers", "1", "--calib-seqs", "2", "--calib-len", "16",
+            "--methods", "rtn", "--bits", "3.25", "--tune-steps", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert data["bits"] == row["bits"] == 3.25 and row["tune_steps"] == 2 and row["target_seconds"] == 900
+    assert row["average_bits"] <= 3.25
+    assert row["phase_seconds"]["sensitivities"] > 0 and row["phase_seconds"]["tuning"] > 0
+    assert "a budget of 3.25 bits per weight, 2 tuning steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--bits", "3.3x"], "--bits"), (["--bits", "6"], "one of"),
+                                           (["--bits", "5.5"], "between 2.25 and 5.25"),
+                                           (["--tune-steps", "-1"], "int >= 0"), (["--tune-steps", "2.5"], "int")])
+def test_quantize_methods_benchmark_refuses_bad_bits_and_steps(argv, message, capsys):
+    bench = _bench_module()
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--device", "cpu"] + argv)
+    assert message in capsys.readouterr().err
+
+
+def test_quantize_methods_benchmark_parses_bits():
+    bench = _bench_module()
+    assert bench.bits_argument("3") == 3 and isinstance(bench.bits_argument("3"), int)
+    assert bench.bits_argument("3.25") == 3.25 and isinstance(bench.bits_argument("3.25"), float)

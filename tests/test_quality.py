@@ -57,6 +57,15 @@ def test_nf4_reference_matches_qlora_definition(eq):
         torch.testing.assert_close(dblk, expect)
 
 
+def test_method_specs_name_their_settings(eq):
+    assert eq.method_spec("gptq") == ("gptq", {"rotate": False}, "")
+    assert eq.method_spec("gptq+rotate+fp+block50") == (
+        "gptq", {"rotate": True, "fp_targets": True, "block_tune_steps": 50}, " +rotate +fp targets +block tune 50")
+    for bad in ("gptq+rotated", "gptq+block", "gptq+blockx"):
+        with pytest.raises(ValueError, match="unknown method option"):
+            eq.method_spec(bad)
+
+
 @pytest.mark.slow
 def test_minilm_k4_quality(eq):
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
