@@ -157,17 +157,14 @@ def _output_fisher(model: nn.Module, layers: dict, batches: list, run: Callable)
 
 def _rounding_errors(w: Tensor, H: Tensor, fisher: Optional[Tensor], gptq: bool, damp: float) -> dict:
     """{K: estimated loss increase} of one layer (module docstring)."""
+    from .methods import damped_hessian
     from .weight import quantize
 
     w = w.float()
     H = H.to(device=w.device, dtype=torch.float32)
     if gptq:
-        Hd = H.double().clone()
-        dead = torch.diagonal(Hd) <= 0  # inputs never reached: their rows and columns are zero
-        live_mean = float(torch.diagonal(Hd)[~dead].mean()) if bool((~dead).any()) else 1.0
-        torch.diagonal(Hd)[dead] = 1.0
-        torch.diagonal(Hd).add_(damp * live_mean)
-        inv_diag = torch.diagonal(torch.cholesky_inverse(torch.linalg.cholesky(Hd))).float()
+        dead = torch.diagonal(H) <= 0  # inputs never reached
+        inv_diag = torch.diagonal(torch.cholesky_inverse(torch.linalg.cholesky(damped_hessian(H, damp)))).float()
         col_weight = torch.where(dead, 0.0, 1.0 / inv_diag)
     out = {}
     for k in SUPPORTED_BITS:

@@ -25,7 +25,8 @@ tuning; otherwise the model is left as quantized.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from contextlib import contextmanager
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -209,6 +210,43 @@ def _swap(model: nn.Module, new_of: dict) -> None:
             model.set_submodule(name, new_of[id(m)])
 
 
+@contextmanager
+def _frozen_in_eval(module: nn.Module):
+    """``module`` in eval mode (no dropout: the loss compares deterministic outputs) with its own trainable
+    parameters frozen, both restored on leaving."""
+    frozen = [p for p in module.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        module.train(training)
+
+
+def _adam_steps(tuned: list, batch_count: int, steps: int, seed: int, backward: Callable[[int], None]) -> None:
+    """``steps`` Adam steps on the levels and gains of ``tuned`` (``_TunedWeight``s; rates decaying linearly to 0),
+    one batch each, batches in seeded random order; ``backward(i)`` computes batch i's loss and its gradients."""
+    optimizer = torch.optim.Adam([{"params": [t.levels for t in tuned], "lr": LEVEL_LR},
+                                  {"params": [t.log_gain for t in tuned], "lr": GAIN_LR}])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
+    order, perm = torch.Generator().manual_seed(seed), []
+    for _ in range(steps):
+        if not perm:
+            perm = torch.randperm(batch_count, generator=order).tolist()
+        i = perm.pop()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            backward(i)
+        optimizer.step()
+        schedule.step()
+        for t in tuned:
+            t.keep_levels_apart()
+
+
 def tune_end_to_end(model: nn.Module, layers: list, batches: list, references: list, steps: int,
                     seed: int = 0) -> dict:
     """Tune the codebooks and block scales of ``layers`` (``model``'s ``KbitLinear`` layers, each once) for
@@ -219,41 +257,19 @@ def tune_end_to_end(model: nn.Module, layers: list, batches: list, references: l
     if not layers or not steps:
         return {"loss_before": math.nan, "loss_after": math.nan, "kept": False}
     tuned = {id(m): _TunedLinear(m) for m in layers}
-    training = model.training
-    model.eval()  # no dropout: the loss compares deterministic outputs
-    frozen = [p for p in model.parameters() if p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(False)
-    _swap(model, tuned)
-    try:
-        before = _mean_loss(model, batches, references)
-        params = [t.levels for t in tuned.values()], [t.log_gain for t in tuned.values()]
-        optimizer = torch.optim.Adam([{"params": params[0], "lr": LEVEL_LR}, {"params": params[1], "lr": GAIN_LR}])
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
-        order = torch.Generator().manual_seed(seed)
-        perm = []
-        for _ in range(steps):
-            if not perm:
-                perm = torch.randperm(len(batches), generator=order).tolist()
-            i = perm.pop()
-            optimizer.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                run_with_loss(model, [batches[i]], lambda output, ids, mask: _loss(output, references[i], mask))
-            optimizer.step()
-            schedule.step()
-            for t in tuned.values():
-                t.keep_levels_apart()
-        after = _mean_loss(model, batches, references)
-        kept = after < before
-        with torch.no_grad():
-            result = {id(t): t.tuned_layer() if kept else t.layer for t in tuned.values()}
-    except BaseException:
-        _swap(model, {id(t): t.layer for t in tuned.values()})
-        raise
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
-        model.train(training)
+    with _frozen_in_eval(model):
+        _swap(model, tuned)
+        try:
+            before = _mean_loss(model, batches, references)
+            _adam_steps(list(tuned.values()), len(batches), steps, seed, lambda i: run_with_loss(
+                model, [batches[i]], lambda output, ids, mask: _loss(output, references[i], mask)))
+            after = _mean_loss(model, batches, references)
+            kept = after < before
+            with torch.no_grad():
+                result = {id(t): t.tuned_layer() if kept else t.layer for t in tuned.values()}
+        except BaseException:
+            _swap(model, {id(t): t.layer for t in tuned.values()})
+            raise
     _swap(model, result)
     return {"loss_before": before, "loss_after": after, "kept": kept}
 
@@ -291,31 +307,9 @@ def tune_block(block: nn.Module, weights: dict, inputs: list, masks: list, targe
         with torch.no_grad():
             return sum(float(run(i)) for i in range(len(inputs))) / len(inputs)
 
-    frozen = [p for p in block.parameters() if p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(False)
-    training = block.training
-    block.eval()  # no dropout: the loss compares deterministic outputs
-    try:
+    with _frozen_in_eval(block):
         before = mean_loss()
-        optimizer = torch.optim.Adam([{"params": [t.levels for t in tuned.values()], "lr": LEVEL_LR},
-                                      {"params": [t.log_gain for t in tuned.values()], "lr": GAIN_LR}])
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
-        order, perm = torch.Generator().manual_seed(seed), []
-        for _ in range(steps):
-            if not perm:
-                perm = torch.randperm(len(inputs), generator=order).tolist()
-            optimizer.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                run(perm.pop()).backward()
-            optimizer.step()
-            schedule.step()
-            for t in tuned.values():
-                t.keep_levels_apart()
+        _adam_steps(list(tuned.values()), len(inputs), steps, seed, lambda i: run(i).backward())
         if mean_loss() >= before:
             return None
         return {name: t.quantized() for name, t in tuned.items()}
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
-        block.train(training)

@@ -275,13 +275,9 @@ def quantize_mse(W: Tensor, k: int, codebook: Optional[Tensor] = None, name: str
 
 
 # ----------------------------------------------------------------------------- gptq
-def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
-    """Upper Cholesky factor U of the damped inverse Hessian (H^-1 = U^T U), float32.
-
-    Inputs that calibration never reached (zero diagonal; padded columns too) get a unit diagonal and no
-    coupling: their columns are rounded to nearest and pass no error on. The damping is ``damp`` times the mean
-    diagonal of the live inputs.
-    """
+def damped_hessian(H: Tensor, damp: float) -> Tensor:
+    """``H`` in float64 (a copy) as GPTQ inverts it: inputs that calibration never reached (zero diagonal; padded
+    columns too) get a unit diagonal and no coupling, and every diagonal ``damp`` times the live inputs' mean."""
     H = H.to(torch.float64).clone()
     dead = torch.diagonal(H) <= 0
     H[dead, :] = 0.0
@@ -289,7 +285,13 @@ def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
     live_mean = float(torch.diagonal(H)[~dead].mean()) if bool((~dead).any()) else 1.0
     torch.diagonal(H)[dead] = 1.0
     torch.diagonal(H).add_(damp * live_mean)
-    L = torch.linalg.cholesky(H)
+    return H
+
+
+def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
+    """Upper Cholesky factor U of the damped inverse Hessian (H^-1 = U^T U, ``damped_hessian``), float32: the
+    dead inputs' columns are rounded to nearest and pass no error on."""
+    L = torch.linalg.cholesky(damped_hessian(H, damp))
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).to(torch.float32)
 
 
@@ -304,14 +306,9 @@ def weight_for_fp_inputs(W: Tensor, H: Tensor, cross: Tensor, damp: float = GPTQ
     before left is corrected here too, instead of being carried on. Returned: ``W`` plus ``share`` of that
     correction (``FP_TARGET_SHARE``), float32 [N, K] of ``W``'s shape.
     """
-    H = H.to(torch.float64).clone()
-    dead = torch.diagonal(H) <= 0  # inputs calibration never reached carry no error either
-    live_mean = float(torch.diagonal(H)[~dead].mean()) if bool((~dead).any()) else 1.0
-    torch.diagonal(H)[dead] = 1.0
-    torch.diagonal(H).add_(damp * live_mean)
     W64 = W.to(torch.float64)
     rhs = (W64 @ cross.to(device=W.device, dtype=torch.float64)).T  # H is symmetric: (W C H^-1)^T = H^-1 (W C)^T
-    correction = torch.cholesky_solve(rhs, torch.linalg.cholesky(H)).T
+    correction = torch.cholesky_solve(rhs, torch.linalg.cholesky(damped_hessian(H, damp))).T
     return (W64 + share * correction).to(torch.float32)
 
 

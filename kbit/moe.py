@@ -380,12 +380,6 @@ class KbitExperts(KbitModule):
     def _moved(self) -> None:
         self.prepare()
 
-    def _derived_storage(self) -> dict:
-        derived = {}
-        for proj in PROJECTIONS:
-            derived[f"{proj}_packed"], derived[f"{proj}_absmax"] = self.storage(proj)
-        return derived
-
     def _check_state(self, state_dict, prefix: str) -> torch.dtype:
         self._hold_storage()  # the checks compare against the storage buffers, which a GEMM-resident module lacks
         meta = state_dict.get(prefix + "meta")

@@ -181,8 +181,10 @@ def test_matmul_gradients_through_the_kernel(ext):
     kbit.matmul(x, qw, bias).square().sum().backward()
     x_ref, bias_ref = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
     (x_ref @ qw.dequantize(torch.float32).T + bias_ref).square().sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(bias.grad, bias_ref.grad, rtol=1e-5, atol=1e-5)
+    # Each gradient is a sum of products that cancel; fp32 rounding of the summands scales with the largest of them,
+    # not with the (sometimes near-zero) result, so the tolerance does too.
+    for got, want in ((x.grad, x_ref.grad), (bias.grad, bias_ref.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
 def _counting_kernel(ext, monkeypatch):
