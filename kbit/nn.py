@@ -694,7 +694,8 @@ def quantize_model(
     logger.info(summary)
     bar.close(summary)
     for hook in QUANTIZED_HOOKS:
-        hook(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook, rotate=rotate)
+        hook(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook, rotate=rotate,
+             method=method, tune_steps=tune_steps, fp_targets=fp_targets, block_tune_steps=block_tune_steps)
     return model
 
 

@@ -136,6 +136,10 @@ def test_gptq_refinements_through_from_pretrained_are_quantize_model_s(llama_dir
                 assert torch.equal(getattr(layers[name], key), getattr(m, key)), (name, key)
     ids = torch.randint(0, VOCAB, (1, 9))
     assert torch.equal(logits(model, ids), logits(expect, ids))
+    # quantize_model records the same settings on the model it quantized (save_pretrained writes them); skip is
+    # recorded as quantize_model's own default, KbitConfig's stays None (default_skip)
+    recorded, configured = expect.config.quantization_config.to_dict(), model.config.quantization_config.to_dict()
+    assert recorded.pop("skip") == ["lm_head"] and configured.pop("skip") is None and recorded == configured
 
     model.save_pretrained(str(tmp_path))
     path = tmp_path / "config.json"

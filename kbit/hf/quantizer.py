@@ -301,13 +301,17 @@ def checked_config(**settings) -> KbitConfig:
     return config
 
 
-def record_quantization(model, bits: int, skip, min_features: int, codebook=None, rotate: bool = False) -> None:
+def record_quantization(model, bits: int, skip, min_features: int, codebook=None, rotate: bool = False,
+                        method: str = "rtn", tune_steps: int = 0, fp_targets: bool = False,
+                        block_tune_steps: int = 0) -> None:
     """Mark a transformers model quantized by ``kbit.quantize_model`` as kbit-quantized, as ``from_pretrained``
-    would have: ``save_pretrained`` then writes ``quantization_config`` and the kbit weight names."""
+    would have: ``save_pretrained`` then writes ``quantization_config`` (how the weights were made included) and
+    the kbit weight names."""
     if isinstance(getattr(model, "hf_quantizer", None), KbitHfQuantizer):
         return  # loaded through kbit's quantizer: its config describes the model
     config = checked_config(bits=bits, skip=skip, min_features=min_features,
-                            codebook=None if codebook is None else codebook.tolist(), rotate=rotate)
+                            codebook=None if codebook is None else codebook.tolist(), rotate=rotate, method=method,
+                            tune_steps=tune_steps, fp_targets=fp_targets, block_tune_steps=block_tune_steps)
     model.config.quantization_config = config
     model.hf_quantizer = KbitHfQuantizer(config, pre_quantized=True)
     model.is_quantized = True
