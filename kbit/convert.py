@@ -204,11 +204,10 @@ def quantize_directory(
     """Quantize the transformers model in ``model_dir`` while loading it and save it to ``out_dir``.
 
     ``method``, ``rotate``, ``tune_steps``, ``fp_targets``, ``block_tune_steps``: as ``kbit.KbitConfig``;
-    ``calibration``: a text file for
-    ``method="gptq"`` and tuning, tokenized with the model's tokenizer (``calibration_ids``; tuning without it
-    uses kbit's built-in text). Raises ``ConversionError`` (with the reason) for directories
-    it cannot convert. Returns a
-    summary dict (layer count, share of the weights quantized, sizes, output path).
+    ``calibration``: a text file for ``method="gptq"`` and tuning, tokenized with the model's tokenizer
+    (``calibration_ids``; tuning without it uses kbit's built-in text). Raises ``ConversionError`` (with the
+    reason) for directories it cannot convert. Returns a summary dict (layer count, share of the weights
+    quantized, sizes, output path).
     """
     from ._atomic import atomic_directory
     from .bit_budget import check_bits_setting
