@@ -238,9 +238,6 @@ def quantize_directory(
     if dtype not in _DTYPES and dtype != "auto":
         raise ConversionError(f"dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
     torch_dtype = _pick_dtype(dtype, raw)
-    if method == "gptq" and calibration is None:
-        raise ConversionError("--method gptq needs --calibration FILE (a text file, tokenized with the model's "
-                              "tokenizer)")
     try:
         tune_steps = check_tune_steps(tune_steps)
         fp_targets, block_tune_steps = check_gptq_refinements(method, fp_targets, block_tune_steps)
@@ -376,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave layers with min(in, out) below this in high precision (default: kbit's)")
     p.add_argument("--method", default="rtn", choices=("rtn", "mse", "gptq"),
                    help="rtn (default, each layer quantized as it is read), mse (data-free, fitted codebooks) or gptq "
-                        "(calibrated, needs --calibration; the most accurate with --rotate, docs/QUALITY.md)")
+                        "(calibrated on --calibration or kbit's built-in text; the most accurate with --rotate, docs/QUALITY.md)")
     p.add_argument("--calibration", metavar="FILE", default=None,
                    help="gptq's and --tune-steps' calibration text (UTF-8), tokenized with the model's tokenizer "
                         "(up to 8192 tokens), with kbit's built-in text beside it (3072 tokens)")
