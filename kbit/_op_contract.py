@@ -127,7 +127,7 @@ def matmul_stored(x: Tensor, packed: Tensor, absmax: Tensor, codebook: Tensor, s
                              f"{tuple(bias.shape)} on {bias.device}")
 
 
-# ----------------------------------------------------------------------------- the mixture-of-experts ops (kbit.grouped)
+# ----------------------------------------------------------------------------- the MoE ops (kbit.grouped)
 def moe_route(expert_ids: Tensor, weights: Tensor, num_experts: int, rows_per_pass: int) -> None:
     _rank(expert_ids, "expert_ids", 2, "2-D [tokens, top_k]")
     if expert_ids.dtype not in (torch.int64, torch.int32):
