@@ -22,12 +22,13 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
+from ._validate import check_int
 from .methods import check_method, quantize_tensor_checked, weight_for_fp_inputs
 from .rotation import Rotation
 from .weight import QuantizedWeight
 
 __all__ = ["collect_hessians", "collect_hessians_by_block", "quantize_layers", "check_calibration", "model_outputs",
-           "run_with_loss", "uses_calibration", "check_calibration_used"]
+           "run_with_loss", "uses_calibration", "check_calibration_used", "check_gptq_refinements"]
 
 CALIBRATION_BATCH = 8  # sequences per forward pass when calibration is a tensor of token ids
 
@@ -44,6 +45,19 @@ def check_calibration_used(calibration, method: str, bits, tune_steps: int) -> N
     if calibration is not None and not uses_calibration(method, bits, tune_steps):
         raise ValueError(f"calibration is used by method='gptq', bit budgets and tune_steps only, got "
                          f"method={method!r}, bits={bits!r} and tune_steps={tune_steps}")
+
+
+def check_gptq_refinements(method: str, fp_targets, block_tune_steps) -> tuple:
+    """``(fp_targets, block_tune_steps)`` checked: a bool and an int >= 0, both refinements of the (checked)
+    ``method="gptq"`` only (``quantize_layers``' ``fp_targets`` and ``block_tuner``), so set with another method
+    they are refused rather than silently ignored."""
+    if not isinstance(fp_targets, bool):
+        raise TypeError(f"fp_targets must be a bool, got {type(fp_targets).__name__}")
+    block_tune_steps = check_int(block_tune_steps, "block_tune_steps", 0)
+    if (fp_targets or block_tune_steps) and method != "gptq":
+        raise ValueError(f"fp_targets and block_tune_steps refine method='gptq', got method={method!r} with "
+                         f"fp_targets={fp_targets} and block_tune_steps={block_tune_steps}")
+    return fp_targets, block_tune_steps
 
 
 def check_calibration(calibration) -> list:

@@ -198,18 +198,20 @@ def quantize_directory(
     calibration: Optional[str] = None,
     rotate: bool = False,
     tune_steps: int = 0,
+    fp_targets: bool = False,
+    block_tune_steps: int = 0,
 ) -> dict:
     """Quantize the transformers model in ``model_dir`` while loading it and save it to ``out_dir``.
 
-    ``method``, ``rotate``, ``tune_steps``: as ``kbit.KbitConfig``; ``calibration``: a text file for
-    ``method="gptq"`` and tuning, tokenized with the model's tokenizer (``calibration_ids``; tuning without it
-    uses kbit's built-in text). Raises ``ConversionError`` (with the reason) for directories
-    it cannot convert. Returns a
-    summary dict (layer count, share of the weights quantized, sizes, output path).
+    ``method``, ``rotate``, ``tune_steps``, ``fp_targets``, ``block_tune_steps``: as ``kbit.KbitConfig``;
+    ``calibration``: a text file for ``method="gptq"`` and tuning, tokenized with the model's tokenizer
+    (``calibration_ids``; tuning without it uses kbit's built-in text). Raises ``ConversionError`` (with the
+    reason) for directories it cannot convert. Returns a summary dict (layer count, share of the weights
+    quantized, sizes, output path).
     """
     from ._atomic import atomic_directory
     from .bit_budget import check_bits_setting
-    from .calibration import uses_calibration
+    from .calibration import check_gptq_refinements, uses_calibration
     from .finetune import check_tune_steps
     from .model_card import README, write_model_card
     from .nn import KbitLinear, quantized_fraction
@@ -236,11 +238,9 @@ def quantize_directory(
     if dtype not in _DTYPES and dtype != "auto":
         raise ConversionError(f"dtype must be auto, float16, bfloat16 or float32, got {dtype!r}")
     torch_dtype = _pick_dtype(dtype, raw)
-    if method == "gptq" and calibration is None:
-        raise ConversionError("--method gptq needs --calibration FILE (a text file, tokenized with the model's "
-                              "tokenizer)")
     try:
         tune_steps = check_tune_steps(tune_steps)
+        fp_targets, block_tune_steps = check_gptq_refinements(method, fp_targets, block_tune_steps)
     except (TypeError, ValueError) as e:
         raise ConversionError(str(e)) from None
     if calibration is not None and not uses_calibration(method, bits, tune_steps):
@@ -267,16 +267,18 @@ def quantize_directory(
     if calibration is not None:
         calibration = calibration_ids(model_dir, Path(calibration), trust_remote_code)
     qconfig = KbitConfig(bits=bits, skip=skip, method=method, calibration=calibration, rotate=rotate,
-                         tune_steps=tune_steps,
+                         tune_steps=tune_steps, fp_targets=fp_targets, block_tune_steps=block_tune_steps,
                          **({} if min_features is None else {"min_features": min_features}))
     saved = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if dtype == "auto" and saved != str(torch_dtype).replace("torch.", ""):
         log(f"kbit: {saved} checkpoint: its layers kept in full precision become float16, the dtype the kbit "
             "kernels compute in (--dtype float32 or bfloat16 to choose)")
 
+    how = [method] + [said for said, on in (("rotated", rotate), ("fp targets", fp_targets),
+                                            (f"{block_tune_steps} block tuning steps", block_tune_steps),
+                                            (f"{tune_steps} tuning steps", tune_steps)) if on]
     log(f"kbit: loading {getattr(cls, '__name__', cls)} from {model_dir} ({str(torch_dtype).replace('torch.', '')}) "
-        f"and quantizing its layers to {bits} bits ({method}{', rotated' if rotate else ''}"
-        f"{f', {tune_steps} tuning steps' if tune_steps else ''})")
+        f"and quantizing its layers to {bits} bits ({', '.join(how)})")
     t0 = time.perf_counter()
     kwargs = {dtype_kwarg(): torch_dtype, "quantization_config": qconfig, "device_map": device}
     if trust_remote_code:
@@ -371,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave layers with min(in, out) below this in high precision (default: kbit's)")
     p.add_argument("--method", default="rtn", choices=("rtn", "mse", "gptq"),
                    help="rtn (default, each layer quantized as it is read), mse (data-free, fitted codebooks) or gptq "
-                        "(calibrated, needs --calibration; the most accurate with --rotate, docs/QUALITY.md)")
+                        "(calibrated on --calibration or kbit's built-in text; the most accurate with --rotate, docs/QUALITY.md)")
     p.add_argument("--calibration", metavar="FILE", default=None,
                    help="gptq's and --tune-steps' calibration text (UTF-8), tokenized with the model's tokenizer "
                         "(up to 8192 tokens), with kbit's built-in text beside it (3072 tokens)")
@@ -380,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-steps", type=int, default=0, metavar="N",
                    help="after quantizing, tune the codebooks and block scales end to end for N steps on the "
                         "calibration text (--calibration, else kbit's built-in text); default 0: no tuning")
+    p.add_argument("--fp-targets", action="store_true",
+                   help="with --method gptq: fit each layer to the unquantized model's outputs, so that it also "
+                        "corrects the error of the quantized layers before it (about twice the calibration passes)")
+    p.add_argument("--block-tune-steps", type=int, default=0, metavar="N",
+                   help="with --method gptq: tune each transformer block's codebooks and block scales for N steps to "
+                        "the unquantized block's outputs before the next block is calibrated; default 0: none")
     p.add_argument("--dtype", default="auto", choices=("auto", *_DTYPES),
                    help="dtype of the layers kept in high precision (default: the checkpoint's if fp16/bf16, else fp16)")
     p.add_argument("--device", default="cpu", help="device to quantize on, e.g. cuda (default cpu)")
@@ -402,6 +410,7 @@ def cli_quantize(argv: Optional[Sequence[str]] = None) -> int:
             dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
             overwrite=args.overwrite, progress=not args.no_progress, method=args.method,
             calibration=args.calibration, rotate=args.rotate, tune_steps=args.tune_steps,
+            fp_targets=args.fp_targets, block_tune_steps=args.block_tune_steps,
             log=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
     except ConversionError as e:

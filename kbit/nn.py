@@ -66,7 +66,8 @@ from ._validate import (
     check_weight,
 )
 from .bit_budget import check_bits_setting, choose_layer_bits
-from .calibration import check_calibration, check_calibration_used, quantize_layers, uses_calibration
+from .calibration import (check_calibration, check_calibration_used, check_gptq_refinements, quantize_layers,
+                          uses_calibration)
 from .calibration_text import default_calibration, is_text
 from .dequantized_weight import DequantizedWeight
 from .finetune import check_tune_steps, reference_outputs, tune_block, tune_end_to_end, tuning_batches
@@ -595,12 +596,7 @@ def quantize_model(
         check_calibration(calibration)
     if not isinstance(rotate, bool):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
-    if not isinstance(fp_targets, bool):
-        raise TypeError(f"fp_targets must be a bool, got {type(fp_targets).__name__}")
-    block_tune_steps = check_int(block_tune_steps, "block_tune_steps", 0)
-    if (fp_targets or block_tune_steps) and method != "gptq":
-        raise ValueError(f"fp_targets and block_tune_steps refine method='gptq', got method={method!r} with "
-                         f"fp_targets={fp_targets} and block_tune_steps={block_tune_steps}")
+    fp_targets, block_tune_steps = check_gptq_refinements(method, fp_targets, block_tune_steps)
     if not isinstance(fuse_projections, bool):
         raise TypeError(f"fuse_projections must be a bool, got {type(fuse_projections).__name__}")
 
@@ -708,7 +704,8 @@ def quantize_model(
     logger.info(summary)
     bar.close(summary)
     for hook in QUANTIZED_HOOKS:
-        hook(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook, rotate=rotate)
+        hook(model, bits=bits, skip=list(skip), min_features=min_features, codebook=codebook, rotate=rotate,
+             method=method, tune_steps=tune_steps, fp_targets=fp_targets, block_tune_steps=block_tune_steps)
     return model
 
 

@@ -263,3 +263,27 @@ def test_quantize_model_takes_the_gptq_refinements():
     a, b = _kbit_layers(plain), _kbit_layers(refined)
     assert a.keys() == b.keys() and any(not torch.equal(a[n].absmax, b[n].absmax) for n in a)
     assert all(a[n].packed.shape == b[n].packed.shape and a[n].bits == b[n].bits for n in a)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_calibrated_quantization_and_tuning_run_on_the_gpu(dtype):
+    """gptq with every refinement, a bit budget and end-to-end tuning on a CUDA model (the GPU's own kernels in
+    the calibration and tuning passes): the layers stay on the GPU in the model's dtype, the budget is met as
+    counted, the tuned model's calibration loss is below the untuned one's with the same codes."""
+    torch.manual_seed(0)
+    model, ids = _tiny_llama().to("cuda", dtype), _ids().cuda()
+    settings = dict(bits=3.25, method="gptq", rotate=True, calibration=ids, fp_targets=True, block_tune_steps=3,
+                    progress=False)
+    plain = kbit.quantize_model(copy.deepcopy(model), **settings)
+    tuned = kbit.quantize_model(copy.deepcopy(model), tune_steps=20, **settings)
+    layers, tuned_layers = _kbit_layers(plain), _kbit_layers(tuned)
+    assert layers.keys() == tuned_layers.keys() and layers
+    for name, m in tuned_layers.items():
+        assert m.codebook.is_cuda and m(torch.zeros(1, m.in_features, device="cuda", dtype=dtype)).dtype == dtype
+        assert torch.equal(layers[name].qweight.packed, m.qweight.packed), name  # the same codes
+    stored = sum(m.qweight.packed.numel() * 32 + m.qweight.absmax.numel() * 8 for m in tuned_layers.values())
+    assert stored / sum(m.in_features * m.out_features for m in tuned_layers.values()) <= 3.25
+    assert len({m.bits for m in tuned_layers.values()}) > 1  # the budget mixes K
+    before, after = _calibration_loss(plain, model, ids), _calibration_loss(tuned, model, ids)
+    assert after < before and after == after, (before, after)

@@ -1,5 +1,6 @@
-"""The calibrated methods through from_pretrained (KbitConfig(method="gptq", calibration=..., rotate=...)) and
-``python -m kbit quantize --method``, and model.dequantize() back to a plain transformers model."""
+"""The calibrated methods through from_pretrained (KbitConfig(method="gptq", calibration=..., rotate=...,
+fp_targets=..., block_tune_steps=...)) and ``python -m kbit quantize --method``, and model.dequantize() back to a
+plain transformers model."""
 
 from __future__ import annotations
 
@@ -76,6 +77,116 @@ def test_method_errors(llama_dir):
         load(llama_dir, quantization_config=kbit.KbitConfig(bits=4, method="gptq", calibration="some text"))
 
 
+# ----------------------------------------------------------------------------- gptq's refinements
+REFINEMENTS = ("fp_targets", "block_tune_steps")
+
+
+@pytest.fixture
+def refinements_seen(monkeypatch):
+    """The (fp_targets, block tuning steps) each calibrated quantization ran with (kbit.calibration.quantize_layers,
+    as quantize_model calls it), the real one running."""
+    import kbit.nn
+
+    seen, real = [], kbit.nn.quantize_layers
+
+    def spy(*args, fp_targets=False, block_tuner=None, **kwargs):
+        seen.append((fp_targets, block_tuner.keywords["steps"] if block_tuner is not None else 0))
+        return real(*args, fp_targets=fp_targets, block_tuner=block_tuner, **kwargs)
+
+    monkeypatch.setattr(kbit.nn, "quantize_layers", spy)
+    return seen
+
+
+def test_kbitconfig_saves_the_gptq_refinements_and_reads_configs_without_them():
+    config = kbit.KbitConfig(bits=3, method="gptq", fp_targets=True, block_tune_steps=2)
+    saved = config.to_dict()
+    assert (saved["fp_targets"], saved["block_tune_steps"]) == (True, 2)
+    again = kbit.KbitConfig.from_dict(saved)
+    assert (again.fp_targets, again.block_tune_steps) == (True, 2) and again.to_dict() == saved
+    older = {key: value for key, value in saved.items() if key not in REFINEMENTS}  # saved before they existed
+    assert (kbit.KbitConfig.from_dict(older).fp_targets, kbit.KbitConfig.from_dict(older).block_tune_steps) == (False, 0)
+
+
+@pytest.mark.parametrize("settings, error, match", [
+    (dict(method="gptq", fp_targets=1), TypeError, "fp_targets must be a bool"),
+    (dict(method="gptq", fp_targets=None), TypeError, "fp_targets must be a bool"),
+    (dict(method="gptq", block_tune_steps=-1), ValueError, "block_tune_steps must be >= 0"),
+    (dict(method="gptq", block_tune_steps=2.0), TypeError, "block_tune_steps must be an int"),
+    (dict(method="gptq", block_tune_steps=True), TypeError, "block_tune_steps must be an int"),
+    (dict(fp_targets=True), ValueError, "refine method='gptq', got method='rtn'"),
+    (dict(method="mse", block_tune_steps=3), ValueError, "refine method='gptq', got method='mse'"),
+])
+def test_bad_gptq_refinements_are_refused_as_quantize_model_refuses_them(settings, error, match):
+    with pytest.raises(error, match=match):
+        kbit.KbitConfig(bits=4, **settings)
+    with pytest.raises(error, match=match):
+        kbit.quantize_model(nn.Sequential(nn.Linear(128, 128)), bits=4, progress=False, **settings)
+
+
+def test_gptq_refinements_through_from_pretrained_are_quantize_model_s(llama_dir, tmp_path, refinements_seen):
+    settings = dict(bits=3, method="gptq", calibration=torch.randint(0, VOCAB, (4, 16)), fp_targets=True,
+                    block_tune_steps=2)
+    model = load(llama_dir, quantization_config=kbit.KbitConfig(**settings))
+    expect = kbit.quantize_model(load(llama_dir), progress=False, **settings)
+    assert refinements_seen == [(True, 2), (True, 2)]
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, kbit.KbitLinear)}
+    for name, m in expect.named_modules():
+        if isinstance(m, kbit.KbitLinear):
+            for key in ("packed", "absmax", "codebook", "scale"):
+                assert torch.equal(getattr(layers[name], key), getattr(m, key)), (name, key)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    assert torch.equal(logits(model, ids), logits(expect, ids))
+    # quantize_model records the same settings on the model it quantized (save_pretrained writes them); skip is
+    # recorded as quantize_model's own default, KbitConfig's stays None (default_skip)
+    recorded, configured = expect.config.quantization_config.to_dict(), model.config.quantization_config.to_dict()
+    assert recorded.pop("skip") == ["lm_head"] and configured.pop("skip") is None and recorded == configured
+
+    model.save_pretrained(str(tmp_path))
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    assert {key: raw["quantization_config"][key] for key in REFINEMENTS} == {"fp_targets": True, "block_tune_steps": 2}
+    again = load(tmp_path)
+    assert (again.config.quantization_config.fp_targets, again.config.quantization_config.block_tune_steps) == (True, 2)
+    assert torch.equal(logits(again, ids), logits(model, ids))
+    for key in REFINEMENTS:  # a folder written before these settings existed
+        del raw["quantization_config"][key]
+    path.write_text(json.dumps(raw))
+    older = load(tmp_path)
+    assert (older.config.quantization_config.fp_targets, older.config.quantization_config.block_tune_steps) == (False, 0)
+    assert torch.equal(logits(older, ids), logits(model, ids))
+
+
+def test_cli_gptq_refinements_reach_quantize_model(llama_dir, tmp_path, capsys, refinements_seen):
+    from test_bit_budget import _save_with_tokenizer
+
+    from kbit.convert import build_parser
+
+    src, text = tmp_path / "src", tmp_path / "calib.txt"
+    _save_with_tokenizer(load(llama_dir), src)
+    text.write_text("Some words to calibrate on, and some more of them. " * 8)
+    assert cli_quantize([str(src), "--out", str(tmp_path / "out"), "--bits", "3", "--method", "gptq", "--calibration",
+                         str(text), "--fp-targets", "--block-tune-steps", "2", "--dtype", "float32",
+                         "--no-progress"]) == 0
+    assert refinements_seen == [(True, 2)]
+    assert "to 3 bits (gptq, fp targets, 2 block tuning steps)" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert {key: saved[key] for key in REFINEMENTS} == {"fp_targets": True, "block_tune_steps": 2}
+    assert "--fp-targets" in build_parser().format_help() and "--block-tune-steps N" in build_parser().format_help()
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--method", "gptq", "--block-tune-steps", "-1"], "block_tune_steps must be >= 0"),
+    (["--fp-targets"], "refine method='gptq', got method='rtn'"),
+    (["--method", "mse", "--block-tune-steps", "2"], "refine method='gptq', got method='mse'"),
+])
+def test_cli_refuses_bad_gptq_refinements(llama_dir, tmp_path, capsys, flags, match):
+    out = tmp_path / "out"
+    assert cli_quantize([str(llama_dir), "--out", str(out), "--calibration", str(tmp_path / "calib.txt"), *flags,
+                         "--no-progress"]) == 1
+    assert match in capsys.readouterr().err and not out.exists()
+    assert cli_quantize([str(llama_dir), "--out", str(out), "--block-tune-steps", "two"]) == 2  # argparse: not an int
+
+
 def test_cli_says_when_it_turns_float32_into_float16(llama_dir, tmp_path, capsys):
     assert cli_quantize([str(llama_dir), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
     assert "float32 checkpoint" in capsys.readouterr().err
@@ -99,9 +210,15 @@ def test_cli_gptq_from_a_text_file(llama_dir, tmp_path, capsys):
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(words[i % len(words)] for i in range(600)))
 
+    # without --calibration: kbit's built-in text, as quantize_model without calibration
+    builtin = tmp_path / "builtin"
+    assert cli_quantize([str(src), "--out", str(builtin), "--method", "gptq", "--dtype", "float32",
+                         "--no-progress"]) == 0
+    expect = kbit.quantize_model(load(src), bits=4, method="gptq", progress=False)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    assert torch.equal(logits(load(builtin), ids), logits(expect, ids))
+
     out = tmp_path / "out"
-    assert cli_quantize([str(src), "--out", str(out), "--method", "gptq"]) == 1
-    assert "--calibration" in capsys.readouterr().err
     assert cli_quantize([str(src), "--out", str(out), "--bits", "3", "--method", "gptq", "--rotate",
                          "--calibration", str(text), "--no-progress"]) == 0
     err = capsys.readouterr().err
@@ -121,7 +238,6 @@ def test_cli_gptq_from_a_text_file(llama_dir, tmp_path, capsys):
     assert torch.equal(calibration_ids(src, text), mixed)
     loaded = load(src, quantization_config=kbit.KbitConfig(bits=3, method="gptq", calibration=text.read_text()))
     expect = kbit.quantize_model(load(src), bits=3, method="gptq", calibration=mixed, progress=False)
-    ids = torch.randint(0, VOCAB, (1, 9))
     assert torch.equal(logits(loaded, ids), logits(expect, ids))
 
 

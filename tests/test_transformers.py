@@ -488,6 +488,7 @@ def test_recorded_config_equals_the_checked_constructor_s():
     from kbit.hf.quantizer import checked_config
 
     cb = [-1.0, -0.25, 0.25, 1.0]
-    settings = dict(bits=2, skip=["lm_head"], min_features=3, codebook=cb, rotate=True)
+    settings = dict(bits=2, skip=["lm_head"], min_features=3, codebook=cb, rotate=True, method="gptq", tune_steps=2,
+                    fp_targets=True, block_tune_steps=3)
     assert vars(checked_config(**settings)) == vars(kbit.KbitConfig(**settings))
     assert vars(checked_config()) == vars(kbit.KbitConfig())

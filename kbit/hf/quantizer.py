@@ -41,7 +41,7 @@ from .._progress import Progress
 from .._validate import check_int, check_skip, codebook_values
 from .._version import __version__
 from ..bit_budget import check_bits_setting
-from ..calibration import check_calibration, check_calibration_used
+from ..calibration import check_calibration, check_calibration_used, check_gptq_refinements
 from ..calibration_text import is_text
 from ..finetune import check_tune_steps
 from ..fusion import FUSE_BY_DEFAULT
@@ -84,6 +84,9 @@ class KbitConfig(QuantizationConfigMixin):
         fuse_projections: sibling projections that read the same input (q/k/v, gate/up) run as one GEMM launch
             where that is exact (``kbit.fuse_projections``); how the model runs, not how it is stored: not saved
             (a kbit folder loads fused; ``kbit.fuse_projections(model, enabled=False)`` turns it off).
+        fp_targets, block_tune_steps: the two refinements of ``method="gptq"`` (``kbit.quantize_model``'s: each
+            layer fitted to the unquantized model's outputs; each block's codebooks and block scales tuned for N
+            steps to the unquantized block's outputs); off by default. Saved in config.json, as ``method`` is.
 
     ``format_version`` is the version of the saved format; a folder from a newer kbit is refused with a message.
     """
@@ -91,7 +94,8 @@ class KbitConfig(QuantizationConfigMixin):
     def __init__(self, bits: int = 4, skip=None, min_features: int = 128, codebook=None,
                  format_version: int = folder.FORMAT_VERSION, quant_method: str = QUANT_METHOD,
                  kbit_version: Optional[str] = None, rotate: bool = False, method: str = "rtn", calibration=None,
-                 tune_steps: int = 0, fuse_projections: bool = FUSE_BY_DEFAULT):
+                 tune_steps: int = 0, fuse_projections: bool = FUSE_BY_DEFAULT, fp_targets: bool = False,
+                 block_tune_steps: int = 0):
         if quant_method != QUANT_METHOD:
             raise ValueError(f"KbitConfig is for quant_method={QUANT_METHOD!r}, got {quant_method!r}")
         format_version = check_int(format_version, "format_version", 1)
@@ -110,6 +114,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.rotate = rotate
         self.method = check_method(method)
         self.tune_steps = check_tune_steps(tune_steps)
+        self.fp_targets, self.block_tune_steps = check_gptq_refinements(self.method, fp_targets, block_tune_steps)
         if calibration is not None:
             check_calibration_used(calibration, self.method, self.bits, self.tune_steps)
             if not is_text(calibration):  # text is tokenized once the model (and its tokenizer) is there
@@ -246,7 +251,8 @@ class KbitHfQuantizer(HfQuantizer):
             quantize_model(model, config.bits, config.codebook_tensor(),
                            default_skip(model) if config.skip is None else config.skip, config.min_features,
                            method=config.method, calibration=config.calibration, rotate=config.rotate,
-                           tune_steps=config.tune_steps, fuse_projections=fuse)
+                           tune_steps=config.tune_steps, fuse_projections=fuse, fp_targets=config.fp_targets,
+                           block_tune_steps=config.block_tune_steps)
             return model
         incomplete = [f"{name}.{missing}" for name, (_, loaded) in self.experts_pending.items()
                       for missing in FUSED_PARAMETERS if missing not in loaded]
@@ -295,13 +301,17 @@ def checked_config(**settings) -> KbitConfig:
     return config
 
 
-def record_quantization(model, bits: int, skip, min_features: int, codebook=None, rotate: bool = False) -> None:
+def record_quantization(model, bits: int, skip, min_features: int, codebook=None, rotate: bool = False,
+                        method: str = "rtn", tune_steps: int = 0, fp_targets: bool = False,
+                        block_tune_steps: int = 0) -> None:
     """Mark a transformers model quantized by ``kbit.quantize_model`` as kbit-quantized, as ``from_pretrained``
-    would have: ``save_pretrained`` then writes ``quantization_config`` and the kbit weight names."""
+    would have: ``save_pretrained`` then writes ``quantization_config`` (how the weights were made included) and
+    the kbit weight names."""
     if isinstance(getattr(model, "hf_quantizer", None), KbitHfQuantizer):
         return  # loaded through kbit's quantizer: its config describes the model
     config = checked_config(bits=bits, skip=skip, min_features=min_features,
-                            codebook=None if codebook is None else codebook.tolist(), rotate=rotate)
+                            codebook=None if codebook is None else codebook.tolist(), rotate=rotate, method=method,
+                            tune_steps=tune_steps, fp_targets=fp_targets, block_tune_steps=block_tune_steps)
     model.config.quantization_config = config
     model.hf_quantizer = KbitHfQuantizer(config, pre_quantized=True)
     model.is_quantized = True
