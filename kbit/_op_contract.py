@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ._validate import GEMM_DTYPES, INPUT_DTYPES, _dtype_name, check_dtype
 from .formats import BLOCK_SIZE, SUPPORTED_BITS, block_count
-from .layout import gemm_shapes, row_blocks
+from .grouped import GATE_UP_GROUP
+from .layout import X_ALIGN, gemm_shapes, row_blocks
 
 
 def _bits(bits: int) -> None:
@@ -25,6 +26,11 @@ def _bits(bits: int) -> None:
 def _size(value: int, name: str, minimum: int) -> None:
     if value < minimum:
         raise ValueError(f"kbit: {name} must be >= {minimum}, got {value}")
+
+
+def _rank(t: Tensor, name: str, dims: int, what: str) -> None:
+    if t.dim() != dims:
+        raise ValueError(f"kbit: {name} must be {what}, got shape {tuple(t.shape)}")
 
 
 def _tensor(t: Tensor, name: str, dtype: torch.dtype, shape, device: torch.device) -> None:
@@ -92,8 +98,7 @@ def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.devi
                  bits: int, scale_rows: int = 0) -> None:
     """x [tokens, <= in_features_padded] of an ``allowed`` dtype on the weight's device; codebook and scale (per
     256 rows allowed with ``scale_rows``)."""
-    if x.dim() != 2:
-        raise ValueError(f"kbit: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
+    _rank(x, "x", 2, "2-D [tokens, in_features]")
     check_dtype(x.dtype, "kbit: x", allowed)
     if x.shape[1] > in_features_padded:
         raise ValueError(f"kbit: x has {x.shape[1]} columns, more than the weight's {in_features_padded}")
@@ -120,3 +125,67 @@ def matmul_stored(x: Tensor, packed: Tensor, absmax: Tensor, codebook: Tensor, s
         if tuple(bias.shape) != (out_features,) or bias.device != x.device:
             raise ValueError(f"kbit: bias must have shape ({out_features},) on {x.device}, got "
                              f"{tuple(bias.shape)} on {bias.device}")
+
+
+# ----------------------------------------------------------------------------- the MoE ops (kbit.grouped)
+def moe_route(expert_ids: Tensor, weights: Tensor, num_experts: int, rows_per_pass: int) -> None:
+    _rank(expert_ids, "expert_ids", 2, "2-D [tokens, top_k]")
+    if expert_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"kbit: expert_ids must be int64 or int32, got {_dtype_name(expert_ids.dtype)}")
+    _tensor(expert_ids, "expert_ids", expert_ids.dtype, None, expert_ids.device)
+    check_dtype(weights.dtype, "kbit: weights", INPUT_DTYPES)
+    _tensor(weights, "weights", weights.dtype, expert_ids.shape, expert_ids.device)
+    _size(expert_ids.shape[1], "top_k", 1)
+    _size(num_experts, "num_experts", 1)
+    _size(rows_per_pass, "rows_per_pass", 1)
+
+
+def moe_gemm(x: Tensor, b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, scale: Tensor, x_rows, row_weights,
+             passes: Tensor, num_passes: Tensor, bits: int, out_features: int, in_features_padded: int,
+             rows_per_pass: int, silu_gate: bool, grid_override: int) -> None:
+    """The experts' GEMM layouts stacked [E, ...]; x [rows, columns], a multiple of ``X_ALIGN`` columns, read in
+    place (the CUDA kernel reads 16-byte pieces of it); the routing tables as ``moe_route`` makes them."""
+    _layout_sizes(bits, out_features, in_features_padded)
+    _size(rows_per_pass, "rows_per_pass", 1)
+    _size(grid_override, "grid_override", 0)
+    _rank(x, "x", 2, "2-D [rows, in_features]")
+    check_dtype(x.dtype, "kbit: x", GEMM_DTYPES)
+    _tensor(x, "x", x.dtype, None, x.device)
+    if x.shape[1] % X_ALIGN or x.shape[1] > in_features_padded:
+        raise ValueError(f"kbit: x must have a multiple of {X_ALIGN} columns, at most in_features_padded = "
+                         f"{in_features_padded}, got {x.shape[1]}")
+    _rank(b_gemm, "b_gemm", 7, "the experts' GEMM layouts stacked [experts, ...]")
+    experts = b_gemm.shape[0]
+    _size(experts, "the number of experts", 1)
+    b_shape, a_shape = gemm_shapes(bits, out_features, in_features_padded)
+    _tensor(b_gemm, "b_gemm", torch.int32, (experts, *b_shape), x.device)
+    _tensor(absmax_gemm, "absmax_gemm", torch.uint8, (experts, *a_shape), x.device)
+    _tensor(codebook, "codebook", torch.float32, (2**bits,), x.device)
+    _tensor(scale, "scale", torch.float32, (experts,), x.device)
+    rows = x.shape[0]
+    if x_rows is not None:
+        _rank(x_rows, "x_rows", 1, "1-D")
+        _tensor(x_rows, "x_rows", torch.int32, None, x.device)
+        rows = x_rows.shape[0]
+        if rows and not x.shape[0]:
+            raise ValueError("kbit: x has no rows for x_rows to select")
+    if row_weights is not None:
+        if silu_gate:
+            raise ValueError("kbit: row_weights apply to the plain epilogue, not silu_gate")
+        _tensor(row_weights, "row_weights", torch.float32, (rows,), x.device)
+    if silu_gate and out_features % (2 * GATE_UP_GROUP):
+        raise ValueError(f"kbit: silu_gate needs out_features (gate and up rows) a multiple of {2 * GATE_UP_GROUP}, "
+                         f"got {out_features}")
+    _rank(passes, "passes", 2, "[max_passes, 4]")
+    _tensor(passes, "passes", torch.int32, (passes.shape[0], 4), x.device)
+    _tensor(num_passes, "num_passes", torch.int32, (1,), x.device)
+
+
+def moe_combine(y: Tensor, position: Tensor) -> None:
+    _rank(y, "y", 2, "2-D [rows, columns]")
+    check_dtype(y.dtype, "kbit: y", GEMM_DTYPES)
+    _tensor(y, "y", y.dtype, None, y.device)
+    if y.shape[1] % X_ALIGN:
+        raise ValueError(f"kbit: y must have a multiple of {X_ALIGN} columns, got {y.shape[1]}")
+    _rank(position, "position", 2, "[tokens, top_k]")
+    _tensor(position, "position", torch.int32, None, y.device)

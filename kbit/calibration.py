@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ._validate import check_int
-from .methods import check_method, quantize_tensor_checked, weight_for_fp_inputs
+from .methods import quantize_tensor_checked, weight_for_fp_inputs
 from .rotation import Rotation
 from .weight import QuantizedWeight
 
@@ -412,7 +412,6 @@ def quantize_layers(model: nn.Module, layers: list, k, method: str, codebook: Op
     inputs, masks, targets)`` (``kbit.finetune.tune_block`` with its steps) tunes their codebooks and block scales
     so that the block's outputs match the unquantized model's, before the next block is calibrated on them.
     """
-    method = check_method(method)
     if method == "rtn":
         raise ValueError("quantize_layers is for the methods other than 'rtn' (kbit.quantize_model does that one)")
     result = {}

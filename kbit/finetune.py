@@ -252,8 +252,8 @@ def tune_end_to_end(model: nn.Module, layers: list, batches: list, references: l
     """Tune the codebooks and block scales of ``layers`` (``model``'s ``KbitLinear`` layers, each once) for
     ``steps`` Adam steps (module docstring), in place; ``references``: ``reference_outputs`` of the unquantized
     model on ``batches``. Returns ``{"loss_before", "loss_after", "kept"}`` (mean loss over all batches; ``kept``:
-    whether the tuned values were kept, i.e. the loss went down)."""
-    steps = check_tune_steps(steps)
+    whether the tuned values were kept, i.e. the loss went down). ``steps``: checked by the caller
+    (``check_tune_steps``: ``quantize_model``)."""
     if not layers or not steps:
         return {"loss_before": math.nan, "loss_after": math.nan, "kept": False}
     tuned = {id(m): _TunedLinear(m) for m in layers}
@@ -285,9 +285,8 @@ def tune_block(block: nn.Module, weights: dict, inputs: list, masks: list, targe
     by ``rotation`` (or None) and, where ``transposed``, as the [in, out] transpose of the format's [out, in].
     ``inputs``: ``[(args, kwargs)]`` of the block; ``masks``: each batch's real tokens (or None); ``targets``: the
     outputs wanted, one per batch. Returns ``{name: tuned QuantizedWeight}``, or None where tuning did not lower
-    the mean loss over all batches.
+    the mean loss over all batches. ``steps``: checked by the caller (``quantize_model``'s ``block_tune_steps``).
     """
-    steps = check_tune_steps(steps)
     if not weights or not steps:
         return None
     tuned = {name: _TunedWeight(qw) for name, (qw, _, _) in weights.items()}

@@ -79,7 +79,7 @@ FUSED_PARAMETERS = tuple(f"{proj}_proj" for proj in PROJECTIONS)  # transformers
 WEIGHT_COUNTS = tuple(count_name(name) for name in FUSED_PARAMETERS)  # empty parameters counting them (kbit._counted)
 _FORMAT_SUFFIXES = ("packed", "absmax", "scale")
 STORAGE = tuple(f"{p}_{s}" for p in PROJECTIONS for s in _FORMAT_SUFFIXES) + ("codebook", "meta")  # the state dict
-# Experts per layer the routing kernel sorts in one CTA's shared memory (real models have up to 512).
+# Experts per layer the routing kernel sorts in one CTA's shared memory: moe.h's kMaxGroupedExperts (test_constants).
 MAX_GROUPED_EXPERTS = 1024
 REFERENCE_ROWS_PER_PASS = 32  # off CUDA (the reference operators, tracing tests): any rows per pass is exact
 

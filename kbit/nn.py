@@ -140,6 +140,16 @@ class KbitLinear(KbitModule, nn.Linear):
             check_rotation(torch.ones(in_features, dtype=torch.int8), rotation_block, in_features)
         self._build(in_features, out_features, bias, bits, dtype, device, cb, rotation_block)
 
+    @classmethod
+    def from_checked(cls, in_features: int, out_features: int, bias: bool, bits: int, dtype: torch.dtype, device=None,
+                     codebook: Optional[Tensor] = None, rotation_block: int = 0) -> "KbitLinear":
+        """The constructor without its checks, for arguments checked already (a checkpoint's checked ``meta``)."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        cb = create_normal_float_codebook(bits) if codebook is None else codebook
+        mod._build(in_features, out_features, bias, bits, dtype, device, cb, rotation_block)
+        return mod
+
     def _build(self, in_features: int, out_features: int, bias: bool, bits: int, dtype: torch.dtype, device,
                codebook: Tensor, rotation_block: int = 0) -> None:
         """The module's state: all-zero storage of a checked shape, bits, dtype, codebook and rotation block."""

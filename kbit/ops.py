@@ -331,6 +331,7 @@ def moe_route(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """A MoE layer's (token, choice) slots sorted by expert into token passes: (x_rows, row_weights, position,
     passes, num_passes), as ``kbit.grouped`` documents them."""
+    _op_contract.moe_route(expert_ids, weights, num_experts, rows_per_pass)
     return grouped.route_reference(expert_ids, weights, num_experts, rows_per_pass)
 
 
@@ -371,6 +372,8 @@ def moe_gemm(
     """Every token pass of a MoE layer against its expert's weight (the experts' GEMM layouts stacked), in one
     launch on CUDA: y[i] = x[x_rows[i]] @ W_hat[e].T * row_weights[i]; with ``silu_gate``, silu(gate) * up of
     interleaved gate/up rows (``kbit.grouped``). ``grid_override`` > 0 forces the CUDA grid (tests force split-K)."""
+    _op_contract.moe_gemm(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits,
+                          out_features, in_features_padded, rows_per_pass, silu_gate, grid_override)
     return grouped.moe_gemm_reference(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes,
                                       num_passes, bits, out_features, in_features_padded, silu_gate)
 
@@ -393,6 +396,7 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_
 @torch.library.custom_op("kbit::moe_combine", mutates_args=())
 def moe_combine(y: Tensor, position: Tensor) -> Tensor:
     """out[t] = sum_j y[position[t, j]] (fp32, j ascending, -1 skipped), in y's dtype."""
+    _op_contract.moe_combine(y, position)
     return grouped.combine_reference(y, position)
 
 

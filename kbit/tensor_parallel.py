@@ -281,8 +281,8 @@ def local_experts(experts: KbitExperts, state: dict, tp: RankGroup) -> "TensorPa
     tensor-parallel load reads them), and the replicated codebook and scales. The values are checked as on load."""
     E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
     lo, hi = _even_part(I, tp.rank, tp.world)
-    local = TensorParallelKbitExperts(E, H, hi - lo, bits=experts.bits, dtype=experts.weight_dtype, device="meta",
-                                      act_fn=experts.act_fn)
+    local = TensorParallelKbitExperts.from_checked(E, H, hi - lo, experts.bits, experts.weight_dtype, "meta",
+                                                   act_fn=experts.act_fn)
     state = dict(state, meta=local._meta_tensor(state["codebook"].device))
     local.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True)
     local.tp = tp
@@ -414,8 +414,8 @@ def _gathered_linear(layer: KbitLinear) -> KbitLinear:
 def _gathered_experts(experts: TensorParallelKbitExperts) -> KbitExperts:
     tp = experts.tp
     E, H, I_local = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
-    whole = KbitExperts(E, H, I_local * tp.world, bits=experts.bits, dtype=experts.weight_dtype, device="meta",
-                        act_fn=experts.act_fn)
+    whole = KbitExperts.from_checked(E, H, I_local * tp.world, experts.bits, experts.weight_dtype, "meta",
+                                     act_fn=experts.act_fn)
     gate_up, down = experts.projection("gate_up"), experts.projection("down")
     state = {"codebook": experts.codebook, "meta": whole._meta_tensor(experts.codebook.device),
              "gate_up_scale": gate_up.scale, "down_scale": down.scale}

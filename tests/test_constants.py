@@ -1,9 +1,10 @@
-"""The C++ side's format constants (the marked block of kbit/csrc/kbit.h) equal their Python owners'."""
+"""The C++ side's format constants (the marked block of kbit/csrc/kbit.h) and the grouped GEMM's expert limit
+(kbit/csrc/moe.h) equal their Python copies."""
 
 import re
 from pathlib import Path
 
-from kbit import formats, layout
+from kbit import formats, layout, moe
 
 KBIT_H = Path(__file__).resolve().parent.parent / "kbit" / "csrc" / "kbit.h"
 
@@ -39,3 +40,11 @@ def test_cpp_constants_equal_python():
 
 def test_supported_bits_are_a_range():  # C++ checks bits as kMinBits..kMaxBits
     assert formats.SUPPORTED_BITS == tuple(range(min(formats.SUPPORTED_BITS), max(formats.SUPPORTED_BITS) + 1))
+
+
+def test_grouped_expert_limit_equals_python():
+    """moe.h sizes the routing kernel's shared-memory arrays by kMaxGroupedExperts; kbit.moe sends layers with more
+    experts to the reference instead (``KbitExperts.grouped_supported``)."""
+    match = re.search(r"constexpr int kMaxGroupedExperts = (\d+);", KBIT_H.with_name("moe.h").read_text())
+    assert match, "moe.h lost 'constexpr int kMaxGroupedExperts = N;'"
+    assert int(match.group(1)) == moe.MAX_GROUPED_EXPERTS

@@ -1,4 +1,5 @@
-"""Tables in the docs that are derived from code are generated, and stay equal to their generator's output."""
+"""Tables in the docs that are derived from code are generated, and stay equal to their generator's output, or
+checked against the code."""
 
 from __future__ import annotations
 
@@ -30,6 +31,44 @@ def test_design_configuration_table_is_generated_from_the_pinned_report():
     assert _generated_block(ROOT / "docs" / "DESIGN.md", "scripts/gemm_config_table.py") == module.table(rows), (
         "docs/DESIGN.md's configuration table differs from tests/gemm_configs.json: "
         "run python scripts/gemm_config_table.py and paste its output")
+
+
+def _design_table(header: str) -> list:
+    """The rows of docs/DESIGN.md's table whose header line starts with ``header``, as lists of cells."""
+    lines = (ROOT / "docs" / "DESIGN.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            return rows
+        rows.append([cell.strip() for cell in line.replace("\\|", "").strip("|").split("|")])
+    return rows
+
+
+def _shape(text: str, sizes: dict) -> tuple:
+    """A shape as DESIGN.md writes it ("[nb·k]", "[N_pad/256, KG, 16, 2, 8, 8]", "[]") at ``sizes``."""
+    inner = text.strip("[]").replace("·", "*").replace("^", "**")
+    return tuple(int(eval(part, {}, dict(sizes))) for part in inner.split(",")) if inner else ()
+
+
+def test_design_storage_and_layout_tables_are_the_code_s():
+    """The dtypes and shapes DESIGN.md gives the storage format (formats.storage_spec) and the GEMM layout
+    (layout.gemm_shapes), at a shape that pads both dimensions."""
+    import torch
+
+    from kbit import formats, layout
+
+    bits, N, K = 3, 300, 200
+    K_pad = formats.padded_in_features(K)
+    sizes = dict(k=bits, nb=N * K_pad // 32, N_pad=-(-N // 256) * 256, KG=-(-K_pad // 256))
+    dtypes = {"int32": torch.int32, "uint8": torch.uint8, "float32": torch.float32, "int64": torch.int64}
+    storage = _design_table("| key | dtype | shape |")
+    assert [row[0] for row in storage] == [f"`{key}`" for key in formats.STATE_KEYS]
+    for key, dtype, shape, _ in storage:
+        assert (dtypes[dtype], _shape(shape, sizes)) == formats.storage_spec(key.strip("`"), bits, (N, K)), key
+    (b_row, a_row), (b_shape, a_shape) = _design_table("| tensor | dtype | shape |"), layout.gemm_shapes(bits, N, K_pad)
+    assert (b_row[0], dtypes[b_row[1]], _shape(b_row[2], sizes)) == ("`B_gemm`", torch.int32, b_shape)
+    assert (a_row[0], dtypes[a_row[1]], _shape(a_row[2], sizes)) == ("`absmax_gemm`", torch.uint8, a_shape)
 
 
 def test_readme_file_list_names_every_module_and_only_existing_ones():

@@ -2,6 +2,7 @@
 block scales tuned to the unquantized model's outputs, the result in the same storage format."""
 
 import copy
+import sys
 from functools import partial
 
 import pytest
@@ -263,6 +264,25 @@ def test_quantize_model_takes_the_gptq_refinements():
     a, b = _kbit_layers(plain), _kbit_layers(refined)
     assert a.keys() == b.keys() and any(not torch.equal(a[n].absmax, b[n].absmax) for n in a)
     assert all(a[n].packed.shape == b[n].packed.shape and a[n].bits == b[n].bits for n in a)
+
+
+def test_quantize_model_checks_method_and_steps_once(monkeypatch):
+    """method, tune_steps and block_tune_steps are checked at quantize_model's boundary; quantize_layers,
+    tune_block and tune_end_to_end take them checked."""
+    from kbit import methods
+
+    calls = []
+    for name, original in (("check_method", methods.check_method), ("check_tune_steps", finetune.check_tune_steps)):
+        def counting(*args, _name=name, _original=original):
+            calls.append(_name)
+            return _original(*args)
+
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("kbit") and getattr(module, name, None) is original:
+                monkeypatch.setattr(module, name, counting)
+    kbit.quantize_model(_tiny_llama(), bits=2, method="gptq", calibration=_ids(2, 16), progress=False,
+                        block_tune_steps=1, tune_steps=1)
+    assert sorted(calls) == ["check_method", "check_tune_steps"]
 
 
 @pytest.mark.cuda

@@ -1,14 +1,15 @@
 """kbit's import graph, built from the source: no cycle, and no module imports one in a higher layer than its own
 (the layers: docs/DESIGN.md, "Import layers").
 
-Every import statement counts, at module level or inside a function: a deferred import hides a cycle from Python's
-import machinery, not from the design. Not counted: the package ``__init__`` that Python runs before any of its
-modules, which is no import statement.
+Every import statement counts, at module level or inside a function, and so does ``importlib.import_module`` of a
+literal name: a deferred import hides a cycle from Python's import machinery, not from the design. Not counted: the
+package ``__init__`` that Python runs before any of its modules, which is no import statement.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -39,6 +40,9 @@ def import_graph() -> dict:
                 # `from package import module` imports the module; `from module import name`, the module
                 targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
                                for alias in node.names)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+                  and isinstance(node.args[0], ast.Constant)):  # importlib.import_module("name" or ".name", package)
+                targets.add(importlib.util.resolve_name(node.args[0].value, package))
         graph[module] = {t for t in targets if t in files and t != module}
     return graph
 
@@ -99,6 +103,7 @@ def test_graph_sees_deferred_and_relative_imports():
     assert "kbit.hf.quantizer" in graph["kbit.hf.hook"]  # inside a function, `from . import quantizer`
     assert "kbit.nn" in graph["kbit.hf.folder"]  # `from ..nn import KbitLinear`
     assert "kbit.tensor_parallel" in graph["kbit.hf.tensor_parallel"]  # `from .. import tensor_parallel as tp`
+    assert "kbit.lora" in graph["kbit"]  # importlib.import_module(".lora", __name__), on first use of kbit.lora
 
 
 def test_import_graph_has_no_cycle():

@@ -499,6 +499,23 @@ def test_quantize_model_checks_bits_once(monkeypatch, method, codebook):
     assert isinstance(model[0], kbit.KbitLinear) and calls == [3]
 
 
+def test_from_checked_builds_what_the_constructor_builds():
+    """The constructors without their checks (for settings checked already: a checkpoint's meta) build the same
+    layers."""
+    cb = kbit.functional.create_normal_float_codebook(3) * 0.5
+    cb[-1] = 1.0
+    for extra in ({}, {"rotation_block": 32}, {"codebook": cb}):
+        built = kbit.KbitLinear(64, 16, bias=True, bits=3, dtype=torch.bfloat16, **extra)
+        trusted = kbit.KbitLinear.from_checked(64, 16, True, 3, torch.bfloat16, None, **extra)
+        assert repr(trusted) == repr(built)
+        a, b = built.state_dict(), trusted.state_dict()
+        assert list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    built = kbit.KbitExperts(3, 32, 16, bits=2, dtype=torch.float16, codebook=torch.tensor([-1, -0.3, 0.2, 1.0]))
+    trusted = kbit.KbitExperts.from_checked(3, 32, 16, 2, torch.float16, None, torch.tensor([-1, -0.3, 0.2, 1.0]))
+    a, b = built.state_dict(), trusted.state_dict()
+    assert list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
 def test_kbit_layers_share_their_module_plumbing():
     """Moving, saving, loading and the passage between the storage format and the GEMM layout are one implementation
     for KbitLinear and KbitExperts (kbit._kbit_module), each layer supplying only its buffers' names and the steps

@@ -26,12 +26,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = ((2, (1, 33)), (3, (17, 100)), (4, (300, 64)), (5, (40, 257)))
 
 
-def _gemm_layout_bytes(bits: int, out_features: int, in_features: int) -> int:
+def gemm_layout_bytes(bits: int, out_features: int, in_features: int) -> int:
     """Bytes of the GEMM layout (docs/DESIGN.md#one-resident-copy): codes and block scales of the weight padded to
     256 rows and 256 columns."""
     n_pad = -(-out_features // 256) * 256
-    k_pad = -(-padded_in_features(in_features) // 256) * 256
-    return n_pad * k_pad * bits // 8 + n_pad * k_pad // 32
+    k_256 = -(-padded_in_features(in_features) // 256) * 256
+    return n_pad * k_256 * bits // 8 + n_pad * k_256 // 32
 
 
 def _assert_same_state(got: dict, want: dict) -> None:
@@ -55,8 +55,8 @@ def test_gemm_resident_weight_gives_back_its_storage_bit_for_bit(k, shape):
     assert torch.equal(g.dequantize(), qw.dequantize())
     assert g.nbytes == qw.nbytes
     codebook_and_scale = 4 * 2**k + 4
-    assert g.resident_bytes == _gemm_layout_bytes(k, *shape) + codebook_and_scale
-    assert qw.resident_bytes == qw.nbytes + _gemm_layout_bytes(k, *shape)  # storage plus the cached layout
+    assert g.resident_bytes == gemm_layout_bytes(k, *shape) + codebook_and_scale
+    assert qw.resident_bytes == qw.nbytes + gemm_layout_bytes(k, *shape)  # storage plus the cached layout
     x = torch.randn(3, shape[1])
     assert torch.equal(kbit.matmul(x, g), kbit.matmul(x, qw))
 

@@ -15,6 +15,8 @@ import kbit
 from kbit import layout, ops
 from kbit.moe import GEMM_LAYOUTS, KbitExperts
 
+from test_resident import gemm_layout_bytes
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a CUDA device"),
@@ -32,13 +34,6 @@ def _assert_same_state(got: dict, want: dict) -> None:
     assert list(got) == list(want)
     for key in want:
         assert got[key].dtype == want[key].dtype and torch.equal(got[key].cpu(), want[key]), key
-
-
-def _layout_bytes(bits: int, out_features: int, in_features: int) -> int:
-    """docs/DESIGN.md#one-resident-copy: the weight padded to 256 rows and 256 columns, bits/8 + 1/32 bytes each."""
-    n_pad = -(-out_features // 256) * 256
-    k_pad = -(-in_features // 256) * 256
-    return n_pad * k_pad * bits // 8 + n_pad * k_pad // 32
 
 
 @pytest.mark.parametrize("k", KS)
@@ -149,7 +144,7 @@ def test_resident_bytes_of_a_small_model_equal_the_formula():
     rest += _nbytes(b for n, b in model.named_buffers() if not isinstance(model.get_submodule(n.rpartition(".")[0]),
                                                                           kbit.KbitLinear))
     per_layer = 4 * 16 + 4 + 8 * 4  # codebook, scale, meta (no bias, no rotation in Llama)
-    formula = rest + sum(_layout_bytes(4, m.out_features, m.in_features) + per_layer for m in layers)
+    formula = rest + sum(gemm_layout_bytes(4, m.out_features, m.in_features) + per_layer for m in layers)
     assert _resident(model) == formula
     assert all(m.is_gemm_resident for m in layers)
     print(f"resident {_resident(model)} B; storage format would add "

@@ -460,6 +460,28 @@ def test_quantize_model_checks_bits_once_on_a_transformers_moe_model(monkeypatch
     assert isinstance(model.config.quantization_config, kbit.KbitConfig) and calls == [4]
 
 
+def test_loading_builds_kbit_layers_from_checked_settings(moe_loaded, tmp_path, monkeypatch):
+    """Quantizing while loading checks bits in KbitConfig alone; loading a kbit folder builds its empty layers from
+    each layer's checked meta without checking it again (the checks of the untrusted tensors then run on load)."""
+    from test_nn import count_bits_checks
+
+    from kbit.hf import folder
+
+    family, model, src, q, _ = moe_loaded
+    config = kbit.KbitConfig(bits=4)
+    calls = count_bits_checks(monkeypatch)
+    transformers.AutoModelForCausalLM.from_pretrained(str(src), quantization_config=config)
+    assert calls == []
+    q.save_pretrained(str(tmp_path))
+    layers, experts = folder.checkpoint_modules(sorted(tmp_path.glob("*.safetensors")), folder.model_renamings(model))
+    assert layers and experts
+    skeleton = copy.deepcopy(model)
+    folder.swap_in_kbit_layers(skeleton, layers)
+    folder.swap_in_kbit_experts(skeleton, experts)
+    assert len(calls) == len(layers) + len(experts)  # each checkpoint meta, once
+    assert kbit_names(skeleton) == kbit_names(q) and experts_names(skeleton) == experts_names(q)
+
+
 def test_recorded_config_equals_the_checked_constructor_s():
     """quantize_model records its settings without checking them again (checked_config): the same config as
     KbitConfig builds from them."""

@@ -7,6 +7,7 @@ checks under compute-sanitizer) is in tests/test_cuda_sanitize.py (``test_saniti
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -465,6 +466,64 @@ def test_raw_layout_quantize_and_gemm_ops_refuse_bad_arguments():
     with pytest.raises(CLEAR, match="x must have dtype in"):
         torch.ops.kbit.gemm(x.int(), b, a, cb, scale, None, 4, N, K, 0)
     assert torch.ops.kbit.gemm(x, b, a, cb, scale, None, 4, N, K, 0).shape == (3, N)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_op_args() -> dict:
+    """Valid arguments of each MoE op: 3 experts' [32, 64] weights at k = 4 (GEMM layouts stacked), 5 tokens routed
+    to 2 of them."""
+    weights = [kbit.quantize(torch.randn(32, 64), bits=4) for _ in range(3)]
+    layouts = [torch.ops.kbit.repack(w.packed, w.absmax, 4, 32, 64) for w in weights]
+    ids, routing_weights = torch.randint(0, 3, (5, 2)), torch.rand(5, 2)
+    x_rows, row_weights, position, passes, num_passes = torch.ops.kbit.moe_route(ids, routing_weights, 3, 8)
+    return {
+        "moe_route": dict(expert_ids=ids, weights=routing_weights, num_experts=3, rows_per_pass=8),
+        "moe_gemm": dict(x=torch.randn(5, 64, dtype=torch.float16), b_gemm=torch.stack([b for b, _ in layouts]),
+                         absmax_gemm=torch.stack([a for _, a in layouts]), codebook=weights[0].codebook,
+                         scale=torch.stack([w.scale for w in weights]), x_rows=x_rows, row_weights=row_weights,
+                         passes=passes, num_passes=num_passes, bits=4, out_features=32, in_features_padded=64,
+                         rows_per_pass=8, silu_gate=False, grid_override=0),
+        "moe_combine": dict(y=torch.randn(10, 32, dtype=torch.float16), position=position),
+    }
+
+
+@pytest.mark.parametrize("op, change, match", [
+    ("moe_route", dict(expert_ids=torch.zeros(5, 2)), "expert_ids must be int64 or int32, got float32"),
+    ("moe_route", dict(expert_ids=torch.zeros(10, dtype=torch.int64)), "expert_ids must be 2-D"),
+    ("moe_route", dict(weights=torch.rand(5, 1)), r"weights must have shape \(5, 2\)"),
+    ("moe_route", dict(weights=torch.ones(5, 2, dtype=torch.int32)), "weights must have dtype in"),
+    ("moe_route", dict(num_experts=0), "num_experts must be >= 1"),
+    ("moe_route", dict(rows_per_pass=0), "rows_per_pass must be >= 1"),
+    ("moe_gemm", dict(bits=6), "bits must be one of"),
+    ("moe_gemm", dict(x=torch.randn(5, 64)), "x must have dtype in"),
+    ("moe_gemm", dict(x=torch.randn(5, 60, dtype=torch.float16)), "x must have a multiple of 8 columns"),
+    ("moe_gemm", dict(x=torch.randn(5, 96, dtype=torch.float16)), "at most in_features_padded = 64"),
+    ("moe_gemm", dict(x=torch.randn(64, 5, dtype=torch.float16).T), "x must be contiguous"),
+    ("moe_gemm", dict(in_features_padded=48), "in_features_padded must be a multiple of 32"),
+    ("moe_gemm", dict(out_features=300), "b_gemm must have shape"),
+    ("moe_gemm", dict(codebook=torch.linspace(-1, 1, 8)), r"codebook must have shape \(16,\)"),
+    ("moe_gemm", dict(scale=torch.ones(())), r"scale must have shape \(3,\)"),
+    ("moe_gemm", dict(x_rows=torch.zeros(10, dtype=torch.int64)), "x_rows must be int32"),
+    ("moe_gemm", dict(row_weights=torch.ones(9)), r"row_weights must have shape \(10,\)"),
+    ("moe_gemm", dict(silu_gate=True), "row_weights apply to the plain epilogue, not silu_gate"),
+    ("moe_gemm", dict(passes=torch.zeros(8, 3, dtype=torch.int32)), r"passes must have shape \(8, 4\)"),
+    ("moe_gemm", dict(num_passes=torch.zeros(2, dtype=torch.int32)), r"num_passes must have shape \(1,\)"),
+    ("moe_gemm", dict(grid_override=-1), "grid_override must be >= 0"),
+    ("moe_combine", dict(y=torch.randn(10, 32)), "y must have dtype in"),
+    ("moe_combine", dict(y=torch.randn(10, 20, dtype=torch.float16)), "y must have a multiple of 8 columns"),
+    ("moe_combine", dict(position=torch.zeros(5, 2, dtype=torch.int64)), "position must be int32"),
+    ("moe_combine", dict(position=torch.zeros(10, dtype=torch.int32)), r"position must be \[tokens, top_k\]"),
+])
+def test_raw_moe_ops_refuse_what_the_cuda_binding_refuses(op, change, match):
+    args = dict(_moe_op_args()[op], **change)
+    with pytest.raises(CLEAR, match=match):
+        getattr(torch.ops.kbit, op)(*args.values())
+
+
+def test_raw_moe_ops_take_what_the_cuda_binding_takes():
+    """The arguments the refusals above change one at a time are valid."""
+    for op, args in _moe_op_args().items():
+        getattr(torch.ops.kbit, op)(*args.values())
 
 
 # ----------------------------------------------------------------------------- messages that say what is wrong

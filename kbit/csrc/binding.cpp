@@ -345,10 +345,13 @@ int64_t shared_memory_per_block_optin(int64_t device) {
 }
 
 // ---------------------------------------------------------------------------- mixture of experts (moe.h)
-// The token rows per pass the grouped GEMM has configurations for (kbit/moe.py rows_per_pass).
 void check_rows_per_pass(int64_t rows) {
-  TORCH_CHECK(rows == 8 || rows == 16 || rows == 32 || rows == 128, "kbit: rows_per_pass must be 8, 16, 32 or 128, got ",
-              num(rows));
+  std::string built;
+  for (const int r : kbit::kGroupedRowsPerPass) {
+    if (rows == r) return;
+    built += (built.empty() ? "" : ", ") + num(r);
+  }
+  TORCH_CHECK(false, "kbit: rows_per_pass must be one of ", built, ", got ", num(rows));
 }
 
 void check_num_experts(int64_t E) {
@@ -364,7 +367,7 @@ std::vector<int64_t> moe_rows_per_pass_supported(int64_t k) {
   check_launch(cudaGetDevice(&device), "device query");
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device query");
   std::vector<int64_t> rows;
-  for (const int r : {8, 16, 32, 128}) {
+  for (const int r : kbit::kGroupedRowsPerPass) {
     const kbit::GemmPlan plan = kbit::grouped_gemm_plan(r, static_cast<int>(k), sms, 0);
     if (plan.built && (plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit)) rows.push_back(r);
   }

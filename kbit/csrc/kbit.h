@@ -150,8 +150,8 @@ struct GemmParams {
                             // gemm.cuh's kernels), or the CTAs sharing one tile (its parts: the planner's tile_parts)
   uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
 };
-// 128 bytes: at 136, ptxas compiled every GEMM configuration differently (the mb = 4 kernel 240 -> 212 registers,
-// 40% fewer instructions), and small shapes ran 3-8% slower (H200, same call).
+// 128 bytes: a larger struct made ptxas compile every GEMM configuration differently, and small shapes ran slower
+// (docs/PERFORMANCE.md, "Instructive failures").
 static_assert(sizeof(GemmParams) == 128, "GemmParams grew: measure the GEMM before changing this");
 
 // A split-K partial not yet written: a NaN whose payload no arithmetic produces (the GPU's arithmetic NaN is

@@ -42,8 +42,12 @@ struct GroupedGemmParams : GemmParams {
   GroupedEpilogue epilogue;   // Store: y[M, N]; SiluGate: rows interleaved by 8 (gate, up), y[M, N / 2] = silu(gate) * up
 };
 
-// rows_per_pass: 8, 16 or 32 (mma.sync) or 128 (wgmma, compute capability 9.x). grid_override > 0: that many CTAs,
-// at most one per SM (tests force split-K with it); else one per SM.
+// The token rows per pass the grouped GEMM has configurations for: 8, 16 or 32 (mma.sync) or 128 (wgmma, compute
+// capability 9.x); which of them a device runs at k bits, the binding reports (moe_rows_per_pass_supported).
+inline constexpr int kGroupedRowsPerPass[] = {8, 16, 32, 128};
+
+// rows_per_pass: one of kGroupedRowsPerPass. grid_override > 0: that many CTAs, at most one per SM (tests force
+// split-K with it); else one per SM.
 GemmPlan grouped_gemm_plan(int rows_per_pass, int k, int num_sms, int grid_override);
 // Fills the plan-derived fields of p (p.k set); p.M is the rows of y.
 void grouped_gemm_fill_params(GroupedGemmParams& p, const GemmPlan& plan, int N, int K_w);

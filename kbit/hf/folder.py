@@ -163,8 +163,7 @@ def swap_in_kbit_layers(model: nn.Module, layers: dict) -> None:
         if block == 1:
             raise ValueError(f"the checkpoint holds {name} rotated, but its in_features={in_features} admits no "
                              "rotation")
-        new = KbitLinear(in_features, out_features, bias=False, bits=bits, dtype=dtype, device="meta",
-                         rotation_block=block)
+        new = KbitLinear.from_checked(in_features, out_features, False, bits, dtype, "meta", rotation_block=block)
         if has_bias:
             new.bias = old.bias  # the model's (meta) bias, in the dtype from_pretrained was asked for
         model.set_submodule(name, new)
@@ -181,7 +180,7 @@ def swap_in_kbit_experts(model: nn.Module, experts: dict) -> None:
         if why or experts_shape(old) != (E, H, I):
             raise ValueError(f"the checkpoint holds {name} as kbit experts E={E}, H={H}, I={I}, but this model's "
                              f"{name} is {why or f'E, H, I = {experts_shape(old)}'}")
-        model.set_submodule(name, KbitExperts.like(old, bits=bits, dtype=dtype, device="meta"))
+        model.set_submodule(name, KbitExperts.from_checked(E, H, I, bits, dtype, "meta", act_fn=old.act_fn))
 
 
 def packed_renaming(saved_names):

@@ -17,8 +17,8 @@ import torch
 from transformers.core_model_loading import ConversionOps
 
 from .._layers import is_conv1d
-from .._validate import check_weight
-from ..moe import FUSED_PARAMETERS, KbitExperts, canonical_weight
+from .._validate import check_dtype, check_weight
+from ..moe import FUSED_PARAMETERS, KbitExperts, canonical_weight, experts_shape
 from ..nn import KbitLinear
 from ..rotation import Rotation
 from ..weight import quantize_checked, warn_precision
@@ -55,7 +55,7 @@ class QuantizeWhileLoading(ConversionOps):
         # KbitConfig checked bits and codebook; the checkpoint's weight is checked above
         qw, loss = quantize_checked(weight, config.bits, config.codebook_tensor())
         warn_precision(loss, key, stacklevel=3)
-        new = KbitLinear.from_quantized(qw, rotation=rotation)
+        new = KbitLinear._wrap(qw, None, rotation)  # kbit made both
         if layer.bias is not None:
             new.bias = layer.bias  # the same parameter, whether transformers has loaded it yet or not
         model.set_submodule(name, new)
@@ -63,9 +63,12 @@ class QuantizeWhileLoading(ConversionOps):
     def _quantize_experts(self, model, name: str, tensor_name: str, value: torch.Tensor) -> None:
         config = self.hf_quantizer.quantization_config
         original = self.hf_quantizer.experts[name]
-        experts, loaded = self.hf_quantizer.experts_pending.setdefault(name, (
-            KbitExperts.like(original, bits=config.bits, dtype=value.dtype, device=value.device,
-                             codebook=config.codebook_tensor()), set()))
+        if name not in self.hf_quantizer.experts_pending:  # bits and codebook: KbitConfig checked them
+            dtype = check_dtype(value.dtype, f"{name}.{tensor_name}")
+            self.hf_quantizer.experts_pending[name] = (
+                KbitExperts.from_checked(*experts_shape(original), config.bits, dtype, value.device,
+                                         config.codebook_tensor(), original.act_fn), set())
+        experts, loaded = self.hf_quantizer.experts_pending[name]
         losses = experts.quantize_projection(tensor_name.removesuffix("_proj"), canonical_weight(original, value), name)
         for label, loss in losses:
             warn_precision(loss, label, stacklevel=3)
