@@ -10,9 +10,10 @@ exceeding twice the L2 cache; after 30 ms of untimed replays the graph is replay
 median replay time / R is the per-call time. Reported per (shape, M, K): µs, % of the roofline (floor = (k-bit
 weight bytes + x bytes + y bytes) / copy bandwidth; 100% = at the floor), the time of a device-to-device copy
 moving the same bytes (half read, half written; timed the same way: what a memory-only kernel of that size
-reaches in this harness, launch and tail included), and speedup over cuBLAS ``F.linear`` in the same dtype
-(fp16 by default) timed the same way. Peers, when available: dequantize + cuBLAS (``kbit.dequantize`` then
-``F.linear``), torch int4 (``aten._weight_int4pack_mm``, group size 128; it may only accept bf16 activations),
+reaches in this harness, launch and tail included), speedup over cuBLAS ``F.linear`` in the same dtype (fp16 by
+default) timed the same way, and the share of the call's limit (``add_limits``: the floor, or the FLOPs at cuBLAS's
+own rate on the shape at 4096 tokens where that is longer). Peers, when available: dequantize + cuBLAS
+(``kbit.dequantize`` then ``F.linear``), torch int4 (``aten._weight_int4pack_mm``, group size 128; it may only accept bf16 activations),
 bitsandbytes NF4 and gemlite int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and
 ``gemm_<device>_summary.txt`` under ``--out`` (default benchmarks/results).
 
@@ -22,6 +23,7 @@ Shapes are written K_in->N_out (nn.Linear(in_features=K_in, out_features=N_out))
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import traceback
@@ -45,6 +47,8 @@ DEFAULT_K = [2, 3, 4, 5]
 PEERS = ("dequant", "int4", "bnb", "gemlite")
 INT4_GROUP = 128
 SUMMARY_M = (1, 16, 64, 256)
+# The token count at which cuBLAS's rate on a shape stands for the best dense rate the GPU reaches on it.
+LIMIT_M = 4096
 
 
 def parse_args(argv=None):
@@ -66,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"peers besides cuBLAS to time, comma-separated from {','.join(PEERS)} (or 'none')")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    p.add_argument("--render", metavar="JSON", default=None,
+                   help="no timing: write the markdown of a results JSON of this script again beside it, with the "
+                        "derived columns of this version (the limit's share); prints its summary")
     p.add_argument("--no-check", action="store_true", help="skip the per-(shape, K) accuracy spot check")
     p.add_argument("--mem-fraction", type=float, default=0.5,
                    help="cap on the free GPU memory one rotation set may use (default 0.5)")
@@ -457,18 +464,43 @@ def bench_shape(runner: Runner, k_in: int, n_out: int, dtype, log) -> tuple[list
 
 
 # ----------------------------------------------------------------------------- reporting
-def summary_rows(rows: list, ms=SUMMARY_M) -> tuple[list, list]:
-    """Pivot: one row per (dtype, shape, M), columns 'K=k: speedup (roofline %)', plus torch int4."""
-    ks = sorted({r["K"] for r in rows})
-    headers = ["shape", "dtype", "M", "cuBLAS us"] + [f"K={k}" for k in ks] + ["torch int4"]
-    out = []
+def add_limits(rows: list) -> None:
+    """Sets each row's ``limit_us``, the time no kernel that reads the call's bytes and does its FLOPs at the best
+    dense rate seen on the shape can beat: max(floor, FLOPs at cuBLAS's own rate on that shape and dtype at
+    ``LIMIT_M`` tokens), and ``limit_pct`` = limit / kbit's time. Where the run has no cuBLAS time at ``LIMIT_M``
+    for the shape (a decode sweep), the floor alone, which bounds those token counts anyway."""
+    def flops(r):
+        return 2 * r["M"] * r["k_in"] * r["n_out"]
+
+    rate = {(r["shape"], r["dtype"]): flops(r) / r["cublas_us"] for r in rows if r["M"] == LIMIT_M and r["cublas_us"]}
+    for r in rows:
+        dense = rate.get((r["shape"], r["dtype"]))
+        r["limit_us"] = max(r["floor_us"], flops(r) / dense if dense else 0.0)
+        r["limit_pct"] = 100 * r["limit_us"] / r["kbit_us"] if r["kbit_us"] else None
+
+
+def _has_dense_rates(rows: list) -> bool:
+    """Whether the run timed cuBLAS at ``LIMIT_M`` tokens: otherwise the limit is the floor, tabled already."""
+    return any(r["M"] == LIMIT_M and r["cublas_us"] for r in rows)
+
+
+def _pivot(rows: list, ms) -> list:
+    """(dtype, shape, M, {K: row}) in the rows' order, for the token counts ``ms`` (None: all)."""
     keys = []
     for r in rows:
         key = (r["dtype"], r["shape"], r["M"])
         if key not in keys and (ms is None or r["M"] in ms):
             keys.append(key)
-    for dt, shape, m in keys:
-        sel = {r["K"]: r for r in rows if (r["dtype"], r["shape"], r["M"]) == (dt, shape, m)}
+    return [(dt, shape, m, {r["K"]: r for r in rows if (r["dtype"], r["shape"], r["M"]) == (dt, shape, m)})
+            for dt, shape, m in keys]
+
+
+def summary_rows(rows: list, ms=SUMMARY_M) -> tuple[list, list]:
+    """Pivot: one row per (dtype, shape, M), columns 'K=k: speedup (roofline %)', plus torch int4."""
+    ks = sorted({r["K"] for r in rows})
+    headers = ["shape", "dtype", "M", "cuBLAS us"] + [f"K={k}" for k in ks] + ["torch int4"]
+    out = []
+    for dt, shape, m, sel in _pivot(rows, ms):
         any_r = next(iter(sel.values()))
         cells = [shape, dt, m, fmt_us(any_r["cublas_us"])]
         for k in ks:
@@ -477,6 +509,18 @@ def summary_rows(rows: list, ms=SUMMARY_M) -> tuple[list, list]:
         i4 = any_r.get("int4_us")
         cells.append(fmt_ratio(any_r["cublas_us"] / i4) if i4 and any_r["cublas_us"] else "n/a")
         out.append(cells)
+    return headers, out
+
+
+def limit_rows(rows: list, ms=SUMMARY_M) -> tuple[list, list]:
+    """Pivot: one row per (dtype, shape, M), columns 'K=k: % of the limit' (``add_limits``)."""
+    ks = sorted({r["K"] for r in rows})
+    headers = ["shape", "dtype", "M", "limit us (K=4)"] + [f"K={k}" for k in ks]
+    out = []
+    for dt, shape, m, sel in _pivot(rows, ms):
+        four = sel.get(4)
+        out.append([shape, dt, m, fmt_us(four["limit_us"]) if four else "-"] +
+                   [fmt_pct(sel[k]["limit_pct"]) if k in sel else "-" for k in ks])
     return headers, out
 
 
@@ -532,6 +576,14 @@ def render_markdown(data: dict) -> str:
     h, b = summary_rows(rows, ms=None)
     lines += [markdown_table(h, b), ""]
     lines += [f"- {s}" for s in geomean_lines(rows)] + [""]
+    if _has_dense_rates(rows):
+        lines += ["## Share of the limit", "",
+                  f"Limit of a call = max(floor, its FLOPs at cuBLAS's own rate on that shape and dtype at {LIMIT_M} "
+                  "tokens), the time no kernel reading these bytes and doing these FLOPs at the best dense rate seen "
+                  f"on the shape can beat (the floor alone where the run has no {LIMIT_M}-token cuBLAS time); "
+                  "share = limit / kbit's time.", ""]
+        h, b = limit_rows(rows, ms=None)
+        lines += [markdown_table(h, b), ""]
     if data.get("peer_notes"):
         lines += ["## Peers", ""]
         lines += [f"- {m['shape']} {m['dtype']} {m['peer']}: {m['note']}" for m in data["peer_notes"]]
@@ -548,6 +600,9 @@ def render_summary(data: dict) -> str:
     lines = [f"kbit GEMM on {data['env'].get('device', '?')} (copy {data['copy_bandwidth'] / 1e12:.2f} TB/s): "
              "speedup over cuBLAS (% of roofline)", text_table(h, b)]
     lines += geomean_lines(rows)
+    if _has_dense_rates(rows):
+        h, b = limit_rows(rows)
+        lines += [f"% of the limit (max(floor, FLOPs at cuBLAS's rate at {LIMIT_M} tokens))", text_table(h, b)]
     bad = [r for r in rows if r["err_ratio"] is not None and (r["err_ratio"] > 2 or not r["finite"])]
     if bad:
         lines.append("ACCURACY WARNING: err ratio > 2 or non-finite output for " + ", ".join(
@@ -557,8 +612,19 @@ def render_summary(data: dict) -> str:
     return "\n".join(lines)
 
 
+def render_saved(path: Path) -> int:
+    """``--render``: the markdown (and the JSON, with the derived fields) of saved results, written again."""
+    data = json.loads(path.read_text())
+    add_limits(data["rows"])
+    write_outputs(path.parent, path.stem, render_markdown(data), data)
+    print(render_summary(data))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        return render_saved(Path(args.render))
     common.require_cuda("bench_gemm.py")
     torch = common.torch
     import kbit  # noqa: F401
@@ -591,6 +657,7 @@ def main(argv=None) -> int:
             notes += n
             for msg in e:
                 log(f"  error: {msg}")
+    add_limits(rows)
     data = {
         "env": env, "copy_bandwidth": bw, "l2_bytes": l2,
         "args": {"shapes": [shape_name(*s) for s in args.shape_list], "m": args.m_list, "k": args.k_list,
