@@ -144,10 +144,13 @@ class KbitModule(nn.Module):
         # A checkpoint is untrusted: check what it holds for this module before any of it is assigned. It holds the
         # storage format: load into that (the current one derived, so that a partial or failed load keeps the
         # weights), then derive the layout again (prepare), one module at a time.
+        resident = self.is_gemm_resident
         try:
             dtype = self._check_state(state_dict, prefix)
         except (TypeError, ValueError) as e:
             error_msgs.append(str(e))
+            if resident and not self.is_gemm_resident:  # the checks derived the storage to compare with: drop it
+                self._hold_layout()
             return
         self._hold_storage()
         with counts_hidden(self, self.COUNTS):

@@ -111,6 +111,9 @@ def test_experts_on_cuda_hold_only_their_layouts(k):
     fresh = KbitExperts(E, H, I, bits=k, dtype=torch.float32, device="cuda")
     fresh.load_state_dict(want)
     assert fresh.is_gemm_resident and torch.equal(fresh(x, idx, w), y)
+    with pytest.raises(RuntimeError, match="powers of two"):  # a refused state dict keeps the layouts
+        fresh.load_state_dict(dict(want, down_scale=want["down_scale"] * 3))
+    assert fresh.is_gemm_resident and torch.equal(fresh(x, idx, w), y)
     back = gpu.cpu()
     assert not back.is_gemm_resident
     _assert_same_state(_state(back), want)
