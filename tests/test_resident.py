@@ -161,7 +161,7 @@ def test_gemm_resident_experts_give_back_their_storage_bit_for_bit(k):
 def test_a_refused_load_leaves_gemm_resident_experts_resident():
     """KbitExperts checks a state dict against its storage format, derived from the layouts when it holds them (on
     CUDA): a refused state dict leaves it holding its layouts, as before the call, not the derived storage (on CUDA
-    its forward would then quietly leave the grouped GEMM)."""
+    its forward would then quietly leave the grouped GEMM), the very tensors (CUDA graphs read them in place)."""
     mod, _ = KbitExperts.from_weights(torch.randn(2, 64, 32) * 0.05, torch.randn(2, 32, 32) * 0.05, bits=3)
     state = mod.state_dict()
     mod._hold_layout()  # what prepare() does on CUDA, on CPU by hand
@@ -170,7 +170,7 @@ def test_a_refused_load_leaves_gemm_resident_experts_resident():
     with pytest.raises(RuntimeError, match="powers of two"):
         mod.load_state_dict(bad)
     assert mod.is_gemm_resident and all(getattr(mod, f"{p}_packed") is None for p in ("gate_up", "down"))
-    assert all(torch.equal(getattr(mod, name), t) for name, t in layouts.items())
+    assert all(getattr(mod, name) is t for name, t in layouts.items())
     _assert_same_state(mod.state_dict(), state)
 
 def test_both_layers_hold_their_layout_alike():
