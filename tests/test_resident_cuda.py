@@ -108,6 +108,15 @@ def test_experts_on_cuda_hold_only_their_layouts(k):
     idx = torch.randint(0, E, (6, 2), device="cuda")
     w = torch.rand(6, 2, device="cuda")
     y = gpu(x, idx, w)
+    codes = gpu.gate_up_gemm_codes.data_ptr()
+    gpu.half()  # a dtype cast on the GPU moves nothing and derives nothing; scales and codebook stay float32
+    assert gpu.is_gemm_resident and gpu.gate_up_gemm_codes.data_ptr() == codes and gpu.down_scale.dtype == torch.float32
+    twin = copy.deepcopy(gpu)
+    assert twin.is_gemm_resident and torch.equal(twin(x, idx, w), y)
+    _assert_same_state(_state(twin), want)
+    y32 = gpu(x.float(), idx, w)  # float32 activations: the per-expert path, from storage derived per expert
+    assert y32.dtype == torch.float32 and gpu.is_gemm_resident
+    torch.testing.assert_close(y32, y.float(), rtol=0.02, atol=0.02 * float(y.abs().max()))
     fresh = KbitExperts(E, H, I, bits=k, dtype=torch.float32, device="cuda")
     fresh.load_state_dict(want)
     assert fresh.is_gemm_resident and torch.equal(fresh(x, idx, w), y)
