@@ -52,8 +52,6 @@ def tuned_pair():
 
 def test_tuning_lowers_the_calibration_loss_and_keeps_the_codes(tuned_pair):
     model, plain, tuned, ids = tuned_pair
-    if dtype == torch.float32:
-        plain, tuned, model = plain.cpu(), tuned.cpu(), model.cpu()
     before, after = _calibration_loss(plain, model, ids), _calibration_loss(tuned, model, ids)
     assert after < 0.9 * before, (before, after)
     layers, tuned_layers = _kbit_layers(plain), _kbit_layers(tuned)
