@@ -144,10 +144,19 @@ class KbitModule(nn.Module):
         # A checkpoint is untrusted: check what it holds for this module before any of it is assigned. It holds the
         # storage format: load into that (the current one derived, so that a partial or failed load keeps the
         # weights), then derive the layout again (prepare), one module at a time.
+        layout = [(name, self._buffers[name]) for name in self.LAYOUT_KEYS] if self.is_gemm_resident else None
         try:
             dtype = self._check_state(state_dict, prefix)
         except (TypeError, ValueError) as e:
             error_msgs.append(str(e))
+            if layout is not None and not self.is_gemm_resident:
+                # The checks derived the storage format to compare with: back to the very layout tensors (CUDA
+                # graphs captured over them stay valid).
+                for name in self.DERIVED_KEYS:
+                    setattr(self, name, None)
+                for name, t in layout:
+                    setattr(self, name, t)
+                self._invalidate()
             return
         self._hold_storage()
         with counts_hidden(self, self.COUNTS):

@@ -549,7 +549,8 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
     """``x @ dequantize(qw).T (+ bias)`` for x of shape [..., in_features]; fused kernel on CUDA.
 
     On CPU, a kernel that dequantizes each block of 32 into registers multiplies it in float32 (``kbit._build_cpu``;
-    else the weight is dequantized in float32 and multiplied in float32). Never synchronizes.
+    else the weight is dequantized in float32 and multiplied in float32). On CUDA, float32 activations (a float32
+    model; no fused kernel takes them) multiply the weight dequantized to float32 with cuBLAS. Never synchronizes.
     ``grid_override`` > 0 forces the CUDA kernel's grid size (tests use it to force split-K).
     """
     check_tensor(x, "x")
@@ -571,14 +572,16 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
     grid_override = check_int(grid_override, "grid_override", 0)
-    check_dtype(x.dtype, "x", GEMM_DTYPES if x.device.type == "cuda" else INPUT_DTYPES)
+    check_dtype(x.dtype, "x", INPUT_DTYPES)
+    if grid_override and x.device.type == "cuda" and x.dtype not in GEMM_DTYPES:
+        raise TypeError(f"grid_override forces the fused kernel, which takes float16 or bfloat16 x, got {x.dtype}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     if x.device.type == "cuda":
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        chosen = None if grid_override else planner.gemm_plan(x.device, out_features, qw.in_features_padded,
-                                                              x2.shape[0], qw.bits, gemm_resident=qw.is_gemm_resident)
-        if chosen is not None and chosen.path is planner.Path.DEQUANTIZE_CUBLAS:
+        chosen = None if grid_override or x.dtype not in GEMM_DTYPES else planner.gemm_plan(
+            x.device, out_features, qw.in_features_padded, x2.shape[0], qw.bits, gemm_resident=qw.is_gemm_resident)
+        if x.dtype not in GEMM_DTYPES or chosen is not None and chosen.path is planner.Path.DEQUANTIZE_CUBLAS:
             y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()

@@ -123,3 +123,21 @@ def test_matmul_shapes(k, dtype):
             failures.append(f"N={N} K={K} non-contiguous x: {chk.describe(st)}")
     torch.cuda.synchronize()
     assert not failures, tag(seed, op="matmul-shapes", bits=k, dtype=dtype) + "\n  " + "\n  ".join(failures)
+
+
+@pytest.mark.parametrize("k", (2, 4))
+def test_float32_activations_multiply_the_weight_dequantized_to_float32(k):
+    """No fused kernel takes float32 x: a float32 model on the GPU multiplies the weight dequantized to float32 with
+    cuBLAS, as kbit.matmul does on the CPU (the same product in float32), GEMM-resident weights included."""
+    torch.manual_seed(seed_for("fp32", k))
+    w = torch.randn(96, 200)
+    x, bias = torch.randn(3, 5, 200), torch.randn(96)
+    want = kbit.matmul(x, kbit.quantize(w, k), bias)
+    qw = kbit.quantize(w.cuda(), k)
+    for weight in (qw, kbit.QuantizedWeight.from_gemm_layout(*qw.gemm_layout(), qw.codebook, qw.scale, k, qw.shape,
+                                                              torch.float32)):
+        got = kbit.matmul(x.cuda(), weight, bias.cuda())
+        assert got.dtype == torch.float32 and got.shape == (3, 5, 96)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    with pytest.raises(TypeError, match="grid_override forces the fused kernel"):
+        kbit.matmul(x.cuda(), qw, grid_override=4)

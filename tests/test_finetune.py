@@ -290,7 +290,8 @@ def test_quantize_model_checks_method_and_steps_once(monkeypatch):
 def test_calibrated_quantization_and_tuning_run_on_the_gpu(dtype):
     """gptq with every refinement, a bit budget and end-to-end tuning on a CUDA model (the GPU's own kernels in
     the calibration and tuning passes): the layers stay on the GPU in the model's dtype, the budget is met as
-    counted, the tuned model's calibration loss is below the untuned one's with the same codes."""
+    counted, the tuned model's calibration loss is below the untuned one's with the same codes; an fp32 model's
+    layers take fp32 activations on the GPU (the weight dequantized to float32, cuBLAS)."""
     torch.manual_seed(0)
     model, ids = _tiny_llama().to("cuda", dtype), _ids().cuda()
     settings = dict(bits=3.25, method="gptq", rotate=True, calibration=ids, fp_targets=True, block_tune_steps=3,
@@ -300,7 +301,13 @@ def test_calibrated_quantization_and_tuning_run_on_the_gpu(dtype):
     layers, tuned_layers = _kbit_layers(plain), _kbit_layers(tuned)
     assert layers.keys() == tuned_layers.keys() and layers
     for name, m in tuned_layers.items():
-        assert m.codebook.is_cuda and m(torch.zeros(1, m.in_features, device="cuda", dtype=dtype)).dtype == dtype
+        assert m.codebook.is_cuda and m.is_gemm_resident and m.weight_dtype == dtype
+        x = torch.randn(2, m.in_features, device="cuda", dtype=dtype)
+        y = m(x)
+        assert y.dtype == dtype
+        tol = 1e-2 if dtype == torch.float16 else 1e-4
+        want = torch.nn.functional.linear(x.float(), m.dequantize(torch.float32))
+        torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol)
         assert torch.equal(layers[name].qweight.packed, m.qweight.packed), name  # the same codes
     stored = sum(m.qweight.packed.numel() * 32 + m.qweight.absmax.numel() * 8 for m in tuned_layers.values())
     assert stored / sum(m.in_features * m.out_features for m in tuned_layers.values()) <= 3.25

@@ -158,6 +158,21 @@ def test_gemm_resident_experts_give_back_their_storage_bit_for_bit(k):
     _assert_same_state(mod.state_dict(), want)
 
 
+def test_a_refused_load_leaves_gemm_resident_experts_resident():
+    """KbitExperts checks a state dict against its storage format, derived from the layouts when it holds them (on
+    CUDA): a refused state dict leaves it holding its layouts, as before the call, not the derived storage (on CUDA
+    its forward would then quietly leave the grouped GEMM), the very tensors (CUDA graphs read them in place)."""
+    mod, _ = KbitExperts.from_weights(torch.randn(2, 64, 32) * 0.05, torch.randn(2, 32, 32) * 0.05, bits=3)
+    state = mod.state_dict()
+    mod._hold_layout()  # what prepare() does on CUDA, on CPU by hand
+    layouts = {name: getattr(mod, name) for name in GEMM_LAYOUTS}
+    bad = dict(state, gate_up_scale=state["gate_up_scale"] * 3)
+    with pytest.raises(RuntimeError, match="powers of two"):
+        mod.load_state_dict(bad)
+    assert mod.is_gemm_resident and all(getattr(mod, f"{p}_packed") is None for p in ("gate_up", "down"))
+    assert all(getattr(mod, name) is t for name, t in layouts.items())
+    _assert_same_state(mod.state_dict(), state)
+
 def test_both_layers_hold_their_layout_alike():
     """KbitModule._hold_layout, what prepare() does on CUDA for either layer: the storage format's codes dropped, the
     layout in their place, every buffer the GEMM reads marked static for CUDA graphs; KbitLinear keeps the view that

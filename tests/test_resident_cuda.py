@@ -108,8 +108,20 @@ def test_experts_on_cuda_hold_only_their_layouts(k):
     idx = torch.randint(0, E, (6, 2), device="cuda")
     w = torch.rand(6, 2, device="cuda")
     y = gpu(x, idx, w)
+    codes = gpu.gate_up_gemm_codes.data_ptr()
+    gpu.half()  # a dtype cast on the GPU moves nothing and derives nothing; scales and codebook stay float32
+    assert gpu.is_gemm_resident and gpu.gate_up_gemm_codes.data_ptr() == codes and gpu.down_scale.dtype == torch.float32
+    twin = copy.deepcopy(gpu)
+    assert twin.is_gemm_resident and torch.equal(twin(x, idx, w), y)
+    _assert_same_state(_state(twin), want)
+    y32 = gpu(x.float(), idx, w)  # float32 activations: the per-expert path, from storage derived per expert
+    assert y32.dtype == torch.float32 and gpu.is_gemm_resident
+    torch.testing.assert_close(y32, y.float(), rtol=0.02, atol=0.02 * float(y.abs().max()))
     fresh = KbitExperts(E, H, I, bits=k, dtype=torch.float32, device="cuda")
     fresh.load_state_dict(want)
+    assert fresh.is_gemm_resident and torch.equal(fresh(x, idx, w), y)
+    with pytest.raises(RuntimeError, match="powers of two"):  # a refused state dict keeps the layouts
+        fresh.load_state_dict(dict(want, down_scale=want["down_scale"] * 3))
     assert fresh.is_gemm_resident and torch.equal(fresh(x, idx, w), y)
     back = gpu.cpu()
     assert not back.is_gemm_resident
@@ -211,3 +223,44 @@ def test_saving_a_gpu_model_derives_one_layer_at_a_time():
     assert peak <= max(m.qweight.nbytes for m in layers) + 4096
     for key, t in want.items():
         assert torch.equal(state[key.replace(".packed", ".weight")].cpu(), t), key
+
+
+def _folder_tensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def test_moe_model_saved_from_cuda_is_the_cpu_saved_folder(tmp_path):
+    """A quantized MoE model moved to the GPU (every KbitLinear and KbitExperts GEMM-resident) saves the folder it
+    saves on the CPU, bit for bit: the experts' storage derived from their stacked layouts, gate/up rows put back
+    from the grouped GEMM's interleaved order. That folder loads back onto the GPU (layers built on meta from the
+    checked header, then GEMM-resident) holding the same state."""
+    transformers = pytest.importorskip("transformers")
+    from test_moe import tiny_moe
+
+    torch.manual_seed(5)
+    model = kbit.quantize_model(tiny_moe("qwen3_moe", torch.float16), bits=3, progress=False)
+    want = _state(model)
+    kbit.save_quantized(model, tmp_path / "cpu")
+    model.cuda()
+    kinds = (kbit.KbitLinear, KbitExperts)
+    experts = [m for m in model.modules() if isinstance(m, KbitExperts)]
+    assert experts and all(m.is_gemm_resident and m.projection("gate_up").row_order is not None for m in experts)
+    assert all(m.is_gemm_resident for m in model.modules() if isinstance(m, kinds))
+    kbit.save_quantized(model, tmp_path / "cuda")
+    saved, from_cuda = _folder_tensors(tmp_path / "cpu"), _folder_tensors(tmp_path / "cuda")
+    assert sorted(from_cuda) == sorted(saved) and any(".experts.gate_up_packed" in key for key in saved)
+    for key, t in saved.items():
+        assert from_cuda[key].dtype == t.dtype and torch.equal(from_cuda[key], t), key
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "cuda"), dtype=torch.float16,
+                                                               device_map="cuda")
+    layers = [m for m in loaded.modules() if isinstance(m, kinds)]
+    assert any(isinstance(m, KbitExperts) for m in layers) and all(m.is_gemm_resident for m in layers)
+    got = _state(loaded)
+    assert sorted(got) == sorted(want)
+    for key, t in want.items():
+        assert got[key].dtype == t.dtype and torch.equal(got[key], t), key

@@ -3,6 +3,7 @@ on gloo (CPU) running a tiny Llama and a tiny Qwen3-MoE at TP=2 against TP=1."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -498,3 +499,35 @@ def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(tmp_path):
             assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
             # greedy tokens equal; a divergence is allowed only at a near-tie of TP=1's two best scores
             assert r["got"] == r["want"] or r["margin"] <= 2 * r["logit_diff"], (dtype, r)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shards_of_cuda_resident_layers_equal_the_cpu_shards():
+    """On CUDA a KbitLinear and a KbitExperts hold only their GEMM layouts: their shards come from the storage format
+    derived there (the unrepack kernel; the experts' gate/up rows put back from the grouped GEMM's order). Each
+    rank's shard equals the CPU layer's shard bit for bit, and holds its own layout on the GPU."""
+    torch.manual_seed(0)
+    linear = kbit.KbitLinear.from_linear(torch.nn.Linear(256, 96).half(), bits=3)
+    experts, _ = kbit.KbitExperts.from_weights(torch.randn(4, 128, 64) * 0.05, torch.randn(4, 64, 64) * 0.05, bits=3)
+    gpu_linear, gpu_experts = copy.deepcopy(linear).cuda(), copy.deepcopy(experts).cuda()
+    assert gpu_linear.is_gemm_resident and gpu_experts.is_gemm_resident
+
+    def same_state(got, want) -> None:
+        got, want = got.state_dict(), want.state_dict()
+        assert list(got) == list(want)
+        for key, t in want.items():
+            assert got[key].is_cuda and got[key].dtype == t.dtype and torch.equal(got[key].cpu(), t), key
+
+    for r in range(2):
+        rank = _Rank(r, 2)
+        for style in (tp.COLWISE, tp.ROWWISE):
+            want, how = tp._shard_linear(linear, style, rank, 1, "layer")
+            got, got_how = tp._shard_linear(gpu_linear, style, rank, 1, "layer")
+            assert type(got) is type(want) and got_how == how and how in ("column shard", "row shard")
+            assert got.is_gemm_resident
+            same_state(got, want)
+        want, how = tp._shard_experts(experts, rank)
+        got, _ = tp._shard_experts(gpu_experts, rank)
+        assert how == "shard of every expert" and got.is_gemm_resident and got.gate_up_gemm_codes.is_cuda
+        same_state(got, want)
