@@ -1,6 +1,6 @@
 """Benchmark a mixture-of-experts layer: kbit's grouped fused GEMM against the same layer in bf16.
 
-    python benchmarks/bench_moe.py              # the issue's layers, decode 1-16 tokens, prefill 512 and 4096
+    python benchmarks/bench_moe.py              # the four models' layers, decode 1-16 tokens, prefill 512 and 4096
     python benchmarks/bench_moe.py --quick      # 1, 16 and 512 tokens
     python benchmarks/bench_moe.py --models qwen3-30b-a3b --tokens 1,16 --k 2,4
 
