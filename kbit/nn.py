@@ -207,7 +207,8 @@ class KbitLinear(KbitModule, nn.Linear):
         """``from_quantized`` for a bias (and rotation) already checked against ``qw``."""
         out_features, in_features = qw.shape
         block = 0 if rotation is None else rotation.block
-        mod = cls.from_checked(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook, block)
+        mod = cls.from_checked(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook,
+                               block)
         if qw.is_gemm_resident and qw.device.type == "cuda":
             mod.packed = mod.absmax = None
             mod.gemm_codes, mod.gemm_absmax = qw.gemm_layout()
