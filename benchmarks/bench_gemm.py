@@ -13,8 +13,8 @@ moving the same bytes (half read, half written; timed the same way: what a memor
 reaches in this harness, launch and tail included), speedup over cuBLAS ``F.linear`` in the same dtype (fp16 by
 default) timed the same way, and the share of the call's limit (``add_limits``: the floor, or the FLOPs at cuBLAS's
 own rate on the shape at 4096 tokens where that is longer). Peers, when available: dequantize + cuBLAS
-(``kbit.dequantize`` then ``F.linear``), torch int4 (``aten._weight_int4pack_mm``, group size 128; it may only accept bf16 activations),
-bitsandbytes NF4 and gemlite int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and
+(``kbit.dequantize`` then ``F.linear``), torch int4 (``aten._weight_int4pack_mm``, group size 128; it may only
+accept bf16 activations), bitsandbytes NF4 and gemlite int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and
 ``gemm_<device>_summary.txt`` under ``--out`` (default benchmarks/results).
 
 Shapes are written K_in->N_out (nn.Linear(in_features=K_in, out_features=N_out)).

@@ -130,7 +130,6 @@ class KbitLinear(KbitModule, nn.Linear):
         codebook: Optional[Tensor] = None,
         rotation_block: int = 0,
     ):
-        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a full-precision weight
         bits = check_bits(bits)
         in_features, out_features = check_int(in_features, "in_features", 1), check_int(out_features, "out_features", 1)
         check_dtype(dtype, "dtype")
@@ -145,7 +144,6 @@ class KbitLinear(KbitModule, nn.Linear):
                      codebook: Optional[Tensor] = None, rotation_block: int = 0) -> "KbitLinear":
         """The constructor without its checks, for arguments checked already (a checkpoint's checked ``meta``)."""
         mod = cls.__new__(cls)
-        nn.Module.__init__(mod)
         cb = create_normal_float_codebook(bits) if codebook is None else codebook
         mod._build(in_features, out_features, bias, bits, dtype, device, cb, rotation_block)
         return mod
@@ -153,6 +151,7 @@ class KbitLinear(KbitModule, nn.Linear):
     def _build(self, in_features: int, out_features: int, bias: bool, bits: int, dtype: torch.dtype, device,
                codebook: Tensor, rotation_block: int = 0) -> None:
         """The module's state: all-zero storage of a checked shape, bits, dtype, codebook and rotation block."""
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a full-precision weight
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.weight_dtype = dtype
         shape = (out_features, in_features)
@@ -206,11 +205,10 @@ class KbitLinear(KbitModule, nn.Linear):
     @classmethod
     def _wrap(cls, qw: QuantizedWeight, bias: Optional[Tensor], rotation: Optional[Rotation] = None) -> "KbitLinear":
         """``from_quantized`` for a bias (and rotation) already checked against ``qw``."""
-        mod = cls.__new__(cls)
-        nn.Module.__init__(mod)
         out_features, in_features = qw.shape
         block = 0 if rotation is None else rotation.block
-        mod._build(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook, block)
+        mod = cls.from_checked(in_features, out_features, bias is not None, qw.bits, qw.dtype, "meta", qw.codebook,
+                               block)
         if qw.is_gemm_resident and qw.device.type == "cuda":
             mod.packed = mod.absmax = None
             mod.gemm_codes, mod.gemm_absmax = qw.gemm_layout()
