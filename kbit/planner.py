@@ -383,8 +383,10 @@ def rows_per_pass(device: Device, configs: Iterable[GemmConfig], coefficients: C
     """Token rows per pass of the MoE grouped GEMM (one of ``supported``) for ``slots`` (token, expert) pairs over
     ``num_experts``, its projections' ``shapes`` (out_features, in_features) run with the same rows: the least
     predicted time for the expected rows per routed expert, each expert's weight read once per pass. Its kernel is
-    gemm.cuh's (mma.sync, or wgmma at 128 rows) on one CTA per SM, the steps cut in one group."""
-    active = max(1, min(num_experts, slots))
+    gemm.cuh's (mma.sync, or wgmma at 128 rows) on one CTA per SM, the steps cut in one group. No slots (an empty
+    batch) launches nothing: planned as one, so the model never prices an empty launch."""
+    slots = max(slots, 1)
+    active = min(num_experts, slots)
     per_expert = -(-slots // active)
     configs = tuple(configs)
     best = None

@@ -326,6 +326,16 @@ def test_moe_rows_per_pass():
     assert planner.rows_per_pass(A100, CONFIGS, coefficients(A100), 32768, 128, shapes, 5, (8, 16)) in (8, 16)
 
 
+def test_moe_rows_per_pass_of_an_empty_batch():
+    """No routed slots (a batch of no tokens, which the grouped forward runs): planned as one slot, no empty launch
+    priced (it divided by a grid of 0)."""
+    co = coefficients(H200)
+    shapes = ((2 * 40, 64), (64, 40))
+    for bits in BITS:
+        one = planner.rows_per_pass(H200, CONFIGS, co, 1, 6, shapes, bits, (8, 16, 32, 128))
+        assert planner.rows_per_pass(H200, CONFIGS, co, 0, 6, shapes, bits, (8, 16, 32, 128)) == one
+
+
 # ----------------------------------------------------------------------------- the tuned cache
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
