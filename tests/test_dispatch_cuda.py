@@ -113,11 +113,23 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
         assert cached is not None and cached["source"] == "python -m kbit tune"
         assert planner.device_facts(torch.device("cuda")).coefficients == planner.coefficients_from_json(cached, "")
         measured = tune_cache.parse(json.loads(tune_cache.cache_file(device.name).read_text()))
-        assert measured[(4, 2048, 1024)].configs  # what ran is recorded
-        assert measured[(4, 2048, 1024)].gemm_resident  # dequantize + cuBLAS timed as a layer runs it
-        ws = measured[(4, 2048, 1024)].launches.get(planner.Path.WARP_SPECIALIZED) or ()
-        if torch.cuda.get_device_capability()[0] == 9:  # the warp-specialized kernel on each of its launches
-            assert all(len(timed) >= 2 for timed in ws if timed) and any(ws)
+        shape = measured[(4, 2048, 1024)]
+        assert shape.configs  # what ran is recorded
+        assert shape.gemm_resident  # dequantize + cuBLAS timed as a layer runs it
+        # Each fused time with the one launch that ran: the plan on that path from the coefficients the tune started
+        # from (the shipped ones: the cache was empty).
+        shipped = planner.shipped_coefficients(device.name)
+        configs = planner.device_facts(torch.device("cuda")).configs
+        for path, launched in shape.launches.items():
+            for M, timed, us in zip(shape.tokens, launched, shape.us[path]):
+                if us is None:
+                    assert timed is None, (path, M)
+                    continue
+                chosen = planner.plan(device, configs, shipped, 2048, 1024, M, 4, fused_only=True,
+                                      force=frozenset({path}))
+                assert timed == (((chosen.grid, chosen.tile_parts, chosen.whole_tiles), us),), (path, M, timed)
+        if torch.cuda.get_device_capability()[0] == 9:
+            assert any(shape.launches.get(planner.Path.WARP_SPECIALIZED) or ())
     finally:
         planner.forget()
 
