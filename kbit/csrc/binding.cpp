@@ -318,8 +318,12 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.grid_room = 2 * plan.grid <= sms ? kbit::GridRoom::kHalfOrLess
               : plan.grid < sms    ? kbit::GridRoom::kBelowSms
                                    : kbit::GridRoom::kFull;
-  p.ws_clusters = ws_tokens > 0 ? ws_cluster_use() : kbit::ClusterUse::kL2;  // the environment read where it counts
-  check_launch(kbit::gemm(p, stream), "gemm");
+  if (ws_tokens > 0) p.clusters = ws_cluster_use();  // the environment read where it counts
+  const cudaError_t err = kbit::gemm(p, stream);
+  TORCH_CHECK(err != cudaErrorInvalidClusterSize, "kbit: the launch grid=", num(grid), ", tile_parts=", num(tile_parts),
+              " of the fused GEMM configuration ", config, ": this GPU cannot run its thread-block clusters of ",
+              num(tile_parts), " CTAs (with the warp-specialized kernel and KBIT_WS_CLUSTERS=1: all at once)");
+  check_launch(err, "gemm");
   return y;
 }
 

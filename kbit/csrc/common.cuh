@@ -224,9 +224,17 @@ __device__ __forceinline__ uint32_t cluster_window_offset(uint32_t address) {
   return address - first;
 }
 // Every thread of every CTA of the cluster arrives (warp by warp, converged); what each wrote before, to its own
-// shared memory or another CTA's, is seen by all after.
+// shared memory or another CTA's, is seen by all after. In two halves where a CTA has work between them: each thread
+// arrives, then waits, once per phase.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  cluster_arrive();
+  cluster_wait();
 }
 // A 16-byte store into the shared memory of the cluster's CTA `rank`, at the address `cta_address` has in this CTA.
 __device__ __forceinline__ void st_cluster(uint32_t cta_address, uint32_t rank, float4 v) {
@@ -235,6 +243,16 @@ __device__ __forceinline__ void st_cluster(uint32_t cta_address, uint32_t rank, 
   asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(remote), "f"(v.x), "f"(v.y), "f"(v.z),
                "f"(v.w)
                : "memory");
+}
+// A 16-byte load from the shared memory of the cluster's CTA `rank`, at the address `cta_address` has in this CTA.
+__device__ __forceinline__ float4 ld_cluster(uint32_t cta_address, uint32_t rank) {
+  uint32_t remote;
+  float4 v;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(cta_address), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
 }
 #endif
 

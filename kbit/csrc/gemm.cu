@@ -112,15 +112,24 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   if (M == 0) return plan;  // nothing runs: no launch to check
   plan.grid = launch.grid;
   const int parts = launch.tile_parts;
+  const bool ws = ws_tokens > 0;  // the warp-specialized kernel; else gemm.cuh's
   // Hard limits only. At most one CTA per SM: a split tile's reducer waits for the CTAs after it (finish_tile), in the
   // warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice). gemm.cuh's kernels cut their
-  // steps in one group (steps_of<false>).
+  // steps in one group (steps_of<false>), or in tile parts, one group per tile, each tile's parts one thread-block
+  // cluster (GemmConfig::kClustered): mma.sync up to 16 tokens, on sm_90, at most a portable cluster's CTAs.
   if (launch.grid < 1 || launch.grid > num_sms) {
     plan.refused = "needs 1 CTA to one per SM";
   } else if (launch.grid > plan.total_steps) {
     plan.refused = "has more CTAs than steps";
-  } else if ((parts != 0 || launch.whole_tiles) && ws_tokens == 0) {
-    plan.refused = "cuts tiles, which only the warp-specialized kernel does";
+  } else if (launch.whole_tiles && !ws) {
+    plan.refused = "gives whole tiles to CTAs, which only the warp-specialized kernel does";
+  } else if (parts != 0 && !ws && (wgmma_tiles != 0 || mb > 2)) {
+    plan.refused = "cuts tiles in parts, which gemm.cuh's kernels do with mma.sync up to 16 tokens only (mb <= 2, "
+                   "wgmma_tiles = 0)";
+  } else if (parts != 0 && !ws && plan.cc_major < kHopperMajor) {
+    plan.refused = "cuts tiles in parts summed in thread-block clusters, which need compute capability 9.0 or newer";
+  } else if (parts != 0 && !ws && parts > kMaxClusterCtas) {
+    plan.refused = "cuts tiles in more parts than one thread-block cluster holds (8)";
   } else if (parts != 0 && (launch.whole_tiles || parts < 2 || parts > k_steps || launch.grid != tiles * parts ||
                             launch.grid > kMaxGroupedGrid)) {
     plan.refused = "cuts tiles in parts that are not 2 to k-steps per tile on tiles x parts CTAs (at most 256)";
@@ -130,10 +139,11 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   if (plan.refused) return plan;
   plan.cut_group = parts > 0 ? parts : plan.grid;
   plan.cut_unit = launch.whole_tiles ? k_steps : 1;  // cut in tiles (cut.h)
-  // Every CTA owns whole tiles only when the cut falls on tile boundaries.
+  plan.clustered = !ws && parts > 0;
+  // Every CTA owns whole tiles only when the cut falls on tile boundaries; clustered, the parts meet in shared memory.
   const bool whole = plan.cut_unit == k_steps ||
                      (plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0);
-  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
+  plan.partial_floats = whole || plan.clustered ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
   return plan;
 }
 
@@ -154,6 +164,7 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.cut_group_reciprocal = static_cast<uint16_t>(cut.group_reciprocal);
   p.cut_unit = static_cast<uint16_t>(cut.unit);
   p.weights_stream = plan.weights_stream;
+  p.clusters = plan.clustered ? ClusterUse::kRequired : ClusterUse::kL2;  // the binding sets the warp-specialized one's
 }
 
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {

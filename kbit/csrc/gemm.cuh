@@ -17,6 +17,8 @@
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   gather_k_split  with the warps splitting a tile's k-groups: their sums into warp 0's, through shared memory
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
+//   cluster_finish_tile a tile cut in parts on one thread-block cluster: the parts summed through the CTAs' shared
+//                   memory, not L2
 //   gemm_main       the persistent, stream-K main loop, one inner loop per tile: no CTA-wide barrier per step; a
 //                   stage is refilled once every warp is done with it, its weights by one thread (sm_90), the
 //                   warps taking turns, at MB = 1 its activations by that thread's warp
@@ -44,6 +46,10 @@
 // stores the tile. A reducer only waits for CTAs after it, and each of those publishes before it could wait
 // for anything itself: the waits need no more than CTAs starting in index order, and the grid is at most one
 // CTA per SM (so all start at once when the GPU is not shared).
+// Up to 16 tokens on sm_90 the host may instead cut each tile's k-steps in 2 to 8 parts on a thread-block cluster of
+// as many CTAs (GemmConfig::kClustered): the parts meet in the cluster's shared memory (cluster_finish_tile).
+
+#include <atomic>
 
 #include "common.cuh"
 #include "cut.h"
@@ -82,11 +88,16 @@ __host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles,
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
+// The most parts of one tile summed in a thread-block cluster (GemmConfig::kClustered; gemm_ws.cuh, ws_cluster_reduce):
+// 8, the portable cluster size.
+constexpr int kMaxClusterCtas = 8;
+
 // WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp. G: 0 for one weight, else the
 // grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue. KS: warps splitting one tile's
 // k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns). ST: up to 16 tokens, the
-// weights streamed through L2 evict-first (kWeightsStreamed).
-template <int BITS, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false>
+// weights streamed through L2 evict-first (kWeightsStreamed). CL: up to 16 tokens, each tile's k range in parts on one
+// thread-block cluster, summed in shared memory (kClustered).
+template <int BITS, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false, bool CL = false>
 struct GemmConfig {
   static constexpr int kBits = BITS, kMB = MB;
   static constexpr bool kWgmma = WG > 0;
@@ -144,6 +155,11 @@ struct GemmConfig {
   // (docs/PERFORMANCE.md, "Measured choices").
   static constexpr bool kWeightsStreamed = ST;
   static_assert(!ST || (MB <= 2 && WG == 0 && G == 0 && KS == 1), "weights streamed evict-first: up to 16 tokens");
+  // Up to 16 tokens (sm_90): each tile's k-steps cut in parts (GemmParams::cut_group CTAs per tile, the grouped cut of
+  // cut.h), the parts of a tile on one thread-block cluster of as many CTAs, summed through distributed shared memory
+  // instead of split-K partials in L2 (cluster_finish_tile). Same shared memory as without.
+  static constexpr bool kClustered = CL;
+  static_assert(!CL || (MB <= 2 && WG == 0 && G == 0 && !ST), "tile parts in clusters: mma.sync, up to 16 tokens");
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
@@ -205,7 +221,8 @@ struct GemmConfig {
   // Built for sm_80-class GPUs: what fits their shared memory. The host refuses the rest.
   // Not the k split: gather_k_split parks sums in a stage that sm_80's per-warp copies refill without waiting for the
   // other warps (and none of its configurations fits there).
-  static constexpr bool kOnSm80 = !kWgmma && KS == 1 && kSmemTotal <= kSm80SmemMax;
+  // Nor clusters, which sm_80 does not have.
+  static constexpr bool kOnSm80 = !kWgmma && KS == 1 && !CL && kSmemTotal <= kSm80SmemMax;
   static constexpr int kPartialFloats = kWarps * kFrags * 32 * 4;  // one CTA's partial output tile
 };
 
@@ -417,11 +434,18 @@ struct SmemLayout {
     pad = table - base;
   }
   __device__ uint8_t* tables() const { return smem + pad; }
-  // Whether the launch gave the layout room: the host sizes it from the reserved and static shared memory.
+  // Whether the launch gave the layout room: the host sizes it from the reserved and static shared memory. Clustered
+  // (kClustered), also whether every CTA of the cluster has the first one's layout: sm_90 puts the rank in shared
+  // addresses, and cluster_finish_tile reads the other CTAs' stages at this CTA's offsets.
   __device__ bool fits() const {
     uint32_t dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic_bytes));
-    return static_cast<int>(pad) >= Cfg::kLowBytes && pad + Cfg::kTables + Cfg::kHighBytes <= dynamic_bytes;
+    bool as_the_first = true;
+#if KBIT_BULK_COPY
+    if constexpr (Cfg::kClustered) as_the_first = cluster_window_offset(table) % Cfg::kTableAlign == 0;
+#endif
+    return as_the_first && static_cast<int>(pad) >= Cfg::kLowBytes &&
+           pad + Cfg::kTables + Cfg::kHighBytes <= dynamic_bytes;
   }
   // Offsets from the dynamic base, 32-bit: 64-bit pointers per piece cost sm_80's build spills.
   __device__ uint8_t* codes(int s) const {
@@ -911,18 +935,24 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
   return cta_of_step<kGroups>(cut_of(p), s);
 }
 
-// KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
-// k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of
-// the stage (RT * BITS * 512 bytes, >= the kFrags * 512 it needs; the warp read them at the step's start), the warps
-// meet once, warp 0 adds. Every warp arrives on the stage's empty barrier after this, warp 0 after its reads, so the
-// stage is not refilled under them. Warp 0 then finishes the tile alone (finish_tile), as the only warp of its
-// row tiles.
+// Where warp w parks this lane's accumulator fragment f in a stage (gather_k_split, cluster_finish_tile): in the warp's
+// own codes of the stage (RT * BITS * 512 bytes, >= the kFrags * 512 it needs), which no other warp reads.
 template <class Cfg>
-__device__ __forceinline__ void gather_k_split(uint8_t* codes_piece, float (&acc)[Cfg::kFrags][4]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ __forceinline__ float4* parked_fragment(uint8_t* codes_piece, int w, int f) {
   constexpr int kWarpBytes = Cfg::kRowTiles * Cfg::kBits * 512;
   static_assert(Cfg::kFrags * 512 <= kWarpBytes, "a warp's accumulators must fit in its codes");
-  auto parked = [&](int w, int f) { return reinterpret_cast<float4*>(codes_piece + w * kWarpBytes) + f * 32 + lane; };
+  return reinterpret_cast<float4*>(codes_piece + w * kWarpBytes) + f * 32 + (threadIdx.x & 31);
+}
+
+// KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
+// k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of
+// the stage (parked_fragment; the warp read them at the step's start), the warps meet once, warp 0 adds. Every warp
+// arrives on the stage's empty barrier after this, warp 0 after its reads, so the stage is not refilled under them.
+// Warp 0 then finishes the tile alone (finish_tile), as the only warp of its row tiles.
+template <class Cfg>
+__device__ __forceinline__ void gather_k_split(uint8_t* codes_piece, float (&acc)[Cfg::kFrags][4]) {
+  const int warp = threadIdx.x >> 5;
+  auto parked = [&](int w, int f) { return parked_fragment<Cfg>(codes_piece, w, f); };
   __syncwarp();  // every lane of the warp has read its codes
   if (warp != 0) {
 #pragma unroll
@@ -1031,6 +1061,63 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   store_tile<Cfg, T>(p, c, out_scale, acc);
 }
 
+// Clustered (GemmConfig::kClustered): this CTA's range is one part of one tile, and the tile's parts run as one
+// thread-block cluster, rank r holding the r-th (rank 0 the tile's first k-steps: the grouped cut of cut.h, a group per
+// tile). The parts meet in shared memory instead of L2: every other rank parks its sums in its own stage 0
+// (parked_fragment; once its range is done no copy is in flight into its stages), a cluster barrier, rank 0 loads them
+// through distributed shared memory and adds them in rank order to its own (deterministic, as finish_tile's CTA order),
+// a second barrier keeps every CTA, and so its shared memory, alive until rank 0 has loaded them; rank 0 stores the
+// tile meanwhile. No polling, no workspace. Only the warps that hold sums (every warp; warp 0 alone with the k split)
+// and only the fragments of the pass's tokens (finish_tile's `live`) move. Every thread takes part in both barriers.
+template <class Cfg, typename T>
+__device__ __forceinline__ void cluster_finish_tile(const GemmParams& p, const StepCursor& c, uint8_t* stage_codes,
+                                                    float out_scale, float (&acc)[Cfg::kFrags][4]) {
+#if KBIT_BULK_COPY
+  constexpr int MB = Cfg::kMB, F = Cfg::kFrags;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ranks = static_cast<int>(cluster_ctas()), rank = static_cast<int>(cluster_rank());
+  const bool holds_sums = Cfg::kKSplit == 1 || warp == 0;
+  const int lane_rows = token_pass<Cfg>(p, c).rows - 2 * (lane & 3);  // the pass's rows from the lane's first token
+  auto live = [&](int f) { return (f % MB) * 8 < lane_rows; };
+  if (rank != 0 && holds_sums) {
+#pragma unroll
+    for (int f = 0; f < F; ++f)
+      if (live(f)) *parked_fragment<Cfg>(stage_codes, warp, f) = make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]);
+  }
+  __syncwarp();
+  cluster_sync();  // every part parked
+  if (rank == 0 && holds_sums) {
+    // Fragment f of rank r at the address fragment f of this CTA has, in rank r's window (SmemLayout::fits).
+    const uint32_t parked = shared_address(parked_fragment<Cfg>(stage_codes, warp, 0));
+    // The ranks whose parts are loaded at once: up to 16 fragments in flight (64 registers), one round trip for all
+    // seven other parts at two fragments per warp.
+    constexpr int kInFlight = 16 / F;
+    for (int r0 = 1; r0 < ranks; r0 += kInFlight) {
+      float4 v[kInFlight][F];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+#pragma unroll
+        for (int f = 0; f < F; ++f)
+          if (r0 + i < ranks && live(f)) v[i][f] = ld_cluster(parked + f * 512, r0 + i);
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+#pragma unroll
+        for (int f = 0; f < F; ++f)
+          if (r0 + i < ranks && live(f)) {
+            float (&d)[4] = acc[f];
+            d[0] += v[i][f].x, d[1] += v[i][f].y, d[2] += v[i][f].z, d[3] += v[i][f].w;
+          }
+    }
+  }
+  __syncwarp();
+  cluster_arrive();  // rank 0 has loaded the parts
+  if (rank == 0 && holds_sums) store_tile<Cfg, T>(p, c, out_scale, acc);
+  cluster_wait();  // no CTA leaves before then
+#else
+  __trap();  // clusters: sm_90; the host never launches this configuration elsewhere
+#endif
+}
+
 template <class Cfg, typename T>
 __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   constexpr int BITS = Cfg::kBits;
@@ -1041,7 +1128,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
   __shared__ Barriers<Cfg> bars;
 
-  StepRange range = steps_of<false>(p, blockIdx.x);  // the grouped kernel's once the passes are known (below)
+  // The grouped kernel's once the passes are known (below); clustered, the host's cut in a group per tile.
+  StepRange range = steps_of<Cfg::kClustered>(p, blockIdx.x);
   int first = range.first, last = range.last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   bars.init(warp, lane);
@@ -1180,11 +1268,15 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     }
     if (Cfg::kKSplit == 1 || warp == 0) {
       if constexpr (Cfg::kBlockColumns) sum_block_columns<Cfg>(acc);
-      finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
+      if constexpr (!Cfg::kClustered) finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
     }
+    if constexpr (Cfg::kClustered) {  // the range's one tile, its parts summed in the cluster
+      cluster_finish_tile<Cfg, T>(p, c, layout.codes(0), out_scale, acc);
+    } else {
 #pragma unroll
-    for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
-    c.next_tile(p);
+      for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
+      c.next_tile(p);
+    }
   }
 }
 
@@ -1221,6 +1313,44 @@ cudaError_t gemm_dynamic_smem(int& bytes) {
   return cudaFuncSetAttribute(gemm_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+// The launch attribute of 1-D clusters of `ctas` CTAs.
+inline cudaLaunchAttribute cluster_attribute(int ctas) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = ctas, attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
+// How many clusters of `ctas` CTAs of Kernel's launch `config` the device runs at once: each cluster's CTAs share a
+// GPC, one CTA per SM, so the GPCs' sizes decide. The driver is asked once per device and cluster size.
+template <auto Kernel>
+int clusters_at_once(int ctas, int clusters, cudaLaunchConfig_t config) {
+  static std::atomic<int> most[kMaxDevices][kMaxClusterCtas + 1];  // clusters at once + 1; 0: not asked yet
+  int device = 0;
+  if (ctas < 1 || ctas > kMaxClusterCtas || cudaGetDevice(&device) != cudaSuccess || device < 0 ||
+      device >= kMaxDevices)
+    return 0;
+  int known = most[device][ctas].load(std::memory_order_relaxed);
+  if (known == 0) {
+    cudaLaunchAttribute attribute = cluster_attribute(ctas);
+    config.gridDim = dim3(ctas * clusters);
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int at_once = 0;
+    if (cudaOccupancyMaxActiveClusters(&at_once, Kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();  // the query's error is not the launch's
+      at_once = 0;
+    }
+    known = at_once + 1;
+    most[device][ctas].store(known, std::memory_order_relaxed);
+  }
+  return known - 1;
+}
+
+// Programmatic dependent launch where the host asked for it (GemmParams::dependent_launch); clustered
+// (GemmConfig::kClustered), the tiles' parts as clusters of cut_group CTAs, the two attributes side by side. A cluster's
+// CTAs start together, so its barriers need no more; clusters the GPU cannot hold all at once run in waves, and one it
+// cannot hold at all is refused.
 template <class Cfg, typename T>
 cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
@@ -1231,11 +1361,15 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = p.dependent_launch ? 1 : 0;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1] = cluster_attribute(p.cut_group);
+  if (Cfg::kClustered && (p.grid % p.cut_group != 0 ||
+                          clusters_at_once<gemm_kernel<Cfg, T>>(p.cut_group, p.grid / p.cut_group, config) < 1))
+    return cudaErrorInvalidClusterSize;
+  config.attrs = p.dependent_launch ? attributes : attributes + 1;
+  config.numAttrs = (p.dependent_launch ? 1 : 0) + (Cfg::kClustered ? 1 : 0);
   return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, static_cast<const typename Cfg::Params&>(p));
 }
 
@@ -1268,15 +1402,31 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
     default: return false;
   }
 }
-// Up to 16 tokens without the k split: weights larger than L2 stream evict-first (GemmConfig::kWeightsStreamed), and
-// one token on 8-token tiles runs with block columns (GemmConfig::kBlockColumns); the same plan and shared memory as
-// the configuration the host chose. Not block columns at BITS = 5, which they made slower where BITS = 2..4 gained
+// Up to 16 tokens, with the same plan and shared memory as the configuration the host chose: tiles cut in parts
+// (ClusterUse::kRequired, gemm_plan) run clustered (GemmConfig::kClustered), never streamed evict-first, which keeps
+// split-K partials in L2 that clusters do not have; without the k split, weights larger than L2 stream evict-first
+// (GemmConfig::kWeightsStreamed); one token on 8-token tiles runs with block columns (GemmConfig::kBlockColumns),
+// clustered or not. Not block columns at BITS = 5, which they made slower where BITS = 2..4 gained
 // (docs/PERFORMANCE.md, "Measured choices").
 template <int BITS, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   with_gemm_config<BITS>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) {
     using Cfg = decltype(cfg);
+    if constexpr (!Cfg::kWgmma && Cfg::kMB <= 2) {
+      if (p.clusters == ClusterUse::kRequired) {
+        using Clustered = GemmConfig<BITS, Cfg::kMB, 0, 0, Cfg::kKSplit, false, false, true>;
+        static_assert(Clustered::kSmemTotal == Cfg::kSmemTotal && Clustered::kStages == Cfg::kStages, "one plan");
+        if constexpr (Cfg::kMB == 1 && Cfg::kKSplit == 1 && BITS <= 4) {
+          if (p.M == 1) {
+            err = launch_gemm<GemmConfig<BITS, 1, 0, 0, 1, true, false, true>, T>(p, stream);
+            return;
+          }
+        }
+        err = launch_gemm<Clustered, T>(p, stream);
+        return;
+      }
+    }
     if constexpr (!Cfg::kWgmma && Cfg::kKSplit == 1 && Cfg::kMB <= 2) {
       using Streamed = GemmConfig<Cfg::kBits, Cfg::kMB, 0, 0, 1, false, true>;
       static_assert(Streamed::kSmemTotal == Cfg::kSmemTotal && Streamed::kStages == Cfg::kStages, "one plan");

@@ -94,9 +94,11 @@ enum class GridRoom : uint8_t {
   kHalfOrLess,  // at most half the SMs: the whole grid starts beside a previous grid of its size
 };
 
-// Where the warp-specialized kernel sums the parts of a tile cut in parts (gemm_ws.cuh, ws_cluster_reduce): in a
-// thread-block cluster of those parts where the GPU holds every tile's cluster at once, else through L2 (the binding
-// reads KBIT_WS_CLUSTERS: 0 kL2, 1 kRequired, unset kWhereTheyFit).
+// Where the parts of a tile cut in parts (GemmLaunch::tile_parts) are summed. The warp-specialized kernel (gemm_ws.cuh,
+// ws_cluster_reduce): in a thread-block cluster of those parts where the GPU holds every tile's cluster at once, else
+// through L2 (the binding reads KBIT_WS_CLUSTERS: 0 kL2, 1 kRequired, unset kWhereTheyFit). gemm.cuh's kernels (up
+// to 16 tokens, sm_90): always in a cluster, kRequired (GemmConfig::kClustered, cluster_finish_tile); kL2 where
+// tiles are not cut in parts.
 enum class ClusterUse : uint8_t {
   kL2,            // through L2 always
   kWhereTheyFit,  // in clusters where they fit
@@ -145,7 +147,7 @@ struct GemmParams {
   bool weights_stream;      // the weights are read once and exceed L2: copied evict-first (gemm.cuh up to 16
                             // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
   uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
-  ClusterUse ws_clusters;   // host only: how launch_gemm_ws launches tiles cut in parts
+  ClusterUse clusters;      // host only: how the launch sums tiles cut in parts (ClusterUse)
   uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut; always in
                             // gemm.cuh's kernels), or the CTAs sharing one tile (its parts: the planner's tile_parts)
   uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
@@ -188,11 +190,14 @@ struct GemmPlan {
   int cc_major;             // the device's compute capability, major (0 if unknown)
   bool built;               // whether the configuration is built for the device's architecture
   bool weights_stream;      // one token pass over more weight bytes than L2 holds (GemmParams)
+  bool clustered;           // gemm.cuh's kernels: each tile in cut_group parts, summed in a cluster (ClusterUse)
   const char* refused;      // why the launch cannot run (nullptr: it can); the configuration's own facts aside
 };
 
 // The grid and the cut of the steps among its CTAs, as kbit/planner.py chose them (cut.h): the steps in one group
 // (tile_parts = 0, whole_tiles = false), whole tiles per CTA, or each tile in tile_parts parts (grid = tiles x parts).
+// Tile parts on gemm.cuh's kernels (mma.sync, up to 16 tokens, sm_90): 2 to 8 parts of a tile, on one thread-block
+// cluster of that many CTAs, summed in shared memory (ClusterUse).
 struct GemmLaunch {
   int grid, tile_parts;
   bool whole_tiles;
