@@ -5,10 +5,10 @@ launch, up to 16 tokens (compute capability 9.x).
     python benchmarks/bench_cluster_split.py --shapes 4096->1024 --m 1
 
 Per shape and M: the planned launch (``kbit.ops.gemm``: the planner's configuration and grid), then for every mma.sync
-configuration up to 16 tokens (mb 1 and 2, k split 1 and 8) and every cluster size C in 2, 4, 8 that fits (C <= a
-tile's k-steps, tiles x C <= SMs), the same weights with each tile's k-steps in C parts on one cluster of C CTAs
-(tile_parts = C on tiles x C CTAs), and the same grid cut in one group, whose split tiles meet through L2 (where C
-divides the k-steps, the same parts: the two columns differ only in the hand-off). Timed as bench_gemm.py times
+configuration up to 16 tokens (mb 1 and 2, k split 1 and 8) and every cluster size C in 2..8 that fits (C <= a tile's
+k-steps, tiles x C <= SMs), the same weights with each tile's k-steps in C parts on one cluster of C CTAs (tile_parts =
+C on tiles x C CTAs), and, where C divides the k-steps, the same parts on the same grid cut in one group, whose split
+tiles meet through L2 (the two columns differ only in the hand-off; bitwise the same sums). Timed as bench_gemm.py times
 (docs/PERFORMANCE.md#method): CUDA graphs of calls over weight copies that together exceed twice L2, the median replay
 over the calls; the copy of the call's bytes timed the same way. Clusters the GPU cannot hold all at once run in waves
 (the time shows it). Prints every launch, then the best per shape and M last; writes bench_cluster_split.json to $OUT
@@ -34,7 +34,7 @@ from common import (  # noqa: E402
 
 DEFAULT_SHAPES = ["4096->1024", "4096->4096", "4096->6144", "2048->1536", "14336->4096", "4096->28672"]
 DEFAULT_M = [1, 16]
-CLUSTER_SIZES = (2, 4, 8)
+CLUSTER_SIZES = tuple(range(2, 9))  # the binding's: 2 to 8 parts, a portable cluster
 # A forced launch's output against the planned one's (relative Frobenius norm): both sum the same products in another
 # order, so they agree to a few output roundings.
 AGREEMENT = 1e-2
@@ -45,6 +45,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="comma-separated K_in->N_out list")
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="comma-separated token counts, 1 to 16")
+    p.add_argument("--clusters", default=",".join(map(str, CLUSTER_SIZES)), help="cluster sizes to try, 2 to 8")
     p.add_argument("--k", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
     p.add_argument("--dtype", default="fp16", help="activation dtype: fp16 or bf16 (default fp16)")
     p.add_argument("--calls", type=int, default=20, help="minimum calls per CUDA graph (default 20)")
@@ -55,6 +56,7 @@ def parse_args(argv=None):
     try:
         args.shape_list = [parse_shape(s) for s in args.shapes.split(",")]
         args.m_list = parse_int_list(args.m, "--m", allowed=range(1, 17))
+        args.cluster_list = parse_int_list(args.clusters, "--clusters", allowed=CLUSTER_SIZES)
         (args.dtype_t,) = parse_dtypes(args.dtype)
     except ValueError as e:
         p.error(str(e))
@@ -88,8 +90,8 @@ def config_name(c) -> str:
     return f"mb{c.mb}" + (f" wg{c.wgmma_tiles}" if c.wgmma_tiles else "") + (f" ks{c.k_split}" if c.k_split > 1 else "")
 
 
-def cluster_launches(facts, k: int, n_out: int, kdim: int, m: int) -> list:
-    """(config, tiles, k-steps, C) of every clustered launch that fits the device."""
+def cluster_launches(facts, k: int, n_out: int, kdim: int, m: int, sizes) -> list:
+    """(config, tiles, k-steps, C) of every clustered launch of the cluster sizes `sizes` that fits the device."""
     from kbit import planner
 
     found = []
@@ -97,7 +99,7 @@ def cluster_launches(facts, k: int, n_out: int, kdim: int, m: int) -> list:
         if c.bits != k or not c.tile_parts_in_clusters or not c.runs_on(facts.device):
             continue
         steps = planner.steps_of(c, planner.Shape(n_out, kdim, m, k))
-        found += [(c, steps.tiles, steps.k_steps, C) for C in CLUSTER_SIZES
+        found += [(c, steps.tiles, steps.k_steps, C) for C in sizes
                   if C <= steps.k_steps and steps.tiles * C <= facts.device.sms]
     return found
 
@@ -122,16 +124,21 @@ def bench_shape(runner: Runner, facts, args, k_in: int, n_out: int, log) -> list
                 "planned": {"config": config_name(plan), "grid": plan.grid, "tile_parts": plan.tile_parts}}
         log(f"{base['shape']} M={m}: planned {base['planned']['config']} grid {plan.grid} {planned:.2f} us, "
             f"copy {copy:.2f} us")
-        for config, tiles, k_steps, C in cluster_launches(facts, args.k, n_out, fused.kdim, m):
+        for config, tiles, k_steps, C in cluster_launches(facts, args.k, n_out, fused.kdim, m, args.cluster_list):
             row = dict(base, config=config_name(config), tiles=tiles, k_steps=k_steps, cluster=C, grid=tiles * C)
-            times = {}
-            for name, parts in (("cluster_us", C), ("l2_us", 0)):
+            times = {"cluster_us": None, "l2_us": None}
+            for name, parts in (("cluster_us", C), ("l2_us", 0))[:2 if k_steps % C == 0 else 1]:
                 peer = ForcedLaunch(fused, config, tiles * C, parts)
-                y = peer.call(x, ws[0]).float()
+                try:
+                    y = peer.call(x, ws[0]).float()
+                except RuntimeError as e:  # refused by the binding (this GPU): reported, not fatal
+                    log(f"  {row['config']} C={C} tile_parts={parts}: {e}")
+                    continue
                 error = float((y - reference).norm() / reference.norm().clamp_min(1e-30))
                 times[name] = runner.time(peer, ws, x)["us"] if error <= AGREEMENT else None
                 if times[name] is None:
-                    log(f"  {row['config']} C={C}: output differs from the planned launch's by {error:.2g}; not timed")
+                    log(f"  {row['config']} C={C} tile_parts={parts}: output differs from the planned launch's by "
+                        f"{error:.2g}; not timed")
             row.update(times)
             row["speedup"] = planned / row["cluster_us"] if row["cluster_us"] else None
             log(f"  {row['config']:>8} C={C} grid {row['grid']:>3}: cluster {fmt_us(row['cluster_us'])} us, same cut "
