@@ -121,7 +121,7 @@ def _config(k: int, mb: int, k_split: int = 1, wgmma_tiles: int = 0):
 @needs_hopper
 def test_tile_parts_refused():
     """Launches the binding refuses, each with its reason: more parts than a cluster holds, one part, a grid that is not
-    tiles x parts, more parts than k-steps, parts on the wgmma path or past 16 tokens, whole tiles on mma.sync."""
+    tiles x parts, whole tiles on mma.sync, parts past 16 tokens or on the wgmma path, more parts than k-steps."""
     N, K, M = 1024, 4096, 1
     qw = quantized_weight(N, K, 4, seed_for("gemm-cluster-refused"))
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
@@ -136,13 +136,10 @@ def test_tile_parts_refused():
         (_config(4, 4), 4 * 2, 2, False, "mma.sync up to 16 tokens only"),
         (_config(4, 8, wgmma_tiles=2), 4 * 2, 2, False, "mma.sync up to 16 tokens only"),
     ]
-    # 2048 -> 1536 with the k split: 48 tiles of one k-step each, nothing to cut.
-    small = quantized_weight(1536, 2048, 4, seed_for("gemm-cluster-refused-small"))
+    # More parts than k-steps is more CTAs than steps: the k split's 32 tiles here have 2 k-steps each.
     k_split = _config(4, 1, k_split=8)
-    assert _steps(k_split, 1536, 2048, M).k_steps == 1
-    x_small = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="not 2 to k-steps per tile"):
-        _gemm(small, x_small, None, k_split, _steps(k_split, 1536, 2048, M).tiles * 2, 2)
+    assert _steps(k_split, N, K, M).k_steps == 2
+    cases.append((k_split, _steps(k_split, N, K, M).tiles * 3, 3, False, "has more CTAs than steps"))
     for config, grid, parts, whole, reason in cases:
         with pytest.raises(RuntimeError, match=f"the launch grid={grid}, tile_parts={parts}.*{reason}"):
             _gemm(qw, x, None, config, grid, parts, whole)
@@ -152,10 +149,11 @@ def test_tile_parts_refused():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9,
                     reason="compute capability 8.x: no thread-block clusters")
 def test_tile_parts_refused_without_clusters():
-    """Compute capability 8.x has no clusters: tile parts on mma.sync are refused before any launch."""
+    """Compute capability 8.x has no clusters: tile parts on mma.sync (k = 2 at 8 tokens, built for it) are refused
+    before any launch."""
     N, K, M = 1024, 4096, 1
-    qw = quantized_weight(N, K, 4, seed_for("gemm-cluster-sm80"))
+    qw = quantized_weight(N, K, 2, seed_for("gemm-cluster-sm80"))
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    config = _config(4, 1)
+    config = _config(2, 1)
     with pytest.raises(RuntimeError, match="need compute capability 9.0"):
         _gemm(qw, x, None, config, _steps(config, N, K, M).tiles * 2, 2)

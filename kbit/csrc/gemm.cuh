@@ -1112,6 +1112,7 @@ __device__ __forceinline__ void cluster_finish_tile(const GemmParams& p, const S
   __syncwarp();
   cluster_arrive();  // rank 0 has loaded the parts
   if (rank == 0 && holds_sums) store_tile<Cfg, T>(p, c, out_scale, acc);
+  __syncwarp();
   cluster_wait();  // no CTA leaves before then
 #else
   __trap();  // clusters: sm_90; the host never launches this configuration elsewhere
