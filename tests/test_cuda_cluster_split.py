@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("ieee_fp32_matmul")  # fp32 references are 
 # (k-steps no C divides: 17, or 3 with the k split) and row tiles past N.
 CLUSTER_SHAPES = ((1024, 4096), (6144, 4096), (1536, 2048), (1000, 4128))
 CLUSTER_MS = (1, 5, 16)
-CLUSTER_PARTS = (2, 3, 4, 8)
+CLUSTER_PARTS = (2, 3, 4, 5, 7, 8)
 
 
 def _ext():
@@ -55,12 +55,14 @@ def _steps(config, N: int, K: int, M: int) -> planner.Steps:
     return planner.steps_of(config, planner.Shape(N, formats.padded_in_features(K), M, config.bits))
 
 
-def _gemm(qw, x, bias, config, grid: int, parts: int, whole_tiles: bool = False):
-    """The extension's GEMM on a forced launch, its output poisoned before the call."""
+def _gemm(qw, x, bias, config, grid: int, parts: int, whole_tiles: bool = False, scale=None):
+    """The extension's GEMM on a forced launch (the weight's scale, or one per 256 rows), its output poisoned before the
+    call."""
     b, a = qw.gemm_layout()
     N, K = qw.shape
     ptrs = poison((x.shape[0] * N, x.dtype))
-    y = _ext().gemm(x, b, a, qw.codebook, qw.scale, bias, qw.bits, N, formats.padded_in_features(K), grid, parts,
+    scale = qw.scale if scale is None else scale
+    y = _ext().gemm(x, b, a, qw.codebook, scale, bias, qw.bits, N, formats.padded_in_features(K), grid, parts,
                     whole_tiles, config.mb, config.wgmma_tiles, config.k_split, config.ws_tokens,
                     ops.weights_settled(b, a, qw.codebook))
     poisoned(ptrs, y)
@@ -109,6 +111,41 @@ def test_tile_parts_summed_in_clusters(k):
                                 failures.append(f"{where}: differs bitwise from the same cut summed through L2")
     assert runs > 0, "no cluster launch fits this GPU"
     assert not failures, tag(seed_for("gemm-cluster-split", k), op="gemm tile parts in clusters", bits=k) + "\n  " + \
+        "\n  ".join(failures)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=_name)
+def test_row_scales_in_clusters(dtype):
+    """Sibling projections fused into one launch (4096 -> 6144: q, k, v), a scale per 256 output rows (powers of two
+    times the weight's): each block within tolerance of the reference times its factor, and bitwise the same grid's
+    sum through L2."""
+    N, K = 6144, 4096
+    seed = seed_for("gemm-cluster-row-scales", dtype)
+    qw = quantized_weight(N, K, 4, seed)
+    chk = GemmChecker(qw)
+    g = gen(seed + 1, "cuda")
+    factors = 2.0 ** torch.randint(-1, 3, (N // 256,), generator=g, device="cuda").float()
+    row_factors = factors.repeat_interleave(256)
+    failures = []
+    for M in (1, 16):
+        x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+        for config in _clustered_configs(4):
+            steps = _steps(config, N, K, M)
+            parts = 4  # 16 k-steps: the same cut as one group on tiles x 4 CTAs
+            if steps.k_steps != 16 or steps.tiles * parts > torch.cuda.get_device_properties(0).multi_processor_count:
+                continue
+            grid = steps.tiles * parts
+            y = _gemm(qw, x, None, config, grid, parts, scale=qw.scale * factors)
+            where = f"M={M} mb={config.mb} k_split={config.k_split} parts={parts} grid={grid}"
+            st = chk.stats(x, None, y.float() / row_factors)
+            if not st["ok"]:
+                failures.append(f"{where}: {chk.describe(st)}")
+            through_l2 = _gemm(qw, x, None, config, grid, 0, scale=qw.scale * factors)
+            if not torch.equal(_bits(through_l2), _bits(y)):
+                failures.append(f"{where}: differs bitwise from the same cut summed through L2")
+    assert not failures, tag(seed, op="gemm tile parts in clusters, row scales", dtype=dtype) + "\n  " + \
         "\n  ".join(failures)
 
 
