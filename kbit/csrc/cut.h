@@ -7,8 +7,8 @@
 // plus one more when j < extra_steps.
 //   One group of all CTAs, in steps: the stream-K cut (every SM streams weights whatever the shape).
 //   One group of all CTAs, in tiles: the warp-specialized kernel's CTAs own whole tiles, as many each or one apart.
-//   A group per tile, in steps: each tile cut in parts of whole k-steps (the warp-specialized kernel), no tile across
-//     three CTAs.
+//   A group per tile, in steps: each tile cut in parts of whole k-steps (the warp-specialized kernel; gemm.cuh's up to
+//     16 tokens, each tile's parts one thread-block cluster), no tile across three CTAs.
 // tests/test_cut.py checks these functions on the host over every grid of these three kinds the binding accepts.
 
 #pragma once
@@ -44,8 +44,8 @@ KBIT_HOST_DEVICE inline StreamKCut make_cut(int units, int grid, int group, int 
   return {group_units / group, group_units % group, group, reciprocal, unit};
 }
 
-// CTA b's steps, b <= grid. kGroups = false: the cut is one group in steps (gemm.cuh's kernels), nothing computed for
-// groups or units.
+// CTA b's steps, b <= grid. kGroups = false: the cut is one group in steps (gemm.cuh's kernels without tile parts),
+// nothing computed for groups or units.
 // No division, and last not derived from first: so the range stays in uniform registers on the device, which the
 // copies issued by the warp-specialized kernel's producer take directly. Either would put the producer's loop in
 // vector registers and spill it at 24 registers, which was slower (docs/PERFORMANCE.md, "Measured choices").

@@ -134,7 +134,7 @@ struct GemmParams {
   bool row_scales;          // scale holds one float per 256 output rows: sibling projections fused into one launch,
                             // each padded to 256 rows with its own per-tensor scale (kbit/fusion.py); epilogue only
   uint16_t cut_unit;        // pipeline steps per unit of the cut: 1, or k_steps where every CTA owns whole tiles (the
-                            // warp-specialized kernel; gemm.cuh's kernels cut in steps and do not read it)
+                            // warp-specialized kernel; gemm.cuh's kernels cut in steps: 1)
   int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
@@ -148,8 +148,8 @@ struct GemmParams {
                             // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
   uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
   ClusterUse clusters;      // host only: how the launch sums tiles cut in parts (ClusterUse)
-  uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut; always in
-                            // gemm.cuh's kernels), or the CTAs sharing one tile (its parts: the planner's tile_parts)
+  uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut), or the CTAs
+                            // sharing one tile (its parts: the planner's tile_parts; in gemm.cuh's kernels a cluster)
   uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
 };
 // 128 bytes: a larger struct made ptxas compile every GEMM configuration differently, and small shapes ran slower
