@@ -161,6 +161,24 @@ def best_rows(rows: list) -> list:
     return list(best.values())
 
 
+def render(rows: list, heading: str) -> str:
+    """Every cluster launch timed, then the best per shape and M against the planned launch (printed last)."""
+    every = [[r["shape"], r["m"], r["planned"]["config"], r["planned"]["grid"], fmt_us(r["planned_us"]), r["config"],
+              r["cluster"], r["grid"], fmt_us(r["cluster_us"]), fmt_us(r["l2_us"]), fmt_ratio(r["speedup"])]
+             for r in rows if r["config"] is not None]
+    best = [[r["shape"], r["m"], fmt_us(r["copy_us"]), f"{r['planned']['config']} / {r['planned']['grid']}",
+             fmt_us(r["planned_us"]),
+             f"{r['config']} C={r['cluster']} / {r['grid']}" if r["config"] is not None else "none fits",
+             fmt_us(r["cluster_us"]), fmt_us(r["l2_us"]), fmt_ratio(r["speedup"])] for r in best_rows(rows)]
+    return "\n".join([
+        text_table(["shape", "M", "planned", "grid", "us", "config", "C", "grid", "cluster us", "L2 us (same cut)",
+                    "speedup"], every),
+        "",
+        f"{heading} Best cluster launch per shape and M (speedup over the planned launch):",
+        text_table(["shape", "M", "copy us", "planned / grid", "planned us", "cluster / grid", "cluster us",
+                    "L2 us (same cut)", "speedup"], best)])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch = common.torch
@@ -179,27 +197,14 @@ def main(argv=None) -> int:
         rows += bench_shape(runner, facts, args, k_in, n_out, lambda s: print(s, flush=True))
     seconds = time.perf_counter() - start
 
-    every = [[r["shape"], r["m"], r["planned"]["config"], r["planned"]["grid"], fmt_us(r["planned_us"]), r["config"],
-              r["cluster"], r["grid"], fmt_us(r["cluster_us"]), fmt_us(r["l2_us"]), fmt_ratio(r["speedup"])]
-             for r in rows if r["config"] is not None]
-    best = [[r["shape"], r["m"], fmt_us(r["copy_us"]), f"{r['planned']['config']} / {r['planned']['grid']}",
-             fmt_us(r["planned_us"]),
-             f"{r['config']} C={r['cluster']} / {r['grid']}" if r["config"] is not None else "none fits",
-             fmt_us(r["cluster_us"]), fmt_us(r["l2_us"]), fmt_ratio(r["speedup"])] for r in best_rows(rows)]
-    print()
-    print(text_table(["shape", "M", "planned", "grid", "us", "config", "C", "grid", "cluster us", "L2 us (same cut)",
-                      "speedup"], every))
-    print()
-    print(f"K={args.k} {args.dtype}, {facts.device.name}, {facts.device.sms} SMs; {seconds:.0f} s. Best cluster launch "
-          "per shape and M (speedup over the planned launch):")
-    print(text_table(["shape", "M", "copy us", "planned / grid", "planned us", "cluster / grid", "cluster us",
-                      "L2 us (same cut)", "speedup"], best))
     out = os.environ.get("OUT")
     if out:
         path = Path(out) / "bench_cluster_split.json"
         path.write_text(json.dumps({"env": env_info(), "k": args.k, "dtype": args.dtype, "seconds": seconds,
                                     "rows": rows}, indent=1))
         print(f"wrote {path}")
+    print()
+    print(render(rows, f"K={args.k} {args.dtype}, {facts.device.name}, {facts.device.sms} SMs; {seconds:.0f} s."))
     return 0
 
 

@@ -39,3 +39,17 @@ def test_best_rows_take_the_fastest_timed_cluster_launch(bench):
             {"shape": "4096->1024", "m": 1, "cluster_us": 2.9}, {"shape": "4096->1024", "m": 16, "cluster_us": None}]
     best = bench.best_rows(rows)
     assert [(r["m"], r["cluster_us"]) for r in best] == [(1, 2.9), (16, None)]
+
+
+def test_render_lists_every_launch_then_the_best_per_shape(bench):
+    planned = {"config": "mb1 ks8", "grid": 64, "tile_parts": 0}
+    base = {"shape": "4096->1024", "m": 1, "planned_us": 3.8, "copy_us": 0.9, "planned": planned}
+    rows = [dict(base, config="mb2 ks8", cluster=2, grid=128, cluster_us=3.1, l2_us=3.9, speedup=3.8 / 3.1),
+            dict(base, config="mb1", cluster=5, grid=20, cluster_us=None, l2_us=None, speedup=None),
+            dict(base, shape="4096->28672", config=None, cluster=None, grid=None, cluster_us=None, l2_us=None,
+                 speedup=None)]
+    text = bench.render(rows, "K=4 fp16, H200.")
+    every, best = text.split("Best cluster launch")
+    assert every.count("4096->1024") == 2 and "4096->28672" not in every  # shapes without a cluster launch: best only
+    assert "mb2 ks8 C=2 / 128" in best and "1.23x" in best and "none fits" in best
+    assert text.rstrip().splitlines()[-1].startswith("4096->28672")  # the best table is last
