@@ -47,12 +47,15 @@ def test_compare_counts_slow_cells_per_token_count_and_shows_the_plans():
 
 
 def test_compare_reads_the_field_asked_for(tmp_path):
-    rows = [{"shape": "4096->4096", "dtype": "fp16", "M": 64, "K": 4, "kbit_us": 10.0, "fused_us": 12.0},
+    cublas, ws = {"path": "dequantize_cublas"}, {"path": "warp_specialized", "ws_tokens": 256}
+    rows = [{"shape": "4096->4096", "dtype": "fp16", "M": 64, "K": 4, "kbit_us": 10.0, "fused_us": 12.0,
+             "plan": cublas, "fused_plan": ws},
             {"shape": "4096->4096", "dtype": "fp16", "M": 128, "K": 4, "kbit_us": None, "fused_us": 12.0}]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps({"rows": rows}))
-    assert compare_ab.cells([path], "kbit_us") == {_cell("4096->4096", 64, 4): (10.0, None)}
-    assert len(compare_ab.cells([path], "fused_us")) == 2
+    assert compare_ab.cells([path], "kbit_us") == {_cell("4096->4096", 64, 4): (10.0, cublas)}
+    fused = compare_ab.cells([path], "fused_us")
+    assert len(fused) == 2 and fused[_cell("4096->4096", 64, 4)] == (12.0, ws)  # the plan that ran the fused op
 
 
 def test_planner_ab_times_the_tree_it_is_given(monkeypatch):
