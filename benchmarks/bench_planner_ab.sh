@@ -120,7 +120,7 @@ if [ "$DRY" = 0 ]; then
     ab "$side" "$per_side"
   done
 else
-  for side in $sides; do cp "$NEW/benchmarks/results/gemm_NVIDIA_H200_prefill.json" "$RES/ab_$side.json"; done
+  for side in $sides; do cp "$NEW/benchmarks/results/gemm_NVIDIA_H200.json" "$RES/ab_$side.json"; done
 fi
 
 # 5. MoE, if time is left
