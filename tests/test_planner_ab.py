@@ -58,6 +58,16 @@ def test_compare_reads_the_field_asked_for(tmp_path):
     assert len(fused) == 2 and fused[_cell("4096->4096", 64, 4)] == (12.0, ws)  # the plan that ran the fused op
 
 
+def test_compare_takes_a_cell_at_its_fastest_over_the_rounds(tmp_path):
+    row = {"shape": "4096->4096", "dtype": "fp16", "M": 256, "K": 4}
+    paths = []
+    for n, (us, grid) in enumerate(((30.0, 128), (28.5, 132), (29.0, 128))):
+        paths.append(tmp_path / f"round{n}.json")
+        paths[-1].write_text(json.dumps({"rows": [dict(row, kbit_us=us, plan={"path": "mma_sync", "grid": grid})]}))
+    assert compare_ab.cells(paths, "kbit_us") == {_cell("4096->4096", 256, 4): (28.5, {"path": "mma_sync",
+                                                                                       "grid": 132})}
+
+
 def test_planner_ab_times_the_tree_it_is_given(monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     kbit = planner_ab.import_tree(ROOT)
