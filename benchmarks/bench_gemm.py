@@ -1,8 +1,9 @@
 """Benchmark kbit's fused dequantize + GEMM against cuBLAS fp16 and the other peers (docs/PERFORMANCE.md#method).
 
-    python benchmarks/bench_gemm.py                 # default sweep (~8 min of GPU time)
+    python benchmarks/bench_gemm.py                 # default sweep, M = 1..4096 (~8 min of GPU time)
     python benchmarks/bench_gemm.py --quick         # small subset (~1-2 min)
     python benchmarks/bench_gemm.py --shapes 4096->14336,8192->28672 --m 1,16 --k 4 --dtypes fp16,bf16
+    python benchmarks/bench_gemm.py --render A.json B.json   # one result from runs measured apart
 
 Method: first the device-to-device copy bandwidth is measured (bytes read + written per second).
 Every timing is a CUDA graph of R calls, each call on a different copy of its weights, the copies together
@@ -15,7 +16,12 @@ default) timed the same way, and the share of the call's limit (``add_limits``: 
 own rate on the shape at 4096 tokens where that is longer). Peers, when available: dequantize + cuBLAS
 (``kbit.dequantize`` then ``F.linear``), torch int4 (``aten._weight_int4pack_mm``, group size 128; it may only
 accept bf16 activations), bitsandbytes NF4 and gemlite int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and
-``gemm_<device>_summary.txt`` under ``--out`` (default benchmarks/results).
+``gemm_<device>_summary.txt`` under ``--out`` (default benchmarks/results): the device's one current result set.
+
+A results JSON lists its ``runs`` (each one's env, commit, date, copy bandwidth and arguments) and its ``rows``,
+each naming the run that measured it. ``--render`` of several JSONs merges their rows into ``gemm_<device>.*``
+(a sweep measured in parts, e.g. ``--m 1,4,8,16 --tag decode`` and ``--m 32,...,4096 --tag prefill``), keeping
+every run's provenance; it refuses runs of different devices and a cell (shape, dtype, M, K) measured twice.
 
 Shapes are written K_in->N_out (nn.Linear(in_features=K_in, out_features=N_out)).
 """
@@ -41,7 +47,7 @@ from common import (  # noqa: E402
 DEFAULT_SHAPES = ["8192->28672", "14336->4096", "4096->4096", "2048->1536", "4096->14336", "28672->8192",
                   "11008->4096", "4096->11008", "2048->10240"]
 QUICK_SHAPES = ["8192->28672", "14336->4096", "4096->4096", "2048->1536"]
-DEFAULT_M = [1, 4, 16, 32, 64, 128, 256]
+DEFAULT_M = [1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 QUICK_M = [1, 16, 64]
 DEFAULT_K = [2, 3, 4, 5]
 PEERS = ("dequant", "int4", "bnb", "gemlite")
@@ -64,15 +70,18 @@ def parse_args(argv=None):
                         "dequant+cuBLAS peer at K=4 only")
     p.add_argument("--full", action="store_true", help="the default sweep (accepted for symmetry with --quick)")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results or $KBIT_BENCH_OUT)")
-    p.add_argument("--tag", default="", help="suffix of the output files' names: gemm_<device>_<tag>.* (e.g. decode, prefill)")
+    p.add_argument("--tag", default="", help="suffix of the output files' names, gemm_<device>_<tag>.*, for a run "
+                                             "that is not the device's whole set (a part to merge with --render)")
     p.add_argument("--calls", type=int, default=20, help="minimum calls per CUDA graph (default 20)")
     p.add_argument("--replays", type=int, default=7, help="graph replays; the median is reported (default 7)")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"peers besides cuBLAS to time, comma-separated from {','.join(PEERS)} (or 'none')")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
-    p.add_argument("--render", metavar="JSON", default=None,
+    p.add_argument("--render", metavar="JSON", nargs="+", default=None,
                    help="no timing: write the markdown of a results JSON of this script again beside it, with the "
-                        "derived columns of this version (the limit's share); prints its summary")
+                        "derived columns of this version (the limit's share); prints its summary. Several JSONs of "
+                        "one device: their rows merged into gemm_<device>.{md,json} in --out (default: the first "
+                        "JSON's folder), each run's provenance kept")
     p.add_argument("--no-check", action="store_true", help="skip the per-(shape, K) accuracy spot check")
     p.add_argument("--mem-fraction", type=float, default=0.5,
                    help="cap on the free GPU memory one rotation set may use (default 0.5)")
@@ -524,13 +533,17 @@ def limit_rows(rows: list, ms=SUMMARY_M) -> tuple[list, list]:
     return headers, out
 
 
+# The token ranges a geomean is taken over: decode (up to 16 tokens) and prefill apart.
+GEOMEAN_M = (("M=1", lambda m: m == 1), ("M<=16", lambda m: m <= 16), ("M>=32", lambda m: m >= 32))
+
+
 def geomean_lines(rows: list) -> list[str]:
     lines = []
     for dt in sorted({r["dtype"] for r in rows}):
-        for m_set, label in (((1,), "M=1"), ((1, 4, 16), "M<=16"), (None, "all M")):
+        for label, in_range in GEOMEAN_M:
             parts = []
             for k in sorted({r["K"] for r in rows}):
-                sel = [r for r in rows if r["dtype"] == dt and r["K"] == k and (m_set is None or r["M"] in m_set)]
+                sel = [r for r in rows if r["dtype"] == dt and r["K"] == k and in_range(r["M"])]
                 g = geomean(r["speedup"] for r in sel)
                 gp = geomean(r["roofline_pct"] for r in sel)
                 if sel:
@@ -555,20 +568,38 @@ def full_table(rows: list) -> str:
     return markdown_table(headers, body, align="llrr" + "r" * (len(headers) - 4))
 
 
+def runs_table(runs: list) -> str:
+    """One line per run: its provenance and what it measured."""
+    headers = ["run", "date", "kbit commit", "torch (CUDA)", "copy TB/s", "calls / replays", "M", "K", "dtypes",
+               "shapes", "peers"]
+    body = []
+    for i, run in enumerate(runs):
+        env, args = run["env"], run["args"]
+        body.append([i, env["date"], env["commit"], f"{env['torch']} ({env['torch_cuda']})",
+                     f"{run['copy_bandwidth'] / 1e12:.2f}", f"{args['calls']} / {args['replays']}",
+                     ", ".join(map(str, args.get("m", []))), ", ".join(map(str, args.get("k", []))),
+                     ", ".join(args.get("dtypes", [])), len(args.get("shapes", [])),
+                     ", ".join(args.get("peers", [])) or "none"])
+    return markdown_table(headers, body, align="rlllrrlllrl")
+
+
 def render_markdown(data: dict) -> str:
-    env, rows = data["env"], data["rows"]
+    runs, rows = data["runs"], data["rows"]
+    env = runs[0]["env"]
     lines = [
         f"# kbit GEMM benchmark: {env.get('device', '?')}",
         "",
-        f"{env['date']}; torch {env['torch']} (CUDA {env['torch_cuda']}); kbit commit {env['commit']}; "
-        f"sm {env.get('sm', '?')}, {env.get('num_sms', '?')} SMs, L2 {env.get('l2_bytes', 0) / 2**20:.0f} MiB.",
+        f"sm {env.get('sm', '?')}, {env.get('num_sms', '?')} SMs, L2 {env.get('l2_bytes', 0) / 2**20:.0f} MiB. "
+        "Measured in these runs (each row names its run in the JSON; copy = the run's measured copy bandwidth, "
+        "bytes read + written):",
         "",
-        f"Measured copy bandwidth: **{data['copy_bandwidth'] / 1e12:.2f} TB/s** (bytes read + written). "
-        f"CUDA graphs of >= {data['args']['calls']} calls over weight copies totalling > 2x L2, median of "
-        f"{data['args']['replays']} replays. Floor = (k-bit weight bytes incl. E4M4 absmax + x + y) / copy bandwidth; "
-        "% roofline = floor / time. copy = a device-to-device copy moving the same bytes (half read, half "
-        "written), timed the same way. Speedup = cuBLAS `F.linear` (same dtype, rotated weights) / kbit. "
-        "err ratio = max|kbit - fp32 ref| / max|F.linear(dequant) - fp32 ref| at M=16 (tests require <= 2).",
+        runs_table(runs),
+        "",
+        "CUDA graphs of the run's calls over weight copies totalling > 2x L2, median of its replays. Floor = (k-bit "
+        "weight bytes incl. E4M4 absmax + x + y) / the run's copy bandwidth; % roofline = floor / time. copy = a "
+        "device-to-device copy moving the same bytes (half read, half written), timed the same way. Speedup = "
+        "cuBLAS `F.linear` (same dtype, rotated weights) / kbit. err ratio = max|kbit - fp32 ref| / "
+        "max|F.linear(dequant) - fp32 ref| at M=16 (tests require <= 2).",
         "",
         "## Speedup over cuBLAS (in parentheses: % of roofline)",
         "",
@@ -597,7 +628,8 @@ def render_markdown(data: dict) -> str:
 def render_summary(data: dict) -> str:
     rows = data["rows"]
     h, b = summary_rows(rows)
-    lines = [f"kbit GEMM on {data['env'].get('device', '?')} (copy {data['copy_bandwidth'] / 1e12:.2f} TB/s): "
+    copies = " / ".join(f"{run['copy_bandwidth'] / 1e12:.2f}" for run in data["runs"])
+    lines = [f"kbit GEMM on {data['runs'][0]['env'].get('device', '?')} (copy {copies} TB/s): "
              "speedup over cuBLAS (% of roofline)", text_table(h, b)]
     lines += geomean_lines(rows)
     if _has_dense_rates(rows):
@@ -612,11 +644,64 @@ def render_summary(data: dict) -> str:
     return "\n".join(lines)
 
 
-def render_saved(path: Path) -> int:
-    """``--render``: the markdown (and the JSON, with the derived fields) of saved results, written again."""
+# A run's provenance: what a results JSON holds per run.
+RUN_KEYS = ("env", "copy_bandwidth", "l2_bytes", "args", "elapsed_s")
+
+
+def results_stem(device: str) -> str:
+    return f"gemm_{common.device_tag(device)}"
+
+
+def load_results(path: Path) -> dict:
+    """A results JSON with ``runs`` and rows naming their run; a file written before runs were listed holds its one
+    run's provenance at the top level."""
     data = json.loads(path.read_text())
+    if "runs" in data:
+        return data
+    return {"runs": [{key: data[key] for key in RUN_KEYS if key in data}],
+            "rows": [dict(r, run=0) for r in data["rows"]],
+            "errors": data.get("errors", []), "peer_notes": data.get("peer_notes", [])}
+
+
+def merge_results(parts: list) -> dict:
+    """One result from ``parts``, (name, results) pairs of one device: all runs, their rows renumbered to name
+    their run and ordered by dtype, shape, K, M (a sweep's own order). Raises ValueError for runs of different
+    devices or a cell (shape, dtype, M, K) in two parts."""
+    devices = {name: {run["env"].get("device") for run in data["runs"]} for name, data in parts}
+    if len(set().union(*devices.values())) != 1:
+        raise ValueError("--render: runs of different devices cannot be merged: " + ", ".join(
+            f"{name} ({', '.join(sorted(map(str, found)))})" for name, found in devices.items()))
+    merged = {"runs": [], "rows": [], "errors": [], "peer_notes": []}
+    measured_in = {}
+    for name, data in parts:
+        first_run = len(merged["runs"])
+        for r in data["rows"]:
+            cell = (r["shape"], r["dtype"], r["M"], r["K"])
+            if cell in measured_in:
+                raise ValueError(f"--render: {r['shape']} {r['dtype']} M={r['M']} K={r['K']} is measured in both "
+                                 f"{measured_in[cell]} and {name}; leave one of them out")
+            measured_in[cell] = name
+            merged["rows"].append(dict(r, run=r["run"] + first_run))
+        merged["runs"] += data["runs"]
+        merged["errors"] += data["errors"]
+        merged["peer_notes"] += data["peer_notes"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in merged["rows"]))
+    shapes = list(dict.fromkeys(r["shape"] for r in merged["rows"]))
+    merged["rows"].sort(key=lambda r: (dtypes.index(r["dtype"]), shapes.index(r["shape"]), r["K"], r["M"]))
+    return merged
+
+
+def render_saved(paths: list, out_dir) -> int:
+    """``--render``: the markdown (and the JSON, with the derived fields) of saved results, written again: one file in
+    place, several merged into the device's set (``merge_results``)."""
+    try:
+        data = merge_results([(str(p), load_results(p)) for p in paths])
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     add_limits(data["rows"])
-    write_outputs(path.parent, path.stem, render_markdown(data), data)
+    stem = paths[0].stem if len(paths) == 1 else results_stem(data["runs"][0]["env"]["device"])
+    write_outputs(Path(out_dir) if out_dir else paths[0].parent, stem, render_markdown(data), data)
     print(render_summary(data))
     return 0
 
@@ -624,7 +709,7 @@ def render_saved(path: Path) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
-        return render_saved(Path(args.render))
+        return render_saved([Path(p) for p in args.render], args.out)
     common.require_cuda("bench_gemm.py")
     torch = common.torch
     import kbit  # noqa: F401
@@ -658,14 +743,15 @@ def main(argv=None) -> int:
             for msg in e:
                 log(f"  error: {msg}")
     add_limits(rows)
-    data = {
+    run = {
         "env": env, "copy_bandwidth": bw, "l2_bytes": l2,
         "args": {"shapes": [shape_name(*s) for s in args.shape_list], "m": args.m_list, "k": args.k_list,
                  "dtypes": [dtype_name(d) for d in args.dtype_list], "quick": args.quick, "calls": args.calls,
                  "replays": args.replays, "peers": args.peer_list},
-        "rows": rows, "errors": errors, "peer_notes": notes, "elapsed_s": round(time.time() - t_start, 1),
+        "elapsed_s": round(time.time() - t_start, 1),
     }
-    stem = f"gemm_{common.device_tag(env['device'])}" + (f"_{args.tag}" if args.tag else "_quick" if args.quick else "")
+    data = {"runs": [run], "rows": [dict(r, run=0) for r in rows], "errors": errors, "peer_notes": notes}
+    stem = results_stem(env["device"]) + (f"_{args.tag}" if args.tag else "_quick" if args.quick else "")
     md_path, js_path = write_outputs(out_dir, stem, render_markdown(data), data)
     written = [md_path, js_path]
     if not args.no_plot:

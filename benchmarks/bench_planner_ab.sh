@@ -11,7 +11,8 @@
 # 4. the A/B: benchmarks/planner_ab.py times kbit.matmul as a layer runs it over bench_gemm.py's sweep (AB_M x
 #    AB_K x its nine shapes, the most telling first) on three sides one after the other, each given a third of the
 #    time left: OLD; this tree on its shipped coefficients (kbit/gpus/, the tuned cache set aside); this tree on the
-#    coefficients just fitted;
+#    coefficients just fitted; after the MoE, up to AB_ROUNDS rounds in all while time is left (ab_<side>_r<n>.json),
+#    each cell compared at its fastest time over the rounds;
 # 5. bench_moe.py --quick in OLD and this tree (tuned), if AB_MOE_S seconds are left;
 # 6. the summary, printed last: compare_ab.py of each new side against OLD on the layer GEMM and on the fused op
 #    alone, the MoE, the fitted coefficients.
@@ -32,6 +33,7 @@ TUNE_TOKENS=${AB_TUNE_TOKENS:-1,16,32,64,128,256,512,1024,2048,4096}
 BITS=${AB_K:-2,3,4,5}
 M=${AB_M:-1,16,32,64,128,256,512,1024,2048,4096}  # bench_gemm.py's but 4 (decode: the same plan as at 1 and 16)
 MOE_S=${AB_MOE_S:-120}
+ROUNDS=${AB_ROUNDS:-3}  # rounds of the A/B at most (each cell compared at its fastest)
 CACHE=${AB_CACHE:-/tmp/kbit_ab}
 start=$SECONDS
 rm -rf "$RES"
@@ -102,25 +104,34 @@ EOF
 tag=none
 if [ -n "$tuned" ]; then fit "$tuned"; fi
 
-# 4. the A/B over bench_gemm.py's sweep: old, new on its shipped coefficients, new on the ones just fitted
-ab() {  # side: time it, given a share of the time left
-  in_tree "$1" python "$NEW/benchmarks/planner_ab.py" --tree "$(tree_of "$1")" --out "$RES/ab_$1.json" \
-    --m "$M" --k "$BITS" --seconds "$2" >"$RES/ab_$1.log" 2>&1 || { say "A/B $1 failed"; tail -20 "$RES/ab_$1.log"; }
-  say "A/B $1 done ($2 s allowed)"
+# 4. the A/B over bench_gemm.py's sweep: old, new on its shipped coefficients, new on the ones just fitted; in rounds
+# (round 1 before the MoE, more after it while time is left), each cell compared at its fastest of the rounds: one
+# side's timing of an unchanged plan varies by more than 5% in about one cell of twenty between sides minutes apart.
+ab() {  # side, seconds, file suffix: time it, given a share of the time left
+  local out=ab_$1$3
+  in_tree "$1" python "$NEW/benchmarks/planner_ab.py" --tree "$(tree_of "$1")" --out "$RES/$out.json" \
+    --m "$M" --k "$BITS" --seconds "$2" >"$RES/$out.log" 2>&1 || { say "A/B $out failed"; tail -20 "$RES/$out.log"; }
+  say "A/B $out done ($2 s allowed)"
+}
+round_s=0
+ab_round() {  # round: every side once, one after the other (the tuned cache set aside for the shipped side)
+  local t0=$SECONDS suffix=
+  [ "$1" -gt 1 ] && suffix=_r$1
+  local per_side=$((($(left) - 30) / $(echo $sides | wc -w)))
+  [ "$per_side" -ge 30 ] || per_side=30
+  for side in $sides; do
+    if [ "$side" = shipped ] && [ -d "${CACHE}_new/tuned" ]; then mv "${CACHE}_new/tuned" "${CACHE}_new/tuned.aside"; fi
+    if [ "$side" = tuned ] && [ -d "${CACHE}_new/tuned.aside" ]; then mv "${CACHE}_new/tuned.aside" "${CACHE}_new/tuned"; fi
+    ab "$side" "$per_side" "$suffix"
+  done
+  round_s=$((SECONDS - t0))
 }
 sides="old shipped"
 [ -n "$tuned" ] && sides="old shipped tuned"
 if [ "$DRY" = 0 ]; then
-  n=$(echo $sides | wc -w)
-  per_side=$((($(left) - 30) / n))
-  [ "$per_side" -ge 30 ] || per_side=30
-  for side in $sides; do
-    if [ "$side" = shipped ] && [ -d "${CACHE}_new/tuned" ]; then mv "${CACHE}_new/tuned" "${CACHE}_new/tuned.aside"; fi
-    if [ "$side" = tuned ]; then mv "${CACHE}_new/tuned.aside" "${CACHE}_new/tuned"; fi
-    ab "$side" "$per_side"
-  done
+  ab_round 1
 else
-  for side in $sides; do cp "$NEW/benchmarks/results/gemm_NVIDIA_H200_prefill.json" "$RES/ab_$side.json"; done
+  for side in $sides; do cp "$NEW/benchmarks/results/gemm_NVIDIA_H200.json" "$RES/ab_$side.json"; done
 fi
 
 # 5. MoE, if time is left
@@ -136,6 +147,14 @@ else
   say "MoE A/B left out: $(left) s left, $MOE_S wanted"
 fi
 
+# 5b. more rounds of the A/B (4) while one more fits
+round=2
+while [ "$DRY" = 0 ] && [ "$round" -le "$ROUNDS" ] && [ "$(left)" -ge $((round_s + 30)) ]; do
+  ab_round $round
+  round=$((round + 1))
+done
+rounds_of() { ls "$RES/ab_$1.json" "$RES"/ab_"$1"_r*.json 2>/dev/null; }  # side: its A/B files, round 1 first
+
 # 6. the summary (whatever fails in it, the rest is still printed)
 set +e
 {
@@ -146,10 +165,10 @@ set +e
     [ "$side" = old ] && continue
     echo "-- $side against old, the layer GEMM (kbit.matmul on a GEMM-resident weight, dequantize + cuBLAS where" \
       "planned):"
-    python benchmarks/compare_ab.py --worst 8 "$RES/ab_old.json" -- "$RES/ab_$side.json" || true
+    python benchmarks/compare_ab.py --worst 8 $(rounds_of old) -- $(rounds_of $side) || true
     echo "-- $side against old, the fused op alone (kbit.ops.gemm, bench_gemm.py's kbit row):"
     if grep -q '"fused_us"' "$RES/ab_$side.json"; then
-      python benchmarks/compare_ab.py --field fused_us --worst 5 "$RES/ab_old.json" -- "$RES/ab_$side.json" || true
+      python benchmarks/compare_ab.py --field fused_us --worst 5 $(rounds_of old) -- $(rounds_of $side) || true
     else
       echo "  (no fused_us in these rows)"
     fi
@@ -178,6 +197,6 @@ EOF
 if [ -n "${OUT:-}" ]; then
   tar -czf "$OUT/planner_ab.tar.gz" -C "$(dirname "$RES")" "$(basename "$RES")"
   cp "$RES/summary.txt" "$RES/tune_$tag.json" "$RES/$tag.json" "$OUT/"
-  for side in $sides; do cp "$RES/ab_$side.json" "$OUT/ab_$side.json" 2>/dev/null || true; done
+  for side in $sides; do cp $(rounds_of $side) "$OUT/" 2>/dev/null || true; done
 fi
 cat "$RES/summary.txt"

@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 
 import kbit  # noqa: E402
 import kbit.nn  # noqa: E402
-from kbit.bit_budget import check_bits_setting  # noqa: E402
+from kbit.bit_budget import average_bits, check_bits_setting  # noqa: E402
 from kbit.calibration import uses_calibration  # noqa: E402
 
 FULL_LAYERS = 32
@@ -104,10 +104,11 @@ def phase_timers(device: str):
 
 
 def stored_average_bits(model) -> float:
-    """Average bits per weight of the model's KbitLinear layers as stored: codes and E4M4 block scales."""
+    """Average bits per weight of the model's KbitLinear layers as stored (codes and E4M4 block scales), counted
+    from each layer's K: a layer on the GPU holds its GEMM layout, not the storage tensors."""
     layers = [m for m in model.modules() if isinstance(m, kbit.KbitLinear)]
-    stored = sum(m.packed.numel() * m.packed.element_size() * 8 + m.absmax.numel() * 8 for m in layers)
-    return stored / sum(m.in_features * m.out_features for m in layers)
+    return average_bits({i: (m.out_features, m.in_features) for i, m in enumerate(layers)},
+                        {i: m.bits for i, m in enumerate(layers)})
 
 
 def time_method(spec: str, shape: dict, layers: int, device: str, dtype: torch.dtype, bits, calibration,

@@ -3,7 +3,8 @@ new / old speed, the geometric mean, the cells below 0.95x and the worst cells.
 
     python benchmarks/compare_ab.py [--field kbit_us] [--worst 5] OLD.json [OLD2.json ...] -- NEW.json [NEW2.json ...]
 
-A cell is one row's identity (shape or model, dtype, M or tokens, bits); speed is 1 / the row's ``--field``.
+A cell is one row's identity (shape or model, dtype, M or tokens, bits); speed is 1 / the row's ``--field``, the
+fastest where a side's files hold the cell more than once (rounds of the same runs).
 Where rows carry M or tokens, the geomean per token count follows; where they carry a ``plan``, the worst cells
 show both sides' plans.
 """
@@ -17,15 +18,17 @@ import sys
 
 KEYS = ("shape", "model", "dtype", "M", "tokens", "K", "k")
 SLOW = 0.95
+PLAN_OF = {"fused_us": "fused_plan"}  # the plan that ran a field's time where it is not the row's ``plan``
 
 
 def cells(paths: list, field: str) -> dict:
-    """cell -> (time, the row's plan or None)."""
+    """cell -> (time, the plan that ran it or None); a cell in several files (rounds of one side) at its fastest."""
     found = {}
     for path in paths:
         for row in json.load(open(path))["rows"]:
-            if row.get(field):
-                found[tuple((k, row[k]) for k in KEYS if k in row)] = (row[field], row.get("plan"))
+            cell = tuple((k, row[k]) for k in KEYS if k in row)
+            if row.get(field) and (cell not in found or row[field] < found[cell][0]):
+                found[cell] = (row[field], row.get(PLAN_OF.get(field, "plan"), row.get("plan")))
     return found
 
 

@@ -1,6 +1,6 @@
 """Chart of a bench_gemm.py result: speedup over cuBLAS vs M, one panel per shape, one line per K.
 
-    python benchmarks/plot.py benchmarks/results/gemm_NVIDIA_H200_decode.json [-o out.png]
+    python benchmarks/plot.py benchmarks/results/gemm_NVIDIA_H200.json [-o out.png]
 
 Needs matplotlib (``plot_gemm`` returns None without it, so the benchmark can run anywhere).
 """
@@ -76,9 +76,9 @@ def plot_gemm(data: dict, path) -> "Path | None":
                 ax.legend(fontsize=7)
         for si in range(len(shapes), nrow * ncol):
             axes[di * nrow + si // ncol][si % ncol].axis("off")
-    env = data.get("env", {})
-    fig.suptitle(f"kbit fused GEMM vs cuBLAS on {env.get('device', '?')} "
-                 f"(copy {data.get('copy_bandwidth', 0) / 1e12:.2f} TB/s, commit {env.get('commit', '?')})")
+    runs = data.get("runs", [data])  # a JSON written before runs were listed is its one run
+    fig.suptitle(f"kbit fused GEMM vs cuBLAS on {runs[0]['env'].get('device', '?')} (" + "; ".join(
+        f"copy {run['copy_bandwidth'] / 1e12:.2f} TB/s, commit {run['env'].get('commit', '?')}" for run in runs) + ")")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

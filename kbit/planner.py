@@ -7,17 +7,21 @@ or each tile in parts; cut.h). The binding runs exactly that and refuses what is
 ``rows_per_pass`` plans the MoE grouped GEMM's token rows per pass from the same model.
 
 It picks the candidate of least predicted time among the configurations the fit holds for at these tokens
-(``_fitted_for``), each on its launches (``launches``: the warp-specialized kernel's cut by its measured rules). The cost model, per path (``PathCost``), for a launch whose busiest CTA runs ``E`` steps (a step:
-one CTA tile's k-group of 256 columns, or 8 of them where the warps split k):
+(``_fitted_for``), each on its launches (``launches``: the warp-specialized kernel's cut by its measured rules). The
+cost model, per path (``PathCost``), for a launch whose busiest CTA runs ``E`` steps (a step: one CTA tile's k-group
+of 256 columns, or 8 of them where the warps split k):
 
     time = fixed + max(E x bytes per step / load rate, E x (weights per step / lookup rate + MACs per step / MMA
-           rate)) + tiles started x tile cost + a split tile's partial sums / hand-off rate
+           rate)) + tiles started x tile cost + the partial sums a split tile hands over / hand-off rate
            + the call's distinct bytes / bandwidth
 
 ``E`` counts the waves over the SMs: the busiest CTA's steps, less ``whole_tiles_gain`` of them where the CTAs own
-whole tiles and so sweep k in step. Dequantize + cuBLAS: a fixed cost, the bytes of the passes before cuBLAS over
-bandwidth (a weight that holds only its GEMM layout, as kbit's layers do, is unrepacked to its storage format first,
-then dequantized), and the larger of cuBLAS's loads and its multiply-adds (tokens in tiles of 128) per SM.
+whole tiles and so sweep k in step. A tile cut in parts hands over what gemm_ws.cuh moves (``handed_partials``): the
+lead reads the other parts' sums, or, split 5 ways or more, each part two tiles' worth in slices; the stream-K cut is
+counted one partial tile, whatever its ranges (so the time never falls as the steps grow). Dequantize + cuBLAS: a
+fixed cost, the bytes of the passes before cuBLAS over bandwidth (a weight that holds only its GEMM layout, as kbit's
+layers do, is unrepacked to its storage format first, then dequantized), and the larger of cuBLAS's loads and its
+multiply-adds (tokens in tiles of 128) per SM.
 
 The coefficients are per GPU (``Coefficients``): ``python -m kbit tune`` fits them on this GPU into the tuned cache
 (``kbit.tune_cache``); else the shipped defaults of ``kbit/gpus/<GPU>.json`` (fitted the same way from
@@ -52,6 +56,7 @@ FORCED_PATHS = {
 }
 K_GROUP = 256  # columns per k-group of the GEMM layout (kbit.h kKGroup)
 MAX_TILE_PARTS_GRID = 256  # cut.h kMaxGroupedGrid: CTAs of a launch that cuts tiles in parts
+WS_SLICED_FROM = 5  # gemm_ws.cuh kSlicedFrom: a tile split this many ways or more is summed in slices by all its CTAs
 CUBLAS_TILE = 128  # tokens per cuBLAS output tile, as the model counts its multiply-adds
 GPU_DIR = FilePath(__file__).parent / "gpus"
 DEFAULT_GPU = "NVIDIA H100 80GB HBM3"  # the defaults of a GPU with no file of its own
@@ -245,29 +250,42 @@ def _least(pairs: Iterable[tuple]):
 
 
 def busiest(config: GemmConfig, steps: Steps, launch: Launch, cut: CutCost) -> tuple:
-    """(E, tiles, split): the busiest CTA's steps, whole tiles' gain taken off; the tiles it works on; whether its
-    tiles' partial sums meet across CTAs."""
+    """(E, tiles, sharers): the busiest CTA's steps, whole tiles' gain taken off; the tiles it works on; how many
+    CTAs' partial sums meet in one of its tiles at most (1: none split)."""
     if launch.whole_tiles:
         most = -(-steps.tiles // launch.grid)
-        return most * steps.k_steps * (1 - cut.whole_tiles_gain.get(config.ws_tokens, 0.0)), most, False
+        return most * steps.k_steps * (1 - cut.whole_tiles_gain.get(config.ws_tokens, 0.0)), most, 1
     if launch.tile_parts:
-        return -(-steps.k_steps // launch.tile_parts), 1, True
+        return -(-steps.k_steps // launch.tile_parts), 1, launch.tile_parts
     per_cta = -(-steps.total // launch.grid)
     tiles = -(-per_cta // steps.k_steps)
     if (config.k_split > 1 and launch.grid == steps.tiles) or steps.k_steps == 1:
-        return per_cta, tiles, False  # the k split's CTA per tile, or one-step tiles: none split
-    # Counted as split wherever the stream-K cut may split a tile, so the time never falls as the steps grow.
-    return per_cta, tiles + 1, True
+        return per_cta, tiles, 1  # the k split's CTA per tile, or one-step tiles: none split
+    # Counted as split in two wherever the stream-K cut may split a tile, so the time never falls as the steps grow.
+    return per_cta, tiles + 1, 2
+
+
+def handed_partials(config: GemmConfig, sharers: int) -> int:
+    """Partial tiles a tile split among ``sharers`` CTAs moves through one SM: in gemm_ws.cuh the lead reads the
+    others' (n - 1) below ``WS_SLICED_FROM`` ways, from there each CTA two tiles' worth (ws_reduce_slice); gemm.cuh's
+    kernels are counted one."""
+    if sharers <= 1:
+        return 0
+    if not config.ws_tokens:
+        return 1
+    return sharers - 1 if sharers < WS_SLICED_FROM else 2
 
 
 def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCost,
                    steps: Optional[Steps] = None) -> tuple:
     """The cost model's features (``FEATURES``) of a fused launch (``steps``: the shape's, unless given)."""
     steps = steps or steps_of(config, shape)
-    e, tiles, split = busiest(config, steps, launch, cut)
+    e, tiles, sharers = busiest(config, steps, launch, cut)
     step_weights = config.tile_rows * K_GROUP * config.k_split
     step_bytes = step_weights * (shape.bits / 8 + 1 / 32) + config.tokens * K_GROUP * config.k_split * 2
-    partials = config.tile_rows * config.tokens * 4 if split else 0  # one partial tile in fp32
+    # A partial tile in fp32; the warp-specialized kernel moves only its real tokens' sums.
+    tokens = min(shape.tokens, config.tokens) if config.ws_tokens else config.tokens
+    partials = handed_partials(config, sharers) * config.tile_rows * tokens * 4
     return (1.0, e * step_bytes / MIB, e * step_weights / MIB, e * step_weights * config.tokens / 2**30, tiles,
             partials / MIB, shape.memory_mib)
 

@@ -1,4 +1,5 @@
-"""benchmarks/bench_gemm.py's derived columns: the limit of a call and its share, and re-rendering saved results."""
+"""benchmarks/bench_gemm.py's derived columns (the limit of a call and its share), re-rendering saved results and
+merging runs measured apart into one result."""
 
 import importlib.util
 import json
@@ -37,17 +38,70 @@ def test_the_limit_is_the_floor_or_the_flops_at_cublas_rate_at_4096_tokens(bench
     assert rows[3]["limit_us"] == 0.7  # no 4096-token time of its own shape: the floor
 
 
+def _env(device="GPU", commit="abc", date="today"):
+    return {"device": device, "date": date, "torch": "2", "torch_cuda": "13", "commit": commit, "sm": "9.0",
+            "num_sms": 132, "l2_bytes": 2**20}
+
+
+def _run_file(path, rows, env, copy_bandwidth=4e12, m=None):
+    """A results JSON as a sweep writes it (``runs``, rows naming run 0); without ``m``, the layout written before
+    runs were listed (its one run's provenance at the top level)."""
+    if m is None:
+        data = {"env": env, "copy_bandwidth": copy_bandwidth, "args": {"calls": 20, "replays": 7}, "rows": rows,
+                "errors": [], "peer_notes": []}
+    else:
+        run = {"env": env, "copy_bandwidth": copy_bandwidth, "l2_bytes": 2**20, "elapsed_s": 1.0,
+               "args": {"shapes": ["4096->4096"], "m": m, "k": [2, 4], "dtypes": ["fp16"], "calls": 20, "replays": 7,
+                        "peers": []}}
+        data = {"runs": [run], "rows": [dict(r, run=0) for r in rows], "errors": [], "peer_notes": []}
+    path.write_text(json.dumps(data))
+    return path
+
+
 def test_render_writes_the_share_table_only_with_dense_rates(bench, tmp_path, capsys):
-    env = {"device": "GPU", "date": "today", "torch": "2", "torch_cuda": "13", "commit": "abc", "sm": "9.0",
-           "num_sms": 132, "l2_bytes": 2**20}
+    env = _env()
     with_rate = [_row("4096->4096", m, k, 10.0 * m / 64 + 5, 1.0 + m / 100, 8.0 * m / 64 + 4)
                  for m in (64, 256, 4096) for k in (2, 4)]
     for rows, shown in ((with_rate, True), ([r for r in with_rate if r["M"] != 4096], False)):
-        path = tmp_path / "gemm_GPU.json"
-        path.write_text(json.dumps({"env": env, "copy_bandwidth": 4e12, "args": {"calls": 20, "replays": 7},
-                                    "rows": rows, "errors": [], "peer_notes": []}))
+        path = _run_file(tmp_path / "gemm_GPU.json", rows, env)
         assert bench.main(["--render", str(path)]) == 0
         md, saved = (tmp_path / "gemm_GPU.md").read_text(), json.loads(path.read_text())
         assert ("## Share of the limit" in md) == shown and ("% of the limit" in capsys.readouterr().out) == shown
         assert all(r["limit_us"] >= r["floor_us"] for r in saved["rows"])
         assert "| 4096->4096 | fp16 | 64 |" in md
+
+
+def test_render_merges_a_decode_and_a_prefill_run_into_one_set_keeping_each_run_s_provenance(bench, tmp_path, capsys):
+    decode = [_row("4096->4096", m, k, 5.0 + m, 2.0, 8.0 + m) for k in (2, 4) for m in (1, 16)]
+    prefill = [_row("4096->4096", m, k, 10.0 * m / 64 + 5, 1.0 + m / 100, 8.0 * m / 64 + 4)
+               for k in (2, 4) for m in (64, 4096)]
+    a = _run_file(tmp_path / "gemm_GPU_decode.json", decode, _env(commit="aaa1111", date="day 1"), 4.2e12)
+    b = _run_file(tmp_path / "gemm_GPU_prefill.json", prefill, _env(commit="bbb2222", date="day 2"), 4.1e12,
+                  m=[64, 4096])
+    out = tmp_path / "merged"
+    assert bench.main(["--render", str(a), str(b), "--out", str(out)]) == 0
+    saved = json.loads((out / "gemm_GPU.json").read_text())
+    assert [(run["env"]["commit"], run["env"]["date"], run["copy_bandwidth"]) for run in saved["runs"]] == [
+        ("aaa1111", "day 1", 4.2e12), ("bbb2222", "day 2", 4.1e12)]
+    assert saved["runs"][1]["args"]["m"] == [64, 4096]
+    # every measured row once, naming its run, in a sweep's order (K, then M); the measurements untouched
+    assert [(r["K"], r["M"], r["run"]) for r in saved["rows"]] == [
+        (k, m, 0 if m <= 16 else 1) for k in (2, 4) for m in (1, 16, 64, 4096)]
+    by_cell = {(r["M"], r["K"]): r for r in saved["rows"]}
+    assert all(by_cell[(r["M"], r["K"])]["kbit_us"] == r["kbit_us"] for r in decode + prefill)
+    # the prefill run's 4096-token cuBLAS time gives the decode rows their limit too
+    assert by_cell[(16, 4)]["limit_us"] == pytest.approx(max(2.0, (8.0 * 4096 / 64 + 4) * 16 / 4096))
+    md = (out / "gemm_GPU.md").read_text()
+    assert "| 0 | day 1 | aaa1111 |" in md and "| 4.20 |" in md and "| 1 | day 2 | bbb2222 |" in md
+    assert "| 4096->4096 | fp16 | 1 |" in md and "| 4096->4096 | fp16 | 4096 |" in md and "## Share of the limit" in md
+    assert "M<=16: K=2" in md and "M>=32: K=2" in md
+    assert "copy 4.20 / 4.10 TB/s" in capsys.readouterr().out
+    # merging the merged set with a further run of its own cells is refused, and so is another device's run
+    again = _run_file(tmp_path / "gemm_GPU_again.json", decode[:1], _env(), m=[1])
+    assert bench.main(["--render", str(out / "gemm_GPU.json"), str(again)]) == 2
+    assert "4096->4096 fp16 M=1 K=2 is measured in both" in capsys.readouterr().err
+    other = _run_file(tmp_path / "gemm_other.json", [_row("4096->4096", 32, 4, 9.0, 2.0, 9.0)], _env("GPU2"), m=[32])
+    assert bench.main(["--render", str(a), str(other)]) == 2
+    assert "different devices" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="GPU2"):
+        bench.merge_results([("a", bench.load_results(a)), ("other", bench.load_results(other))])

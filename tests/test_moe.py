@@ -685,3 +685,20 @@ def test_saved_folder_experts_entries_are_pinned(tmp_path):
             entries.update((key, f.get_tensor(key)) for key in f.keys() if ".experts." in key)
     assert entries and all(key.rsplit(".", 1)[1] in STORAGE for key in entries)
     assert _digest(entries, sorted(entries)) == PINNED_FOLDER_EXPERTS
+
+
+def test_moe_benchmark_peer_dequantizes_the_experts_storage():
+    """bench_moe.py's dequantize + bf16 peer rebuilds every expert from the storage tensors it is handed (derived once,
+    outside the timed calls) equal to the layer's own reconstruction."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("kbit_bench_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    E, H, I = 4, 64, 96  # H and I not multiples of 256: the padded columns are cut off
+    experts, _ = kbit.KbitExperts.from_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), bits=3)
+    for proj in ("gate_up", "down"):
+        got = bench.dequantized(experts, proj, *experts.storage(proj))
+        torch.testing.assert_close(got, experts.dequantize(proj, torch.bfloat16), rtol=0, atol=0)

@@ -183,6 +183,34 @@ def test_more_columns_never_move_fewer_bytes():
             assert large["load_us"] >= small["load_us"] and large["memory_us"] > small["memory_us"]
 
 
+def test_a_tile_cut_in_parts_hands_over_what_the_warp_specialized_kernel_moves():
+    """The lead reads the other parts' partial sums (n - 1 tiles) below 5 parts, from 5 each part reads two tiles'
+    worth in slices (gemm_ws.cuh, ws_reduce_slice); only the real tokens' sums move; gemm.cuh's kernels one tile."""
+    ws = next(c for c in CONFIGS if c.bits == 2 and c.ws_tokens == 256)
+    shape = Shape(4096, 4096, 256, 2)  # 32 tiles of 16 k-steps
+
+    def handed(config, launch, shape=shape):
+        return dict(zip(planner.FEATURES, planner.fused_features(config, shape, launch, planner.DEFAULT_CUT)))[
+            "handoff_us"] * planner.MIB
+
+    tile = ws.tile_rows * 256 * 4
+    assert handed(ws, Launch(64, 2)) == tile
+    assert handed(ws, Launch(128, 4)) == 3 * tile
+    assert handed(ws, Launch(256, 8)) == 2 * tile
+    assert handed(ws, Launch(32, 0, True)) == 0
+    assert handed(ws, Launch(128, 4), Shape(4096, 4096, 100, 2)) == 3 * ws.tile_rows * 100 * 4
+    mma = next(c for c in CONFIGS if c.bits == 2 and c.path is Path.MMA_SYNC and c.mb == 4)
+    assert handed(mma, Launch(132)) == mma.tile_rows * mma.tokens * 4
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4))
+def test_at_256_tokens_a_small_weight_takes_64_token_tiles_in_halves(bits):
+    """On the H200 A/B, 4096->4096 at 256 tokens: 64-token tiles in halves 19.7-21.1 us, one 256-token pass in 4
+    parts 28.8-29.7 us (its 3 partial tiles per lead), which the shipped planner had chosen."""
+    chosen = planner.plan(H200, CONFIGS, coefficients(H200), 4096, 4096, 256, bits)
+    assert (chosen.ws_tokens, chosen.grid, chosen.tile_parts) == (64, 128, 2), chosen
+
+
 def test_dequantize_cublas_of_a_gemm_resident_weight_counts_its_unrepack():
     """A weight holding only its GEMM layout (kbit's layers on CUDA) is unrepacked before it is dequantized: the
     layout read and the storage format written, as many bytes each, on top of the dequantize kernel's."""

@@ -47,12 +47,25 @@ def test_compare_counts_slow_cells_per_token_count_and_shows_the_plans():
 
 
 def test_compare_reads_the_field_asked_for(tmp_path):
-    rows = [{"shape": "4096->4096", "dtype": "fp16", "M": 64, "K": 4, "kbit_us": 10.0, "fused_us": 12.0},
+    cublas, ws = {"path": "dequantize_cublas"}, {"path": "warp_specialized", "ws_tokens": 256}
+    rows = [{"shape": "4096->4096", "dtype": "fp16", "M": 64, "K": 4, "kbit_us": 10.0, "fused_us": 12.0,
+             "plan": cublas, "fused_plan": ws},
             {"shape": "4096->4096", "dtype": "fp16", "M": 128, "K": 4, "kbit_us": None, "fused_us": 12.0}]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps({"rows": rows}))
-    assert compare_ab.cells([path], "kbit_us") == {_cell("4096->4096", 64, 4): (10.0, None)}
-    assert len(compare_ab.cells([path], "fused_us")) == 2
+    assert compare_ab.cells([path], "kbit_us") == {_cell("4096->4096", 64, 4): (10.0, cublas)}
+    fused = compare_ab.cells([path], "fused_us")
+    assert len(fused) == 2 and fused[_cell("4096->4096", 64, 4)] == (12.0, ws)  # the plan that ran the fused op
+
+
+def test_compare_takes_a_cell_at_its_fastest_over_the_rounds(tmp_path):
+    row = {"shape": "4096->4096", "dtype": "fp16", "M": 256, "K": 4}
+    paths = []
+    for n, (us, grid) in enumerate(((30.0, 128), (28.5, 132), (29.0, 128))):
+        paths.append(tmp_path / f"round{n}.json")
+        paths[-1].write_text(json.dumps({"rows": [dict(row, kbit_us=us, plan={"path": "mma_sync", "grid": grid})]}))
+    assert compare_ab.cells(paths, "kbit_us") == {_cell("4096->4096", 256, 4): (28.5, {"path": "mma_sync",
+                                                                                       "grid": 132})}
 
 
 def test_planner_ab_times_the_tree_it_is_given(monkeypatch):
