@@ -117,9 +117,21 @@ struct GemmConfig {
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileRows = gemm_tile_rows(BITS, MB, WG, KS);        // weight rows per CTA tile
-  // The accumulators hold the output times 1 / kAccScale: mma.sync scales each block's fp32 result by its E4M4
-  // scale decoded in sixteenths (e4m4_pair_to_float_sixteenths), wgmma scales the weights by the whole value.
-  static constexpr float kAccScale = kWgmma ? 1.0f : 16.0f;
+  // How the E4M4 block scales apply. mma.sync at one 8-token tile: each block's fp32 MMA result times its scale, one
+  // FFMA per accumulator and block (8 x 2 x 4 per step at two row tiles), the scales decoded in sixteenths
+  // (e4m4_pair_to_float_sixteenths). From two token tiles that takes as many FFMAs as there are A registers (MB = 2)
+  // or more, so the weights are scaled instead (kScaleWeights), as wgmma does: one HMUL2 per looked-up register in 16
+  // bits, rounded once like the dequantized weights cuBLAS would read, the MMAs accumulating straight into the sums
+  // (no block sums, no FFMA). Its scales stay 16-bit pairs of two blocks (e4m4_pair_bits: one PRMT and one shift per
+  // two blocks, each HMUL2 reading its half), their unit kE4M4PairUnit<T> undone by the lookup table, which holds the
+  // codebook times its inverse (kTableFactor; exact: powers of two), so the weights are codebook x scale exactly
+  // rounded. At one token tile the 64 FFMAs are fewer than the 128 HMUL2s.
+  static constexpr bool kScaleWeights = !kWgmma && MB >= 2;
+  template <typename T>
+  static constexpr float kTableFactor = kScaleWeights ? 1.0f / kE4M4PairUnit<T> : 1.0f;
+  // The accumulators hold the output times 1 / kAccScale: sixteenths with the FFMA per block, the whole value where
+  // the weights are scaled (kScaleWeights; wgmma).
+  static constexpr float kAccScale = kWgmma || kScaleWeights ? 1.0f : 16.0f;
   // Who copies a step's activations. MB = 1 (up to 8 token rows, 4-byte pieces): the warp that issues the step's
   // weights, so that the other warps only wait for the stage and compute. More tokens: every warp its share (one
   // warp copying 16-32 rows was slower than every warp copying 2-4).
@@ -400,16 +412,23 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
   }
 }
 
-#if KBIT_WGMMA
-// The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights h times each row's E4M4 block scale
-// in 16 bits (rounded once, like the dequantized weights cuBLAS would read); then, once the wgmma group that last
-// read a register set is done, h as the A registers of the block's two k16 slices.
+// A block's looked-up weights h times its 16-bit scales, s_lo (row g, h[0]) and s_hi (row g + 8, h[1]) each one
+// scale in both halves: one HMUL2 per register, the product rounded once, like the dequantized weights cuBLAS would
+// read (wgmma, and mma.sync with GemmConfig::kScaleWeights).
 template <typename T>
-__device__ __forceinline__ void apply_block_scales(uint2 scales_lo, uint2 scales_hi, int t, uint32_t (&h)[2][4]) {
-  const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
-  const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
+__device__ __forceinline__ void scale_fragments(uint32_t s_lo, uint32_t s_hi, uint32_t (&h)[2][4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+}
+
+#if KBIT_WGMMA
+// The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights h times each row's E4M4 block scale
+// (the whole value); then, once the wgmma group that last read a register set is done, h as the A registers of the
+// block's two k16 slices.
+template <typename T>
+__device__ __forceinline__ void apply_block_scales(uint2 scales_lo, uint2 scales_hi, int t, uint32_t (&h)[2][4]) {
+  scale_fragments<T>(splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3)),
+                     splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3)), h);
 }
 __device__ __forceinline__ void wgmma_a_fragments(const uint32_t (&h)[2][4], uint32_t (&a)[2][4]) {
   a[0][0] = h[0][0], a[0][1] = h[1][0], a[0][2] = h[0][1], a[0][3] = h[1][1];  // k16 slice 0: columns 8q + 0..3
@@ -741,6 +760,7 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
                       (xk + (Cfg::kXPairsTransposed ? x_row * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3))) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
   float2 block_scales_lo[RT], block_scales_hi[RT];
+  uint32_t scale_pairs_lo[RT], scale_pairs_hi[RT];  // kScaleWeights: blocks t, t + 1 as a 16-bit pair
   float block_sums[RT][2][4] = {};  // block columns: a step's sums, column n = block n, block t in accumulator t % 2
 
 #pragma unroll
@@ -758,11 +778,24 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
     for (int r = 0; r < RT; ++r) {
       uint32_t h[2][4];
       block_fragments<Cfg>(w[r], t, sel, h);
+      if constexpr (Cfg::kScaleWeights) {  // rows g and g + 8 times block t's scales (GemmConfig::kScaleWeights)
+        if (t % 2 == 0) {
+          scale_pairs_lo[r] = e4m4_pair_bits<T>(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
+          scale_pairs_hi[r] = e4m4_pair_bits<T>(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
+        }
+        scale_fragments<T>(splat_half(scale_pairs_lo[r], t % 2), splat_half(scale_pairs_hi[r], t % 2), h);
+      }
       const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
       const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
       if constexpr (Cfg::kBlockColumns) {  // block t's sums into column t (the other columns' activations are 0)
         mma_16816<T>(block_sums[r][t % 2], a0, xv[0].x, xv[0].y);
         mma_16816<T>(block_sums[r][t % 2], a1, xv[0].z, xv[0].w);
+      } else if constexpr (Cfg::kScaleWeights) {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          mma_16816<T>(acc[r * MB + mb], a0, xv[mb].x, xv[mb].y);
+          mma_16816<T>(acc[r * MB + mb], a1, xv[mb].z, xv[mb].w);
+        }
       } else {
         if (t % 2 == 0) {  // blocks t and t + 1 of rows g and g + 8, in sixteenths (GemmConfig::kAccScale)
           block_scales_lo[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
@@ -1154,7 +1187,10 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     load_activations<Cfg, T>(p, layout.small(s), at);
     mbarrier_arrive_after_cp_async(full(s));
   };
-  auto load_codebook = [&] { return threadIdx.x < (1 << BITS) ? p.codebook[threadIdx.x] : 0.0f; };
+  // The codebook times kTableFactor (GemmConfig::kScaleWeights: the scales' 16-bit unit undone in the table).
+  auto load_codebook = [&] {
+    return threadIdx.x < (1 << BITS) ? p.codebook[threadIdx.x] * Cfg::template kTableFactor<T> : 0.0f;
+  };
 
   // Launched early (programmatic dependent launch), the CTA fetches while the previous kernel drains what that kernel
   // cannot be writing. Settled weights (GemmParams): the codebook, and where the grid leaves SMs idle (GridRoom) the
