@@ -6,15 +6,69 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kbit
 from kbit import formats, ops, planner
-from cuda_harness import (BITS, _gemm_sweep, GemmChecker, gen, MODEL_SHAPES, _name, needs_hopper, quantized_weight,
-    seed_for, SMALL_SHAPES, tag)
+from cuda_harness import (BITS, _gemm_sweep, GEMM_DTYPES, GemmChecker, gen, make_codebook, MODEL_SHAPES, _name,
+    needs_hopper, quantized_weight, random_storage, seed_for, SMALL_SHAPES, tag)
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a CUDA device"),
     pytest.mark.usefixtures("ieee_fp32_matmul"),  # fp32 references are real fp32 products (conftest.py)
 ]
+
+
+# ----------------------------------------------------------------------------- mma.sync, 16 and 32 tokens per pass
+# gemm.cuh's mma.sync at 9-32 tokens (mb = 2, with and without the k split, and mb = 4) multiplies each block's
+# looked-up weights by its E4M4 scale in 16 bits (GemmConfig::kScaleWeights), the scales in a unit of 2^-4 (fp16) or
+# 2^-116 (bf16) that the lookup table undoes. Storage of every code and E4M4 scale, and of scales all below E4M4's
+# normal range (< 2^-10: subnormal in that unit, in both types), so that a flushed subnormal shows as outputs of zero.
+SCALED_WEIGHTS_MS = {2: (9, 13, 16), 4: (17, 31)}
+
+
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_mma_sync_scales_the_weights(k):
+    """Every mb = 2 and 4 configuration of gemm.cuh that runs here, on each launch the planner compares (one group of
+    CTAs; a CTA per tile with the k split), a partial last token tile and a full one, fp16 and bf16, bias on every
+    other call: within the same-precision tolerance of the dequantized reference."""
+    from kbit._build import cuda_ext
+
+    ext = cuda_ext()
+    facts = planner.device_facts(torch.device("cuda"))
+    configs = [c for c in facts.configs if c.bits == k and c.mb in SCALED_WEIGHTS_MS and not c.wgmma_tiles
+               and not c.ws_tokens and c.runs_on(facts.device)]
+    assert configs, f"no mma.sync configuration of 16 or 32 tokens at k={k} runs here"
+    N, K = 384, 1056  # 33 blocks per row: a partial k-group
+    in_features_padded = formats.padded_in_features(K)
+    failures = []
+    for scales in ("every E4M4 code", "subnormal E4M4 codes"):
+        seed = seed_for("gemm-mma-sync-scaled-weights", k, scales)
+        packed, absmax = random_storage(N * in_features_padded, k, seed)
+        if scales.startswith("subnormal"):
+            absmax &= 0x0F  # exponent field 0: m * 2^-14
+        qw = kbit.QuantizedWeight(packed.cuda(), absmax.cuda(), make_codebook(k, "nf", seed).cuda(),
+                                  torch.ones((), device="cuda"), k, (N, K), torch.float16)
+        b, a = qw.gemm_layout()
+        settled = ops.weights_settled(b, a, qw.codebook)
+        chk = GemmChecker(qw)
+        g = gen(seed + 1, "cuda")
+        calls = 0
+        for config in configs:
+            for M in SCALED_WEIGHTS_MS[config.mb]:
+                steps = planner.steps_of(config, planner.Shape(N, in_features_padded, M, k))
+                for dtype in GEMM_DTYPES:
+                    x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+                    bias = torch.randn(N, generator=g, device="cuda").to(dtype) if calls % 2 else None
+                    for launch in planner.launches(config, steps, facts.device.sms):
+                        y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, in_features_padded, *launch,
+                                     config.mb, config.wgmma_tiles, config.k_split, config.ws_tokens, settled)
+                        calls += 1
+                        st = chk.stats(x, bias, y)
+                        if not st["ok"]:
+                            failures.append(f"{scales} mb={config.mb} k_split={config.k_split} M={M} {_name(dtype)} "
+                                            f"grid={launch.grid}: {chk.describe(st)}")
+    assert not failures, tag(seed_for("gemm-mma-sync-scaled-weights", k), op="gemm mma.sync mb 2, 4", bits=k) + \
+        "\n  " + "\n  ".join(failures)
 
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (sm_90a)

@@ -11,7 +11,8 @@
 //   load_weights    one step's weights (two bulk copies on sm_90, cp.async per warp on sm_80)
 //   load_activations a warp's share (at MB = 1: all) of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
-//                   32 columns and applies each block's scale to the fp32 result (mma.sync; one token: once per step)
+//                   32 columns and applies each block's scale to the fp32 result (mma.sync; one token: once per step),
+//                   or at 16 and 32 tokens per pass to the weights in 16 bits (GemmConfig::kScaleWeights)
 //   compute_step_wgmma the same for 64 rows per warpgroup and 64 or 128 tokens, block scales applied to the
 //                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
@@ -29,7 +30,9 @@
 // Each of the 8 warps owns one or two row tiles of 16 weight rows; the warps share a step's activations.
 // Two tensor-core paths share everything but the math (GemmConfig::kWgmma):
 //   mma.sync m16n8k16, up to 32 tokens per pass (all GPUs): each warp loads its activation fragments from
-//     shared memory into registers, and scales each block's fp32 result (one FFMA per accumulator per block);
+//     shared memory into registers, and scales each block's fp32 result (one FFMA per accumulator per block), or
+//     at 16 and 32 tokens per pass, where that is as many FFMAs as A registers or more, the weights (one HMUL2 per
+//     register);
 //   wgmma m64nNk16, N = 64 or 128 tokens per pass (sm_90a): each warpgroup's 4 warps supply 64 weight rows from
 //     registers, the tensor cores read the activations from shared memory themselves, and the block scales
 //     are applied to the weights in 16 bits (one HMUL2 per register, whatever the token count), so a pass
@@ -124,8 +127,9 @@ struct GemmConfig {
   // bits, rounded once like the dequantized weights cuBLAS would read, the MMAs accumulating straight into the sums
   // (no block sums, no FFMA). Its scales stay 16-bit pairs of two blocks (e4m4_pair_bits: one PRMT and one shift per
   // two blocks, each HMUL2 reading its half), their unit kE4M4PairUnit<T> undone by the lookup table, which holds the
-  // codebook times its inverse (kTableFactor; exact: powers of two), so the weights are codebook x scale exactly
-  // rounded. At one token tile the 64 FFMAs are fewer than the 128 HMUL2s.
+  // codebook times its inverse (kTableFactor; exact: powers of two, the codebook within [-1, 1]), so each weight is
+  // the 16-bit codebook value times the scale, rounded once (fp16 subnormals where the reference's weights are).
+  // At one token tile the 64 FFMAs are fewer than the 128 HMUL2s.
   static constexpr bool kScaleWeights = !kWgmma && MB >= 2;
   template <typename T>
   static constexpr float kTableFactor = kScaleWeights ? 1.0f / kE4M4PairUnit<T> : 1.0f;
