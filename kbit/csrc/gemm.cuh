@@ -723,12 +723,13 @@ __device__ __forceinline__ void clear_block_columns(const SmemLayout<Cfg>& layou
 }
 
 // One warp's codes (its bit string, kbit/layout.py) and E4M4 block scales of one step's row tile r:
-// scales_lo = row g's 8 blocks, scales_hi = row g + 8's.
+// scales_lo = row g's 8 blocks, scales_hi = row g + 8's. tid: the thread index (compute_step's).
 template <class Cfg>
 __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, const uint8_t* small_piece, int r,
-                                                uint32_t (&w)[4 * Cfg::kBits], uint2& scales_lo, uint2& scales_hi) {
+                                                uint32_t (&w)[4 * Cfg::kBits], uint2& scales_lo, uint2& scales_hi,
+                                                uint32_t tid) {
   constexpr int BITS = Cfg::kBits, RT = Cfg::kRowTiles;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
   const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + (warp * RT + r) * BITS * 32 + lane;
   const uint8_t* ab = small_piece + (warp * RT + r) * 128;
 #pragma unroll
@@ -747,18 +748,19 @@ __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, cons
 // load instead of four (with block columns the others load zeros, still one wavefront, and the step's scales follow
 // its 16 MMAs). Otherwise one ldmatrix per token tile and block: lane l points at token
 // l % 8, columns 8 * (l / 8) .. + 7 of the block, so register i is the B fragment of k-step i / 2, half i % 2.
+// tid: the thread index (gemm_main's math_tid).
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
-                                             int x_rows, float (&acc)[Cfg::kFrags][4]) {
+                                             int x_rows, float (&acc)[Cfg::kFrags][4], uint32_t tid) {
   constexpr int BITS = Cfg::kBits, MB = Cfg::kMB;
   constexpr int RT = Cfg::kRowTiles;
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int lane = tid & 31, g = lane >> 2, q = lane & 3;
   uint32_t w[RT][4 * BITS];
   uint2 scales_lo[RT], scales_hi[RT];
 #pragma unroll
-  for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r]);
+  for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r], tid);
   constexpr int XR = Cfg::kXRow;
-  const int xk = Cfg::kKSplit > 1 ? (threadIdx.x >> 5) * kKGroup : 0;  // the warp's k-group in the token rows
+  const int xk = Cfg::kKSplit > 1 ? (tid >> 5) * kKGroup : 0;  // the warp's k-group in the token rows
   const int x_row = Cfg::kBlockColumns ? 0 : g;  // block columns: row 0 or 1 per block (below)
   const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) +
                       (xk + (Cfg::kXPairsTransposed ? x_row * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3))) * 2;
@@ -871,7 +873,7 @@ __device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, c
   for (int r = 0; r < RT; ++r) {  // row tiles one after the other: one tile's codes in registers at a time
     uint32_t w[4 * BITS];
     uint2 scales_lo, scales_hi;
-    load_tile_codes<Cfg>(codes_piece, small_piece, r, w, scales_lo, scales_hi);
+    load_tile_codes<Cfg>(codes_piece, small_piece, r, w, scales_lo, scales_hi, threadIdx.x);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const int group = r * 8 + t;
@@ -1255,6 +1257,9 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     if (s == 0 && !tables_early) build_tables<Cfg, T>(code_value, layout.tables());
   }
   const uint32_t sel = lane_select<Cfg>(layout.table, lane);
+  // The thread index compute_step reads. With kScaleWeights (fewer live registers) ptxas re-read it and recomputed the
+  // lane's shared addresses in every step (8-15 instructions of 570-1260); a shuffle's result it keeps.
+  const uint32_t math_tid = Cfg::kScaleWeights ? __shfl_sync(0xffffffffu, threadIdx.x, lane) : threadIdx.x;
   __syncthreads();  // tables complete
 
   float acc[Cfg::kFrags][4] = {};
@@ -1290,7 +1295,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 #endif
       {
         if (Cfg::kKSplit == 1 || warp_kgroup<Cfg>(c, warp) < p.k_groups)
-          compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, rows, acc);
+          compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, rows, acc, math_tid);
         if constexpr (Cfg::kKSplit > 1) {
           if (step + 1 == tile_end) gather_k_split<Cfg>(layout.codes(slot), acc);
         }
