@@ -178,6 +178,23 @@ def test_e4m4_code_shifted_into_bf16_is_its_value_times_2_to_the_minus_116():
     assert torch.equal(as_bf16 * 2.0**116, kbit.functional.decode_absmax_e4m4(codes).double())
 
 
+@pytest.mark.parametrize("k", (2, 3, 4, 5))
+def test_weights_scaled_in_16_bits_are_the_16_bit_code_value_times_the_scale_rounded_once(k):
+    # mma.sync at 16 and 32 tokens per pass (GemmConfig::kScaleWeights, gemm.cuh): the table holds the codebook over
+    # the decode's unit (16 for fp16, 2^116 for bf16), the decode the code shifted into the type (value x unit), and
+    # one 16-bit multiply (exact product, rounded once) gives round(codebook value in T x scale) for every code value
+    # and every E4M4 scale, subnormal results included: the weight the wgmma path and the reference's dequantize make.
+    codes = all_codes()
+    scales = kbit.functional.decode_absmax_e4m4(codes).double()
+    codebook = kbit.functional.create_normal_float_codebook(k).double()
+    for dtype, shift, unit in ((torch.float16, 6, 2.0**-4), (torch.bfloat16, 3, 2.0**-116)):
+        table = (codebook / unit).to(dtype).double()
+        decoded = (codes.to(torch.int32) << shift).to(torch.int16).view(dtype).double()
+        got = (table[:, None] * decoded[None, :]).to(dtype)
+        want = (codebook.to(dtype).double()[:, None] * scales[None, :]).to(dtype)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), dtype
+
+
 def test_e4m4_round_trip_all_codes():
     codes = all_codes()
     assert torch.equal(kbit.functional.encode_absmax_e4m4(kbit.functional.decode_absmax_e4m4(codes)), codes)
