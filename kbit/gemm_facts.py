@@ -64,8 +64,8 @@ class GemmConfig(NamedTuple):
     @property
     def tile_parts_in_clusters(self) -> bool:
         """Whether a launch may cut this configuration's tiles in 2 to 8 parts, each tile's parts one thread-block
-        cluster summing them in shared memory (``tile_parts``, tiles x parts CTAs; compute capability 9.0 on): gemm.cuh's
-        mma.sync configurations up to 16 tokens (the binding's ``gemm_plan`` refuses the others)."""
+        cluster summing them in shared memory (``tile_parts``, tiles x parts CTAs; compute capability 9.0 on):
+        gemm.cuh's mma.sync configurations up to 16 tokens (the binding's ``gemm_plan`` refuses the others)."""
         return not self.ws_tokens and not self.wgmma_tiles and self.mb <= 2
 
     @property

@@ -2,14 +2,16 @@
 
 ``plan(device, configs, coefficients, out_features, in_features, tokens, bits)`` returns a ``Plan``: the path
 (``mma_sync``, ``k_split``, ``wgmma``, ``warp_specialized`` or ``dequantize_cublas``) and, for the fused ones, the
-built configuration and its launch (grid, and how the steps are cut among the CTAs: in one group, in whole tiles,
-or each tile in parts; cut.h; on gemm.cuh's kernels the parts of a tile are one thread-block cluster). The binding runs exactly that and refuses what is not built or does not fit.
+built configuration and its launch (grid, and how the steps are cut among the CTAs: in one group, in whole tiles, or
+each tile in parts; cut.h; on gemm.cuh's kernels the parts of a tile are one thread-block cluster). The binding runs
+exactly that and refuses what is not built or does not fit.
 ``rows_per_pass`` plans the MoE grouped GEMM's token rows per pass from the same model.
 
 It picks the candidate of least predicted time among the configurations the fit holds for at these tokens
 (``_fitted_for``), each on its launches (``launches``: the warp-specialized kernel's cut by its measured rules; and
-``cluster_launches`` where the coefficients price a cluster's hand-off). The cost model, per path (``PathCost``), for a launch whose busiest CTA runs ``E`` steps (a step: one CTA tile's k-group
-of 256 columns, or 8 of them where the warps split k):
+``cluster_launches`` where the coefficients price a cluster's hand-off). The cost model, per path (``PathCost``),
+for a launch whose busiest CTA runs ``E`` steps (a step: one CTA tile's k-group of 256 columns, or 8 of them where
+the warps split k):
 
     time = fixed + max(E x bytes per step / load rate, E x (weights per step / lookup rate + MACs per step / MMA
            rate)) + tiles started x tile cost + the partial sums a split tile hands over / hand-off rate

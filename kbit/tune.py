@@ -6,9 +6,10 @@ only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are tim
 rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
 disagrees with dequantize + cuBLAS is left out. Each fused time is recorded with the launch that ran, which the fit
 takes as it is; beside the planned launch of mma.sync and the k split up to 16 tokens, a few launches that sum each
-tile's parts in a thread-block cluster (``clusters_to_time``; sm_90), whose times fit ``PathCost.cluster_us``. ``fit`` fits each path's ``kbit.planner.PathCost`` to its times (least squares in relative error,
-coefficients >= 0); the times and the coefficients go to the tuned cache (``kbit.tune_cache``), which
-``kbit.matmul`` plans from from then on.
+tile's parts in a thread-block cluster (``clusters_to_time``; sm_90), whose times fit ``PathCost.cluster_us``.
+``fit`` fits each path's ``kbit.planner.PathCost`` to its times (least squares in relative error, coefficients >=
+0); the times and the coefficients go to the tuned cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from
+from then on.
 
 ``python -m kbit tune --fit MEASUREMENTS --configs REPORT --out FILE`` fits without a GPU, from a tune file
 (``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``):
