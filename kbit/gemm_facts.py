@@ -28,6 +28,14 @@ class Device(NamedTuple):
     capability: tuple  # (major, minor)
     sms: int  # multiprocessors
     smem_per_block: int  # opt-in maximum shared memory per block, bytes
+    clusters: tuple = ()  # clusters of 1, 2, .. 8 CTAs of gemm.cuh's clustered kernels it runs at once; (): not known
+
+    def clusters_at_once(self, ctas: int) -> int:
+        """Thread-block clusters of ``ctas`` CTAs this GPU runs at once (the extension's ``gemm_clusters_at_once``);
+        0 below compute capability 9.0 (no clusters) or where not known."""
+        if self.capability[0] < 9 or not 1 <= ctas <= len(self.clusters):
+            return 0
+        return self.clusters[ctas - 1]
 
 
 class GemmConfig(NamedTuple):
@@ -56,8 +64,8 @@ class GemmConfig(NamedTuple):
     @property
     def tile_parts_in_clusters(self) -> bool:
         """Whether a launch may cut this configuration's tiles in 2 to 8 parts, each tile's parts one thread-block
-        cluster summing them in shared memory (``tile_parts``, tiles x parts CTAs; compute capability 9.0 on): gemm.cuh's
-        mma.sync configurations up to 16 tokens (the binding's ``gemm_plan`` refuses the others)."""
+        cluster summing them in shared memory (``tile_parts``, tiles x parts CTAs; compute capability 9.0 on):
+        gemm.cuh's mma.sync configurations up to 16 tokens (the binding's ``gemm_plan`` refuses the others)."""
         return not self.ws_tokens and not self.wgmma_tiles and self.mb <= 2
 
     @property

@@ -2,17 +2,20 @@
 
 ``plan(device, configs, coefficients, out_features, in_features, tokens, bits)`` returns a ``Plan``: the path
 (``mma_sync``, ``k_split``, ``wgmma``, ``warp_specialized`` or ``dequantize_cublas``) and, for the fused ones, the
-built configuration and its launch (grid, and how the steps are cut among the CTAs: in one group, in whole tiles,
-or each tile in parts; cut.h). The binding runs exactly that and refuses what is not built or does not fit.
+built configuration and its launch (grid, and how the steps are cut among the CTAs: in one group, in whole tiles, or
+each tile in parts; cut.h; on gemm.cuh's kernels the parts of a tile are one thread-block cluster). The binding runs
+exactly that and refuses what is not built or does not fit.
 ``rows_per_pass`` plans the MoE grouped GEMM's token rows per pass from the same model.
 
 It picks the candidate of least predicted time among the configurations the fit holds for at these tokens
-(``_fitted_for``), each on its launches (``launches``: the warp-specialized kernel's cut by its measured rules). The
-cost model, per path (``PathCost``), for a launch whose busiest CTA runs ``E`` steps (a step: one CTA tile's k-group
-of 256 columns, or 8 of them where the warps split k):
+(``_fitted_for``), each on its launches (``launches``: the warp-specialized kernel's cut by its measured rules; and
+``cluster_launches`` where the coefficients price a cluster's hand-off). The cost model, per path (``PathCost``),
+for a launch whose busiest CTA runs ``E`` steps (a step: one CTA tile's k-group of 256 columns, or 8 of them where
+the warps split k):
 
     time = fixed + max(E x bytes per step / load rate, E x (weights per step / lookup rate + MACs per step / MMA
            rate)) + tiles started x tile cost + the partial sums a split tile hands over / hand-off rate
+           + the partial tiles a cluster's lead CTA sums from the others' shared memory x cluster cost
            + the call's distinct bytes / bandwidth
 
 ``E`` counts the waves over the SMs: the busiest CTA's steps, less ``whole_tiles_gain`` of them where the CTAs own
@@ -57,6 +60,7 @@ FORCED_PATHS = {
 K_GROUP = 256  # columns per k-group of the GEMM layout (kbit.h kKGroup)
 MAX_TILE_PARTS_GRID = 256  # cut.h kMaxGroupedGrid: CTAs of a launch that cuts tiles in parts
 WS_SLICED_FROM = 5  # gemm_ws.cuh kSlicedFrom: a tile split this many ways or more is summed in slices by all its CTAs
+MAX_CLUSTER_CTAS = 8  # gemm.cuh kMaxClusterCtas: the most parts of one tile summed in a thread-block cluster
 CUBLAS_TILE = 128  # tokens per cuBLAS output tile, as the model counts its multiply-adds
 GPU_DIR = FilePath(__file__).parent / "gpus"
 DEFAULT_GPU = "NVIDIA H100 80GB HBM3"  # the defaults of a GPU with no file of its own
@@ -111,9 +115,14 @@ class PathCost(NamedTuple):
     tile_us: float  # per tile the busiest CTA starts (its pipeline filled from memory, its output written)
     handoff_us: float  # per MiB of a partial tile handed to another CTA where tiles are split (split-K)
     memory_us: float  # per MiB the call moves to or from memory (weights once, x, y)
+    # per partial tile the lead CTA of a thread-block cluster sums from the others' shared memory (gemm.cuh's tile
+    # parts), its barriers included; None: never fitted (no clustered launch was timed), so none is planned
+    cluster_us: Optional[float] = None
 
 
 FEATURES = PathCost._fields
+MEMORY = FEATURES.index("memory_us")
+OPTIONAL_FEATURES = ("cluster_us",)  # absent from coefficient files fitted before clustered launches were timed
 
 
 class CutCost(NamedTuple):
@@ -202,6 +211,17 @@ def ws_launch(config: GemmConfig, steps: Steps, sms: int) -> Launch:
     return Launch(grid, 0, True) if grid else Launch(min(sms, steps.total))
 
 
+def cluster_launches(config: GemmConfig, steps: Steps, device: Device) -> list:
+    """Each tile's k-steps in C = 2..8 parts on tiles x C CTAs, a tile's parts one thread-block cluster that sums them
+    in shared memory (gemm.cuh), for the configurations that may (``GemmConfig.tile_parts_in_clusters``): at most a
+    part per k-step, one CTA per SM, and every cluster running at once (``Device.clusters_at_once``: a second wave of
+    clusters doubles the time)."""
+    if not config.tile_parts_in_clusters:
+        return []
+    return [Launch(steps.tiles * c, c) for c in range(2, MAX_CLUSTER_CTAS + 1)
+            if c <= steps.k_steps and steps.tiles * c <= device.sms and steps.tiles <= device.clusters_at_once(c)]
+
+
 def _ws_tile_parts(tiles: int, k_steps: int, sms: int) -> int:
     """Parts of whole k-steps per tile on tiles x parts CTAs where that keeps 95% of the SMs; else halves where the
     k-steps are few (a CTA at most 2.5 steps more than the one-group cut); else 0."""
@@ -268,12 +288,17 @@ def busiest(config: GemmConfig, steps: Steps, launch: Launch, cut: CutCost) -> t
 def handed_partials(config: GemmConfig, sharers: int) -> int:
     """Partial tiles a tile split among ``sharers`` CTAs moves through one SM: in gemm_ws.cuh the lead reads the
     others' (n - 1) below ``WS_SLICED_FROM`` ways, from there each CTA two tiles' worth (ws_reduce_slice); gemm.cuh's
-    kernels are counted one."""
+    kernels are counted one (through L2; in a cluster, ``in_cluster``, the cluster's own term counts them)."""
     if sharers <= 1:
         return 0
     if not config.ws_tokens:
         return 1
     return sharers - 1 if sharers < WS_SLICED_FROM else 2
+
+
+def in_cluster(config: GemmConfig, launch: Launch) -> bool:
+    """Whether the launch sums each tile's parts in a thread-block cluster: tile parts on gemm.cuh's kernels."""
+    return bool(launch.tile_parts) and not config.ws_tokens
 
 
 def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCost,
@@ -283,11 +308,13 @@ def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCos
     e, tiles, sharers = busiest(config, steps, launch, cut)
     step_weights = config.tile_rows * K_GROUP * config.k_split
     step_bytes = step_weights * (shape.bits / 8 + 1 / 32) + config.tokens * K_GROUP * config.k_split * 2
-    # A partial tile in fp32; the warp-specialized kernel moves only its real tokens' sums.
+    # A partial tile in fp32; the warp-specialized kernel moves only its real tokens' sums. In a cluster the lead
+    # sums the other parts' tiles (counted: a barrier and a round trip each, whatever their bytes).
     tokens = min(shape.tokens, config.tokens) if config.ws_tokens else config.tokens
-    partials = handed_partials(config, sharers) * config.tile_rows * tokens * 4
+    clustered = in_cluster(config, launch)
+    partials = 0 if clustered else handed_partials(config, sharers) * config.tile_rows * tokens * 4
     return (1.0, e * step_bytes / MIB, e * step_weights / MIB, e * step_weights * config.tokens / 2**30, tiles,
-            partials / MIB, shape.memory_mib)
+            partials / MIB, shape.memory_mib, float(sharers - 1) if clustered else 0.0)
 
 
 def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
@@ -300,12 +327,13 @@ def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
     dequantize_mib = (unrepack_bytes + shape.weight_bytes + 2 * weights) / MIB
     gemm_mib = (2 * weights + 2 * shape.tokens * (shape.in_features + shape.out_features)) / MIB
     macs = -(-shape.tokens // CUBLAS_TILE) * CUBLAS_TILE * weights / 2**30  # its tiles hold 128 tokens
-    return 1.0, gemm_mib / sms, 0.0, macs / sms, 0.0, 0.0, dequantize_mib
+    return 1.0, gemm_mib / sms, 0.0, macs / sms, 0.0, 0.0, dequantize_mib, 0.0
 
 
 def terms(cost: PathCost, features: tuple) -> tuple:
-    """(loading, computing, the rest) of the predicted time: loads overlap the lookups and the MMAs."""
-    t = [c * f for c, f in zip(cost, features)]
+    """(loading, computing, the rest) of the predicted time: loads overlap the lookups and the MMAs. A feature of 0
+    costs nothing, also where its coefficient was never fitted (None)."""
+    t = [c * f if f else 0.0 for c, f in zip(cost, features)]
     return t[1], t[2] + t[3], t[0] + sum(t[4:])
 
 
@@ -352,7 +380,8 @@ def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficient
         if cost is None:
             continue
         steps = steps_of(config, shape)
-        for launch in launches(config, steps, device.sms):
+        clustered = cluster_launches(config, steps, device) if cost.cluster_us is not None else []
+        for launch in launches(config, steps, device.sms) + clustered:
             us = predict(cost, fused_features(config, shape, launch, coefficients.cut))
             found.append((us, Plan.of(config, launch)))
     return found
@@ -422,7 +451,7 @@ def rows_per_pass(device: Device, configs: Iterable[GemmConfig], coefficients: C
             launch = Launch(min(device.sms, steps.total))
             features = fused_features(config, expert, launch, coefficients.cut, steps)
             memory = (active * expert.weight_bytes + 2 * slots * (expert.in_features + expert.out_features)) / MIB
-            us += predict(cost, features[:-1] + (memory,))
+            us += predict(cost, features[:MEMORY] + (memory,) + features[MEMORY + 1:])
         if best is None or us < best[0]:
             best = (us, rows)
     return best[1] if best is not None else max(supported)
@@ -432,7 +461,8 @@ def rows_per_pass(device: Device, configs: Iterable[GemmConfig], coefficients: C
 def coefficients_from_json(data: dict, source: str) -> Coefficients:
     """The coefficient file's contents (``kbit/gpus/*.json``, the tuned cache's ``coefficients``), checked."""
     try:
-        paths = {Path(name): PathCost(**{f: float(v[f]) for f in FEATURES}) for name, v in data["paths"].items()}
+        paths = {Path(name): PathCost(**{f: float(v[f]) for f in FEATURES if f in v or f not in OPTIONAL_FEATURES})
+                 for name, v in data["paths"].items()}
         tokens = {tuple(int(i) for i in key.split(",")): (int(low), int(high))
                   for key, (low, high) in data["tokens"].items()}
         if any(len(key) != 5 or not 1 <= low <= high for key, (low, high) in tokens.items()):
@@ -443,7 +473,7 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: not a coefficient set ({type(e).__name__}: {e})") from None
     bad = [f"{path.value}.{f}" for path, cost in paths.items() for f, v in zip(FEATURES, cost)
-           if not math.isfinite(v) or v < 0]
+           if v is not None and (not math.isfinite(v) or v < 0)]
     if bad:
         raise ValueError(f"{source}: coefficients must be finite and >= 0: {', '.join(bad)}")
     return Coefficients(device, paths, tokens, cut_cost, str(data.get("source", source)))
@@ -451,7 +481,8 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
 
 def coefficients_to_json(coefficients: Coefficients) -> dict:
     return {"device": coefficients.device, "source": coefficients.source,
-            "paths": {path.value: dict(zip(FEATURES, cost)) for path, cost in coefficients.paths.items()},
+            "paths": {path.value: {f: v for f, v in zip(FEATURES, cost) if v is not None}
+                      for path, cost in coefficients.paths.items()},
             "tokens": {",".join(map(str, key)): list(r) for key, r in sorted(coefficients.tokens.items())},
             "cut": {"whole_tiles_gain": {str(t): g for t, g in coefficients.cut.whole_tiles_gain.items()}}}
 
@@ -496,8 +527,10 @@ def device_facts(device: torch.device) -> DeviceFacts:
 def _read_facts(index: int) -> DeviceFacts:
     ext = cuda_ext()
     props = torch.cuda.get_device_properties(index)
+    clusters = tuple(int(ext.gemm_clusters_at_once(index, c)) for c in range(1, MAX_CLUSTER_CTAS + 1)) \
+        if props.major >= 9 else ()
     device = Device(props.name, (props.major, props.minor), props.multi_processor_count,
-                    int(ext.shared_memory_per_block_optin(index)))
+                    int(ext.shared_memory_per_block_optin(index)), clusters)
     facts = DeviceFacts(device, parse_configs(ext.gemm_configs()), _coefficients(device.name))
     _FACTS[index] = facts
     return facts

@@ -5,9 +5,11 @@ would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` doe
 only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies
 rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
 disagrees with dequantize + cuBLAS is left out. Each fused time is recorded with the launch that ran, which the fit
-takes as it is. ``fit`` fits each path's ``kbit.planner.PathCost`` to its times (least squares in relative error,
-coefficients >= 0); the times and the coefficients go to the tuned cache (``kbit.tune_cache``), which
-``kbit.matmul`` plans from from then on.
+takes as it is; beside the planned launch of mma.sync and the k split up to 16 tokens, a few launches that sum each
+tile's parts in a thread-block cluster (``clusters_to_time``; sm_90), whose times fit ``PathCost.cluster_us``.
+``fit`` fits each path's ``kbit.planner.PathCost`` to its times (least squares in relative error, coefficients >=
+0); the times and the coefficients go to the tuned cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from
+from then on.
 
 ``python -m kbit tune --fit MEASUREMENTS --configs REPORT --out FILE`` fits without a GPU, from a tune file
 (``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``):
@@ -134,15 +136,25 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
                                     in_features_padded, launch.grid, launch.tile_parts, launch.whole_tiles, c.mb,
                                     c.wgmma_tiles, c.k_split, c.ws_tokens, ops.weights_settled(*lay, qw.codebook))
 
+                def error(launch):
+                    return float((fused(layouts[0], launch).float() - reference).norm()
+                                 / reference.norm().clamp_min(1e-30))
+
                 planned = planner.Launch(config.grid, config.tile_parts, config.whole_tiles)
-                error = float((fused(layouts[0], planned).float() - reference).norm()
-                              / reference.norm().clamp_min(1e-30))
-                if error <= AGREEMENT:
+                if error(planned) <= AGREEMENT:
                     measured_us = _time_us(lambda lay: fused(lay, planned), layouts, repeats)
                     launches.append(list(planned) + [measured_us])
+                    built = next(c for c in facts.configs if c.bits == bits and c.key == config.key)
+                    shape = planner.Shape(out_features, in_features_padded, M, bits)
+                    for launch in clusters_to_time(built, shape, facts.device, facts.coefficients, planned):
+                        if error(launch) <= AGREEMENT:
+                            launches.append(list(launch) + [_time_us(lambda lay, lc=launch: fused(lay, lc), layouts,
+                                                                     repeats)])
+                        else:
+                            log(f"  {path.value} at M = {M} on {launch}: output differs; left out")
                 else:
-                    log(f"  {path.value} at M = {M}: output differs from dequantize + cuBLAS by {error:.2g}; "
-                        "left out")
+                    log(f"  {path.value} at M = {M}: output differs from dequantize + cuBLAS by "
+                        f"{error(planned):.2g}; left out")
             us[path.value].append(measured_us)
             timed_configs[path.value].append(list(config.key) if measured_us is not None else None)
             timed_launches[path.value].append(launches or None)
@@ -153,6 +165,25 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
     torch.cuda.empty_cache()
     return {"bits": bits, "out_features": out_features, "in_features": in_features, "tokens": list(tokens), "us": us,
             "configs": timed_configs, "launches": timed_launches, "gemm_resident": True}
+
+
+def clusters_to_time(config, shape, device, coefficients, planned) -> list:
+    """The launches summing tiles' parts in thread-block clusters that tune times beside ``planned``, a few per cell:
+    where the coefficients price clusters, the size the model ranks first and the sizes next to it; else 2, 4 and the
+    largest that runs (``planner.cluster_launches``)."""
+    from . import planner
+
+    found = [launch for launch in planner.cluster_launches(config, planner.steps_of(config, shape), device)
+             if launch != planned]
+    cost = coefficients.paths.get(config.path)
+    if not found:
+        return []
+    if cost is not None and cost.cluster_us is not None:
+        predicted = [planner.predict(cost, planner.fused_features(config, shape, launch, coefficients.cut))
+                     for launch in found]
+        best = predicted.index(min(predicted))
+        return found[max(0, best - 1):best + 2]
+    return [launch for launch in found if launch.tile_parts in (2, 4) or launch == found[-1]]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -207,7 +238,8 @@ def _fit_file(args: argparse.Namespace) -> int:
     data = json.loads(FilePath(args.fit).read_text())
     measured = tune_cache.parse(data)
     # The measurements ran on this GPU: every configuration they name fits its shared memory.
-    device = Device(data["device"], tuple(data["capability"]), int(data["sms"]), 1 << 30)
+    device = Device(data["device"], tuple(data["capability"]), int(data["sms"]), 1 << 30,
+                    tuple(data.get("clusters", ())))
     configs = parse_configs(FilePath(args.configs).read_text())
     coefficients = fit(measured, device, configs, planner.DEFAULT_CUT,
                        f"python -m kbit tune --fit {args.fit}")
@@ -292,7 +324,8 @@ CONTENDER = 1.25  # a path's times are fitted where it is within this of the fas
 def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
     """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error, on the
     cells where it contends (all of them where too few do); the k split shares mma.sync's. A path with no
-    measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it."""
+    measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it; likewise ``cluster_us``
+    stays None where no clustered launch was timed."""
     from . import planner
 
     paths: dict = {path: [] for path in Path}  # path -> [(Cell, whether it contends)]
@@ -320,8 +353,9 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
     fitted = {}
     for path, cells in paths.items():
         contenders = [cell for cell, contends in cells if contends]
-        if cells:  # where too few contend, all (a fit of 7 coefficients wants several cells each)
-            chosen = contenders if len(contenders) >= 3 * len(planner.FEATURES) else [cell for cell, _ in cells]
+        if cells:  # where too few contend, all (a fit of 7 or 8 coefficients wants several cells each)
+            wanted = 3 * (len(planner.FEATURES) - len(planner.OPTIONAL_FEATURES))
+            chosen = contenders if len(contenders) >= wanted else [cell for cell, _ in cells]
             fitted[path] = _fit_cells(path, chosen, device, cut, rounds)
     tokens: dict = {}  # configuration -> (fewest, most) tokens measured
     for cells in paths.values():
@@ -352,7 +386,8 @@ def _fit_cells(path: Path, cells: list, device, cut, rounds: int):
                     features[i] = 0.0
             rows.append([f / cell.us for f in features])
         cost = planner.PathCost(*nonnegative_least_squares(rows, [1.0] * len(rows)))
-    return cost
+    clustered = any(row[-1] for row in rows)
+    return cost if clustered else cost._replace(cluster_us=None)  # no clustered launch timed: no value, none planned
 
 
 def _report(device, configs, coefficients, measured: dict, log) -> None:

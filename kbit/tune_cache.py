@@ -9,18 +9,21 @@ bad cache never changes what runs. ``benchmarks/results/tune_<GPU>.json`` keeps 
 Format 1::
 
     {"format": 1, "kbit": "0.1.0", "device": "NVIDIA H200", "capability": [9, 0], "sms": 132, "date": "...",
-     "coefficients": {...},
+     "clusters": [132, 66, 39, 30, ...], "coefficients": {...},
      "shapes": [{"bits": 4, "out_features": 28672, "in_features": 8192, "tokens": [1, 16, ...],
                  "us": {"mma_sync": [...], "wgmma": [...], "warp_specialized": [...], "dequantize_cublas": [...]},
                  "configs": {"mma_sync": [[4, 0, 0, 1], ...], ...},
-                 "launches": {"warp_specialized": [[[132, 0, false, 41.0], [96, 2, false, 38.5]], ...], ...},
+                 "launches": {"warp_specialized": [[[132, 0, false, 41.0], [96, 2, false, 38.5]], ...],
+                              "mma_sync": [[[132, 0, false, 11.9], [64, 4, false, 9.3]], ...], ...},
                  "gemm_resident": true}]}
 
 ``tokens`` ascending; ``us[path][i]`` the microseconds per call of that path at ``tokens[i]``, null where it was not
 timed (not runnable here, or its output disagreed with dequantize + cuBLAS); ``configs[path][i]`` the configuration
 timed, (mb, wgmma_tiles, ws_tokens, k_split), optional (measurements written before it say none).
 ``launches[path][i]``: the launches of that configuration timed, [grid, tile_parts, whole_tiles, us] each (the
-planned one, whose time is ``us[path][i]``, and others), or null; optional. ``gemm_resident``: dequantize + cuBLAS
+planned one, whose time is ``us[path][i]``, and others: tile parts on mma.sync or the k split are summed in
+thread-block clusters), or null; optional. ``clusters``: the clusters of 1..8 CTAs the GPU ran at once
+(``gemm_facts.Device.clusters``), optional. ``gemm_resident``: dequantize + cuBLAS
 was timed on a weight holding only its GEMM layout (unrepacked first, as in kbit's layers); optional, false (the
 storage format held) where absent.
 ``coefficients``: ``kbit.planner.coefficients_to_json``'s, required in the cache.
@@ -71,7 +74,7 @@ def save(device: Device, shapes: list, coefficients: dict) -> FilePath:
     ``device``, atomically. Returns the file."""
     data = {"format": FORMAT, "kbit": __version__, "device": device.name, "capability": list(device.capability),
             "sms": device.sms, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "coefficients": coefficients, "shapes": shapes}
+            "clusters": list(device.clusters), "coefficients": coefficients, "shapes": shapes}
     _check_cache(data, device.name)  # never write what load would refuse
     path = cache_file(device.name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +143,9 @@ def parse(data) -> dict:
         raise ValueError("not a JSON object")
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+    clusters = data.get("clusters", [])
+    if not isinstance(clusters, list) or len(clusters) > 8 or not all(type(c) is int and c >= 0 for c in clusters):
+        raise ValueError(f"clusters must be a list of at most 8 integers >= 0, got {clusters!r}")
     shapes = data.get("shapes")
     if not isinstance(shapes, list):
         raise ValueError("'shapes' must be a list")

@@ -51,10 +51,11 @@ def test_grouped_expert_limit_equals_python():
 
 
 def test_the_planners_cut_facts_equal_the_kernels():
-    """The planner refuses tile parts past kMaxGroupedGrid CTAs and prices a tile split kSlicedFrom ways or more as
-    summed in slices (``planner.handed_partials``)."""
+    """The planner refuses tile parts past kMaxGroupedGrid CTAs, prices a tile split kSlicedFrom ways or more as
+    summed in slices (``planner.handed_partials``) and offers tiles in at most kMaxClusterCtas clustered parts."""
     for source, name, value in (("cut.h", "kMaxGroupedGrid", planner.MAX_TILE_PARTS_GRID),
-                                ("gemm_ws.cuh", "kSlicedFrom", planner.WS_SLICED_FROM)):
+                                ("gemm_ws.cuh", "kSlicedFrom", planner.WS_SLICED_FROM),
+                                ("gemm.cuh", "kMaxClusterCtas", planner.MAX_CLUSTER_CTAS)):
         match = re.search(rf"constexpr int {name} = (\d+);", KBIT_H.with_name(source).read_text())
         assert match, f"{source} lost 'constexpr int {name} = N;'"
         assert int(match.group(1)) == value, name

@@ -116,10 +116,11 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
         shape = measured[(4, 2048, 1024)]
         assert shape.configs  # what ran is recorded
         assert shape.gemm_resident  # dequantize + cuBLAS timed as a layer runs it
-        # Each fused time with the one launch that ran: the plan on that path from the coefficients the tune started
-        # from (the shipped ones: the cache was empty).
+        # Each fused time with the launch that ran: the plan on that path from the coefficients the tune started
+        # from (the shipped ones: the cache was empty), then the clustered launches tune adds (clusters_to_time).
         shipped = planner.shipped_coefficients(device.name)
         configs = planner.device_facts(torch.device("cuda")).configs
+        clustered = 0
         for path, launched in shape.launches.items():
             for M, timed, us in zip(shape.tokens, launched, shape.us[path]):
                 if us is None:
@@ -127,11 +128,32 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
                     continue
                 chosen = planner.plan(device, configs, shipped, 2048, 1024, M, 4, fused_only=True,
                                       force=frozenset({path}))
-                assert timed == (((chosen.grid, chosen.tile_parts, chosen.whole_tiles), us),), (path, M, timed)
+                planned = planner.Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)
+                assert timed[0] == (tuple(planned), us), (path, M, timed)
+                config = next(c for c in configs if c.bits == 4 and c.key == chosen.key)
+                added = tune.clusters_to_time(config, planner.Shape(2048, 1024, M, 4), device, shipped, planned)
+                assert [launch for launch, _ in timed[1:]] == [tuple(launch) for launch in added], (path, M, timed)
+                clustered += len(added)
         if torch.cuda.get_device_capability()[0] == 9:
             assert any(shape.launches.get(planner.Path.WARP_SPECIALIZED) or ())
+            assert clustered  # M = 1: mma.sync and the k split on tiles in clusters too
     finally:
         planner.forget()
+
+
+def test_the_planner_knows_the_clusters_the_gpu_runs_at_once():
+    """Device.clusters from the extension's gemm_clusters_at_once: on sm_90 fewer clusters as they grow, at most one
+    CTA per SM; below, none (no clustered launch is planned there)."""
+    planner.forget()
+    device = planner.device_facts(torch.device("cuda")).device
+    if torch.cuda.get_device_capability()[0] < 9:
+        assert device.clusters == () and device.clusters_at_once(2) == 0
+        return
+    assert len(device.clusters) == planner.MAX_CLUSTER_CTAS
+    assert all(c * n <= device.sms for c, n in enumerate(device.clusters, 1)), device.clusters
+    assert device.clusters[0] >= device.clusters[1] >= device.clusters[3] >= device.clusters[7] >= 1, device.clusters
+    with pytest.raises(RuntimeError, match="ctas must be 1..8"):
+        cuda_ext().gemm_clusters_at_once(0, 9)
 
 
 def test_matmul_plans_dequantize_cublas_with_the_weights_form(monkeypatch):

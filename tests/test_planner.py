@@ -30,6 +30,10 @@ B200 = Device("NVIDIA B200", (10, 0), 148, 232448)
 A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912)
 SM86 = Device("NVIDIA A10", (8, 6), 72, 101376)
 DEVICES = (H100, H100_PCIE, H200, B200, A100, SM86)
+# Clusters of 1..8 CTAs an H200 runs at once: 2, 3, 4 and 8 as its cudaOccupancyMaxActiveClusters answered (66, 39,
+# 30, 15); 5 to 7 stand-ins below what bench_cluster_split measured running in two waves (24 of 5, 16 of 7).
+H200_CLUSTERS = (132, 66, 39, 30, 22, 18, 15, 15)
+H200C = H200._replace(clusters=H200_CLUSTERS)
 
 SHAPES = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 28672), (10240, 2048),
           (1536, 2048), (40, 256), (4104, 130), (4128, 1000), (128256, 4096))  # (out, in)
@@ -42,18 +46,30 @@ def coefficients(device: Device) -> planner.Coefficients:
     return planner.shipped_coefficients(device.name)
 
 
+def with_cluster_cost(co: planner.Coefficients, cluster_us: float) -> planner.Coefficients:
+    """``co`` with gemm.cuh's mma.sync (and so the k split) pricing a partial tile summed in a cluster at
+    ``cluster_us``."""
+    mma = co.paths[Path.MMA_SYNC]._replace(cluster_us=cluster_us)
+    return co._replace(paths=dict(co.paths, mma_sync=mma, k_split=mma))
+
+
 def config_of(chosen: Plan, bits: int):
     return next(c for c in CONFIGS if c.bits == bits and c.key == chosen.key)
 
 
-def accepted(chosen: Plan, config, shape: Shape, sms: int) -> bool:
-    """What the binding accepts (gemm.cu, gemm_plan): one CTA per SM at most and per step at least; tiles cut only by
-    the warp-specialized kernel, in 2 to k_steps parts on tiles x parts <= 256 CTAs, or whole on <= tiles CTAs."""
+def accepted(chosen: Plan, config, shape: Shape, device: Device) -> bool:
+    """What the binding accepts (gemm.cu, gemm_plan): one CTA per SM at most and per step at least; tiles cut by the
+    warp-specialized kernel, in 2 to k_steps parts on tiles x parts <= 256 CTAs, or whole on <= tiles CTAs; by
+    gemm.cuh's mma.sync up to 16 tokens on sm_90, in 2 to 8 parts, each tile's parts a cluster, all clusters at once."""
     steps = planner.steps_of(config, shape)
-    if not 1 <= chosen.grid <= min(sms, steps.total):
+    if not 1 <= chosen.grid <= min(device.sms, steps.total):
         return False
-    if (chosen.tile_parts or chosen.whole_tiles) and not config.ws_tokens:
+    if chosen.whole_tiles and not config.ws_tokens:
         return False
+    if chosen.tile_parts and not config.ws_tokens:
+        return (config.tile_parts_in_clusters and device.capability[0] >= 9 and not chosen.whole_tiles
+                and 2 <= chosen.tile_parts <= min(8, steps.k_steps) and chosen.grid == steps.tiles * chosen.tile_parts
+                and steps.tiles <= device.clusters_at_once(chosen.tile_parts))
     if chosen.tile_parts:
         return (not chosen.whole_tiles and 2 <= chosen.tile_parts <= steps.k_steps
                 and chosen.grid == steps.tiles * chosen.tile_parts <= planner.MAX_TILE_PARTS_GRID)
@@ -61,9 +77,13 @@ def accepted(chosen: Plan, config, shape: Shape, sms: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- never an unbuilt or unfitting plan
+@pytest.mark.parametrize("clusters", (False, True), ids=("shipped", "clusters-priced"))
 @pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
-def test_every_plan_is_built_runs_here_and_fits_the_binding(device):
+def test_every_plan_is_built_runs_here_and_fits_the_binding(device, clusters):
     co = coefficients(device)
+    if clusters:  # cheap clusters, every GPU reporting the H200's: offered wherever the binding takes them
+        co, device = with_cluster_cost(co, 0.01), device._replace(clusters=H200_CLUSTERS)
+    clustered = 0
     for bits in BITS:
         runnable = any(c.bits == bits and c.runs_on(device) for c in CONFIGS)
         for N, K in SHAPES:
@@ -81,9 +101,11 @@ def test_every_plan_is_built_runs_here_and_fits_the_binding(device):
                     config = config_of(chosen, bits)
                     assert config.runs_on(device) and config.path is chosen.path, (device.name, bits, N, K, M)
                     shape = Shape(N, planner.padded_in_features(K), M, bits)
-                    assert accepted(chosen, config, shape, device.sms), (device.name, bits, N, K, M, chosen)
+                    assert accepted(chosen, config, shape, device), (device.name, bits, N, K, M, chosen)
+                    clustered += bool(chosen.tile_parts and not config.ws_tokens)
                     if grid_override:
                         assert chosen.grid == min(grid_override, device.sms, planner.steps_of(config, shape).total)
+    assert bool(clustered) == (clusters and device.capability[0] >= 9), clustered  # none on sm_80, nor unpriced
 
 
 def test_a_gpu_without_room_for_any_configuration_takes_dequantize_cublas():
@@ -336,6 +358,125 @@ def test_the_fit_takes_each_recorded_launch_as_it_ran():
     assert guessed < right
 
 
+# ----------------------------------------------------------------------------- tile parts summed in clusters
+def test_cluster_launches_only_where_every_cluster_runs_at_once():
+    """2 to 8 parts (gemm.cuh kMaxClusterCtas), at most a part per k-step, tiles x parts <= SMs and no more clusters
+    than the GPU runs at once; mma.sync up to 16 tokens (k split too) only; none below sm_90 or where the GPU's clusters
+    are not known."""
+    mb2 = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.MMA_SYNC and c.mb == 2)
+    steps = planner.steps_of(mb2, Shape(4096, 4096, 16, 4))  # 16 tiles of 16 k-steps
+    assert (steps.tiles, steps.k_steps) == (16, 16)
+    parts = [launch.tile_parts for launch in planner.cluster_launches(mb2, steps, H200C)]
+    assert parts == [2, 3, 4, 5, 6]  # 7: 16 clusters, 15 at once; 8: 15 at once (bench_cluster_split: two waves)
+    assert all(launch == Launch(16 * launch.tile_parts, launch.tile_parts)
+               for launch in planner.cluster_launches(mb2, steps, H200C))
+    huge = Device("many SMs", (9, 0), 1000, 232448, (1000,) * 8)
+    assert max(launch.tile_parts for launch in planner.cluster_launches(mb2, steps, huge)) == 8
+    few = planner.steps_of(mb2, Shape(4096, 2048, 16, 4))  # 16 tiles of 8 k-steps on 100 SMs
+    assert [launch.tile_parts for launch in planner.cluster_launches(mb2, few, huge._replace(sms=100))] == \
+        [2, 3, 4, 5, 6]
+    assert planner.cluster_launches(mb2, steps, H200) == []  # clusters at once not known
+    assert planner.cluster_launches(mb2, steps, A100._replace(clusters=H200_CLUSTERS)) == []
+    for config in CONFIGS:
+        if not config.tile_parts_in_clusters:
+            assert config.mb > 2 or config.wgmma_tiles or config.ws_tokens
+            assert planner.cluster_launches(config, steps, huge) == []
+
+
+def test_the_shipped_coefficients_plan_no_clusters_and_as_before():
+    """No shipped file prices a cluster's hand-off (cluster_us), so the plans of a GPU whose clusters are known equal
+    those of one whose are not: what was planned before clustered launches existed."""
+    for device in (H100, H200, H100_PCIE):
+        co = coefficients(device)
+        assert all(cost.cluster_us is None for cost in co.paths.values())
+        known = device._replace(clusters=H200_CLUSTERS)
+        for (N, K), M, bits in ((shape, M, bits) for shape in SHAPES for M in TOKENS[:8] for bits in BITS):
+            for fused_only in (False, True):
+                chosen = planner.plan(known, CONFIGS, co, N, K, M, bits, fused_only=fused_only)
+                assert chosen == planner.plan(device, CONFIGS, co, N, K, M, bits, fused_only=fused_only)
+                assert not chosen.tile_parts or chosen.path is Path.WARP_SPECIALIZED
+
+
+CLUSTER_SHAPES = ((1024, 4096), (4096, 4096), (6144, 4096), (1536, 2048), (4096, 14336), (28672, 8192))
+
+
+def _mma_times_with_clusters(truth: planner.PathCost) -> dict:
+    """A tune file's measurements (``tune_cache.parse``'s) of mma.sync and the k split made by ``truth``: each path's
+    planned configuration (by the shipped coefficients, as tune runs) timed on its planned launch and on every
+    clustered launch that runs, as tune records them."""
+    shipped = coefficients(H200C)
+    measured = {}
+    for N, K in CLUSTER_SHAPES:
+        tokens = (1, 8, 16, 32, 64)
+        us, keys, launched = {}, {}, {}
+        for path in (Path.MMA_SYNC, Path.K_SPLIT):
+            timed = []
+            for M in tokens:
+                chosen = planner.plan(H200C, CONFIGS, shipped, N, K, M, 4, fused_only=True, force=frozenset({path}))
+                config, shape = config_of(chosen, 4), Shape(N, K, M, 4)
+                runs = [Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)]
+                runs += planner.cluster_launches(config, planner.steps_of(config, shape), H200C)
+                timed.append((config.key, tuple((tuple(launch), planner.predict(truth, planner.fused_features(
+                    config, shape, launch, planner.DEFAULT_CUT))) for launch in runs)))
+            us[path] = tuple(runs[0][1] for _, runs in timed)
+            keys[path] = tuple(key for key, _ in timed)
+            launched[path] = tuple(runs for _, runs in timed)
+        measured[(4, N, K)] = tune_cache.TunedShape(tokens, us, keys, launched, True)
+    return measured
+
+
+@pytest.mark.parametrize("cluster_us", (0.1, 0.5, 20.0))
+def test_the_fit_learns_the_cluster_cost_and_the_planner_clusters_where_it_is_faster(cluster_us):
+    """Times made by mma.sync coefficients with a known cluster cost, clustered launches among them: the fit recovers
+    the cost, and each cell's plan is then its fastest launch by those times: clustered where they say it is faster
+    (a cheap hand-off), never where the clustered launches are all slower (20 us a partial tile: not contending, so
+    not fitted: no cost, no clusters)."""
+    truth = coefficients(H200C).paths[Path.MMA_SYNC]._replace(cluster_us=cluster_us)
+    measured = _mma_times_with_clusters(truth)
+    fitted = tune.fit(measured, H200C, CONFIGS, planner.DEFAULT_CUT, "test")
+    cost = fitted.paths[Path.MMA_SYNC]
+    if cluster_us > 10:
+        assert cost.cluster_us is None
+    else:
+        assert cost == pytest.approx(truth, rel=1e-3, abs=1e-6)
+    clustered = 0
+    for (bits, N, K), shape in measured.items():
+        for i, M in enumerate(shape.tokens):
+            fastest = min(min(dict(shape.launches[p][i]).values()) for p in (Path.MMA_SYNC, Path.K_SPLIT))
+            chosen = planner.plan(H200C, CONFIGS, fitted, N, K, M, bits, fused_only=True)
+            launch = Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)
+            us = planner.predict(truth, planner.fused_features(config_of(chosen, bits), Shape(N, K, M, bits), launch,
+                                                               planner.DEFAULT_CUT))
+            assert us <= fastest * (1 + 1e-6), (N, K, M, chosen)  # no slower than any launch timed
+            clustered += chosen.tile_parts > 0
+    assert (clustered > 0) == (cluster_us < 10), clustered
+
+
+def test_the_fit_leaves_the_cluster_cost_unset_without_clustered_times():
+    """Tune files from before clustered launches were timed (the committed ones): no cluster cost is fitted, so the
+    coefficients plan no clusters (a fitted 0 would make every cluster's hand-off free)."""
+    measured = {key: shape._replace(launches={p: tuple(runs[:1] for runs in launches) for p, launches in
+                                              shape.launches.items()})
+                for key, shape in _mma_times_with_clusters(coefficients(H200C).paths[Path.MMA_SYNC]._replace(
+                    cluster_us=0.1)).items()}
+    fitted = tune.fit(measured, H200C, CONFIGS, planner.DEFAULT_CUT, "test")
+    assert fitted.paths[Path.MMA_SYNC].cluster_us is None and fitted.paths[Path.K_SPLIT].cluster_us is None
+    assert "cluster_us" not in planner.coefficients_to_json(fitted)["paths"]["mma_sync"]
+
+
+def test_tune_times_a_few_cluster_sizes_per_cell():
+    """Before a cluster cost is fitted: 2, 4 and the largest that runs; after: the model's best and its neighbours."""
+    mb2 = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.MMA_SYNC and c.mb == 2)
+    shape, planned = Shape(4096, 4096, 16, 4), Launch(132)
+    co = coefficients(H200C)
+    assert [x.tile_parts for x in tune.clusters_to_time(mb2, shape, H200C, co, planned)] == [2, 4, 6]
+    priced = with_cluster_cost(co, 0.1)
+    sizes = [x.tile_parts for x in tune.clusters_to_time(mb2, shape, H200C, priced, planned)]
+    best = planner.plan(H200C, CONFIGS, priced, 4096, 4096, 16, 4, fused_only=True, force=frozenset({Path.MMA_SYNC}))
+    assert best.tile_parts in sizes and len(sizes) <= 3 and sizes == sorted(sizes), (sizes, best)
+    assert tune.clusters_to_time(mb2, shape, H200, co, planned) == []  # clusters at once not known
+
+
 def test_nonnegative_least_squares():
     rows = [[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]]
     assert tune.nonnegative_least_squares(rows, [1.0, 3.0, 5.0]) == pytest.approx([1.0, 2.0])
@@ -400,6 +541,44 @@ def test_cache_round_trip(cache_dir):
     assert tune_cache.load(H200.name) is None  # another GPU: another file, none here
 
 
+def _tune_file(measured: dict, device: Device) -> dict:
+    """``measured`` (``tune_cache.parse``'s) written as a tune file of ``device``."""
+    entries = [{"bits": bits, "out_features": N, "in_features": K, "tokens": list(shape.tokens), "gemm_resident": True,
+                "us": {p.value: list(t) for p, t in shape.us.items()},
+                "configs": {p.value: [list(k) for k in keys] for p, keys in shape.configs.items()},
+                "launches": {p.value: [[list(launch) + [us] for launch, us in runs] for runs in timed]
+                             for p, timed in shape.launches.items()}}
+               for (bits, N, K), shape in measured.items()]
+    return {"format": tune_cache.FORMAT, "device": device.name, "capability": list(device.capability),
+            "sms": device.sms, "clusters": list(device.clusters), "shapes": entries}
+
+
+def test_clustered_times_and_their_cost_round_trip_through_the_cache_and_the_fit(cache_dir, tmp_path):
+    """Clustered launches' times and the GPU's clusters at once go through the tune file as tune writes it; its fit
+    (``kbit tune --fit``) holds the cluster cost, and the tuned cache keeps it for the planner."""
+    import argparse
+
+    truth = coefficients(H200C).paths[Path.MMA_SYNC]._replace(cluster_us=0.3)
+    measured = _mma_times_with_clusters(truth)
+    data = _tune_file(measured, H200C)
+    assert tune_cache.parse(json.loads(json.dumps(data))) == measured
+    (tmp_path / "tune.json").write_text(json.dumps(data))
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    args = parser.parse_args(["--fit", str(tmp_path / "tune.json"), "--out", str(tmp_path / "fitted.json"),
+                              "--configs", str(ROOT / "tests" / "gemm_configs.json")])
+    assert tune.main(args) == 0
+    written = json.loads((tmp_path / "fitted.json").read_text())
+    fitted = planner.coefficients_from_json(written, "fitted.json")
+    assert fitted.paths[Path.MMA_SYNC].cluster_us == pytest.approx(0.3, rel=1e-3)
+    assert fitted.paths[Path.K_SPLIT] == fitted.paths[Path.MMA_SYNC]  # mma.sync's kernel, its rates
+    tune_cache.save(H200C, data["shapes"], written)
+    assert planner._coefficients(H200C.name) == fitted
+    assert json.loads(tune_cache.cache_file(H200C.name).read_text())["clusters"] == list(H200_CLUSTERS)
+    chosen = planner.plan(H200C, CONFIGS, fitted, 4096, 4096, 16, 4, fused_only=True)
+    assert chosen.tile_parts and chosen.path in (Path.MMA_SYNC, Path.K_SPLIT), chosen
+
+
 def test_cache_file_is_fsynced_before_it_replaces_the_old(cache_dir, monkeypatch):
     """Replaced by rename: without an fsync of the file first, a power loss can leave an empty file in its place."""
     synced = []
@@ -426,6 +605,8 @@ def test_cache_file_is_fsynced_before_it_replaces_the_old(cache_dir, monkeypatch
     "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), launches={"mma_sync": [[[132, 0, 0, 1.0]]]})),
     "BAD:" + json.dumps(dict(entry(4, 64, 64, (1,), mma_sync=[1.0]), launches={"mma_sync": [[[0, 0, False, 1.0]]]})),
     "BAD:" + json.dumps(dict(entry(4, 64, 64, (1, 2), mma_sync=[1.0, 1.0]), launches={"mma_sync": [None]})),
+    "CLUSTERS:" + json.dumps([66, -1]), "CLUSTERS:" + json.dumps([1] * 9), "CLUSTERS:" + json.dumps("66"),
+    "CLUSTERS:" + json.dumps([66.0]),
 ], ids=lambda s: s[:20])
 def test_unusable_cache_is_ignored_with_a_warning(cache_dir, corrupt):
     path = tune_cache.save(H100, [TUNED], FREE_CUBLAS)
@@ -438,6 +619,8 @@ def test_unusable_cache_is_ignored_with_a_warning(cache_dir, corrupt):
         del data["coefficients"]
     elif corrupt.startswith("BAD:"):
         data["shapes"] = [json.loads(corrupt[4:])]
+    elif corrupt.startswith("CLUSTERS:"):
+        data["clusters"] = json.loads(corrupt[9:])
     path.write_text(json.dumps(data) if not corrupt.startswith(("{", "[")) else corrupt)
     with pytest.warns(UserWarning, match="ignoring the tuned cache"):
         assert tune_cache.load(H100.name) is None
@@ -448,6 +631,16 @@ def test_bad_coefficients_in_the_cache_fall_back_to_the_shipped_ones(cache_dir):
     tune_cache.save(H100, [TUNED], bad)
     with pytest.warns(UserWarning, match="coefficients must be finite and >= 0: wgmma"):
         assert planner._coefficients(H100.name) == planner.shipped_coefficients(H100.name)
+
+
+@pytest.mark.parametrize("cluster_us", (-0.5, float("nan"), float("inf"), "cheap", None, [0.1]))
+def test_a_bad_cluster_cost_is_refused(cluster_us):
+    data = dict(FREE_CUBLAS, paths=dict(FREE_CUBLAS["paths"], mma_sync=dict(FREE_CUBLAS["paths"]["mma_sync"],
+                                                                             cluster_us=cluster_us)))
+    with pytest.raises(ValueError, match="cluster_us|coefficient"):
+        planner.coefficients_from_json(json.loads(json.dumps(data)), "test")
+    good = dict(data, paths=dict(data["paths"], mma_sync=dict(data["paths"]["mma_sync"], cluster_us=0.25)))
+    assert planner.coefficients_from_json(good, "test").paths[Path.MMA_SYNC].cluster_us == 0.25
 
 
 # ----------------------------------------------------------------------------- on a (stand-in) CUDA device

@@ -348,6 +348,13 @@ int64_t shared_memory_per_block_optin(int64_t device) {
   return bytes;
 }
 
+// Clusters of `ctas` CTAs of gemm.cuh's clustered kernels the device runs at once (kbit/planner.py: Device.clusters).
+int64_t gemm_clusters_at_once(int64_t device, int64_t ctas) {
+  TORCH_CHECK(ctas >= 1 && ctas <= 8, "kbit: gemm_clusters_at_once: ctas must be 1..8, got ", num(ctas));
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return kbit::gemm_clusters_at_once(static_cast<int>(ctas));
+}
+
 // ---------------------------------------------------------------------------- mixture of experts (moe.h)
 void check_rows_per_pass(int64_t rows) {
   std::string built;
@@ -535,6 +542,7 @@ TORCH_LIBRARY(kbit_cuda, m) {
         "bool weights_settled) -> Tensor");
   m.def("gemm_configs() -> str", &gemm_configs);  // no tensors: any backend
   m.def("shared_memory_per_block_optin(int device) -> int", &shared_memory_per_block_optin);
+  m.def("gemm_clusters_at_once(int device, int ctas) -> int", &gemm_clusters_at_once);
   m.def("moe_route(Tensor expert_ids, Tensor weights, int num_experts, int rows_per_pass) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? x_rows, "

@@ -211,5 +211,7 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
 // Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);
+// Clusters of `ctas` CTAs (1..8) of gemm.cuh's clustered kernels the current device runs at once (0: none; gemm_k4.cu).
+int gemm_clusters_at_once(int ctas);
 
 }  // namespace kbit
