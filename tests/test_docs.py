@@ -3,10 +3,11 @@ checked against the code."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
+
+from repo_script import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,9 +20,7 @@ def _generated_block(doc: Path, generator: str) -> str:
 
 
 def test_design_configuration_table_is_generated_from_the_pinned_report():
-    spec = importlib.util.spec_from_file_location("gemm_config_table", ROOT / "scripts" / "gemm_config_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("scripts/gemm_config_table.py")
     rows = json.loads((ROOT / "tests" / "gemm_configs.json").read_text())
     assert _generated_block(ROOT / "docs" / "DESIGN.md", "scripts/gemm_config_table.py") == module.table(rows), (
         "docs/DESIGN.md's configuration table differs from tests/gemm_configs.json: "
