@@ -1,21 +1,16 @@
 """benchmarks/bench_gemm.py's derived columns (the limit of a call and its share), re-rendering saved results and
 merging runs measured apart into one result."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_script import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("kbit_bench_gemm", ROOT / "benchmarks" / "bench_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_gemm.py")
 
 
 def _row(shape, m, k, kbit_us, floor_us, cublas_us):

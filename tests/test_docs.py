@@ -3,10 +3,11 @@ checked against the code."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
+
+from repo_script import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,15 +19,8 @@ def _generated_block(doc: Path, generator: str) -> str:
     return found.group(1)
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_design_configuration_table_is_generated_from_the_pinned_report():
-    module = _script("gemm_config_table")
+    module = load_script("scripts/gemm_config_table.py")
     rows = json.loads((ROOT / "tests" / "gemm_configs.json").read_text())
     assert _generated_block(ROOT / "docs" / "DESIGN.md", "scripts/gemm_config_table.py") == module.table(rows), (
         "docs/DESIGN.md's configuration table differs from tests/gemm_configs.json: "
@@ -108,7 +102,7 @@ def test_readme_format_section_names_every_saved_config_field():
 
 
 def test_performance_coefficient_table_is_generated_from_the_shipped_coefficients():
-    module = _script("planner_table")
+    module = load_script("scripts/planner_table.py")
     files = sorted((ROOT / "kbit" / "gpus").glob("*.json"))
     assert files and _generated_block(ROOT / "docs" / "PERFORMANCE.md", "scripts/planner_table.py") == \
         module.table(files), ("docs/PERFORMANCE.md's coefficient table differs from kbit/gpus/*.json: "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+
+from repo_script import load_script
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -439,10 +440,7 @@ def test_python_m_kbit_quantize(src_dir, tmp_path):
 
 
 def _bench_e2e():
-    spec = importlib.util.spec_from_file_location("kbit_bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_e2e.py")
 
 
 def test_bench_e2e_times_the_peer_row_last():

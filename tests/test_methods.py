@@ -28,6 +28,8 @@ import kbit
 from kbit import calibration, formats, methods
 from kbit.formats import BLOCK_SIZE, decode_absmax_e4m4, unpack_bitplanes
 
+from repo_script import load_script
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
@@ -663,14 +665,7 @@ def test_cuda_kernels_on_method_outputs(method, k):
 
 
 def _bench_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quantize_methods.py"
-    spec = importlib.util.spec_from_file_location("kbit_bench_quantize_methods", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/bench_quantize_methods.py")
 
 
 def test_quantize_methods_benchmark_runs_tiny(tmp_path, capsys):

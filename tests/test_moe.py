@@ -18,6 +18,7 @@ from kbit import grouped, ops
 from kbit.formats import padded_in_features
 from kbit.moe import STORAGE, KbitExperts
 
+from repo_script import load_script
 from test_formats import DTYPES, KS, _name
 
 transformers = pytest.importorskip("transformers")
@@ -613,14 +614,9 @@ def test_per_expert_linear_layout_is_quantized():
 def test_e2e_benchmark_runs_a_tiny_qwen3_moe(tmp_path):
     """benchmarks/bench_e2e.py --model qwen3-moe in its CPU smoke size: both rows built, kbit's experts quantized,
     the static-cache decode equal to model.generate."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
-    spec = importlib.util.spec_from_file_location("kbit_bench_e2e", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_e2e.py")
     argv = ["--device", "cpu", "--model", "qwen3-moe", "--layers", "2", "--hidden", "128", "--heads", "2",
             "--kv-heads", "1", "--head-dim", "64", "--experts", "8", "--top-k", "2", "--moe-intermediate", "128",
             "--vocab", "320", "--bits", "4", "--batch", "2", "--new-tokens", "2", "--repeats", "1", "--check",
@@ -690,13 +686,7 @@ def test_saved_folder_experts_entries_are_pinned(tmp_path):
 def test_moe_benchmark_peer_dequantizes_the_experts_storage():
     """bench_moe.py's dequantize + bf16 peer rebuilds every expert from the storage tensors it is handed (derived once,
     outside the timed calls) equal to the layer's own reconstruction."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
-    spec = importlib.util.spec_from_file_location("kbit_bench_moe", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_moe.py")
     E, H, I = 4, 64, 96  # H and I not multiples of 256: the padded columns are cut off
     experts, _ = kbit.KbitExperts.from_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), bits=3)
     for proj in ("gate_up", "down"):

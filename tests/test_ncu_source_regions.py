@@ -2,17 +2,14 @@
 small source page written here the way ncu exports it (each kernel listed twice)."""
 
 import csv
-import importlib.util
 import io
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-_path = Path(__file__).resolve().parent.parent / "benchmarks" / "ncu_source_regions.py"
-_spec = importlib.util.spec_from_file_location("ncu_source_regions", _path)
-nsr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(nsr)
+from repo_script import load_script
+
+nsr = load_script("benchmarks/ncu_source_regions.py")
 
 STALLS = ("stall_long_sb", "stall_short_sb", "stall_wait")
 HEADER = ["Address", "Source", nsr.SAMPLES, nsr.EXECUTED, *STALLS, "stall_wait (Not Issued)"]
@@ -81,13 +78,13 @@ def test_a_stage_wait_only_where_the_loop_peaks_on_a_branch():
 def test_command_line(tmp_path):
     (tmp_path / "source.csv").write_text(source_page(["a", "b"]))
     (tmp_path / "details.csv").write_text(details_page())
-    run = subprocess.run([sys.executable, str(_path), str(tmp_path / "source.csv"), str(tmp_path / "details.csv"),
+    run = subprocess.run([sys.executable, nsr.__file__, str(tmp_path / "source.csv"), str(tmp_path / "details.csv"),
                           "--names", "m32,m64"], capture_output=True, text=True, check=True)
     cases = json.loads(run.stdout)
     assert [c["range"] for c in cases] == ["m32", "m64"]
     assert cases[0]["duration_us"] == 21.89 and cases[0]["l1tex_pct"] == 43.83 and cases[1]["duration_us"] == 1050.2
     assert cases[1]["sm_frequency_ghz"] is None
     assert cases[0]["samples_pct"]["consumer_loop"] == 49.0
-    bad = subprocess.run([sys.executable, str(_path), str(tmp_path / "source.csv"), str(tmp_path / "details.csv"),
+    bad = subprocess.run([sys.executable, nsr.__file__, str(tmp_path / "source.csv"), str(tmp_path / "details.csv"),
                           "--names", "only_one"], capture_output=True, text=True)
     assert bad.returncode != 0 and "2 kernels" in bad.stderr

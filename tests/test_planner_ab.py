@@ -3,7 +3,6 @@ benchmarks/bench_planner_ab.sh end to end in its dry run (the fit, compare and s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,19 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_script import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-compare_ab = _load("compare_ab")
-planner_ab = _load("planner_ab")
+compare_ab = load_script("benchmarks/compare_ab.py")
+planner_ab = load_script("benchmarks/planner_ab.py")
 
 
 def _cell(shape, M, K):

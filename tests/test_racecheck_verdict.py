@@ -1,12 +1,8 @@
 """scripts/racecheck_verdict.py: which racecheck logs pass (clean, or only bulk-copy hazards) and which fail."""
 
-import importlib.util
-from pathlib import Path
+from repo_script import load_script
 
-_spec = importlib.util.spec_from_file_location(
-    "racecheck_verdict", Path(__file__).resolve().parent.parent / "scripts" / "racecheck_verdict.py")
-rv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rv)
+rv = load_script("scripts/racecheck_verdict.py")
 
 BULK = "Write access at kbit::bulk_copy_to_shared(void *, const void *, unsigned int, unsigned int)+0x6160 in common.cuh:168"
 READ = "Read access at void kbit::load_tile_codes<kbit::GemmConfig<(int)2>>(const unsigned char *)+0x8130 in gemm.cuh:652"
