@@ -283,10 +283,18 @@ class GreedyDecoder:
 
 
 @torch.no_grad()
+def prefill_decoder(model, prompt) -> "GreedyDecoder":
+    """An eager decoder with a static cache for a [1, P] prompt, warmed up (cuBLAS heuristics, kbit's plans and
+    dequantize workspace)."""
+    dec = GreedyDecoder(model, 1, -(-(prompt.shape[1] + 8) // 64) * 64, mode="eager")
+    dec.prefill(prompt)
+    return dec
+
+
+@torch.no_grad()
 def time_prefill(model, prompt, repeats: int) -> float:
     """Median seconds from a [1, P] prompt to its first token (eager forward into a static cache)."""
-    dec = GreedyDecoder(model, 1, -(-(prompt.shape[1] + 8) // 64) * 64, mode="eager")
-    dec.prefill(prompt)  # warm-up: cuBLAS heuristics, kbit's dequantize workspace
+    dec = prefill_decoder(model, prompt)
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -302,31 +310,50 @@ KERNEL_GROUPS = (("kbit GEMM", ("kbit",)), ("cuBLAS GEMM", ("gemm", "nvjet", "cu
                  ("attention", ("flash", "attention", "fmha", "sdpa")))
 
 
-@torch.no_grad()
-def profile_steps(dec: "GreedyDecoder", prompt, steps: int = 16) -> dict:
-    """GPU kernel time per decode step by group (torch profiler), in microseconds."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    dec.prefill(prompt)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            dec.step()
-        torch.cuda.synchronize()
+def kernel_time_by_group(kernels, runs: int) -> dict:
+    """``kernels``: (name, total GPU microseconds, launches) of each CUDA kernel a profile saw over ``runs`` runs of the
+    same work: microseconds per run by group (``KERNEL_GROUPS``, first match wins) and launches per run."""
     groups = {name: 0.0 for name, _ in KERNEL_GROUPS}
     groups["other kernels"] = 0.0
     launches = 0
+    for name, us, count in kernels:
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name.lower() for k in keys)), "other kernels")
+        groups[group] += us / runs
+        launches += count
+    return {"kernel_us_per_step": groups, "kernels_per_step": launches / runs}
+
+
+def _profiled_kernels(work, runs: int) -> dict:
+    """``work()`` run ``runs`` times under the torch profiler (CUDA kernels only), grouped by kernel_time_by_group."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            work()
+        torch.cuda.synchronize()
+    kernels = []
     for ev in prof.key_averages():
-        if ev.device_type != DeviceType.CUDA:
-            continue
-        us = getattr(ev, "self_device_time_total", None)
-        us = ev.self_cuda_time_total if us is None else us
-        name = ev.key.lower()
-        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other kernels")
-        groups[group] += us / steps
-        launches += ev.count
-    return {"kernel_us_per_step": groups, "kernels_per_step": launches / steps}
+        if ev.device_type == DeviceType.CUDA:
+            us = getattr(ev, "self_device_time_total", None)
+            kernels.append((ev.key, ev.self_cuda_time_total if us is None else us, ev.count))
+    return kernel_time_by_group(kernels, runs)
+
+
+@torch.no_grad()
+def profile_steps(dec: "GreedyDecoder", prompt, steps: int = 16) -> dict:
+    """GPU kernel time per decode step by group (torch profiler), in microseconds."""
+    dec.prefill(prompt)
+    return _profiled_kernels(dec.step, steps)
+
+
+@torch.no_grad()
+def profile_prefill(model, prompt) -> dict:
+    """GPU kernel time of one eager prefill of ``prompt`` [1, P] by group, as time_prefill runs it (its launches
+    tell whether the sibling projections ran as one GEMM)."""
+    dec = prefill_decoder(model, prompt)
+    return _profiled_kernels(lambda: dec.prefill(prompt), 1)
 
 
 def hf_generate(model, prompt, new_tokens: int):
@@ -421,7 +448,11 @@ def run(args) -> dict:
         if args.prefill_len and device.type == "cuda" and not args.no_timing:
             prompt = torch.randint(0, args.vocab, (1, args.prefill_len), generator=gen).to(device)
             row["prefill_s"] = time_prefill(model, prompt, args.repeats)
-            print(f"{label:>10}  prefill {args.prefill_len}: {1e3 * row['prefill_s']:.1f} ms", file=sys.stderr, flush=True)
+            if args.profile:
+                row["prefill_profile"] = profile_prefill(model, prompt)
+            print(f"{label:>10}  prefill {args.prefill_len}: {1e3 * row['prefill_s']:.1f} ms"
+                  + (f", profile={row['prefill_profile']}" if "prefill_profile" in row else ""), file=sys.stderr,
+                  flush=True)
         rows.append(row)
         print(f"{label:>10}  row done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         gc.collect()
@@ -549,21 +580,23 @@ def _describe_model(model: str, s: dict) -> str:
 
 
 def _profile_table(result: dict) -> list:
-    rows = [(r["format"], b, res) for r in result["rows"] for b, res in r["batches"].items() if "profile" in res]
+    # (weights, what ran, its time in µs or None, its profile): each decode batch's step, then each row's prefill
+    rows = [(r["format"], b, 1e6 / res["steps_per_s"] if res.get("steps_per_s") else None, res["profile"])
+            for r in result["rows"] for b, res in r["batches"].items() if "profile" in res]
+    rows += [(r["format"], f"prefill {result['prefill_len']}", 1e6 * r["prefill_s"] if "prefill_s" in r else None,
+              r["prefill_profile"]) for r in result["rows"] if "prefill_profile" in r]
     if not rows:
         return []
     groups = [g for g, _ in KERNEL_GROUPS] + ["other kernels"]
-    lines = ["", "Where one decode step's time goes (torch profiler, GPU kernel time per step, µs; idle = step time "
-             "minus kernel time: launch gaps and host work):", "",
-             "| weights | batch | step µs | " + " | ".join(groups) + " | idle | kernels/step |",
+    lines = ["", "Where one decode step's (and one prefill's) time goes (torch profiler, GPU kernel time, µs; idle = "
+             "the time minus kernel time: launch gaps and host work):", "",
+             "| weights | batch | µs | " + " | ".join(groups) + " | idle | kernels |",
              "|---|---:|---:|" + "---:|" * (len(groups) + 2)]
-    for fmt, b, res in rows:
-        prof = res["profile"]
-        step = 1e6 / res["steps_per_s"] if res.get("steps_per_s") else None
+    for fmt, ran, us, prof in rows:
         busy = sum(prof["kernel_us_per_step"].values())
-        cells = [fmt, b, f"{step:.0f}" if step else "-"]
+        cells = [fmt, ran, f"{us:.0f}" if us else "-"]
         cells += [f"{prof['kernel_us_per_step'][g]:.0f}" for g in groups]
-        cells += [f"{step - busy:.0f}" if step else "-", f"{prof['kernels_per_step']:.0f}"]
+        cells += [f"{us - busy:.0f}" if us else "-", f"{prof['kernels_per_step']:.0f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -601,7 +634,8 @@ def parse_args(argv=None):
     p.add_argument("--torchao", action="store_true",
                    help="also time torchao's int4 weight-only model (tinygemm, groups of 128, bf16): a peer row")
     p.add_argument("--profile", action="store_true",
-                   help="GPU kernel time per decode step by group (kbit GEMM, cuBLAS, attention, other)")
+                   help="GPU kernel time per decode step and per prefill by group (kbit GEMM, cuBLAS, attention, "
+                        "other) and kernel launches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default=None, help="results file suffix (default: the device, e.g. h100)")

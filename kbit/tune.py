@@ -42,11 +42,10 @@ AGREEMENT = 1e-2  # relative Frobenius error between a fused path's output and d
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", default="2,3,4,5", help="bit widths, comma-separated (default: 2,3,4,5)")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
-                        help="in_features->out_features, comma-separated; plan-time lookups match these exactly "
+                        help="in_features->out_features, comma-separated: the shapes timed for the fit "
                              "(default: the seeds' nine shapes)")
     parser.add_argument("--tokens", default=DEFAULT_TOKENS,
-                        help="token counts M to time; a call with M tokens uses the first one >= M "
-                             f"(default: {DEFAULT_TOKENS})")
+                        help=f"token counts M to time, comma-separated (default: {DEFAULT_TOKENS})")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation dtype (default: fp16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed graph replays per measurement (default: 5)")
     parser.add_argument("--seconds", type=float, default=0.0,

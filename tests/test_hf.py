@@ -454,6 +454,27 @@ def test_bench_e2e_times_the_peer_row_last():
                                                                                              (be.TORCHAO, None)]
 
 
+def test_bench_e2e_groups_kernels_and_tables_the_decode_step_and_the_prefill():
+    """Kernel times by group per run (first matching group wins, case-insensitive), launches per run; the profile
+    table has a row per profiled decode batch and per profiled prefill, idle = time minus kernel time."""
+    be = _bench_e2e()
+    kernels = [("kbit_cuda::gemm_ws_kernel<4>", 300.0, 6), ("nvjet_hsh_128x64", 60.0, 2),
+               ("flash_fwd_kernel", 30.0, 2), ("void at::native::elementwise", 10.0, 4)]
+    prof = be.kernel_time_by_group(kernels, 2)
+    assert prof == {"kernel_us_per_step": {"kbit GEMM": 150.0, "cuBLAS GEMM": 30.0, "attention": 15.0,
+                                           "other kernels": 5.0}, "kernels_per_step": 7.0}
+    result = {"prefill_len": 2048, "rows": [
+        {"format": "kbit K=4", "batches": {"1": {"steps_per_s": 4000.0, "profile": prof}}, "prefill_s": 0.0005,
+         "prefill_profile": prof},
+        {"format": "fp16", "batches": {"1": {"steps_per_s": 100.0}}, "prefill_s": 0.06}]}
+    table = be._profile_table(result)
+    rows = [line for line in table if line.startswith("| kbit")]
+    assert rows == ["| kbit K=4 | 1 | 250 | 150 | 30 | 15 | 5 | 50 | 7 |",
+                    "| kbit K=4 | prefill 2048 | 500 | 150 | 30 | 15 | 5 | 300 | 7 |"]
+    assert not any(line.startswith("| fp16") for line in table)
+    assert be._profile_table({"prefill_len": 0, "rows": result["rows"][1:]}) == []
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 @pytest.mark.cuda
