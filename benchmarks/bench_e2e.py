@@ -282,6 +282,15 @@ class GreedyDecoder:
         return statistics.median(times)
 
 
+def fused_groups(model) -> list:
+    """[launching, all]: the model's groups of sibling projections (kbit.fusion) and how many of them still run as one
+    GEMM launch (switched on, their stacked layout built: on CUDA); a group that met a call pattern it cannot fuse
+    switches itself off for good, which this shows."""
+    groups = {id(m._fusion): m._fusion for m in model.modules()
+              if isinstance(m, kbit.KbitLinear) and m._fusion is not None}
+    return [sum(g.enabled and g._stacked is not None for g in groups.values()), len(groups)]
+
+
 @torch.no_grad()
 def prefill_decoder(model, prompt) -> "GreedyDecoder":
     """An eager decoder with a static cache for a [1, P] prompt, warmed up (cuBLAS heuristics, kbit's plans and
@@ -450,9 +459,11 @@ def run(args) -> dict:
             row["prefill_s"] = time_prefill(model, prompt, args.repeats)
             if args.profile:
                 row["prefill_profile"] = profile_prefill(model, prompt)
+            if bits not in (None, TORCHAO):
+                row["fused_groups_launching"] = fused_groups(model)
             print(f"{label:>10}  prefill {args.prefill_len}: {1e3 * row['prefill_s']:.1f} ms"
-                  + (f", profile={row['prefill_profile']}" if "prefill_profile" in row else ""), file=sys.stderr,
-                  flush=True)
+                  + "".join(f", {k}={row[k]}" for k in ("fused_groups_launching", "prefill_profile") if k in row),
+                  file=sys.stderr, flush=True)
         rows.append(row)
         print(f"{label:>10}  row done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         gc.collect()

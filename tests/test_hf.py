@@ -475,7 +475,32 @@ def test_bench_e2e_groups_kernels_and_tables_the_decode_step_and_the_prefill():
     assert be._profile_table({"prefill_len": 0, "rows": result["rows"][1:]}) == []
 
 
+def test_bench_e2e_counts_the_sibling_groups_that_still_launch_as_one():
+    """Two groups per Llama layer (q/k/v, gate/up); on the CPU none launches as one (no stacked GEMM layout there);
+    switched off, none are left."""
+    be = _bench_e2e()
+    config = be.llama_config(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=100)
+    model = be.build_model(config, "cpu", torch.float32, seed=0, bits=4)
+    assert be.fused_groups(model) == [0, 4]
+    kbit.fuse_projections(model, False)
+    assert be.fused_groups(model) == [0, 0]
+
+
 # ----------------------------------------------------------------------------- CUDA
+
+@pytest.mark.cuda
+def test_bench_e2e_sibling_groups_launch_as_one_on_cuda_through_decode_and_prefill():
+    """On CUDA every q/k/v and gate/up group holds its stacked layout and stays switched on through a compiled decode
+    (torch.compile, reduce-overhead) and then an eager prefill: the order bench_e2e.py times them in."""
+    be = _bench_e2e()
+    config = be.llama_config(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=1000)
+    model = be.build_model(config, "cuda", torch.float16, seed=0, bits=4)
+    assert be.fused_groups(model) == [4, 4]
+    prompt = torch.randint(0, 1000, (1, 7), device="cuda")
+    be.GreedyDecoder(model, 1, 64, mode="compile").prepare(prompt).generate(prompt, 8)
+    be.time_prefill(model, torch.randint(0, 1000, (1, 300), device="cuda"), 1)
+    assert be.fused_groups(model) == [4, 4]
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [None, 2, 4, 5], ids=lambda b: "fp16" if b is None else f"k{b}")
