@@ -16,8 +16,8 @@
 # 5. bench_moe.py --quick in OLD and this tree (tuned), if AB_MOE_S seconds are left;
 # 6. the summary, printed last: compare_ab.py of each new side against OLD on the layer GEMM and on the fused op
 #    alone, the MoE, the fitted coefficients.
-# Everything goes to $AB_DIR (default /tmp/planner_ab); with $OUT set, a tar of it and the summary, tune file,
-# coefficient file and A/B files beside it. Phases start only while AB_BUDGET_S (default 560) leaves them time.
+# Everything goes to $AB_DIR (default /tmp/planner_ab); with $OUT set, a tar of it and the summary, tune file and
+# coefficient file beside it. Phases start only while AB_BUDGET_S (default 560) leaves them time.
 set -euo pipefail
 OLD=$(cd "$1" && pwd)
 NEW=$(pwd)
@@ -196,7 +196,7 @@ EOF
 } >"$RES/summary.txt" 2>&1
 if [ -n "${OUT:-}" ]; then
   tar -czf "$OUT/planner_ab.tar.gz" -C "$(dirname "$RES")" "$(basename "$RES")"
-  cp "$RES/summary.txt" "$RES/tune_$tag.json" "$RES/$tag.json" "$OUT/"
-  for side in $sides; do cp $(rounds_of $side) "$OUT/" 2>/dev/null || true; done
+  cp "$RES/summary.txt" "$RES/tune_$tag.json" "$RES/$tag.json" "$OUT/"  # the A/B files are in the tar: the device
+  # returns at most 8 files
 fi
 cat "$RES/summary.txt"

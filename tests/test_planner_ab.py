@@ -86,9 +86,9 @@ def test_the_ab_scripts_dry_run_fits_compares_and_summarises(tmp_path):
     assert "cells: geomean new/old speed 1.0000x, 0 below 0.95x" in summary  # a file against itself
     assert "(no fused_us in these rows)" in summary  # bench_gemm.py's rows stand in for planner_ab.py's
     assert "on its own data: the planned path within 3% of the fastest in" in summary
-    assert sorted(p.name for p in out.iterdir()) == [
-        "NVIDIA_H200.json", "ab_old.json", "ab_shipped.json", "ab_tuned.json", "planner_ab.tar.gz", "summary.txt",
-        "tune_NVIDIA_H200.json"]
+    # at most the 8 files the device returns; the A/B files travel in the tar
+    assert sorted(p.name for p in out.iterdir()) == ["NVIDIA_H200.json", "planner_ab.tar.gz", "summary.txt",
+                                                     "tune_NVIDIA_H200.json"]
     assert summary.count("cells: geomean new/old speed") == 3  # the layer GEMM of shipped and tuned; the MoE
     # the committed tune file is the shipped coefficients' source: the dry run's fit is the shipped file
     fitted = json.loads((out / "NVIDIA_H200.json").read_text())
