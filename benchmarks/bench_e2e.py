@@ -380,7 +380,8 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.split()[0] if name else "cuda").strip("_") or "cuda"
 
 
-def run(args) -> dict:
+def run(args, on_row=None) -> dict:
+    """Every row's measurements; ``on_row(result so far)`` after each row, so that a run cut short keeps its rows."""
     device = torch.device(args.device)
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
         args.dtype if args.dtype != "auto" else (CUDA_DTYPES[args.model] if device.type == "cuda" else "float32")]
@@ -392,6 +393,24 @@ def run(args) -> dict:
     max_len = -(-(args.prompt_len + max(args.new_tokens, args.check_tokens) + 8) // 64) * 64
     gen = torch.Generator().manual_seed(args.seed)
     prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).to(device) for b in batches}
+
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "kbit": kbit.__version__,
+           "python": platform.python_version(), "device": str(device), "date": datetime.date.today().isoformat()}
+    env["git"] = _git_revision()
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    experts_implementation = getattr(config, "_experts_implementation", None)
+    if experts_implementation is not None:
+        env["experts_implementation"] = experts_implementation
+
+    def summary(rows: list, ok: bool) -> dict:
+        return {"model": args.model, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
+                "prompt_len": args.prompt_len, "prefill_len": args.prefill_len, "new_tokens": args.new_tokens,
+                "repeats": args.repeats, "max_cache_len": max_len, "env": env, "rows": list(rows),
+                "check_passed": ok if args.check else None}
 
     rows = []
     ok = True
@@ -465,28 +484,14 @@ def run(args) -> dict:
                   + "".join(f", {k}={row[k]}" for k in ("fused_groups_launching", "prefill_profile") if k in row),
                   file=sys.stderr, flush=True)
         rows.append(row)
+        if on_row is not None:
+            on_row(summary(rows, ok))
         print(f"{label:>10}  row done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     del model
-
-    import transformers
-
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "kbit": kbit.__version__,
-           "python": platform.python_version(), "device": str(device), "date": datetime.date.today().isoformat()}
-    env["git"] = _git_revision()
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-    experts_implementation = getattr(config, "_experts_implementation", None)
-    if experts_implementation is not None:
-        env["experts_implementation"] = experts_implementation
-    return {"model": args.model, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
-            "prompt_len": args.prompt_len,
-            "prefill_len": args.prefill_len,
-            "new_tokens": args.new_tokens, "repeats": args.repeats, "max_cache_len": max_len, "env": env,
-            "rows": rows, "check_passed": ok if args.check else None}
+    return summary(rows, ok)
 
 
 def row_settings(formats, args) -> list:
@@ -661,22 +666,26 @@ def parse_args(argv=None):
     return args
 
 
+def write(result: dict, args) -> Path:
+    """The result as ``e2e_<tag>.md`` and ``.json`` in ``--out-dir``; returns the markdown file."""
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or device_slug(torch.device(args.device))
+    if not args.tag and args.model != "llama3-8b":
+        tag = f"{args.model.replace('-', '_')}_{tag}"
+    (out / f"e2e_{tag}.md").write_text(f"# kbit end-to-end decode ({tag})\n\n" + markdown(result))
+    (out / f"e2e_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return out / f"e2e_{tag}.md"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    md = markdown(result)
-    print(md)
+    result = run(args, on_row=None if args.no_write else lambda partial: write(partial, args))
+    print(markdown(result))
     if result["check_passed"] is not None:
         print("check: " + ("PASSED" if result["check_passed"] else "FAILED"), file=sys.stderr)
     if not args.no_write:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tag = args.tag or device_slug(torch.device(args.device))
-        if not args.tag and args.model != "llama3-8b":
-            tag = f"{args.model.replace('-', '_')}_{tag}"
-        (out / f"e2e_{tag}.md").write_text(f"# kbit end-to-end decode ({tag})\n\n" + md)
-        (out / f"e2e_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out / f'e2e_{tag}.md'} and .json", file=sys.stderr)
+        print(f"wrote {write(result, args)} and .json", file=sys.stderr)
     return 0 if result["check_passed"] in (None, True) else 1
 
 

@@ -486,6 +486,27 @@ def test_bench_e2e_counts_the_sibling_groups_that_still_launch_as_one():
     assert be.fused_groups(model) == [0, 0]
 
 
+def test_bench_e2e_writes_its_results_after_each_row(tmp_path, monkeypatch):
+    """A run cut short (a time limit, the torchao row last) keeps the rows it finished: the files are written after
+    each row, each a whole result."""
+    be = _bench_e2e()
+    argv = ["--device", "cpu", "--layers", "1", "--hidden", "256", "--intermediate", "512", "--heads", "4",
+            "--kv-heads", "2", "--vocab", "1000", "--bits", "4", "--batch", "1", "--new-tokens", "2", "--repeats", "1",
+            "--prefill-len", "0", "--out-dir", str(tmp_path), "--tag", "t", "--fuse-ab"]
+    write, seen = be.write, []
+
+    def write_then_stop(partial, args):
+        seen.append(json.loads(write(partial, args).with_suffix(".json").read_text()))
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # as a time limit would, before the last row
+
+    monkeypatch.setattr(be, "write", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        be.main(argv)
+    assert [[r["format"] for r in result["rows"]] for result in seen] == [["float32"], ["float32", "kbit K=4"]]
+    assert "kbit K=4" in (tmp_path / "e2e_t.md").read_text()
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 @pytest.mark.cuda
