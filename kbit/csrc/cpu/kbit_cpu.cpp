@@ -643,9 +643,10 @@ void padded_codebook(const at::Tensor& codebook, float out[32]) {
 at::Tensor dequantize_fp32(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                            int64_t bits, int64_t blocks, double scale);
 
-// Activation rows from which a dequantized weight and the BLAS GEMM beat the fused loop (it dequantizes every
-// block once per 16 rows; BLAS reaches the FMA peak).
-constexpr int64_t BLAS_ROWS = 64;
+// Activation rows from which a dequantized weight and the BLAS GEMM beat the fused loop. The loop redoes its lookups
+// every few rows but multiplies at about BLAS's float32 rate; dequantizing first writes 4 bytes a weight, which costs
+// as much as hundreds of rows of those lookups (docs/PERFORMANCE.md, CPU).
+constexpr int64_t BLAS_ROWS = 1024;
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t bits, int64_t out_features,
