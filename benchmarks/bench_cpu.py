@@ -262,7 +262,7 @@ def write(facts: dict, bandwidth: float, gemm: list, quant: dict, gen: Optional[
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="4096x4096,14336x4096", help="N x K weights (out x in), comma-separated")
-    p.add_argument("--rows", default="1,16", help="activation rows M, comma-separated")
+    p.add_argument("--rows", default="1,16,64,256", help="activation rows M, comma-separated")
     p.add_argument("--bits", default="2,3,4,5")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--no-save", action="store_true")

@@ -79,7 +79,7 @@ def _assert_within_rounding(got: torch.Tensor, want_fp32: torch.Tensor, dtype) -
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 16, 70])  # every chunk size, and the BLAS path from 64
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 16, 70, 1030])  # every chunk size, the BLAS path from 1024
 def test_matmul_matches_reference(ext, threads, bits, dtype, rows):
     out_features, in_features = 19, 83  # odd: tails of every tile, a partial last block
     qw = _weight(out_features, in_features, bits)

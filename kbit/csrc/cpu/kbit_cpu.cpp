@@ -8,8 +8,8 @@
 // variable shifts, vpermps per 8 entries plus blends), NEON (4 lanes: byte-table lookups), else plain C++.
 // The GEMM dequantizes each block once into registers (codebook entries already multiplied by the block scale) and
 // multiplies it against up to 8 activation rows and several weight rows at a time; threads split the output rows.
-// With AVX-512 and K <= 4, whole groups of 16 output rows instead go through the row-lane kernels (table lookups
-// for 16 rows at once, see `row_lanes`), whose cost falls with K.
+// With AVX-512, whole groups of 16 output rows instead go through the row-lane kernels (table lookups for 16 rows
+// at once, see `row_lanes`), whose cost falls with K.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -361,12 +361,13 @@ void gemm_rows(const GemmArgs& a, const Simd::Codebook& cb, const BlockScales& b
 }
 
 #if defined(__AVX512F__)
-// ----------------------------------------------------------------------------- row-lane GEMM (AVX-512, K=2..4)
+// ----------------------------------------------------------------------------- row-lane GEMM (AVX-512, K=2..5)
 // The lookup-table idea of T-MAC turned to exact float32: the 16 lanes hold 16 weight rows, not 16 weights of one
 // row, so one vpermps looks up a 16-entry float table for 16 rows at once and the activation side is shared:
 //   K=2: the table of an activation pair, T[i] = x[2q] * cb[code a] + x[2q+1] * cb[code b] (i holds both 2-bit
 //        codes): one lookup and one add per two weights;
-//   K=3, 4: the codebook itself; one lookup per weight, multiplied by the broadcast activation.
+//   K=3, 4: the codebook itself; one lookup per weight, multiplied by the broadcast activation;
+//   K=5: likewise from the 32-entry codebook in two registers (vpermt2ps).
 // The block scale multiplies each block's partial sum once. A lane's index comes from its row's bit-plane words
 // (transposed from 16 rows, see Group) by shifts and bit selects, so the decoding cost falls with K.
 namespace row_lanes {
@@ -474,7 +475,8 @@ struct Group {
 struct Inputs {
   const float* x;  // [M, K] row-major, zero-padded
   const float* tables;  // pair_tables (K=2, one activation row) or null
-  __m512 cb16;  // the codebook repeated to 16 entries
+  __m512 cb16;  // the codebook repeated to 16 entries (K <= 4)
+  __m512 cb_lo, cb_hi;  // entries 0-15 and 16-31 (K = 5)
   __m512 tensor_scale;
 };
 
@@ -489,15 +491,32 @@ inline __m512i code_nibbles(const __m512i p[BITS]) {
   return w;
 }
 
+// K=5: byte i of w[k] holds the code of weight 8i+k in its low 5 bits (vpermt2ps reads an index's low 5 bits).
+template <int k>
+inline __m512i code_bytes(const __m512i p[5]) {
+  __m512i w = shift_right<k>(p[0]);
+  w = select(0x01010101u, w, shift_right<k - 1>(p[1]));
+  w = select(0x03030303u, w, shift_right<k - 2>(p[2]));
+  w = select(0x07070707u, w, shift_right<k - 3>(p[3]));
+  return select(0x0F0F0F0Fu, w, shift_right<k - 4>(p[4]));
+}
+
 // Block kb's partial sums by codebook lookups: one per weight and lane group, shared by the MT activation rows.
+// A weight's code is field f of word k: nibbles (8 fields of 4 bits, K <= 4) or bytes (4 of 8, K = 5).
 template <int BITS, int MT, int NG>
 inline void codebook_block(const GemmArgs& a, const Inputs& in, const Group<BITS>* g, int64_t m0, int64_t kb,
                            __m512 (&part)[MT][NG]) {
-  __m512i w[NG][4];
+  constexpr int WORDS = BITS == 5 ? 8 : 4, FIELDS = BLOCK / WORDS, FIELD_BITS = 32 / FIELDS;
+  __m512i w[NG][WORDS];
   for (int t = 0; t < NG; ++t) {
     const __m512i* p = g[t].words + (kb % SPAN) * BITS;
-    w[t][0] = code_nibbles<BITS, 0>(p), w[t][1] = code_nibbles<BITS, 1>(p);
-    w[t][2] = code_nibbles<BITS, 2>(p), w[t][3] = code_nibbles<BITS, 3>(p);
+    if constexpr (BITS == 5) {
+      w[t][0] = code_bytes<0>(p), w[t][1] = code_bytes<1>(p), w[t][2] = code_bytes<2>(p), w[t][3] = code_bytes<3>(p);
+      w[t][4] = code_bytes<4>(p), w[t][5] = code_bytes<5>(p), w[t][6] = code_bytes<6>(p), w[t][7] = code_bytes<7>(p);
+    } else {
+      w[t][0] = code_nibbles<BITS, 0>(p), w[t][1] = code_nibbles<BITS, 1>(p);
+      w[t][2] = code_nibbles<BITS, 2>(p), w[t][3] = code_nibbles<BITS, 3>(p);
+    }
   }
   constexpr int CH = MT * NG >= 4 ? 1 : 2;  // two chains per accumulator when there are few: FMA latency
   __m512 chain[CH][MT][NG];
@@ -506,13 +525,16 @@ inline void codebook_block(const GemmArgs& a, const Inputs& in, const Group<BITS
       for (int t = 0; t < NG; ++t) chain[c][m][t] = _mm512_setzero_ps();
   const float* xb = in.x + m0 * a.K + kb * BLOCK;
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
+  for (int i = 0; i < FIELDS; ++i) {
+#pragma GCC unroll 8
+    for (int k = 0; k < WORDS; ++k) {
       __m512 v[NG];
-      for (int t = 0; t < NG; ++t) v[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(w[t][k], 4 * i), in.cb16);
+      for (int t = 0; t < NG; ++t) {
+        const __m512i index = _mm512_srli_epi32(w[t][k], FIELD_BITS * i);
+        v[t] = BITS == 5 ? _mm512_permutex2var_ps(in.cb_lo, index, in.cb_hi) : _mm512_permutexvar_ps(index, in.cb16);
+      }
       for (int m = 0; m < MT; ++m) {
-        const __m512 xv = _mm512_set1_ps(xb[m * a.K + 4 * i + k]);
+        const __m512 xv = _mm512_set1_ps(xb[m * a.K + WORDS * i + k]);
         for (int t = 0; t < NG; ++t) chain[k % CH][m][t] = _mm512_fmadd_ps(xv, v[t], chain[k % CH][m][t]);
       }
     }
@@ -643,9 +665,10 @@ void padded_codebook(const at::Tensor& codebook, float out[32]) {
 at::Tensor dequantize_fp32(const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                            int64_t bits, int64_t blocks, double scale);
 
-// Activation rows from which a dequantized weight and the BLAS GEMM beat the fused loop (it dequantizes every
-// block once per 16 rows; BLAS reaches the FMA peak).
-constexpr int64_t BLAS_ROWS = 64;
+// Activation rows from which a dequantized weight and the BLAS GEMM beat the fused loop. The loop redoes its lookups
+// every few rows but multiplies at about BLAS's float32 rate; dequantizing first writes 4 bytes a weight, which costs
+// as much as hundreds of rows of those lookups (docs/PERFORMANCE.md, CPU).
+constexpr int64_t BLAS_ROWS = 1024;
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t bits, int64_t out_features,
@@ -665,19 +688,19 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   alignas(64) float cb32[32];
   padded_codebook(codebook, cb32);
-  const BlockScales bs(s);
-  // Every output row goes through the row-lane kernels where there are (AVX-512, K <= 4), else through the tiles
+  // Every output row goes through the row-lane kernels where there are (AVX-512), else through the tiles
   // above, which read the activations as panels.
-  bool row_lane_kernels = false;
 #if defined(__AVX512F__)
-  row_lane_kernels = bits <= 4;
+  constexpr bool row_lane_kernels = true;
   alignas(64) float cb16[16];
   for (int i = 0; i < 16; ++i) cb16[i] = cb32[i % (1 << bits)];
   // Pair tables pay off for one activation row; with more, one codebook lookup serves them all.
-  const at::Tensor tables = bits == 2 && M == 1 && row_lane_kernels ? row_lanes::pair_tables(xf.data_ptr<float>(), K, cb32)
-                                                                    : at::Tensor();
+  const at::Tensor tables = bits == 2 && M == 1 ? row_lanes::pair_tables(xf.data_ptr<float>(), K, cb32) : at::Tensor();
   const row_lanes::Inputs in{xf.data_ptr<float>(), tables.defined() ? tables.data_ptr<float>() : nullptr,
-                             _mm512_load_ps(cb16), _mm512_set1_ps(s)};
+                             _mm512_load_ps(cb16), _mm512_load_ps(cb32), _mm512_load_ps(cb32 + 16), _mm512_set1_ps(s)};
+#else
+  constexpr bool row_lane_kernels = false;
+  const BlockScales bs(s);
 #endif
   const at::Tensor panels = row_lane_kernels ? xf : panel_of(xf);
   GemmArgs a{panels.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
@@ -692,10 +715,10 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
     at::parallel_for(0, (N + UNIT - 1) / UNIT, grain, [&](int64_t u0, int64_t u1) {
       const int64_t n0 = u0 * UNIT, n1 = std::min(u1 * UNIT, N);
 #if defined(__AVX512F__)
-      if constexpr (BITS <= 4)
-        if (row_lane_kernels) return row_lanes::rows<BITS>(a, in, n0, n1);
-#endif
+      row_lanes::rows<BITS>(a, in, n0, n1);
+#else
       gemm_rows<BITS>(a, Simd::Codebook(cb32), bs, n0, n1);
+#endif
     });
   });
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
