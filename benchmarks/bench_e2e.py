@@ -288,7 +288,7 @@ def fused_groups(model) -> list:
     switches itself off for good, which this shows."""
     groups = {id(m._fusion): m._fusion for m in model.modules()
               if isinstance(m, kbit.KbitLinear) and m._fusion is not None}
-    return [sum(g.enabled and g._stacked is not None for g in groups.values()), len(groups)]
+    return [sum(g.launching for g in groups.values()), len(groups)]
 
 
 @torch.no_grad()
@@ -326,7 +326,8 @@ def kernel_time_by_group(kernels, runs: int) -> dict:
     groups["other kernels"] = 0.0
     launches = 0
     for name, us, count in kernels:
-        group = next((g for g, keys in KERNEL_GROUPS if any(k in name.lower() for k in keys)), "other kernels")
+        name = name.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other kernels")
         groups[group] += us / runs
         launches += count
     return {"kernel_us_per_step": groups, "kernels_per_step": launches / runs}

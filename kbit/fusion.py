@@ -111,6 +111,11 @@ class FusedProjections:
         state = "built" if self._stacked is not None else "not built"
         return f"FusedProjections({', '.join(self.names)}; {state}{'' if self.enabled else ', off'})"
 
+    @property
+    def launching(self) -> bool:
+        """Whether the members run as one GEMM launch: switched on, with their stacked layout built (on CUDA)."""
+        return self.enabled and self._stacked is not None
+
     def __getstate__(self):  # outputs held mid-forward belong to that forward
         return {**self.__dict__, "_held": None}
 
@@ -196,7 +201,7 @@ class FusedProjections:
             logger.debug("kbit: %s are not called with one input here; they run as separate GEMM launches",
                          ", ".join(self.names))
             return None
-        if not self.enabled or self._stacked is None:
+        if not self.launching:
             return None
         outputs = self._compute(x)
         if outputs is None:

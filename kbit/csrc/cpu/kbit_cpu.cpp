@@ -475,8 +475,8 @@ struct Group {
 struct Inputs {
   const float* x;  // [M, K] row-major, zero-padded
   const float* tables;  // pair_tables (K=2, one activation row) or null
-  __m512 cb16;  // the codebook repeated to 16 entries (K <= 4)
-  __m512 cb_lo, cb_hi;  // entries 0-15 and 16-31 (K = 5)
+  __m512 cb16;  // entry i: codebook entry i mod 2^K (the codebook repeated below K = 4; K = 5's first half)
+  __m512 cb_hi;  // K = 5: entries 16-31
   __m512 tensor_scale;
 };
 
@@ -531,7 +531,7 @@ inline void codebook_block(const GemmArgs& a, const Inputs& in, const Group<BITS
       __m512 v[NG];
       for (int t = 0; t < NG; ++t) {
         const __m512i index = _mm512_srli_epi32(w[t][k], FIELD_BITS * i);
-        v[t] = BITS == 5 ? _mm512_permutex2var_ps(in.cb_lo, index, in.cb_hi) : _mm512_permutexvar_ps(index, in.cb16);
+        v[t] = BITS == 5 ? _mm512_permutex2var_ps(in.cb16, index, in.cb_hi) : _mm512_permutexvar_ps(index, in.cb16);
       }
       for (int m = 0; m < MT; ++m) {
         const __m512 xv = _mm512_set1_ps(xb[m * a.K + WORDS * i + k]);
@@ -697,7 +697,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   // Pair tables pay off for one activation row; with more, one codebook lookup serves them all.
   const at::Tensor tables = bits == 2 && M == 1 ? row_lanes::pair_tables(xf.data_ptr<float>(), K, cb32) : at::Tensor();
   const row_lanes::Inputs in{xf.data_ptr<float>(), tables.defined() ? tables.data_ptr<float>() : nullptr,
-                             _mm512_load_ps(cb16), _mm512_load_ps(cb32), _mm512_load_ps(cb32 + 16), _mm512_set1_ps(s)};
+                             _mm512_load_ps(cb16), _mm512_load_ps(cb32 + 16), _mm512_set1_ps(s)};
 #else
   constexpr bool row_lane_kernels = false;
   const BlockScales bs(s);
