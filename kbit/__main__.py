@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import tune
 
-    p = sub.add_parser("tune", help="time the GEMM paths on this GPU and cache where each wins (needs CUDA)",
+    p = sub.add_parser("tune", help="time the GEMM paths on this GPU and fit the planner to them (needs CUDA)",
                        description=(tune.__doc__ or "").split("\n\n")[0])
     tune.add_arguments(p)
     p.set_defaults(func=_cmd_tune)

@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from . import dispatch, ops
+from . import ops, planner
 from ._validate import GEMM_DTYPES
 from .formats import padded_in_features
 from .layout import N_ALIGN, gemm_shapes, row_blocks
@@ -225,8 +225,8 @@ class FusedProjections:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, first.in_features)
         K = first.qweight.in_features_padded
-        if x.device.type == "cuda" and dispatch.gemm_plan(
-                x.device, stacked.rows, K, x2.shape[0], first.bits).path is dispatch.Path.DEQUANTIZE_CUBLAS:
+        if x.device.type == "cuda" and planner.gemm_plan(
+                x.device, stacked.rows, K, x2.shape[0], first.bits).path is planner.Path.DEQUANTIZE_CUBLAS:
             return None
         y = ops.gemm(x2, stacked.codes, stacked.absmax, first.codebook, stacked.block_scale, self._bias(x.dtype),
                      first.bits, stacked.rows, K, 0)

@@ -1,8 +1,8 @@
-"""What the GEMM dispatch plans from: the paths, the GPU, and the fused configurations the CUDA extension built.
+"""What the GEMM planner plans from: the paths, the GPU, and the fused configurations the CUDA extension built.
 
 The extension owns the configurations (the compile-time lists in gemm.cuh / gemm_ws.cuh): ``gemm_configs()`` reports
-each one's pass, shared memory and the compute capabilities its code is built for, and ``parse_configs`` reads that
-report. ``tests/gemm_configs.json`` pins it for the CPU tests.
+each one's pass, tile, shared memory and the compute capabilities its code is built for, and
+``parse_configs`` reads that report. ``tests/gemm_configs.json`` pins it for the CPU tests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Path(str, enum.Enum):
     DEQUANTIZE_CUBLAS = "dequantize_cublas"
 
 
-FUSED_PATHS = frozenset({Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED})
+FUSED_PATHS = (Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED)
 
 
 class Device(NamedTuple):
@@ -28,6 +28,14 @@ class Device(NamedTuple):
     capability: tuple  # (major, minor)
     sms: int  # multiprocessors
     smem_per_block: int  # opt-in maximum shared memory per block, bytes
+    clusters: tuple = ()  # clusters of 1, 2, .. 8 CTAs of gemm.cuh's clustered kernels it runs at once; (): not known
+
+    def clusters_at_once(self, ctas: int) -> int:
+        """Thread-block clusters of ``ctas`` CTAs this GPU runs at once (the extension's ``gemm_clusters_at_once``);
+        0 below compute capability 9.0 (no clusters) or where not known."""
+        if self.capability[0] < 9 or not 1 <= ctas <= len(self.clusters):
+            return 0
+        return self.clusters[ctas - 1]
 
 
 class GemmConfig(NamedTuple):
@@ -37,7 +45,8 @@ class GemmConfig(NamedTuple):
     mb: int  # 8-token MMA tiles per pass
     wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp
     ws_tokens: int  # > 0: the warp-specialized kernel with that many tokens per tile
-    k_split: int  # 1, or 8: the warps split the k-groups of one 32-row tile (16-row at mb = 2)
+    k_split: int  # 1, or 8: the warps split the k-groups of one tile
+    tile_rows: int  # weight rows per CTA tile
     smem_bytes: int  # per CTA, static included
     cc_major_min: int  # the compute capabilities (major) its code is built for
     cc_major_max: int
@@ -51,6 +60,13 @@ class GemmConfig(NamedTuple):
     @property
     def key(self) -> tuple:
         return self.mb, self.wgmma_tiles, self.ws_tokens, self.k_split
+
+    @property
+    def tile_parts_in_clusters(self) -> bool:
+        """Whether a launch may cut this configuration's tiles in 2 to 8 parts, each tile's parts one thread-block
+        cluster summing them in shared memory (``tile_parts``, tiles x parts CTAs; compute capability 9.0 on):
+        gemm.cuh's mma.sync configurations up to 16 tokens (the binding's ``gemm_plan`` refuses the others)."""
+        return not self.ws_tokens and not self.wgmma_tiles and self.mb <= 2
 
     @property
     def tokens(self) -> int:

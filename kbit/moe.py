@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import ops
+from . import ops, planner
 from ._build import cuda_ext
 from ._counted import count_name, hold_count
 from ._kbit_module import KbitModule
@@ -72,7 +72,7 @@ from .grouped import GATE_UP_GROUP, gate_up_row_order
 from .layout import X_ALIGN
 from .weight import PrecisionLoss, QuantizedWeight, quantize_checked
 
-__all__ = ["KbitExperts", "find_experts", "rows_per_pass", "MAX_GROUPED_EXPERTS"]
+__all__ = ["KbitExperts", "find_experts", "MAX_GROUPED_EXPERTS"]
 
 PROJECTIONS = ("gate_up", "down")
 FUSED_PARAMETERS = tuple(f"{proj}_proj" for proj in PROJECTIONS)  # transformers' names of the experts' weights
@@ -81,22 +81,7 @@ _FORMAT_SUFFIXES = ("packed", "absmax", "scale")
 STORAGE = tuple(f"{p}_{s}" for p in PROJECTIONS for s in _FORMAT_SUFFIXES) + ("codebook", "meta")  # the state dict
 # Experts per layer the routing kernel sorts in one CTA's shared memory: moe.h's kMaxGroupedExperts (test_constants).
 MAX_GROUPED_EXPERTS = 1024
-
-
-def rows_per_pass(slots: int, num_experts: int, supported=(8, 16, 32, 128)) -> int:
-    """Token rows per pass of the grouped GEMM, from the expected rows per routed expert.
-
-    The dense GEMM's configurations (``kbit/csrc/gemm.cu``): 8, 16 or 32 tokens per pass with mma.sync, 128 with
-    wgmma (Hopper) from 65 rows per expert on; the smallest of ``supported`` (what the device runs at the layer's
-    bits, ``kbit_cuda.moe_rows_per_pass_supported``) that holds them, else its largest. An expert holding more rows
-    (skewed routing) takes several passes.
-    """
-    per_expert = -(-slots // max(1, min(num_experts, slots)))
-    wanted = 8 if per_expert <= 8 else 16 if per_expert <= 16 else 32 if per_expert <= 64 else 128
-    for rows in sorted(supported):  # a loop, not min(generator): torch.compile traces this
-        if rows >= wanted:
-            return rows
-    return max(supported)
+REFERENCE_ROWS_PER_PASS = 32  # off CUDA (the reference operators, tracing tests): any rows per pass is exact
 
 
 def _is_silu(act: nn.Module) -> bool:
@@ -360,11 +345,20 @@ class KbitExperts(KbitModule):
             out.index_add_(0, tokens, y.to(torch.float32) * weights[slots, None])
         return out.to(x.dtype)
 
+    def rows_per_pass(self, slots: int) -> int:
+        """Token rows per pass of the grouped GEMM for ``slots`` (token, expert) pairs, as the planner chooses them
+        (``kbit.planner.rows_per_pass``) among those the device runs at these bits."""
+        if self.codebook.device.type != "cuda" or not self._rows_supported:
+            return REFERENCE_ROWS_PER_PASS
+        shapes = ((2 * self.intermediate_dim, self.hidden_dim), (self.hidden_dim, self.intermediate_dim))
+        return planner.moe_rows_per_pass(self.codebook.device, slots, self.num_experts, shapes, self.bits,
+                                         self._rows_supported)
+
     def _forward_grouped(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
         """Route on the device, then every expert's tokens in one grouped GEMM per projection (kbit.grouped)."""
         T, top_k = idx.shape
         E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
-        rows = rows_per_pass(T * top_k, E, self._rows_supported or (8, 16, 32, 128))
+        rows = self.rows_per_pass(T * top_k)
         x_rows, row_weights, position, passes, num_passes = ops.moe_route(idx.contiguous(), w.contiguous(), E, rows)
         fused = _is_silu(self.act_fn)
         h = ops.moe_gemm(x.contiguous(), self.gate_up_gemm_codes, self.gate_up_gemm_absmax, self.codebook,

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _op_contract, dispatch, formats, grouped, layout
+from . import _op_contract, formats, grouped, layout, planner
 from ._build import cuda_ext
 from ._build_cpu import cpu_ext
 
@@ -289,10 +289,11 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
 
 @gemm.register_kernel("cuda")
 def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
-    chosen = dispatch.gemm_plan(x.device, out_features, in_features_padded, x.shape[0], bits, fused_only=True)
+    chosen = planner.gemm_plan(x.device, out_features, in_features_padded, x.shape[0], bits, fused_only=True,
+                               grid_override=grid_override)
     return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded,
-                           grid_override, chosen.mb, chosen.wgmma_tiles, chosen.k_split, chosen.ws_tokens,
-                           weights_settled(b_gemm, absmax_gemm, codebook))
+                           chosen.grid, chosen.tile_parts, chosen.whole_tiles, chosen.mb, chosen.wgmma_tiles,
+                           chosen.k_split, chosen.ws_tokens, weights_settled(b_gemm, absmax_gemm, codebook))
 
 
 @gemm.register_kernel("cpu")

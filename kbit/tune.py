@@ -1,10 +1,19 @@
-"""``python -m kbit tune``: time every GEMM path on this GPU and cache the results for the planner.
+"""``python -m kbit tune``: time every GEMM path on this GPU and fit the planner's coefficients to the times.
 
-For each bit width, shape and token count, every fused path that runs here (``kbit.dispatch.fused_configs``: the
-configuration the planner would run for it) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path) are
-timed from CUDA graphs on weight copies rotated past twice the L2 cache, so the weights stream from memory as in
-inference. A fused path whose output disagrees with dequantize + cuBLAS is left out. The times go to the tuned
-dispatch cache (``kbit.tune_cache``); from then on ``kbit.matmul`` plans those shapes from them.
+For each shape, bit width and token count, every fused path that runs here (the configuration and launch the planner
+would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path for a weight holding
+only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies
+rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
+disagrees with dequantize + cuBLAS is left out. Each fused time is recorded with the launch that ran, which the fit
+takes as it is; beside the planned launch of mma.sync and the k split up to 16 tokens, a few launches that sum each
+tile's parts in a thread-block cluster (``clusters_to_time``; sm_90), whose times fit ``PathCost.cluster_us``.
+``fit`` fits each path's ``kbit.planner.PathCost`` to its times (least squares in relative error, coefficients >=
+0); the times and the coefficients go to the tuned cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from
+from then on.
+
+``python -m kbit tune --fit MEASUREMENTS --configs REPORT --out FILE`` fits without a GPU, from a tune file
+(``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``):
+how the shipped ``kbit/gpus/<GPU>.json`` are made.
 """
 
 from __future__ import annotations
@@ -13,26 +22,38 @@ import argparse
 import math
 import statistics
 import sys
+import time
 import warnings
+from typing import NamedTuple, Optional
 
 import torch
+
+from .gemm_facts import FUSED_PATHS, Path
 
 DEFAULT_SHAPES = ("8192->28672,28672->8192,14336->4096,4096->14336,11008->4096,4096->11008,4096->4096,2048->10240,"
                   "2048->1536")
 DEFAULT_TOKENS = "1,8,16,32,64,128,192,256,384,512,768,1024,2048,4096"
+# Weight copies per timing at most: 2048->1536 at 2 bits needs 144 to pass twice the H200's L2 (the cap was 64, so
+# the small shapes' weights stayed in L2); a 256x256 weight would need thousands.
+MAX_COPIES = 1024
 AGREEMENT = 1e-2  # relative Frobenius error between a fused path's output and dequantize + cuBLAS's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", default="2,3,4,5", help="bit widths, comma-separated (default: 2,3,4,5)")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
-                        help="in_features->out_features, comma-separated; plan-time lookups match these exactly "
+                        help="in_features->out_features, comma-separated: the shapes timed for the fit "
                              "(default: the seeds' nine shapes)")
     parser.add_argument("--tokens", default=DEFAULT_TOKENS,
-                        help="token counts M to time; a call with M tokens uses the first one >= M "
-                             f"(default: {DEFAULT_TOKENS})")
+                        help=f"token counts M to time, comma-separated (default: {DEFAULT_TOKENS})")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation dtype (default: fp16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed graph replays per measurement (default: 5)")
+    parser.add_argument("--seconds", type=float, default=0.0,
+                        help="start no further shape after this many seconds and fit what was measured; shapes are "
+                             "timed in the order given, each at every bit width (default: 0, no limit)")
+    parser.add_argument("--fit", metavar="MEASUREMENTS", help="fit the coefficients to this tune file, no GPU needed")
+    parser.add_argument("--configs", metavar="REPORT", help="with --fit: the configuration report (gemm_configs())")
+    parser.add_argument("--out", metavar="FILE", help="with --fit: write the coefficients here (else print them)")
 
 
 def _int_list(text: str, what: str) -> list:
@@ -57,7 +78,7 @@ def _shapes(text: str) -> list:
 
 def _rotation(first, nbytes: int, l2_bytes: int) -> list:
     """``first`` and clones of it: enough that one pass over them moves more than twice the L2 cache."""
-    copies = max(2, min(64, math.ceil(2 * l2_bytes / max(nbytes, 1)) + 1))
+    copies = max(2, min(MAX_COPIES, math.ceil(2 * l2_bytes / max(nbytes, 1)) + 1))
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
 
 
@@ -71,8 +92,7 @@ def _time_us(call, operands, repeats: int) -> float:
 
 def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: list, dtype, repeats: int, log) -> dict:
     """The cache entry of one shape: each path's microseconds per call at each token count (None: not timed)."""
-    from . import dispatch
-    from . import ops
+    from . import ops, planner
     from ._build import cuda_ext
     from .formats import padded_in_features
     from .weight import QuantizedWeight, quantize
@@ -87,47 +107,92 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
     in_features_padded = padded_in_features(in_features)
     layout = qw.gemm_layout()
     layouts = _rotation(tuple(layout), sum(t.numel() * t.element_size() for t in layout), l2)
-    storages = _rotation((qw.packed, qw.absmax), qw.packed.numel() * 4 + qw.absmax.numel(), l2)
-    weights = [QuantizedWeight(p, a, qw.codebook, qw.scale, bits, qw.shape, dtype) for p, a in storages]
-    us = {path.value: [] for path in dispatch.Path}
+    # As a kbit layer holds its weight on CUDA: the GEMM layout alone (dequantize + cuBLAS unrepacks it first).
+    weights = [QuantizedWeight.from_gemm_layout(b, a, qw.codebook, qw.scale, bits, qw.shape, dtype)
+               for b, a in layouts]
+    us = {path.value: [] for path in Path}
+    timed_configs = {path.value: [] for path in FUSED_PATHS}
+    timed_launches = {path.value: [] for path in FUSED_PATHS}
     for M in tokens:
         x = torch.randn(M, in_features, device=device, dtype=dtype)
 
-        def dequantize_cublas(w, x=x):
-            return torch.nn.functional.linear(x, w.dequantize(dtype))
+        def dequantize_cublas(w, x=x):  # kbit.matmul's dequantize + cuBLAS path
+            return torch.nn.functional.linear(x, w._dequantize(dtype))
 
         reference = dequantize_cublas(weights[0]).float()
-        us[dispatch.Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats))
-        runs = dispatch.fused_configs(facts.device, facts.configs, out_features, in_features, M, bits)
-        for path in (dispatch.Path.MMA_SYNC, dispatch.Path.K_SPLIT, dispatch.Path.WGMMA, dispatch.Path.WARP_SPECIALIZED):
-            config = runs.get(path)
-            time = None
+        us[Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats))
+        for path in FUSED_PATHS:
+            try:
+                c = planner.plan(facts.device, facts.configs, facts.coefficients, out_features, in_features, M, bits,
+                                 fused_only=True, force=frozenset({path}))
+            except planner.NoFusedConfig:
+                c = None
+            config = c if c is not None and c.path is path else None
+            measured_us, launches = None, []
             if config is not None:
-                def fused(lay, x=x, c=config):
-                    return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features, in_features_padded, 0, c.mb,
+                def fused(lay, launch, x=x, c=config):
+                    return ext.gemm(x, lay[0], lay[1], qw.codebook, qw.scale, None, bits, out_features,
+                                    in_features_padded, launch.grid, launch.tile_parts, launch.whole_tiles, c.mb,
                                     c.wgmma_tiles, c.k_split, c.ws_tokens, ops.weights_settled(*lay, qw.codebook))
 
-                error = float((fused(layouts[0]).float() - reference).norm() / reference.norm().clamp_min(1e-30))
-                if error <= AGREEMENT:
-                    time = _time_us(fused, layouts, repeats)
+                def error(launch):
+                    return float((fused(layouts[0], launch).float() - reference).norm()
+                                 / reference.norm().clamp_min(1e-30))
+
+                planned = planner.Launch(config.grid, config.tile_parts, config.whole_tiles)
+                if error(planned) <= AGREEMENT:
+                    measured_us = _time_us(lambda lay: fused(lay, planned), layouts, repeats)
+                    launches.append(list(planned) + [measured_us])
+                    built = next(c for c in facts.configs if c.bits == bits and c.key == config.key)
+                    shape = planner.Shape(out_features, in_features_padded, M, bits)
+                    for launch in clusters_to_time(built, shape, facts.device, facts.coefficients, planned):
+                        if error(launch) <= AGREEMENT:
+                            launches.append(list(launch) + [_time_us(lambda lay, lc=launch: fused(lay, lc), layouts,
+                                                                     repeats)])
+                        else:
+                            log(f"  {path.value} at M = {M} on {launch}: output differs; left out")
                 else:
-                    log(f"  {path.value} at M = {M}: output differs from dequantize + cuBLAS by {error:.2g}; "
-                        "left out")
-            us[path.value].append(time)
+                    log(f"  {path.value} at M = {M}: output differs from dequantize + cuBLAS by "
+                        f"{error(planned):.2g}; left out")
+            us[path.value].append(measured_us)
+            timed_configs[path.value].append(list(config.key) if measured_us is not None else None)
+            timed_launches[path.value].append(launches or None)
         timed = {name: times[-1] for name, times in us.items() if times[-1] is not None}
         fastest = min(timed, key=timed.get)
         log(f"  {bits} bits {in_features}->{out_features} M = {M}: {fastest} {timed[fastest]:.1f} us")
-    del layouts, storages, weights, qw
+    del layouts, weights, qw
     torch.cuda.empty_cache()
-    return {"bits": bits, "out_features": out_features, "in_features": in_features, "tokens": list(tokens), "us": us}
+    return {"bits": bits, "out_features": out_features, "in_features": in_features, "tokens": list(tokens), "us": us,
+            "configs": timed_configs, "launches": timed_launches, "gemm_resident": True}
+
+
+def clusters_to_time(config, shape, device, coefficients, planned) -> list:
+    """The launches summing tiles' parts in thread-block clusters that tune times beside ``planned``, a few per cell:
+    where the coefficients price clusters, the size the model ranks first and the sizes next to it; else 2, 4 and the
+    largest that runs (``planner.cluster_launches``)."""
+    from . import planner
+
+    found = [launch for launch in planner.cluster_launches(config, planner.steps_of(config, shape), device)
+             if launch != planned]
+    cost = coefficients.paths.get(config.path)
+    if not found:
+        return []
+    if cost is not None and cost.cluster_us is not None:
+        predicted = [planner.predict(cost, planner.fused_features(config, shape, launch, coefficients.cut))
+                     for launch in found]
+        best = predicted.index(min(predicted))
+        return found[max(0, best - 1):best + 2]
+    return [launch for launch in found if launch.tile_parts in (2, 4) or launch == found[-1]]
 
 
 def main(args: argparse.Namespace) -> int:
-    from . import dispatch, tune_cache
+    from . import planner, tune_cache
 
+    if args.fit:
+        return _fit_file(args)
     if not torch.cuda.is_available():
-        print("kbit tune: no CUDA device is visible; the planner's crossovers are measured on the GPU that runs them",
-              file=sys.stderr)
+        print("kbit tune: no CUDA device is visible; the planner's coefficients are measured on the GPU that runs "
+              "them (--fit fits them from a tune file without one)", file=sys.stderr)
         return 2
     bits_list = _int_list(args.bits, "--bits")
     if any(b not in (2, 3, 4, 5) for b in bits_list):
@@ -135,32 +200,206 @@ def main(args: argparse.Namespace) -> int:
     shapes = _shapes(args.shapes)
     tokens = sorted(set(_int_list(args.tokens, "--tokens")))
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    facts = dispatch.device_facts(torch.device("cuda"))
+    facts = planner.device_facts(torch.device("cuda"))
 
     def log(line: str) -> None:
         print(line, flush=True)
 
     log(f"kbit tune: {facts.device.name}, {len(bits_list)} bit widths x {len(shapes)} shapes x {len(tokens)} token "
         f"counts")
-    entries = [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log)
-               for bits in bits_list for k_in, n_out in shapes]
-    path = tune_cache.save(facts.device, entries)
-    dispatch.forget()
+    entries = []
+    start = time.monotonic()
+    for n, (k_in, n_out) in enumerate(shapes):
+        if args.seconds and n and time.monotonic() - start > args.seconds:
+            log(f"kbit tune: {args.seconds:g} s passed: {n} of {len(shapes)} shapes timed, the rest left out")
+            break
+        entries += [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log) for bits in bits_list]
+        log(f"kbit tune: {k_in}->{n_out} done at {time.monotonic() - start:.0f} s")
+    measured = tune_cache.parse({"format": tune_cache.FORMAT, "shapes": entries})
+    coefficients = fit(measured, facts.device, facts.configs, facts.coefficients.cut, "python -m kbit tune")
+    path = tune_cache.save(facts.device, entries, planner.coefficients_to_json(coefficients))
+    planner.forget()
     log(f"kbit tune: wrote {path}")
-    _report(facts, entries, log)
+    _report(facts.device, facts.configs, coefficients, measured, log)
     return 0
 
 
-def _report(facts, entries: list, log) -> None:
-    """Per shape and token count: the fastest path against what the crossover table alone picks."""
-    from . import dispatch
+def _fit_file(args: argparse.Namespace) -> int:
+    """--fit: the coefficients of a tune file's GPU, fitted to its measurements."""
+    import json
+    from pathlib import Path as FilePath
 
-    for e in entries:
-        log(f"{e['bits']} bits {e['in_features']}->{e['out_features']}:")
-        for i, M in enumerate(e["tokens"]):
-            times = {name: t[i] for name, t in e["us"].items() if t[i] is not None}
+    from . import planner, tune_cache
+    from .gemm_facts import Device, parse_configs
+
+    if not args.configs:
+        raise SystemExit("kbit tune: --fit needs --configs (the extension's gemm_configs() report as JSON)")
+    data = json.loads(FilePath(args.fit).read_text())
+    measured = tune_cache.parse(data)
+    # The measurements ran on this GPU: every configuration they name fits its shared memory.
+    device = Device(data["device"], tuple(data["capability"]), int(data["sms"]), 1 << 30,
+                    tuple(data.get("clusters", ())))
+    configs = parse_configs(FilePath(args.configs).read_text())
+    coefficients = fit(measured, device, configs, planner.DEFAULT_CUT,
+                       f"python -m kbit tune --fit {args.fit}")
+    text = json.dumps(planner.coefficients_to_json(coefficients), indent=1) + "\n"
+    if args.out:
+        FilePath(args.out).write_text(text)
+    else:
+        print(text, end="")
+    _report(device, configs, coefficients, measured, lambda line: print(line, file=sys.stderr))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- the fit
+def measured_config(configs, path: Path, bits: int, tokens: int, recorded=None):
+    """The configuration a measurement of ``path`` at ``tokens`` ran: as recorded, else (files that do not record
+    it) the one the planner ran when they were measured: the smallest pass that holds the tokens (the largest past
+    them), wgmma's 128-row tiles where built, the warp-specialized kernel's 128-token tiles past 64 tokens."""
+    same = [c for c in configs if c.bits == bits and c.path is path]
+    if recorded is not None:
+        return next((c for c in same if c.key == tuple(recorded)), None)
+    if path is Path.WARP_SPECIALIZED:
+        same = [c for c in same if c.tokens <= 128]
+    if not same:
+        return None
+    holding = [c for c in same if c.tokens >= tokens]
+    tokens_per_pass = min(c.tokens for c in holding) if holding else max(c.tokens for c in same)
+    return min((c for c in same if c.tokens == tokens_per_pass), key=lambda c: (c.tile_rows != 128, c.tile_rows))
+
+
+class Cell(NamedTuple):
+    """One measurement as the fit sees it: what ran (the configuration, None for dequantize + cuBLAS, and whether
+    that path unrepacked a GEMM-resident weight first; the launch where it was recorded) and its time."""
+
+    shape: object  # planner.Shape
+    config: object  # GemmConfig or None
+    gemm_resident: bool
+    us: float
+    launch: object = None  # planner.Launch; None: the one the model fitted so far ranks first
+
+
+def _features(device, cut, path: Path, cell: Cell, cost=None):
+    from . import planner
+
+    if path is Path.DEQUANTIZE_CUBLAS:
+        return planner.cublas_features(cell.shape, device.sms, cell.gemm_resident)
+    launch = cell.launch or planner.best_launch(cell.config, cell.shape, cut, device.sms, cost)
+    return planner.fused_features(cell.config, cell.shape, launch, cut)
+
+
+def nonnegative_least_squares(rows: list, targets: list) -> list:
+    """min |A c - b| over c >= 0 (Lawson and Hanson's active set; A is a few columns)."""
+    import numpy as np
+
+    a, b = np.asarray(rows, dtype=np.float64), np.asarray(targets, dtype=np.float64)
+    n = a.shape[1]
+    passive = np.zeros(n, dtype=bool)
+    c = np.zeros(n)
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ c)
+        free = ~passive & (gradient > 1e-12 * max(1.0, float(np.abs(gradient).max())))
+        if not free.any():
+            break
+        passive[np.argmax(np.where(free, gradient, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                c = z
+                break
+            negative = passive & (z <= 0)
+            alpha = min(c[i] / (c[i] - z[i]) for i in np.flatnonzero(negative))
+            c = c + alpha * (z - c)
+            passive &= c > 1e-15
+    return [float(v) for v in c]
+
+
+CLASSIC = frozenset({Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA})  # gemm.cuh's kernel: also the MoE's
+CONTENDER = 1.25  # a path's times are fitted where it is within this of the fastest path (of gemm.cuh's, for those
+# paths): where plans are decided
+
+
+def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
+    """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error, on the
+    cells where it contends (all of them where too few do); the k split shares mma.sync's. A path with no
+    measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it; likewise ``cluster_us``
+    stays None where no clustered launch was timed."""
+    from . import planner
+
+    paths: dict = {path: [] for path in Path}  # path -> [(Cell, whether it contends)]
+    for (bits, out_features, in_features), shape in measured.items():
+        def fastest(i: int, among) -> Optional[float]:
+            return min((t[i] for p, t in shape.us.items() if p in among and t[i] is not None), default=None)
+
+        for path, times in shape.us.items():
+            rivals = [frozenset(Path)] + ([CLASSIC] if path in CLASSIC else [])  # the MoE picks among gemm.cuh's
+            recorded = shape.configs.get(path)
+            launched = shape.launches.get(path)
+            for i, (M, us) in enumerate(zip(shape.tokens, times)):
+                config = None if path is Path.DEQUANTIZE_CUBLAS else measured_config(
+                    configs, path, bits, M, recorded[i] if recorded else None)
+                if us is None or (config is None and path is not Path.DEQUANTIZE_CUBLAS):
+                    continue
+                cell = Cell(planner.Shape(out_features, in_features, M, bits), config, shape.gemm_resident, us)
+                # each launch timed, where recorded (the planned one among them), else the one the model ranks first
+                found = ([cell._replace(launch=planner.Launch(*launch), us=t) for launch, t in launched[i]]
+                         if launched and launched[i] else [cell])
+                for one in found:
+                    paths[path].append((one, any(one.us <= CONTENDER * fastest(i, among) for among in rivals)))
+    # The k split is mma.sync's kernel with the warps splitting k: its features differ, not its rates.
+    paths[Path.MMA_SYNC] += paths.pop(Path.K_SPLIT)
+    fitted = {}
+    for path, cells in paths.items():
+        contenders = [cell for cell, contends in cells if contends]
+        if cells:  # where too few contend, all (a fit of 7 or 8 coefficients wants several cells each)
+            wanted = 3 * (len(planner.FEATURES) - len(planner.OPTIONAL_FEATURES))
+            chosen = contenders if len(contenders) >= wanted else [cell for cell, _ in cells]
+            fitted[path] = _fit_cells(path, chosen, device, cut, rounds)
+    tokens: dict = {}  # configuration -> (fewest, most) tokens measured
+    for cells in paths.values():
+        for cell, _ in cells:
+            if cell.config is not None:
+                key = (cell.config.bits,) + cell.config.key
+                low, high = tokens.get(key, (cell.shape.tokens, cell.shape.tokens))
+                tokens[key] = (min(low, cell.shape.tokens), max(high, cell.shape.tokens))
+    if Path.MMA_SYNC in fitted:
+        fitted[Path.K_SPLIT] = fitted[Path.MMA_SYNC]
+    return planner.Coefficients(device.name, fitted, tokens, cut, source)
+
+
+def _fit_cells(path: Path, cells: list, device, cut, rounds: int):
+    """One PathCost fitted to ``cells`` ([Cell]). The model's max (loads against lookups and MMAs) is fitted by
+    turns: each measurement counts the side the coefficients fitted so far say is the longer (at first both), and is
+    taken as the launch the planner runs (at first the one of fewest steps)."""
+    from . import planner
+
+    cost = None
+    for _ in range(rounds):
+        rows = []
+        for cell in cells:
+            features = list(_features(device, cut, path, cell, cost))
+            if cost is not None:  # only the longer side of the max counts
+                loading, computing, _ = planner.terms(cost, features)
+                for i in ((2, 3) if loading >= computing else (1,)):
+                    features[i] = 0.0
+            rows.append([f / cell.us for f in features])
+        cost = planner.PathCost(*nonnegative_least_squares(rows, [1.0] * len(rows)))
+    clustered = any(row[-1] for row in rows)
+    return cost if clustered else cost._replace(cluster_us=None)  # no clustered launch timed: no value, none planned
+
+
+def _report(device, configs, coefficients, measured: dict, log) -> None:
+    """Per shape and token count measured: the fastest path against the path the fitted planner picks."""
+    from . import planner
+
+    for (bits, out_features, in_features), shape in measured.items():
+        for i, M in enumerate(shape.tokens):
+            times = {path: t[i] for path, t in shape.us.items() if t[i] is not None}
             fastest = min(times, key=times.get)
-            table = dispatch.plan(facts.device, facts.configs, e["out_features"], e["in_features"], M, e["bits"])
-            slower = times.get(table.path.value, 0) / times[fastest]
-            note = f"  (the table's {table.path.value}: {slower:.2f}x slower)" if slower > 1 else ""
-            log(f"  M = {M:>5}: {fastest} {times[fastest]:.1f} us{note}")
+            chosen = planner.plan(device, configs, coefficients, out_features, in_features, M, bits,
+                                  gemm_resident=shape.gemm_resident)
+            slower = times.get(chosen.path, math.inf) / times[fastest]
+            note = f" (planned {chosen.path.value}: {slower:.2f}x)" if slower > 1 else ""
+            log(f"  {bits} bits {in_features}->{out_features} M = {M:>5}: {fastest.value} {times[fastest]:.1f} us"
+                f"{note}")

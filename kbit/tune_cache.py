@@ -1,18 +1,32 @@
-"""The tuned dispatch cache: the GEMM paths' times that ``python -m kbit tune`` measured on one GPU.
+"""The tuned cache: the GEMM paths' times that ``python -m kbit tune`` measured on one GPU and the planner's
+coefficients it fitted to them.
 
 One JSON file per GPU name and kbit version, ``$KBIT_CACHE_DIR/tuned/<GPU>-kbit-<version>.json`` (default
-``~/.cache/kbit``), as gemlite and Triton keep their autotuning results. ``kbit.dispatch`` reads it once per process
-and plans the shapes it holds from it (the crossover table plans the others). A file that does not parse or does
-not describe this GPU and kbit version is ignored with a warning: a bad cache never changes what runs.
+``~/.cache/kbit``), as gemlite and Triton keep their autotuning results. ``kbit.planner`` reads its coefficients once
+per process. A file that does not parse or does not describe this GPU and kbit version is ignored with a warning: a
+bad cache never changes what runs. ``benchmarks/results/tune_<GPU>.json`` keeps a copy of each GPU's measurements.
 
 Format 1::
 
     {"format": 1, "kbit": "0.1.0", "device": "NVIDIA H200", "capability": [9, 0], "sms": 132, "date": "...",
+     "clusters": [132, 66, 39, 30, ...], "coefficients": {...},
      "shapes": [{"bits": 4, "out_features": 28672, "in_features": 8192, "tokens": [1, 16, ...],
-                 "us": {"mma_sync": [...], "wgmma": [...], "warp_specialized": [...], "dequantize_cublas": [...]}}]}
+                 "us": {"mma_sync": [...], "wgmma": [...], "warp_specialized": [...], "dequantize_cublas": [...]},
+                 "configs": {"mma_sync": [[4, 0, 0, 1], ...], ...},
+                 "launches": {"warp_specialized": [[[132, 0, false, 41.0], [96, 2, false, 38.5]], ...],
+                              "mma_sync": [[[132, 0, false, 11.9], [64, 4, false, 9.3]], ...], ...},
+                 "gemm_resident": true}]}
 
 ``tokens`` ascending; ``us[path][i]`` the microseconds per call of that path at ``tokens[i]``, null where it was not
-timed (not runnable here, or its output disagreed with dequantize + cuBLAS).
+timed (not runnable here, or its output disagreed with dequantize + cuBLAS); ``configs[path][i]`` the configuration
+timed, (mb, wgmma_tiles, ws_tokens, k_split), optional (measurements written before it say none).
+``launches[path][i]``: the launches of that configuration timed, [grid, tile_parts, whole_tiles, us] each (the
+planned one, whose time is ``us[path][i]``, and others: tile parts on mma.sync or the k split are summed in
+thread-block clusters), or null; optional. ``clusters``: the clusters of 1..8 CTAs the GPU ran at once
+(``gemm_facts.Device.clusters``), optional. ``gemm_resident``: dequantize + cuBLAS
+was timed on a weight holding only its GEMM layout (unrepacked first, as in kbit's layers); optional, false (the
+storage format held) where absent.
+``coefficients``: ``kbit.planner.coefficients_to_json``'s, required in the cache.
 """
 
 from __future__ import annotations
@@ -30,30 +44,38 @@ from typing import NamedTuple, Optional
 from ._atomic import fsync_path
 from ._build import cache_root
 from ._version import __version__
-from .gemm_facts import Device, Path
 from .formats import padded_in_features
+from .gemm_facts import Device, Path
 
 FORMAT = 1
 
 
 class TunedShape(NamedTuple):
-    """One tuned shape: per path, its time at each token count (None: not timed)."""
+    """One tuned shape: per path, its time at each token count (None: not timed) and the configuration timed."""
 
     tokens: tuple
     us: dict  # Path -> tuple of float or None
+    configs: dict  # Path -> tuple of (mb, wgmma_tiles, ws_tokens, k_split) or None; {} where not recorded
+    launches: dict  # Path -> tuple of (tuple of ((grid, tile_parts, whole_tiles), us)) or None; {} if not recorded
+    gemm_resident: bool  # dequantize + cuBLAS timed from the GEMM layout alone (an unrepack first)
+
+
+def file_tag(device_name: str) -> str:
+    """The GPU's name as a file name."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") or "unknown"
 
 
 def cache_file(device_name: str) -> FilePath:
-    tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") or "unknown"
-    return cache_root() / "tuned" / f"{tag}-kbit-{__version__}.json"
+    return cache_root() / "tuned" / f"{file_tag(device_name)}-kbit-{__version__}.json"
 
 
-def save(device: Device, shapes: list) -> FilePath:
-    """Write the measurements (``shapes``: the format's entries) for ``device``, atomically. Returns the file."""
+def save(device: Device, shapes: list, coefficients: dict) -> FilePath:
+    """Write the measurements (``shapes``: the format's entries) and the coefficients fitted to them for
+    ``device``, atomically. Returns the file."""
     data = {"format": FORMAT, "kbit": __version__, "device": device.name, "capability": list(device.capability),
             "sms": device.sms, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "shapes": shapes}
-    parse(data, device)  # never write what load would refuse
+            "clusters": list(device.clusters), "coefficients": coefficients, "shapes": shapes}
+    _check_cache(data, device.name)  # never write what load would refuse
     path = cache_file(device.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -70,23 +92,35 @@ def save(device: Device, shapes: list) -> FilePath:
     return path
 
 
-def load(device: Device) -> Optional[dict]:
-    """{(bits, out_features, in_features padded to 32): TunedShape} from this GPU's cache file, or None when there is
-    none or it is unusable (then with a warning saying why)."""
-    path = cache_file(device.name)
+def load(device_name: str) -> Optional[dict]:
+    """The coefficients in this GPU's cache file (``kbit.planner.coefficients_from_json`` reads and checks them), or
+    None when there is none or it is unusable (then with a warning saying why)."""
+    path = cache_file(device_name)
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
     except OSError as e:
-        warnings.warn(f"kbit: ignoring the tuned dispatch cache {path}: {e}", stacklevel=2)
+        warnings.warn(f"kbit: ignoring the tuned cache {path}: {e}", stacklevel=2)
         return None
     try:
-        return parse(json.loads(text), device)
+        data = json.loads(text)
+        _check_cache(data, device_name)
     except (ValueError, TypeError, KeyError) as e:
-        warnings.warn(f"kbit: ignoring the tuned dispatch cache {path}: {e}; run `python -m kbit tune` again",
-                      stacklevel=2)
+        warnings.warn(f"kbit: ignoring the tuned cache {path}: {e}; run `python -m kbit tune` again", stacklevel=2)
         return None
+    return data["coefficients"]
+
+
+def _check_cache(data, device_name: str) -> None:
+    """ValueError naming what makes ``data`` no cache of this GPU and kbit version."""
+    parse(data)
+    if data.get("kbit") != __version__:
+        raise ValueError(f"written by kbit {data.get('kbit')!r}, this is {__version__}")
+    if data.get("device") != device_name:
+        raise ValueError(f"measured on {data.get('device')!r}, this GPU is {device_name!r}")
+    if not isinstance(data.get("coefficients"), dict):
+        raise ValueError("'coefficients' must be an object")  # their contents: kbit.planner checks them
 
 
 def _int(value, what: str, low: int) -> int:
@@ -95,16 +129,23 @@ def _int(value, what: str, low: int) -> int:
     return value
 
 
-def parse(data, device: Device) -> dict:
-    """The cache's contents, checked (ValueError naming what is wrong)."""
+def _is_launch(value) -> bool:
+    """[grid, tile_parts, whole_tiles, us]: integers >= 1 and >= 0, a bool, a positive time."""
+    return (isinstance(value, list) and len(value) == 4 and all(type(v) is int for v in value[:2])
+            and value[0] >= 1 and value[1] >= 0 and isinstance(value[2], bool)
+            and type(value[3]) in (int, float) and math.isfinite(value[3]) and value[3] > 0)
+
+
+def parse(data) -> dict:
+    """The measurements of a cache or results file, checked (ValueError naming what is wrong):
+    {(bits, out_features, in_features padded to 32): TunedShape}."""
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-    if data.get("kbit") != __version__:
-        raise ValueError(f"written by kbit {data.get('kbit')!r}, this is {__version__}")
-    if data.get("device") != device.name:
-        raise ValueError(f"measured on {data.get('device')!r}, this GPU is {device.name!r}")
+    clusters = data.get("clusters", [])
+    if not isinstance(clusters, list) or len(clusters) > 8 or not all(type(c) is int and c >= 0 for c in clusters):
+        raise ValueError(f"clusters must be a list of at most 8 integers >= 0, got {clusters!r}")
     shapes = data.get("shapes")
     if not isinstance(shapes, list):
         raise ValueError("'shapes' must be a list")
@@ -137,5 +178,25 @@ def parse(data, device: Device) -> dict:
                                       or v <= 0):
                     raise ValueError(f"{where}.us.{name} holds {v!r}, not a positive time or null")
             times[path] = tuple(None if v is None else float(v) for v in values)
-        tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times)
+        configs = {}
+        for name, values in (entry.get("configs") or {}).items():
+            if not isinstance(values, list) or len(values) != len(tokens) or not all(
+                    v is None or (isinstance(v, list) and len(v) == 4 and all(isinstance(i, int) for i in v))
+                    for v in values):
+                raise ValueError(f"{where}.configs.{name} must hold one [mb, wgmma_tiles, ws_tokens, k_split] or "
+                                 "null per token count")
+            configs[Path(name)] = tuple(None if v is None else tuple(v) for v in values)
+        launches = {}
+        for name, values in (entry.get("launches") or {}).items():
+            if not isinstance(values, list) or len(values) != len(tokens) or not all(
+                    v is None or (isinstance(v, list) and all(_is_launch(t) for t in v)) for v in values):
+                raise ValueError(f"{where}.launches.{name} must hold one list of [grid, tile_parts, whole_tiles, us] "
+                                 "or null per token count")
+            launches[Path(name)] = tuple(None if v is None else tuple(((t[0], t[1], t[2]), float(t[3])) for t in v)
+                                         for v in values)
+        gemm_resident = entry.get("gemm_resident", False)
+        if not isinstance(gemm_resident, bool):
+            raise ValueError(f"{where}.gemm_resident must be true or false, got {gemm_resident!r}")
+        tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times, configs, launches,
+                                                                                  gemm_resident)
     return tuned

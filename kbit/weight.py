@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import _op_contract, dispatch, ops
+from . import _op_contract, ops, planner
 from ._validate import (
     GEMM_DTYPES,
     INPUT_DTYPES,
@@ -307,7 +307,7 @@ class QuantizedWeight:
                 )
             self._gemm = (self.device, *self._derived_layout())
             if self.device.type == "cuda" and self.experts is None:  # kbit.matmul plans from these facts, also
-                dispatch.device_facts(self.device)                    # while torch.compile traces it
+                planner.device_facts(self.device)                     # while torch.compile traces it
         return self._gemm[1], self._gemm[2]
 
     def _derived_layout(self) -> tuple:
@@ -327,7 +327,7 @@ class QuantizedWeight:
         check_not_meta(self.resident[0], "packed")
         if self.device.type == "cuda":
             self.gemm_layout()
-            dispatch.device_facts(self.device)
+            planner.device_facts(self.device)
         return self
 
     def dequantize(self, dtype=None) -> Tensor:
@@ -580,9 +580,9 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
     x2 = x.reshape(-1, in_features)
     if x.device.type == "cuda":
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        chosen = None if grid_override or x.dtype not in GEMM_DTYPES else dispatch.gemm_plan(
-            x.device, out_features, qw.in_features_padded, x2.shape[0], qw.bits)
-        if x.dtype not in GEMM_DTYPES or chosen is not None and chosen.path is dispatch.Path.DEQUANTIZE_CUBLAS:
+        chosen = None if grid_override or x.dtype not in GEMM_DTYPES else planner.gemm_plan(
+            x.device, out_features, qw.in_features_padded, x2.shape[0], qw.bits, gemm_resident=qw.is_gemm_resident)
+        if x.dtype not in GEMM_DTYPES or chosen is not None and chosen.path is planner.Path.DEQUANTIZE_CUBLAS:
             y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()

@@ -1,10 +1,10 @@
-"""The C++ side's format constants (the marked block of kbit/csrc/kbit.h) and the grouped GEMM's expert limit
-(kbit/csrc/moe.h) equal their Python copies."""
+"""The C++ side's format constants (the marked block of kbit/csrc/kbit.h), the grouped GEMM's expert limit
+(kbit/csrc/moe.h) and the cut facts the planner prices (cut.h, gemm_ws.cuh) equal their Python copies."""
 
 import re
 from pathlib import Path
 
-from kbit import formats, layout, moe
+from kbit import formats, layout, moe, planner
 
 KBIT_H = Path(__file__).resolve().parent.parent / "kbit" / "csrc" / "kbit.h"
 
@@ -48,3 +48,14 @@ def test_grouped_expert_limit_equals_python():
     match = re.search(r"constexpr int kMaxGroupedExperts = (\d+);", KBIT_H.with_name("moe.h").read_text())
     assert match, "moe.h lost 'constexpr int kMaxGroupedExperts = N;'"
     assert int(match.group(1)) == moe.MAX_GROUPED_EXPERTS
+
+
+def test_the_planners_cut_facts_equal_the_kernels():
+    """The planner refuses tile parts past kMaxGroupedGrid CTAs, prices a tile split kSlicedFrom ways or more as
+    summed in slices (``planner.handed_partials``) and offers tiles in at most kMaxClusterCtas clustered parts."""
+    for source, name, value in (("cut.h", "kMaxGroupedGrid", planner.MAX_TILE_PARTS_GRID),
+                                ("gemm_ws.cuh", "kSlicedFrom", planner.WS_SLICED_FROM),
+                                ("gemm.cuh", "kMaxClusterCtas", planner.MAX_CLUSTER_CTAS)):
+        match = re.search(rf"constexpr int {name} = (\d+);", KBIT_H.with_name(source).read_text())
+        assert match, f"{source} lost 'constexpr int {name} = N;'"
+        assert int(match.group(1)) == value, name

@@ -6,15 +6,69 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbit import formats, ops
-from cuda_harness import (BITS, _gemm_sweep, GemmChecker, gen, MODEL_SHAPES, _name, needs_hopper, quantized_weight,
-    seed_for, SMALL_SHAPES, tag)
+import kbit
+from kbit import formats, ops, planner
+from cuda_harness import (BITS, _gemm_sweep, GEMM_DTYPES, GemmChecker, gen, make_codebook, MODEL_SHAPES, _name,
+    needs_hopper, quantized_weight, random_storage, seed_for, SMALL_SHAPES, tag)
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a CUDA device"),
     pytest.mark.usefixtures("ieee_fp32_matmul"),  # fp32 references are real fp32 products (conftest.py)
 ]
+
+
+# ----------------------------------------------------------------------------- mma.sync, 16 and 32 tokens per pass
+# gemm.cuh's mma.sync at 9-32 tokens (mb = 2, with and without the k split, and mb = 4) multiplies each block's
+# looked-up weights by its E4M4 scale in 16 bits (GemmConfig::kScaleWeights), the scales in a unit of 2^-4 (fp16) or
+# 2^-116 (bf16) that the lookup table undoes. Storage of every code and E4M4 scale, and of scales all below E4M4's
+# normal range (< 2^-10: subnormal in that unit, in both types), so that a flushed subnormal shows as outputs of zero.
+SCALED_WEIGHTS_MS = {2: (9, 13, 16), 4: (17, 31)}
+
+
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_mma_sync_scales_the_weights(k):
+    """Every mb = 2 and 4 configuration of gemm.cuh that runs here, on each launch the planner compares (one group of
+    CTAs; a CTA per tile with the k split), a partial last token tile and a full one, fp16 and bf16, bias on every
+    other call: within the same-precision tolerance of the dequantized reference."""
+    from kbit._build import cuda_ext
+
+    ext = cuda_ext()
+    facts = planner.device_facts(torch.device("cuda"))
+    configs = [c for c in facts.configs if c.bits == k and c.mb in SCALED_WEIGHTS_MS and not c.wgmma_tiles
+               and not c.ws_tokens and c.runs_on(facts.device)]
+    assert configs, f"no mma.sync configuration of 16 or 32 tokens at k={k} runs here"
+    N, K = 384, 1056  # 33 blocks per row: a partial k-group
+    in_features_padded = formats.padded_in_features(K)
+    failures = []
+    for scales in ("every E4M4 code", "subnormal E4M4 codes"):
+        seed = seed_for("gemm-mma-sync-scaled-weights", k, scales)
+        packed, absmax = random_storage(N * in_features_padded, k, seed)
+        if scales.startswith("subnormal"):
+            absmax &= 0x0F  # exponent field 0: m * 2^-14
+        qw = kbit.QuantizedWeight(packed.cuda(), absmax.cuda(), make_codebook(k, "nf", seed).cuda(),
+                                  torch.ones((), device="cuda"), k, (N, K), torch.float16)
+        b, a = qw.gemm_layout()
+        settled = ops.weights_settled(b, a, qw.codebook)
+        chk = GemmChecker(qw)
+        g = gen(seed + 1, "cuda")
+        calls = 0
+        for config in configs:
+            for M in SCALED_WEIGHTS_MS[config.mb]:
+                steps = planner.steps_of(config, planner.Shape(N, in_features_padded, M, k))
+                for dtype in GEMM_DTYPES:
+                    x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+                    bias = torch.randn(N, generator=g, device="cuda").to(dtype) if calls % 2 else None
+                    for launch in planner.launches(config, steps, facts.device.sms):
+                        y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, in_features_padded, *launch,
+                                     config.mb, config.wgmma_tiles, config.k_split, config.ws_tokens, settled)
+                        calls += 1
+                        st = chk.stats(x, bias, y)
+                        if not st["ok"]:
+                            failures.append(f"{scales} mb={config.mb} k_split={config.k_split} M={M} {_name(dtype)} "
+                                            f"grid={launch.grid}: {chk.describe(st)}")
+    assert not failures, tag(seed_for("gemm-mma-sync-scaled-weights", k), op="gemm mma.sync mb 2, 4", bits=k) + \
+        "\n  " + "\n  ".join(failures)
 
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (sm_90a)
@@ -31,6 +85,17 @@ WS_SHAPES = ((4096, 4096), (1000, 4128), (256, 40), (130, 4104), (1536, 2048), (
 K_SPLIT_MS = (1, 2, 3, 5, 8, 9, 13, 16)
 FORCED_PATH_CASES = ([("ws", WS_MS, N, K) for N, K in WS_SHAPES] +
                      [("k_split", K_SPLIT_MS, N, K) for N, K in SMALL_SHAPES + MODEL_SHAPES])
+
+
+def _launch(k: int, key: tuple, M: int, N: int, K: int, grid: int = 0) -> tuple:
+    """(grid, tile_parts, whole_tiles): ``grid`` CTAs > 0 (one per SM at most), the steps in one group; else the
+    planner's launch of the configuration ``key``."""
+    facts = planner.device_facts(torch.device("cuda"))
+    config = next(c for c in facts.configs if c.bits == k and c.key == key)
+    shape = planner.Shape(N, formats.padded_in_features(K), M, k)
+    if grid:
+        return min(grid, facts.device.sms, planner.steps_of(config, shape).total), 0, False
+    return tuple(planner.best_launch(config, shape, facts.coefficients.cut, facts.device.sms))
 
 
 @needs_hopper
@@ -69,14 +134,16 @@ def test_gemm_ws_256_token_tiles(k):
             dtype = torch.bfloat16 if i % 3 == 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 else None
-            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, in_features_padded, grid, 32, 0, 1, 256, settled)
+            launch = _launch(k, (32, 0, 256, 1), M, N, K, grid)
+            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, in_features_padded, *launch, 32, 0, 1, 256,
+                         settled)
             st = chk.stats(x, bias, y)
             if not st["ok"]:
                 failures.append(f"N={N} K={K} seed={seed} M={M} grid={grid} {_name(dtype)}: {chk.describe(st)}")
     assert not failures, tag(seed_for("gemm-ws256", k), op="gemm ws_tokens=256", bits=k) + "\n  " + "\n  ".join(failures)
 
 
-# Tiles cut in parts on the planned grid (cut.h, ws_tile_parts; the parts named are those of 132 SMs), (tokens per
+# Tiles cut in parts (cut.h; the parts named are those the planner would cut for 132 SMs), (tokens per
 # tile, N, K, M, parts): every tile width, parts of one k-group to six, halves where the k-groups are few (40 tiles of
 # 8 and 64 of 2), and 16 parts, past a cluster's 8 CTAs (summed through L2 in every mode). On the H100 and H200 only
 # clusters of two fit the planned grids (66 at once; of 3, 4, 8: 39, 30, 15, short of the 43, 32, 16 tiles).
@@ -108,8 +175,12 @@ def test_gemm_ws_tile_parts_in_clusters(k, monkeypatch):
             dtype = torch.bfloat16 if (i + parts) % 2 else torch.float16
             x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
             bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 == 0 else None
-            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 0, tokens // 8, 0,
-                         1, tokens, ops.weights_settled(b, a, qw.codebook))
+            tiles = -(-M // tokens) * -(-N // (128 if tokens == 256 else 256))
+            cut = min(parts, sms // tiles)  # the parts of 132 SMs, as many as this GPU holds
+            if cut < 2:
+                continue
+            y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), tiles * cut, cut,
+                         False, tokens // 8, 0, 1, tokens, ops.weights_settled(b, a, qw.codebook))
             st = chk.stats(x, bias, y)
             if not st["ok"]:
                 failures.append(f"N={N} K={K} M={M} {tokens} tokens per tile, {parts} parts, KBIT_WS_CLUSTERS={use}, "
@@ -122,7 +193,7 @@ def test_gemm_ws_tile_parts_in_clusters(k, monkeypatch):
 @pytest.mark.parametrize("k", BITS)
 def test_gemm_ws_whole_tiles_grid_128_token_tiles(k):
     """128-token tiles on the grid the host plans where every SM gets two or more: 4096x4096 at 4096 tokens is 512
-    tiles of 256 rows, 4 whole tiles on each of 128 CTAs (gemm.cu, ws_whole_tiles_grid)."""
+    tiles of 256 rows, 4 whole tiles on each of 128 CTAs."""
     from kbit._build import cuda_ext
 
     N, K, M = 4096, 4096, 4096
@@ -132,8 +203,8 @@ def test_gemm_ws_whole_tiles_grid_128_token_tiles(k):
     g = gen(seed + 1, "cuda")
     x = torch.randn(M, K, generator=g, device="cuda").half()
     bias = torch.randn(N, generator=g, device="cuda").half()
-    y = cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 0, 16, 0, 1, 128,
-                        ops.weights_settled(b, a, qw.codebook))
+    y = cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), 128, 0, True, 16,
+                        0, 1, 128, ops.weights_settled(b, a, qw.codebook))
     chk = GemmChecker(qw)
     st = chk.stats(x, bias, y)
     assert st["ok"], tag(seed, op="gemm ws_tokens=128, whole tiles", bits=k) + " " + chk.describe(st)

@@ -1,4 +1,4 @@
-"""The GEMM dispatch on a GPU (skipped without CUDA): the extension's configuration list is the one the CPU tests
+"""The GEMM planner on a GPU (skipped without CUDA): the extension's configuration list is the one the CPU tests
 pin, every plan runs, the binding refuses configurations the GPU cannot run, and ``kbit tune`` writes a cache the
 planner reads."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kbit
-from kbit import dispatch, tune, tune_cache
+from kbit import planner, tune, tune_cache
 from kbit._build import cuda_ext
 
 pytestmark = [
@@ -30,7 +30,7 @@ def test_extension_reports_the_pinned_configurations():
 
 
 def test_device_facts():
-    facts = dispatch.device_facts(torch.device("cuda"))
+    facts = planner.device_facts(torch.device("cuda"))
     props = torch.cuda.get_device_properties(0)
     assert facts.device.capability == (props.major, props.minor) and facts.device.sms == props.multi_processor_count
     optin = getattr(props, "shared_memory_per_block_optin", None)
@@ -39,9 +39,9 @@ def test_device_facts():
 
 @pytest.mark.parametrize("bits", (2, 3, 4, 5))
 def test_every_plan_runs(bits):
-    """kbit.matmul at token counts on both sides of every crossover, as planned and forced onto the fused path,
-    within tolerance of the dequantized reference: no plan picks what the binding refuses."""
-    facts = dispatch.device_facts(torch.device("cuda"))
+    """kbit.matmul over token counts, as planned and forced onto the fused path, within tolerance of the dequantized
+    reference: no plan picks what the binding refuses."""
+    facts = planner.device_facts(torch.device("cuda"))
     fused_runs = any(c.bits == bits and c.runs_on(facts.device) for c in facts.configs)
     for N, K in ((4096, 4096), (14336, 4096), (1000, 4128)):
         qw = kbit.quantize(torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02, bits)
@@ -53,7 +53,7 @@ def test_every_plan_runs(bits):
             if fused_runs:
                 outputs["fused"] = kbit.matmul(x, qw, grid_override=1000)
             else:
-                with pytest.raises(dispatch.NoFusedConfig):
+                with pytest.raises(planner.NoFusedConfig):
                     kbit.matmul(x, qw, grid_override=1000)
             for how, y in outputs.items():
                 err = float((y.float() - want).norm() / want.norm())
@@ -66,32 +66,110 @@ def test_binding_refuses_configurations_it_cannot_run():
     x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
 
     def run(mb, wgmma_tiles, ws_tokens, k_split=1, bits=4):
-        return cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, None, bits, 256, 256, 0, mb, wgmma_tiles, k_split,
-                               ws_tokens, False)
+        return cuda_ext().gemm(x, b, a, qw.codebook, qw.scale, None, bits, 256, 256, 1, 0, False, mb, wgmma_tiles,
+                               k_split, ws_tokens, False)
 
     for bogus in ((3, 0, 0), (16, 2, 16), (0, 0, 0), (4, 0, 64), (8, 1, 0), (4, 0, 0, 8), (1, 0, 0, 4), (1, 1, 0, 8),
                   (4, 0, 32, 8)):
         with pytest.raises(RuntimeError, match="has no configuration"):
             run(*bogus)
-    facts = dispatch.device_facts(x.device)
+    facts = planner.device_facts(x.device)
     cannot = [c for c in facts.configs if c.bits == 4 and not c.runs_on(facts.device)]
     for c in cannot:
         with pytest.raises(RuntimeError, match="not built for compute capability|shared memory per block"):
             run(c.mb, c.wgmma_tiles, c.ws_tokens, c.k_split)
 
 
+def test_binding_refuses_launches_that_do_not_fit():
+    qw = kbit.quantize(torch.randn(256, 4096, device="cuda", dtype=torch.float16), 4)
+    b, a = qw.gemm_layout()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def run(grid, parts, whole, config=(16, 0, 1, 128), rows=64):
+        return cuda_ext().gemm(x[:rows], b, a, qw.codebook, qw.scale, None, 4, 256, 4096, grid, parts, whole, *config,
+                               False)
+
+    # 64 tokens in one 128-token pass, 256 rows: one tile of 16 steps.
+    assert run(1, 0, True).shape == (64, 256) and run(4, 4, False).shape == (64, 256)
+    assert run(1, 0, False, rows=0).shape == (0, 256)  # no rows: no steps, nothing launched
+    for bad in ((0, 0, False), (sms + 1, 0, False), (17, 0, False), (2, 0, True), (3, 4, False), (2, 1, False),
+                (17, 17, False), (2, 2, True)):
+        with pytest.raises(RuntimeError, match="the launch"):
+            run(*bad)
+    with pytest.raises(RuntimeError, match="only the warp-specialized kernel"):
+        run(1, 0, True, (4, 0, 1, 0))
+
+
 def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("KBIT_CACHE_DIR", str(tmp_path))
-    dispatch.forget()
+    planner.forget()
     try:
-        args = argparse.Namespace(bits="4", shapes="1024->2048", tokens="1,64,512", dtype="fp16", repeats=2)
+        args = argparse.Namespace(bits="4", shapes="1024->2048", tokens="1,64,512", dtype="fp16", repeats=2,
+                                  seconds=0.0, fit=None, configs=None, out=None)
         assert tune.main(args) == 0
-        device = dispatch.device_facts(torch.device("cuda")).device
-        tuned = tune_cache.load(device)
-        shape = tuned[(4, 2048, 1024)]
-        assert shape.tokens == (1, 64, 512)
-        fastest = min((us[1], path) for path, us in shape.us.items() if us[1] is not None)[1]
-        chosen = dispatch.gemm_plan(torch.device("cuda"), 2048, 1024, 64, 4)
-        assert chosen.path is fastest
+        device = planner.device_facts(torch.device("cuda")).device
+        cached = tune_cache.load(device.name)
+        assert cached is not None and cached["source"] == "python -m kbit tune"
+        assert planner.device_facts(torch.device("cuda")).coefficients == planner.coefficients_from_json(cached, "")
+        measured = tune_cache.parse(json.loads(tune_cache.cache_file(device.name).read_text()))
+        shape = measured[(4, 2048, 1024)]
+        assert shape.configs  # what ran is recorded
+        assert shape.gemm_resident  # dequantize + cuBLAS timed as a layer runs it
+        # Each fused time with the launch that ran: the plan on that path from the coefficients the tune started
+        # from (the shipped ones: the cache was empty), then the clustered launches tune adds (clusters_to_time).
+        shipped = planner.shipped_coefficients(device.name)
+        configs = planner.device_facts(torch.device("cuda")).configs
+        clustered = 0
+        for path, launched in shape.launches.items():
+            for M, timed, us in zip(shape.tokens, launched, shape.us[path]):
+                if us is None:
+                    assert timed is None, (path, M)
+                    continue
+                chosen = planner.plan(device, configs, shipped, 2048, 1024, M, 4, fused_only=True,
+                                      force=frozenset({path}))
+                planned = planner.Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)
+                assert timed[0] == (tuple(planned), us), (path, M, timed)
+                config = next(c for c in configs if c.bits == 4 and c.key == chosen.key)
+                added = tune.clusters_to_time(config, planner.Shape(2048, 1024, M, 4), device, shipped, planned)
+                assert [launch for launch, _ in timed[1:]] == [tuple(launch) for launch in added], (path, M, timed)
+                clustered += len(added)
+        if torch.cuda.get_device_capability()[0] == 9:
+            assert any(shape.launches.get(planner.Path.WARP_SPECIALIZED) or ())
+            assert clustered  # M = 1: mma.sync and the k split on tiles in clusters too
     finally:
-        dispatch.forget()
+        planner.forget()
+
+
+def test_the_planner_knows_the_clusters_the_gpu_runs_at_once():
+    """Device.clusters from the extension's gemm_clusters_at_once: on sm_90 fewer clusters as they grow, at most one
+    CTA per SM; below, none (no clustered launch is planned there)."""
+    planner.forget()
+    device = planner.device_facts(torch.device("cuda")).device
+    if torch.cuda.get_device_capability()[0] < 9:
+        assert device.clusters == () and device.clusters_at_once(2) == 0
+        return
+    assert len(device.clusters) == planner.MAX_CLUSTER_CTAS
+    assert all(c * n <= device.sms for c, n in enumerate(device.clusters, 1)), device.clusters
+    assert device.clusters[0] >= device.clusters[1] >= device.clusters[3] >= device.clusters[7] >= 1, device.clusters
+    with pytest.raises(RuntimeError, match="ctas must be 1..8"):
+        cuda_ext().gemm_clusters_at_once(0, 9)
+
+
+def test_matmul_plans_dequantize_cublas_with_the_weights_form(monkeypatch):
+    """A weight holding only its GEMM layout is unrepacked before dequantize + cuBLAS, one holding its storage format
+    is not: kbit.matmul tells the planner which."""
+    seen = []
+    real = planner.gemm_plan
+
+    def gemm_plan(*args, **kwargs):
+        if not kwargs.get("fused_only"):  # kbit.matmul's plan, not the fused op's
+            seen.append(kwargs.get("gemm_resident"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "gemm_plan", gemm_plan)
+    qw = kbit.quantize(torch.randn(256, 512, device="cuda", dtype=torch.float16), 4)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.float16)
+    kbit.matmul(x, qw)
+    kbit.matmul(x, qw.gemm_resident())
+    assert seen == [False, True]

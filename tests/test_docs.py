@@ -99,3 +99,11 @@ def test_readme_format_section_names_every_saved_config_field():
     assert listed, "README.md's Format section: no quantization_config field list"
     keys = re.findall(r'"(\w+)"', re.sub(r':\s*"\w+"', "", listed.group(1)))  # "quant_method": "kbit" names a value
     assert set(keys) == set(kbit.KbitConfig(bits=4).to_dict())
+
+
+def test_performance_coefficient_table_is_generated_from_the_shipped_coefficients():
+    module = load_script("scripts/planner_table.py")
+    files = sorted((ROOT / "kbit" / "gpus").glob("*.json"))
+    assert files and _generated_block(ROOT / "docs" / "PERFORMANCE.md", "scripts/planner_table.py") == \
+        module.table(files), ("docs/PERFORMANCE.md's coefficient table differs from kbit/gpus/*.json: "
+                              "run python scripts/planner_table.py and paste its output")

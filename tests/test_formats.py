@@ -161,11 +161,38 @@ def test_e4m4_decode_known_values():
 
 
 def test_e4m4_code_shifted_into_fp16_is_a_sixteenth():
-    # The GEMM kernel's decode (e4m4_pair_to_float_sixteenths, common.cuh): a code at bits 6..13 of an fp16 bit
-    # pattern is exactly 1/16 of its E4M4 value, subnormals included; the kernel multiplies its output by 16.
+    # The GEMM kernel's decode (e4m4_pair_bits, common.cuh): a code at bits 6..13 of an fp16 bit pattern is exactly
+    # 1/16 of its E4M4 value, subnormals included; the kernel multiplies its output by 16, or where it scales the
+    # weights in 16 bits (GemmConfig::kScaleWeights) its lookup table holds the codebook times 16.
     codes = all_codes()
     as_fp16 = (codes.to(torch.int32) << 6).to(torch.int16).view(torch.float16).float()
     assert torch.equal(as_fp16 * 16, kbit.functional.decode_absmax_e4m4(codes))
+
+
+def test_e4m4_code_shifted_into_bf16_is_its_value_times_2_to_the_minus_116():
+    # The same decode for bf16 weights (e4m4_pair_bits<__nv_bfloat16>): a code at bits 3..10 of a bf16 bit pattern
+    # (exponent field from bit 7, as fp32's) is exactly its E4M4 value times 2^-116, exponent 0 as bf16 subnormals;
+    # the lookup table holds the codebook times 2^116.
+    codes = all_codes()
+    as_bf16 = (codes.to(torch.int32) << 3).to(torch.int16).view(torch.bfloat16).double()
+    assert torch.equal(as_bf16 * 2.0**116, kbit.functional.decode_absmax_e4m4(codes).double())
+
+
+@pytest.mark.parametrize("k", (2, 3, 4, 5))
+def test_weights_scaled_in_16_bits_are_the_16_bit_code_value_times_the_scale_rounded_once(k):
+    # mma.sync at 16 and 32 tokens per pass (GemmConfig::kScaleWeights, gemm.cuh): the table holds the codebook over
+    # the decode's unit (16 for fp16, 2^116 for bf16), the decode the code shifted into the type (value x unit), and
+    # one 16-bit multiply (exact product, rounded once) gives round(codebook value in T x scale) for every code value
+    # and every E4M4 scale, subnormal results included: the weight the wgmma path and the reference's dequantize make.
+    codes = all_codes()
+    scales = kbit.functional.decode_absmax_e4m4(codes).double()
+    codebook = kbit.functional.create_normal_float_codebook(k).double()
+    for dtype, shift, unit in ((torch.float16, 6, 2.0**-4), (torch.bfloat16, 3, 2.0**-116)):
+        table = (codebook / unit).to(dtype).double()
+        decoded = (codes.to(torch.int32) << shift).to(torch.int16).view(dtype).double()
+        got = (table[:, None] * decoded[None, :]).to(dtype)
+        want = (codebook.to(dtype).double()[:, None] * scales[None, :]).to(dtype)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), dtype
 
 
 def test_e4m4_round_trip_all_codes():

@@ -312,14 +312,6 @@ def test_compile_grouped_forward_fullgraph():
         torch.testing.assert_close(compiled(x, idx, w), mod._forward_grouped(x, idx, w))
 
 
-def test_rows_per_pass_policy():
-    rows = kbit.moe.rows_per_pass
-    assert [rows(s, 128) for s in (0, 1, 8, 128, 2048, 8192, 4096 * 8)] == [8, 8, 8, 8, 16, 32, 128]
-    assert rows(16 * 2, 8) == 8 and rows(512 * 2, 8) == 128
-    assert rows(4096 * 8, 128, (8, 16, 32)) == 32  # no wgmma (not Hopper)
-    assert rows(8, 128, (16,)) == 16 and rows(4096 * 8, 128, (8,)) == 8  # what fits an sm_80's shared memory
-
-
 # ----------------------------------------------------------------------------- save / load
 def _state_round_trip(mod: KbitExperts, via: str) -> dict:
     state = mod.state_dict()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import kbit
 from kbit import grouped, ops
 from kbit.formats import padded_in_features
-from kbit.moe import KbitExperts, rows_per_pass
+from kbit.moe import KbitExperts
 
 from cuda_harness import GEMM_DTYPES, BITS, _capture, _name, assert_bits_equal, gen, poison, poisoned, seed_for, tag
 from test_moe import ROUTINGS, TOP_KS, routing
@@ -226,7 +226,7 @@ def test_experts_match_per_expert_reference(k, dtype, top_k, routing_kind):
     assert mod.gate_up_gemm_codes is not None, "the grouped path is prepared on CUDA"
     for T in TOKENS:
         seed = seed_for("experts", k, dtype, top_k, routing_kind, T)
-        rows = rows_per_pass(T * top_k, E, mod._rows_supported)
+        rows = mod.rows_per_pass(T * top_k)
         msg = tag(seed, op="KbitExperts", bits=k, dtype=dtype, top_k=top_k, routing=routing_kind, T=T, rows=rows)
         idx, w = route_inputs(routing_kind, T, top_k, E, seed)
         x = torch.randn(T, H, generator=gen(seed, "cuda"), device="cuda").to(dtype)

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -241,17 +242,20 @@ void fill_gemm_inputs(kbit::GemmParams& p, const at::Tensor& x, const at::Tensor
   p.dtype = to_dtype(x.scalar_type());
 }
 
+// Out-of-range launch numbers stay out of range (and are refused) instead of wrapping.
+int clamp_to_int(int64_t v) {
+  return static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(v, std::numeric_limits<int>::max())));
+}
+
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& absmax, const at::Tensor& codebook,
                 const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t k, int64_t N,
-                int64_t in_features_padded, int64_t grid_override, int64_t mb, int64_t wgmma_tiles, int64_t k_split,
-                int64_t ws_tokens, bool weights_settled) {
+                int64_t in_features_padded, int64_t grid, int64_t tile_parts, bool whole_tiles, int64_t mb,
+                int64_t wgmma_tiles, int64_t k_split, int64_t ws_tokens, bool weights_settled) {
   check_bits(k);
   check_dim(N, "N", 1);
   check_dim(in_features_padded, "in_features_padded", kbit::kBlock);
   TORCH_CHECK(in_features_padded % kbit::kBlock == 0, "kbit: in_features_padded must be a multiple of ",
               num(kbit::kBlock), ", got ", num(in_features_padded));
-  TORCH_CHECK(grid_override >= 0 && grid_override <= std::numeric_limits<int>::max(),
-              "kbit: grid_override must be >= 0");
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "kbit: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, "kbit: x must be fp16 or bf16");
   TORCH_CHECK(x_in.size(1) <= in_features_padded, "kbit: x has ", num(x_in.size(1)),
@@ -278,7 +282,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   const int64_t M = x.size(0);
   int sms = 0;
   check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "device query");
-  // The configuration is kbit/dispatch.py's choice; refuse one that is not built, or that this GPU cannot run.
+  // The configuration and its launch are kbit/planner.py's choice; refuse one that is not built, that this GPU
+  // cannot run, or a launch that does not fit it.
   const std::string config = "k=" + num(k) + ", mb=" + num(mb) + ", wgmma_tiles=" + num(wgmma_tiles) +
                              ", k_split=" + num(k_split) + ", ws_tokens=" + num(ws_tokens);
   kbit::GemmConfigInfo info{};
@@ -291,12 +296,17 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
       kbit::gemm_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(in_features_padded),
                       static_cast<int>(k),
                       static_cast<int>(mb), static_cast<int>(wgmma_tiles), static_cast<int>(k_split),
-                      static_cast<int>(ws_tokens), sms, static_cast<int>(grid_override));
+                      static_cast<int>(ws_tokens),
+                      kbit::GemmLaunch{clamp_to_int(grid), clamp_to_int(tile_parts), whole_tiles},
+                      sms);
   TORCH_CHECK(plan.built, "kbit: the fused GEMM configuration ", config, " is not built for compute capability ",
               num(plan.cc_major), ".x (use dequantize + matmul)");
   TORCH_CHECK(plan.smem_limit == 0 || plan.smem_bytes <= plan.smem_limit, "kbit: the fused GEMM configuration ",
               config, " needs ", num(plan.smem_bytes / 1024), " KB of shared memory per block; this GPU allows ",
               num(plan.smem_limit / 1024), " KB (use dequantize + matmul)");
+  TORCH_CHECK(plan.refused == nullptr, "kbit: the launch grid=", num(grid), ", tile_parts=", num(tile_parts),
+              ", whole_tiles=", whole_tiles ? "true" : "false", " of the fused GEMM configuration ", config, " for M=",
+              num(M), ", N=", num(N), ", in_features_padded=", num(in_features_padded), " on ", num(sms), " SMs: it ", plan.refused);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -308,19 +318,23 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& b, const at::Tensor& a
   p.grid_room = 2 * plan.grid <= sms ? kbit::GridRoom::kHalfOrLess
               : plan.grid < sms    ? kbit::GridRoom::kBelowSms
                                    : kbit::GridRoom::kFull;
-  p.ws_clusters = ws_tokens > 0 ? ws_cluster_use() : kbit::ClusterUse::kL2;  // the environment read where it counts
-  check_launch(kbit::gemm(p, stream), "gemm");
+  if (ws_tokens > 0) p.clusters = ws_cluster_use();  // the environment read where it counts
+  const cudaError_t err = kbit::gemm(p, stream);
+  TORCH_CHECK(err != cudaErrorInvalidClusterSize, "kbit: the launch grid=", num(grid), ", tile_parts=", num(tile_parts),
+              " of the fused GEMM configuration ", config, ": this GPU cannot run its thread-block clusters of ",
+              num(tile_parts), " CTAs (with the warp-specialized kernel and KBIT_WS_CLUSTERS=1: all at once)");
+  check_launch(err, "gemm");
   return y;
 }
 
-// Every built configuration of the fused GEMM as JSON (kbit/dispatch.py plans from it), and the device facts the
+// Every built configuration of the fused GEMM as JSON (kbit/planner.py plans from it), and the device facts the
 // binding checks a configuration against.
 std::string gemm_configs() {
   std::string json = "[";
   for (const kbit::GemmConfigInfo& c : kbit::gemm_configs()) {
     json += std::string(json.size() > 1 ? ", " : "") + "{\"bits\": " + num(c.bits) + ", \"mb\": " + num(c.mb) +
             ", \"wgmma_tiles\": " + num(c.wgmma_tiles) + ", \"k_split\": " + num(c.k_split) +
-            ", \"ws_tokens\": " + num(c.ws_tokens) +
+            ", \"ws_tokens\": " + num(c.ws_tokens) + ", \"tile_rows\": " + num(c.tile_rows) +
             ", \"smem_bytes\": " + num(c.smem_bytes) + ", \"cc_major_min\": " + num(c.cc_major_min) +
             ", \"cc_major_max\": " + num(c.cc_major_max) + "}";
   }
@@ -332,6 +346,13 @@ int64_t shared_memory_per_block_optin(int64_t device) {
   check_launch(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, static_cast<int>(device)),
                "device query");
   return bytes;
+}
+
+// Clusters of `ctas` CTAs of gemm.cuh's clustered kernels the device runs at once (kbit/planner.py: Device.clusters).
+int64_t gemm_clusters_at_once(int64_t device, int64_t ctas) {
+  TORCH_CHECK(ctas >= 1 && ctas <= 8, "kbit: gemm_clusters_at_once: ctas must be 1..8, got ", num(ctas));
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return kbit::gemm_clusters_at_once(static_cast<int>(ctas));
 }
 
 // ---------------------------------------------------------------------------- mixture of experts (moe.h)
@@ -516,10 +537,12 @@ TORCH_LIBRARY(kbit_cuda, m) {
   m.def("repack(Tensor packed, Tensor absmax, int k, int N, int in_features_padded) -> (Tensor, Tensor)");
   m.def("unrepack(Tensor b_gemm, Tensor absmax_gemm, int k, int N, int in_features_padded) -> (Tensor, Tensor)");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
-        "int in_features_padded, int grid_override, int mb, int wgmma_tiles, int k_split, int ws_tokens, "
+        "int in_features_padded, int grid, int tile_parts, bool whole_tiles, int mb, int wgmma_tiles, int k_split, "
+        "int ws_tokens, "
         "bool weights_settled) -> Tensor");
   m.def("gemm_configs() -> str", &gemm_configs);  // no tensors: any backend
   m.def("shared_memory_per_block_optin(int device) -> int", &shared_memory_per_block_optin);
+  m.def("gemm_clusters_at_once(int device, int ctas) -> int", &gemm_clusters_at_once);
   m.def("moe_route(Tensor expert_ids, Tensor weights, int num_experts, int rows_per_pass) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? x_rows, "

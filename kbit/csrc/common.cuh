@@ -46,12 +46,22 @@ __device__ __forceinline__ float e4m4_byte_to_float(uint32_t word, int b) {
   return __uint_as_float(at_bit_16 << 3) * 0x1p116f;
 }
 
-// Bytes b and b + 1 of `word` (E4M4 codes) as floats, each 1/16 of decode_e4m4's value, in four instructions
-// for the two (e4m4_byte_to_float takes three for one): a code shifted to bits 6..13 of an fp16 value puts its
-// exponent field in fp16's (bias 15 instead of 11: 1/16) and its mantissa at the top of fp16's, subnormals
-// included; one PRMT places both codes, one shift both, and fp16 -> fp32 is exact. b is 0 or 2.
+// Bytes b and b + 1 of `word` (E4M4 codes) as two 16-bit T values in one register (byte b low), each decode_e4m4's
+// value times kE4M4PairUnit<T>, in two instructions: a code shifted so that its 4 exponent bits land at the low end
+// of T's exponent field and its mantissa at the top of T's is exactly the E4M4 value times 2^(11 - T's bias),
+// subnormals included (E = 0 is a T subnormal): fp16 (bias 15) at bits 6..13, 1/16; bf16 (bias 127) at bits 3..10,
+// 2^-116. One PRMT places both codes, one shift both. b is 0 or 2.
+template <typename T>
+constexpr float kE4M4PairUnit = std::is_same<T, __half>::value ? 0x1p-4f : 0x1p-116f;
+template <typename T>
+__device__ __forceinline__ uint32_t e4m4_pair_bits(uint32_t word, int b) {
+  static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value, "16-bit element types only");
+  return __byte_perm(word, 0u, 0x4040u | b | ((b + 1) << 8)) << (std::is_same<T, __half>::value ? 6 : 3);
+}
+// The same two codes as floats, each 1/16 of decode_e4m4's value, in four instructions for the two
+// (e4m4_byte_to_float takes three for one): the fp16 pair, converted exactly.
 __device__ __forceinline__ float2 e4m4_pair_to_float_sixteenths(uint32_t word, int b) {
-  const uint32_t bits = __byte_perm(word, 0u, 0x4040u | b | ((b + 1) << 8)) << 6;  // codes at bits 6.., 22..
+  const uint32_t bits = e4m4_pair_bits<__half>(word, b);
   const __half2 halves = *reinterpret_cast<const __half2*>(&bits);
   return make_float2(__low2float(halves), __high2float(halves));
 }
@@ -86,6 +96,39 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   const T l = from_float<T>(lo), h = from_float<T>(hi);
   return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&l)) |
          static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&h)) << 16;
+}
+
+// Two 16-bit values times a packed pair of 16-bit scales, rounded once. bf16 on sm_80 (no bf16 multiply before
+// sm_90): a fused multiply-add of -0, which leaves every product (signed zeros included) as the multiply would.
+template <typename T>
+__device__ __forceinline__ uint32_t mul_pair(uint32_t v, uint32_t s) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __half>::value) {
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(s));
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(v), "r"(s), "r"(0x80008000u));
+#else
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(s));
+#endif
+  }
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t splat_pair(float v) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __half>::value) asm("cvt.rn.f16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(v));
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(v));
+  return r;
+}
+// Half i (0: low) of a packed pair in both halves. As moves of the halves, which ptxas folds into the operand
+// selector of the instruction that reads the result (HMUL2 R, R, R.H0_H0): no instruction of its own, where a PRMT
+// stayed one.
+__device__ __forceinline__ uint32_t splat_half(uint32_t pair, int i) {
+  uint32_t r;
+  if (i == 0) asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tmov.b32 %0, {l, l};\n\t}\n" : "=r"(r) : "r"(pair));
+  else asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tmov.b32 %0, {h, h};\n\t}\n" : "=r"(r) : "r"(pair));
+  return r;
 }
 
 // ---------------------------------------------------------------------------- async copies
@@ -224,9 +267,17 @@ __device__ __forceinline__ uint32_t cluster_window_offset(uint32_t address) {
   return address - first;
 }
 // Every thread of every CTA of the cluster arrives (warp by warp, converged); what each wrote before, to its own
-// shared memory or another CTA's, is seen by all after.
+// shared memory or another CTA's, is seen by all after. In two halves where a CTA has work between them: each thread
+// arrives, then waits, once per phase.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  cluster_arrive();
+  cluster_wait();
 }
 // A 16-byte store into the shared memory of the cluster's CTA `rank`, at the address `cta_address` has in this CTA.
 __device__ __forceinline__ void st_cluster(uint32_t cta_address, uint32_t rank, float4 v) {
@@ -235,6 +286,16 @@ __device__ __forceinline__ void st_cluster(uint32_t cta_address, uint32_t rank, 
   asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(remote), "f"(v.x), "f"(v.y), "f"(v.z),
                "f"(v.w)
                : "memory");
+}
+// A 16-byte load from the shared memory of the cluster's CTA `rank`, at the address `cta_address` has in this CTA.
+__device__ __forceinline__ float4 ld_cluster(uint32_t cta_address, uint32_t rank) {
+  uint32_t remote;
+  float4 v;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(cta_address), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
 }
 #endif
 
@@ -350,22 +411,6 @@ template <int F>
 __device__ __forceinline__ void fence_accumulators(float (&d)[F][4]) {
 #pragma unroll
   for (int f = 0; f < F; ++f) asm volatile("" : "+f"(d[f][0]), "+f"(d[f][1]), "+f"(d[f][2]), "+f"(d[f][3])::"memory");
-}
-
-// Two 16-bit values times a packed pair of 16-bit scales, rounded once.
-template <typename T>
-__device__ __forceinline__ uint32_t mul_pair(uint32_t v, uint32_t s) {
-  uint32_t r;
-  if constexpr (std::is_same<T, __half>::value) asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(s));
-  else asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(s));
-  return r;
-}
-template <typename T>
-__device__ __forceinline__ uint32_t splat_pair(float v) {
-  uint32_t r;
-  if constexpr (std::is_same<T, __half>::value) asm("cvt.rn.f16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(v));
-  else asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(v));
-  return r;
 }
 
 // D(64 x N) += A(64 x 16) * B(16 x N), N = 8 * (fragments of d). Inline asm cannot loop, so each N's operand

@@ -1,5 +1,5 @@
-// Host side of the fused GEMM: what each built configuration needs, the launch of the one the planner chose
-// (kbit/dispatch.py), dispatch on the bit width.
+// Host side of the fused GEMM: what each built configuration needs, the launch the planner chose (kbit/planner.py)
+// checked and sized, dispatch on the bit width.
 #include <algorithm>
 #include <climits>
 
@@ -43,6 +43,7 @@ bool gemm_config_info(int k, int mb, int wgmma_tiles, int k_split, int ws_tokens
     using Cfg = decltype(cfg);
     info->bits = k, info->mb = mb, info->wgmma_tiles = wgmma_tiles, info->k_split = k_split;
     info->ws_tokens = ws_tokens;
+    info->tile_rows = Cfg::kTileRows;
     info->smem_bytes = Cfg::kSmemTotal;
     info->cc_major_min = HostFacts<Cfg>::kCcMajorMin;
     info->cc_major_max = HostFacts<Cfg>::kCcMajorMax;
@@ -78,8 +79,8 @@ bool gemm_on_sm80(int k, int mb, int wgmma_tiles) {
   return gemm_config_info(k, mb, wgmma_tiles, 1, 0, &info) && info.cc_major_min <= kSm80Major;
 }
 
-GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
-                   int grid_override) {
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens,
+                   const GemmLaunch& launch, int num_sms) {
   GemmPlan plan{};
   int dev = 0, l2_bytes = 0;
   if (cudaGetDevice(&dev) == cudaSuccess) {
@@ -89,52 +90,60 @@ GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_
   }
   GemmConfigInfo info{};
   if (!gemm_config_info(k, mb, wgmma_tiles, k_split, ws_tokens, &info)) return plan;  // not built: plan.built stays false
-  int tile_rows = 0, partial_per_cta = 0;
+  int partial_per_cta = 0;
   with_config(k, mb, wgmma_tiles, k_split, ws_tokens, [&](auto cfg) {
-    using Cfg = decltype(cfg);
-    tile_rows = Cfg::kTileRows;
-    partial_per_cta = Cfg::kPartialFloats;  // gemm.cuh: one partial tile (finish_tile); gemm_ws.cuh: two slots
+    partial_per_cta = decltype(cfg)::kPartialFloats;  // gemm.cuh: one partial tile (finish_tile); gemm_ws.cuh: two slots
   });
   plan.mb = mb;
   plan.wgmma_tiles = wgmma_tiles;
   plan.k_split = k_split;
   plan.ws_tokens = ws_tokens;
-  plan.tile_rows = tile_rows;
+  plan.tile_rows = info.tile_rows;
   plan.smem_bytes = info.smem_bytes;
   plan.built = plan.cc_major >= info.cc_major_min && plan.cc_major <= info.cc_major_max;
   const int k_steps = gemm_k_steps(K_w, k_split);
   plan.m_passes = (M + mb * 8 - 1) / (mb * 8);
-  const int row_tiles = (N + tile_rows - 1) / tile_rows, tiles = plan.m_passes * row_tiles;
+  const int tiles = plan.m_passes * ((N + info.tile_rows - 1) / info.tile_rows);
   plan.total_steps = tiles * k_steps;
   // Read once by one token pass and more than L2 holds: the kernels stream them evict-first
   // (GemmConfig::kWeightsStreamed up to 16 tokens, ws_copy_weights past). Codes and E4M4 block scales.
   const int64_t weight_bytes = static_cast<int64_t>(N) * K_w * k / 8 + static_cast<int64_t>(N) * K_w / 32;
   plan.weights_stream = plan.m_passes == 1 && l2_bytes > 0 && weight_bytes > l2_bytes;
-  // At most one CTA per SM, also when forced: a split tile's reducer waits for the CTAs after it (finish_tile),
-  // in the warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice).
-  // With the warps splitting k, one tile per CTA where the tiles are no more than the SMs: the split exists so
-  // that no tile is shared across CTAs.
-  const bool planned_ws = grid_override == 0 && ws_tokens > 0;
-  const int parts = planned_ws ? ws_tile_parts(tiles, k_steps, num_sms) : 0;
-  // Whole tiles per CTA: as many each where a grid divides them, else (256-token tiles) one apart; 0: neither.
-  int whole_tiles_grid = 0;
-  if (planned_ws && parts == 0) {
-    whole_tiles_grid = ws_whole_tiles_grid(tiles, num_sms, ws_tokens == 256 ? 1 : 2);
-    if (whole_tiles_grid == 0 && ws_tokens == 256)
-      whole_tiles_grid = ws_uneven_whole_tiles(tiles, row_tiles, k_steps, num_sms);
+  if (M == 0) return plan;  // nothing runs: no launch to check
+  plan.grid = launch.grid;
+  const int parts = launch.tile_parts;
+  const bool ws = ws_tokens > 0;  // the warp-specialized kernel; else gemm.cuh's
+  // Hard limits only. At most one CTA per SM: a split tile's reducer waits for the CTAs after it (finish_tile), in the
+  // warp-specialized kernel every CTA of the tile for all the others (ws_reduce_slice). gemm.cuh's kernels cut their
+  // steps in one group (steps_of<false>), or in tile parts, one group per tile, each tile's parts one thread-block
+  // cluster (GemmConfig::kClustered): mma.sync up to 16 tokens, on sm_90, at most a portable cluster's CTAs.
+  if (launch.grid < 1 || launch.grid > num_sms) {
+    plan.refused = "needs 1 CTA to one per SM";
+  } else if (launch.grid > plan.total_steps) {
+    plan.refused = "has more CTAs than steps";
+  } else if (launch.whole_tiles && !ws) {
+    plan.refused = "gives whole tiles to CTAs, which only the warp-specialized kernel does";
+  } else if (parts != 0 && !ws && (wgmma_tiles != 0 || mb > 2)) {
+    plan.refused = "cuts tiles in parts, which gemm.cuh's kernels do with mma.sync up to 16 tokens only (mb <= 2, "
+                   "wgmma_tiles = 0)";
+  } else if (parts != 0 && !ws && plan.cc_major < kHopperMajor) {
+    plan.refused = "cuts tiles in parts summed in thread-block clusters, which need compute capability 9.0 or newer";
+  } else if (parts != 0 && !ws && parts > kMaxClusterCtas) {
+    plan.refused = "cuts tiles in more parts than one thread-block cluster holds (8)";
+  } else if (parts != 0 && (launch.whole_tiles || parts < 2 || parts > k_steps || launch.grid != tiles * parts ||
+                            launch.grid > kMaxGroupedGrid)) {
+    plan.refused = "cuts tiles in parts that are not 2 to k-steps per tile on tiles x parts CTAs (at most 256)";
+  } else if (launch.whole_tiles && launch.grid > tiles) {
+    plan.refused = "gives whole tiles to more CTAs than tiles";
   }
-  const int want = grid_override > 0                 ? std::min(grid_override, num_sms)
-                   : k_split > 1 && tiles <= num_sms ? tiles
-                   : parts > 0                       ? tiles * parts
-                   : whole_tiles_grid > 0            ? whole_tiles_grid
-                                                     : num_sms;
-  plan.grid = std::max(1, std::min(want, plan.total_steps));
-  plan.cut_group = parts > 0 ? parts : plan.grid;  // tiles x parts <= total_steps: parts of at least one k-group
-  plan.cut_unit = whole_tiles_grid > 0 ? k_steps : 1;  // cut in tiles (cut.h)
-  // Every CTA owns whole tiles only when the cut falls on tile boundaries.
+  if (plan.refused) return plan;
+  plan.cut_group = parts > 0 ? parts : plan.grid;
+  plan.cut_unit = launch.whole_tiles ? k_steps : 1;  // cut in tiles (cut.h)
+  plan.clustered = !ws && parts > 0;
+  // Every CTA owns whole tiles only when the cut falls on tile boundaries; clustered, the parts meet in shared memory.
   const bool whole = plan.cut_unit == k_steps ||
                      (plan.total_steps % plan.grid == 0 && (plan.total_steps / plan.grid) % k_steps == 0);
-  plan.partial_floats = whole ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
+  plan.partial_floats = whole || plan.clustered ? 0 : static_cast<int64_t>(plan.grid) * partial_per_cta;
   return plan;
 }
 
@@ -155,6 +164,7 @@ void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w) {
   p.cut_group_reciprocal = static_cast<uint16_t>(cut.group_reciprocal);
   p.cut_unit = static_cast<uint16_t>(cut.unit);
   p.weights_stream = plan.weights_stream;
+  p.clusters = plan.clustered ? ClusterUse::kRequired : ClusterUse::kL2;  // the binding sets the warp-specialized one's
 }
 
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream) {

@@ -11,12 +11,15 @@
 //   load_weights    one step's weights (two bulk copies on sm_90, cp.async per warp on sm_80)
 //   load_activations a warp's share (at MB = 1: all) of one step's activation copies (cp.async)
 //   compute_step    looks a warp's 32 x 256 (or 16 x 256) weight codes up in the table, runs the MMAs per block of
-//                   32 columns and applies each block's scale to the fp32 result (mma.sync; one token: once per step)
+//                   32 columns and applies each block's scale to the fp32 result (mma.sync; one token: once per step),
+//                   or at 16 and 32 tokens per pass to the weights in 16 bits (GemmConfig::kScaleWeights)
 //   compute_step_wgmma the same for 64 rows per warpgroup and 64 or 128 tokens, block scales applied to the
 //                   weights in 16 bits (wgmma, sm_90)
 //   store_tile      writes a finished output tile (per-tensor scale, bias, dtype conversion)
 //   gather_k_split  with the warps splitting a tile's k-groups: their sums into warp 0's, through shared memory
 //   finish_tile     stores a finished tile, or reduces it with the other CTAs that hold parts of it
+//   cluster_finish_tile a tile cut in parts on one thread-block cluster: the parts summed through the CTAs' shared
+//                   memory, not L2
 //   gemm_main       the persistent, stream-K main loop, one inner loop per tile: no CTA-wide barrier per step; a
 //                   stage is refilled once every warp is done with it, its weights by one thread (sm_90), the
 //                   warps taking turns, at MB = 1 its activations by that thread's warp
@@ -27,7 +30,9 @@
 // Each of the 8 warps owns one or two row tiles of 16 weight rows; the warps share a step's activations.
 // Two tensor-core paths share everything but the math (GemmConfig::kWgmma):
 //   mma.sync m16n8k16, up to 32 tokens per pass (all GPUs): each warp loads its activation fragments from
-//     shared memory into registers, and scales each block's fp32 result (one FFMA per accumulator per block);
+//     shared memory into registers, and scales each block's fp32 result (one FFMA per accumulator per block), or
+//     at 16 and 32 tokens per pass, where that is as many FFMAs as A registers or more, the weights (one HMUL2 per
+//     register);
 //   wgmma m64nNk16, N = 64 or 128 tokens per pass (sm_90a): each warpgroup's 4 warps supply 64 weight rows from
 //     registers, the tensor cores read the activations from shared memory themselves, and the block scales
 //     are applied to the weights in 16 bits (one HMUL2 per register, whatever the token count), so a pass
@@ -44,6 +49,10 @@
 // stores the tile. A reducer only waits for CTAs after it, and each of those publishes before it could wait
 // for anything itself: the waits need no more than CTAs starting in index order, and the grid is at most one
 // CTA per SM (so all start at once when the GPU is not shared).
+// Up to 16 tokens on sm_90 the host may instead cut each tile's k-steps in 2 to 8 parts on a thread-block cluster of
+// as many CTAs (GemmConfig::kClustered): the parts meet in the cluster's shared memory (cluster_finish_tile).
+
+#include <atomic>
 
 #include "common.cuh"
 #include "cut.h"
@@ -82,11 +91,16 @@ __host__ __device__ constexpr int gemm_tile_rows(int k, int mb, int wgmma_tiles,
 // The most shared memory per CTA on sm_80-class GPUs (A100: 163 KB).
 constexpr int kSm80SmemMax = 163 * 1024;
 
+// The most parts of one tile summed in a thread-block cluster (GemmConfig::kClustered; gemm_ws.cuh, ws_cluster_reduce):
+// 8, the portable cluster size.
+constexpr int kMaxClusterCtas = 8;
+
 // WG: 0 for mma.sync, else the wgmma path (sm_90a) with WG row tiles per warp. G: 0 for one weight, else the
 // grouped GEMM of a mixture-of-experts layer (moe.h) with that GroupedEpilogue. KS: warps splitting one tile's
 // k-groups (kKSplit). BC: one token, the MMA's columns the step's blocks (kBlockColumns). ST: up to 16 tokens, the
-// weights streamed through L2 evict-first (kWeightsStreamed).
-template <int BITS, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false>
+// weights streamed through L2 evict-first (kWeightsStreamed). CL: up to 16 tokens, each tile's k range in parts on one
+// thread-block cluster, summed in shared memory (kClustered).
+template <int BITS, int MB, int WG, int G = 0, int KS = 1, bool BC = false, bool ST = false, bool CL = false>
 struct GemmConfig {
   static constexpr int kBits = BITS, kMB = MB;
   static constexpr bool kWgmma = WG > 0;
@@ -106,9 +120,22 @@ struct GemmConfig {
   static constexpr int kFrags = kRowTiles * MB;         // accumulator fragments per warp (row tile, token tile)
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileRows = gemm_tile_rows(BITS, MB, WG, KS);        // weight rows per CTA tile
-  // The accumulators hold the output times 1 / kAccScale: mma.sync scales each block's fp32 result by its E4M4
-  // scale decoded in sixteenths (e4m4_pair_to_float_sixteenths), wgmma scales the weights by the whole value.
-  static constexpr float kAccScale = kWgmma ? 1.0f : 16.0f;
+  // How the E4M4 block scales apply. mma.sync at one 8-token tile: each block's fp32 MMA result times its scale, one
+  // FFMA per accumulator and block (8 x 2 x 4 per step at two row tiles), the scales decoded in sixteenths
+  // (e4m4_pair_to_float_sixteenths). From two token tiles that takes as many FFMAs as there are A registers (MB = 2)
+  // or more, so the weights are scaled instead (kScaleWeights), as wgmma does: one HMUL2 per looked-up register in 16
+  // bits, rounded once like the dequantized weights cuBLAS would read, the MMAs accumulating straight into the sums
+  // (no block sums, no FFMA). Its scales stay 16-bit pairs of two blocks (e4m4_pair_bits: one PRMT and one shift per
+  // two blocks, each HMUL2 reading its half), their unit kE4M4PairUnit<T> undone by the lookup table, which holds the
+  // codebook times its inverse (kTableFactor; exact: powers of two, the codebook within [-1, 1]), so each weight is
+  // the 16-bit codebook value times the scale, rounded once (fp16 subnormals where the reference's weights are).
+  // At one token tile the 64 FFMAs are fewer than the 128 HMUL2s.
+  static constexpr bool kScaleWeights = !kWgmma && MB >= 2;
+  template <typename T>
+  static constexpr float kTableFactor = kScaleWeights ? 1.0f / kE4M4PairUnit<T> : 1.0f;
+  // The accumulators hold the output times 1 / kAccScale: sixteenths with the FFMA per block, the whole value where
+  // the weights are scaled (kScaleWeights; wgmma).
+  static constexpr float kAccScale = kWgmma || kScaleWeights ? 1.0f : 16.0f;
   // Who copies a step's activations. MB = 1 (up to 8 token rows, 4-byte pieces): the warp that issues the step's
   // weights, so that the other warps only wait for the stage and compute. More tokens: every warp its share (one
   // warp copying 16-32 rows was slower than every warp copying 2-4).
@@ -144,6 +171,11 @@ struct GemmConfig {
   // (docs/PERFORMANCE.md, "Measured choices").
   static constexpr bool kWeightsStreamed = ST;
   static_assert(!ST || (MB <= 2 && WG == 0 && G == 0 && KS == 1), "weights streamed evict-first: up to 16 tokens");
+  // Up to 16 tokens (sm_90): each tile's k-steps cut in parts (GemmParams::cut_group CTAs per tile, the grouped cut of
+  // cut.h), the parts of a tile on one thread-block cluster of as many CTAs, summed through distributed shared memory
+  // instead of split-K partials in L2 (cluster_finish_tile). Same shared memory as without.
+  static constexpr bool kClustered = CL;
+  static_assert(!CL || (MB <= 2 && WG == 0 && G == 0 && !ST), "tile parts in clusters: mma.sync, up to 16 tokens");
   static constexpr int kXRow = KS * kKGroup + (kXPairsTransposed ? 32 : 8);
   static constexpr int kXStage = kWgmma ? MB * 8 * kKGroup * 2 : MB * 8 * kXRow * 2;
   // Lookup table (see "Lookup tables" below): how one lane turns its codes into A-fragment registers.
@@ -205,7 +237,8 @@ struct GemmConfig {
   // Built for sm_80-class GPUs: what fits their shared memory. The host refuses the rest.
   // Not the k split: gather_k_split parks sums in a stage that sm_80's per-warp copies refill without waiting for the
   // other warps (and none of its configurations fits there).
-  static constexpr bool kOnSm80 = !kWgmma && KS == 1 && kSmemTotal <= kSm80SmemMax;
+  // Nor clusters, which sm_80 does not have.
+  static constexpr bool kOnSm80 = !kWgmma && KS == 1 && !CL && kSmemTotal <= kSm80SmemMax;
   static constexpr int kPartialFloats = kWarps * kFrags * 32 * 4;  // one CTA's partial output tile
 };
 
@@ -383,16 +416,23 @@ __device__ __forceinline__ void block_fragments(const uint32_t (&w)[4 * Cfg::kBi
   }
 }
 
-#if KBIT_WGMMA
-// The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights h times each row's E4M4 block scale
-// in 16 bits (rounded once, like the dequantized weights cuBLAS would read); then, once the wgmma group that last
-// read a register set is done, h as the A registers of the block's two k16 slices.
+// A block's looked-up weights h times its 16-bit scales, s_lo (row g, h[0]) and s_hi (row g + 8, h[1]) each one
+// scale in both halves: one HMUL2 per register, the product rounded once, like the dequantized weights cuBLAS would
+// read (wgmma, and mma.sync with GemmConfig::kScaleWeights).
 template <typename T>
-__device__ __forceinline__ void apply_block_scales(uint2 scales_lo, uint2 scales_hi, int t, uint32_t (&h)[2][4]) {
-  const uint32_t s_lo = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3));
-  const uint32_t s_hi = splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3));
+__device__ __forceinline__ void scale_fragments(uint32_t s_lo, uint32_t s_hi, uint32_t (&h)[2][4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) h[0][j] = mul_pair<T>(h[0][j], s_lo), h[1][j] = mul_pair<T>(h[1][j], s_hi);
+}
+
+#if KBIT_WGMMA
+// The wgmma paths' A operand (here and gemm_ws.cuh): block t's looked-up weights h times each row's E4M4 block scale
+// (the whole value); then, once the wgmma group that last read a register set is done, h as the A registers of the
+// block's two k16 slices.
+template <typename T>
+__device__ __forceinline__ void apply_block_scales(uint2 scales_lo, uint2 scales_hi, int t, uint32_t (&h)[2][4]) {
+  scale_fragments<T>(splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_lo.x : scales_lo.y, t & 3)),
+                     splat_pair<T>(e4m4_byte_to_float(t < 4 ? scales_hi.x : scales_hi.y, t & 3)), h);
 }
 __device__ __forceinline__ void wgmma_a_fragments(const uint32_t (&h)[2][4], uint32_t (&a)[2][4]) {
   a[0][0] = h[0][0], a[0][1] = h[1][0], a[0][2] = h[0][1], a[0][3] = h[1][1];  // k16 slice 0: columns 8q + 0..3
@@ -417,11 +457,18 @@ struct SmemLayout {
     pad = table - base;
   }
   __device__ uint8_t* tables() const { return smem + pad; }
-  // Whether the launch gave the layout room: the host sizes it from the reserved and static shared memory.
+  // Whether the launch gave the layout room: the host sizes it from the reserved and static shared memory. Clustered
+  // (kClustered), also whether every CTA of the cluster has the first one's layout: sm_90 puts the rank in shared
+  // addresses, and cluster_finish_tile reads the other CTAs' stages at this CTA's offsets.
   __device__ bool fits() const {
     uint32_t dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic_bytes));
-    return static_cast<int>(pad) >= Cfg::kLowBytes && pad + Cfg::kTables + Cfg::kHighBytes <= dynamic_bytes;
+    bool as_the_first = true;
+#if KBIT_BULK_COPY
+    if constexpr (Cfg::kClustered) as_the_first = cluster_window_offset(table) % Cfg::kTableAlign == 0;
+#endif
+    return as_the_first && static_cast<int>(pad) >= Cfg::kLowBytes &&
+           pad + Cfg::kTables + Cfg::kHighBytes <= dynamic_bytes;
   }
   // Offsets from the dynamic base, 32-bit: 64-bit pointers per piece cost sm_80's build spills.
   __device__ uint8_t* codes(int s) const {
@@ -676,12 +723,13 @@ __device__ __forceinline__ void clear_block_columns(const SmemLayout<Cfg>& layou
 }
 
 // One warp's codes (its bit string, kbit/layout.py) and E4M4 block scales of one step's row tile r:
-// scales_lo = row g's 8 blocks, scales_hi = row g + 8's.
+// scales_lo = row g's 8 blocks, scales_hi = row g + 8's. tid: the thread index (compute_step's).
 template <class Cfg>
 __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, const uint8_t* small_piece, int r,
-                                                uint32_t (&w)[4 * Cfg::kBits], uint2& scales_lo, uint2& scales_hi) {
+                                                uint32_t (&w)[4 * Cfg::kBits], uint2& scales_lo, uint2& scales_hi,
+                                                uint32_t tid) {
   constexpr int BITS = Cfg::kBits, RT = Cfg::kRowTiles;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
   const uint4* bv = reinterpret_cast<const uint4*>(codes_piece) + (warp * RT + r) * BITS * 32 + lane;
   const uint8_t* ab = small_piece + (warp * RT + r) * 128;
 #pragma unroll
@@ -700,23 +748,25 @@ __device__ __forceinline__ void load_tile_codes(const uint8_t* codes_piece, cons
 // load instead of four (with block columns the others load zeros, still one wavefront, and the step's scales follow
 // its 16 MMAs). Otherwise one ldmatrix per token tile and block: lane l points at token
 // l % 8, columns 8 * (l / 8) .. + 7 of the block, so register i is the B fragment of k-step i / 2, half i % 2.
+// tid: the thread index (gemm_main's math_tid).
 template <class Cfg, typename T>
 __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const uint8_t* small_piece, uint32_t sel,
-                                             int x_rows, float (&acc)[Cfg::kFrags][4]) {
+                                             int x_rows, float (&acc)[Cfg::kFrags][4], uint32_t tid) {
   constexpr int BITS = Cfg::kBits, MB = Cfg::kMB;
   constexpr int RT = Cfg::kRowTiles;
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int lane = tid & 31, g = lane >> 2, q = lane & 3;
   uint32_t w[RT][4 * BITS];
   uint2 scales_lo[RT], scales_hi[RT];
 #pragma unroll
-  for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r]);
+  for (int r = 0; r < RT; ++r) load_tile_codes<Cfg>(codes_piece, small_piece, r, w[r], scales_lo[r], scales_hi[r], tid);
   constexpr int XR = Cfg::kXRow;
-  const int xk = Cfg::kKSplit > 1 ? (threadIdx.x >> 5) * kKGroup : 0;  // the warp's k-group in the token rows
+  const int xk = Cfg::kKSplit > 1 ? (tid >> 5) * kKGroup : 0;  // the warp's k-group in the token rows
   const int x_row = Cfg::kBlockColumns ? 0 : g;  // block columns: row 0 or 1 per block (below)
   const uint32_t xs = shared_address(small_piece + Cfg::kAbsStage) +
                       (xk + (Cfg::kXPairsTransposed ? x_row * XR + 8 * q : (lane & 7) * XR + 8 * (lane >> 3))) * 2;
   uint4 xv[MB] = {};  // per token tile, reloaded per block
   float2 block_scales_lo[RT], block_scales_hi[RT];
+  uint32_t scale_pairs_lo[RT], scale_pairs_hi[RT];  // kScaleWeights: blocks t, t + 1 as a 16-bit pair
   float block_sums[RT][2][4] = {};  // block columns: a step's sums, column n = block n, block t in accumulator t % 2
 
 #pragma unroll
@@ -734,11 +784,24 @@ __device__ __forceinline__ void compute_step(const uint8_t* codes_piece, const u
     for (int r = 0; r < RT; ++r) {
       uint32_t h[2][4];
       block_fragments<Cfg>(w[r], t, sel, h);
+      if constexpr (Cfg::kScaleWeights) {  // rows g and g + 8 times block t's scales (GemmConfig::kScaleWeights)
+        if (t % 2 == 0) {
+          scale_pairs_lo[r] = e4m4_pair_bits<T>(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
+          scale_pairs_hi[r] = e4m4_pair_bits<T>(t < 4 ? scales_hi[r].x : scales_hi[r].y, t & 3);
+        }
+        scale_fragments<T>(splat_half(scale_pairs_lo[r], t % 2), splat_half(scale_pairs_hi[r], t % 2), h);
+      }
       const uint32_t a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};  // k-step 0: columns 8q + 0..3
       const uint32_t a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};  // k-step 1: columns 8q + 4..7
       if constexpr (Cfg::kBlockColumns) {  // block t's sums into column t (the other columns' activations are 0)
         mma_16816<T>(block_sums[r][t % 2], a0, xv[0].x, xv[0].y);
         mma_16816<T>(block_sums[r][t % 2], a1, xv[0].z, xv[0].w);
+      } else if constexpr (Cfg::kScaleWeights) {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          mma_16816<T>(acc[r * MB + mb], a0, xv[mb].x, xv[mb].y);
+          mma_16816<T>(acc[r * MB + mb], a1, xv[mb].z, xv[mb].w);
+        }
       } else {
         if (t % 2 == 0) {  // blocks t and t + 1 of rows g and g + 8, in sixteenths (GemmConfig::kAccScale)
           block_scales_lo[r] = e4m4_pair_to_float_sixteenths(t < 4 ? scales_lo[r].x : scales_lo[r].y, t & 3);
@@ -810,7 +873,7 @@ __device__ __forceinline__ void compute_step_wgmma(const uint8_t* codes_piece, c
   for (int r = 0; r < RT; ++r) {  // row tiles one after the other: one tile's codes in registers at a time
     uint32_t w[4 * BITS];
     uint2 scales_lo, scales_hi;
-    load_tile_codes<Cfg>(codes_piece, small_piece, r, w, scales_lo, scales_hi);
+    load_tile_codes<Cfg>(codes_piece, small_piece, r, w, scales_lo, scales_hi, threadIdx.x);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const int group = r * 8 + t;
@@ -911,18 +974,24 @@ __device__ __forceinline__ int cta_of_step(const GemmParams& p, int s) {
   return cta_of_step<kGroups>(cut_of(p), s);
 }
 
-// KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
-// k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of
-// the stage (RT * BITS * 512 bytes, >= the kFrags * 512 it needs; the warp read them at the step's start), the warps
-// meet once, warp 0 adds. Every warp arrives on the stage's empty barrier after this, warp 0 after its reads, so the
-// stage is not refilled under them. Warp 0 then finishes the tile alone (finish_tile), as the only warp of its
-// row tiles.
+// Where warp w parks this lane's accumulator fragment f in a stage (gather_k_split, cluster_finish_tile): in the warp's
+// own codes of the stage (RT * BITS * 512 bytes, >= the kFrags * 512 it needs), which no other warp reads.
 template <class Cfg>
-__device__ __forceinline__ void gather_k_split(uint8_t* codes_piece, float (&acc)[Cfg::kFrags][4]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ __forceinline__ float4* parked_fragment(uint8_t* codes_piece, int w, int f) {
   constexpr int kWarpBytes = Cfg::kRowTiles * Cfg::kBits * 512;
   static_assert(Cfg::kFrags * 512 <= kWarpBytes, "a warp's accumulators must fit in its codes");
-  auto parked = [&](int w, int f) { return reinterpret_cast<float4*>(codes_piece + w * kWarpBytes) + f * 32 + lane; };
+  return reinterpret_cast<float4*>(codes_piece + w * kWarpBytes) + f * 32 + (threadIdx.x & 31);
+}
+
+// KS > 1, the last step of a tile in this CTA's range, after every warp's math: the warps' sums (each of its own
+// k-groups) into warp 0's accumulators, added in warp order. Each warp parks its accumulators in its own codes of
+// the stage (parked_fragment; the warp read them at the step's start), the warps meet once, warp 0 adds. Every warp
+// arrives on the stage's empty barrier after this, warp 0 after its reads, so the stage is not refilled under them.
+// Warp 0 then finishes the tile alone (finish_tile), as the only warp of its row tiles.
+template <class Cfg>
+__device__ __forceinline__ void gather_k_split(uint8_t* codes_piece, float (&acc)[Cfg::kFrags][4]) {
+  const int warp = threadIdx.x >> 5;
+  auto parked = [&](int w, int f) { return parked_fragment<Cfg>(codes_piece, w, f); };
   __syncwarp();  // every lane of the warp has read its codes
   if (warp != 0) {
 #pragma unroll
@@ -1031,6 +1100,64 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const StepCurso
   store_tile<Cfg, T>(p, c, out_scale, acc);
 }
 
+// Clustered (GemmConfig::kClustered): this CTA's range is one part of one tile, and the tile's parts run as one
+// thread-block cluster, rank r holding the r-th (rank 0 the tile's first k-steps: the grouped cut of cut.h, a group per
+// tile). The parts meet in shared memory instead of L2: every other rank parks its sums in its own stage 0
+// (parked_fragment; once its range is done no copy is in flight into its stages), a cluster barrier, rank 0 loads them
+// through distributed shared memory and adds them in rank order to its own (deterministic, as finish_tile's CTA order),
+// a second barrier keeps every CTA, and so its shared memory, alive until rank 0 has loaded them; rank 0 stores the
+// tile meanwhile. No polling, no workspace. Only the warps that hold sums (every warp; warp 0 alone with the k split)
+// and only the fragments of the pass's tokens (finish_tile's `live`) move. Every thread takes part in both barriers.
+template <class Cfg, typename T>
+__device__ __forceinline__ void cluster_finish_tile(const GemmParams& p, const StepCursor& c, uint8_t* stage_codes,
+                                                    float out_scale, float (&acc)[Cfg::kFrags][4]) {
+#if KBIT_BULK_COPY
+  constexpr int MB = Cfg::kMB, F = Cfg::kFrags;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ranks = static_cast<int>(cluster_ctas()), rank = static_cast<int>(cluster_rank());
+  const bool holds_sums = Cfg::kKSplit == 1 || warp == 0;
+  const int lane_rows = token_pass<Cfg>(p, c).rows - 2 * (lane & 3);  // the pass's rows from the lane's first token
+  auto live = [&](int f) { return (f % MB) * 8 < lane_rows; };
+  if (rank != 0 && holds_sums) {
+#pragma unroll
+    for (int f = 0; f < F; ++f)
+      if (live(f)) *parked_fragment<Cfg>(stage_codes, warp, f) = make_float4(acc[f][0], acc[f][1], acc[f][2], acc[f][3]);
+  }
+  __syncwarp();
+  cluster_sync();  // every part parked
+  if (rank == 0 && holds_sums) {
+    // Fragment f of rank r at the address fragment f of this CTA has, in rank r's window (SmemLayout::fits).
+    const uint32_t parked = shared_address(parked_fragment<Cfg>(stage_codes, warp, 0));
+    // The ranks whose parts are loaded at once: up to 16 fragments in flight (64 registers), one round trip for all
+    // seven other parts at two fragments per warp.
+    constexpr int kInFlight = 16 / F;
+    for (int r0 = 1; r0 < ranks; r0 += kInFlight) {
+      float4 v[kInFlight][F];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+#pragma unroll
+        for (int f = 0; f < F; ++f)
+          if (r0 + i < ranks && live(f)) v[i][f] = ld_cluster(parked + f * 512, r0 + i);
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i)
+#pragma unroll
+        for (int f = 0; f < F; ++f)
+          if (r0 + i < ranks && live(f)) {
+            float (&d)[4] = acc[f];
+            d[0] += v[i][f].x, d[1] += v[i][f].y, d[2] += v[i][f].z, d[3] += v[i][f].w;
+          }
+    }
+  }
+  __syncwarp();
+  cluster_arrive();  // rank 0 has loaded the parts
+  if (rank == 0 && holds_sums) store_tile<Cfg, T>(p, c, out_scale, acc);
+  __syncwarp();
+  cluster_wait();  // no CTA leaves before then
+#else
+  __trap();  // clusters: sm_90; the host never launches this configuration elsewhere
+#endif
+}
+
 template <class Cfg, typename T>
 __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   constexpr int BITS = Cfg::kBits;
@@ -1041,7 +1168,8 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
   if (threadIdx.x == 0 && !layout.fits()) __trap();  // host and kernel disagree on the layout: a bug
   __shared__ Barriers<Cfg> bars;
 
-  StepRange range = steps_of<false>(p, blockIdx.x);  // the grouped kernel's once the passes are known (below)
+  // The grouped kernel's once the passes are known (below); clustered, the host's cut in a group per tile.
+  StepRange range = steps_of<Cfg::kClustered>(p, blockIdx.x);
   int first = range.first, last = range.last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   bars.init(warp, lane);
@@ -1065,7 +1193,10 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     load_activations<Cfg, T>(p, layout.small(s), at);
     mbarrier_arrive_after_cp_async(full(s));
   };
-  auto load_codebook = [&] { return threadIdx.x < (1 << BITS) ? p.codebook[threadIdx.x] : 0.0f; };
+  // The codebook times kTableFactor (GemmConfig::kScaleWeights: the scales' 16-bit unit undone in the table).
+  auto load_codebook = [&] {
+    return threadIdx.x < (1 << BITS) ? p.codebook[threadIdx.x] * Cfg::template kTableFactor<T> : 0.0f;
+  };
 
   // Launched early (programmatic dependent launch), the CTA fetches while the previous kernel drains what that kernel
   // cannot be writing. Settled weights (GemmParams): the codebook, and where the grid leaves SMs idle (GridRoom) the
@@ -1126,6 +1257,9 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     if (s == 0 && !tables_early) build_tables<Cfg, T>(code_value, layout.tables());
   }
   const uint32_t sel = lane_select<Cfg>(layout.table, lane);
+  // The thread index compute_step reads. With kScaleWeights (fewer live registers) ptxas re-read it and recomputed the
+  // lane's shared addresses in every step (8-15 instructions of 570-1260); a shuffle's result it keeps.
+  const uint32_t math_tid = Cfg::kScaleWeights ? __shfl_sync(0xffffffffu, threadIdx.x, lane) : threadIdx.x;
   __syncthreads();  // tables complete
 
   float acc[Cfg::kFrags][4] = {};
@@ -1161,7 +1295,7 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
 #endif
       {
         if (Cfg::kKSplit == 1 || warp_kgroup<Cfg>(c, warp) < p.k_groups)
-          compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, rows, acc);
+          compute_step<Cfg, T>(layout.codes(slot), layout.small(slot), sel, rows, acc, math_tid);
         if constexpr (Cfg::kKSplit > 1) {
           if (step + 1 == tile_end) gather_k_split<Cfg>(layout.codes(slot), acc);
         }
@@ -1180,11 +1314,15 @@ __device__ __forceinline__ void gemm_main(const GemmParams& p) {
     }
     if (Cfg::kKSplit == 1 || warp == 0) {
       if constexpr (Cfg::kBlockColumns) sum_block_columns<Cfg>(acc);
-      finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
+      if constexpr (!Cfg::kClustered) finish_tile<Cfg, T>(p, c, first, last, out_scale, acc);
     }
+    if constexpr (Cfg::kClustered) {  // the range's one tile, its parts summed in the cluster
+      cluster_finish_tile<Cfg, T>(p, c, layout.codes(0), out_scale, acc);
+    } else {
 #pragma unroll
-    for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
-    c.next_tile(p);
+      for (int f = 0; f < Cfg::kFrags; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
+      c.next_tile(p);
+    }
   }
 }
 
@@ -1221,6 +1359,44 @@ cudaError_t gemm_dynamic_smem(int& bytes) {
   return cudaFuncSetAttribute(gemm_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+// The launch attribute of 1-D clusters of `ctas` CTAs.
+inline cudaLaunchAttribute cluster_attribute(int ctas) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = ctas, attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
+// How many clusters of `ctas` CTAs of Kernel's launch `config` the device runs at once: each cluster's CTAs share a
+// GPC, one CTA per SM, so the GPCs' sizes decide. The driver is asked once per device and cluster size.
+template <auto Kernel>
+int clusters_at_once(int ctas, int clusters, cudaLaunchConfig_t config) {
+  static std::atomic<int> most[kMaxDevices][kMaxClusterCtas + 1];  // clusters at once + 1; 0: not asked yet
+  int device = 0;
+  if (ctas < 1 || ctas > kMaxClusterCtas || cudaGetDevice(&device) != cudaSuccess || device < 0 ||
+      device >= kMaxDevices)
+    return 0;
+  int known = most[device][ctas].load(std::memory_order_relaxed);
+  if (known == 0) {
+    cudaLaunchAttribute attribute = cluster_attribute(ctas);
+    config.gridDim = dim3(ctas * clusters);
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int at_once = 0;
+    if (cudaOccupancyMaxActiveClusters(&at_once, Kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();  // the query's error is not the launch's
+      at_once = 0;
+    }
+    known = at_once + 1;
+    most[device][ctas].store(known, std::memory_order_relaxed);
+  }
+  return known - 1;
+}
+
+// Programmatic dependent launch where the host asked for it (GemmParams::dependent_launch); clustered
+// (GemmConfig::kClustered), the tiles' parts as clusters of cut_group CTAs, the two attributes side by side. A cluster's
+// CTAs start together, so its barriers need no more; clusters the GPU cannot hold all at once run in waves, and one it
+// cannot hold at all is refused.
 template <class Cfg, typename T>
 cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
@@ -1231,17 +1407,21 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = p.dependent_launch ? 1 : 0;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1] = cluster_attribute(p.cut_group);
+  if (Cfg::kClustered && (p.grid % p.cut_group != 0 ||
+                          clusters_at_once<gemm_kernel<Cfg, T>>(p.cut_group, p.grid / p.cut_group, config) < 1))
+    return cudaErrorInvalidClusterSize;
+  config.attrs = p.dependent_launch ? attributes : attributes + 1;
+  config.numAttrs = (p.dependent_launch ? 1 : 0) + (Cfg::kClustered ? 1 : 0);
   return cudaLaunchKernelEx(&config, gemm_kernel<Cfg, T>, static_cast<const typename Cfg::Params&>(p));
 }
 
 // The configurations built, per bit width and dtype: mma.sync with 8, 16 or 32 tokens per pass, and with 8 or 16
 // tokens the warps splitting 32- or 16-row tiles' k-groups; wgmma with 64 tokens and 256-row tiles, or 128 tokens
-// and 128- or 256-row tiles (not 256 at BITS = 5: no room). kbit/dispatch.py picks among them (gemm.cu reports them:
+// and 128- or 256-row tiles (not 256 at BITS = 5: no room). kbit/planner.py picks among them (gemm.cu reports them:
 // gemm_configs).
 constexpr int gemm_config_key(int mb, int wgmma_tiles, int k_split = 1) {
   return (k_split > 1 ? 1024 : 0) + wgmma_tiles * 32 + mb;
@@ -1268,15 +1448,31 @@ bool with_gemm_config(int mb, int wgmma_tiles, int k_split, F&& f) {
     default: return false;
   }
 }
-// Up to 16 tokens without the k split: weights larger than L2 stream evict-first (GemmConfig::kWeightsStreamed), and
-// one token on 8-token tiles runs with block columns (GemmConfig::kBlockColumns); the same plan and shared memory as
-// the configuration the host chose. Not block columns at BITS = 5, which they made slower where BITS = 2..4 gained
+// Up to 16 tokens, with the same plan and shared memory as the configuration the host chose: tiles cut in parts
+// (ClusterUse::kRequired, gemm_plan) run clustered (GemmConfig::kClustered), never streamed evict-first, which keeps
+// split-K partials in L2 that clusters do not have; without the k split, weights larger than L2 stream evict-first
+// (GemmConfig::kWeightsStreamed); one token on 8-token tiles runs with block columns (GemmConfig::kBlockColumns),
+// clustered or not. Not block columns at BITS = 5, which they made slower where BITS = 2..4 gained
 // (docs/PERFORMANCE.md, "Measured choices").
 template <int BITS, typename T>
 cudaError_t launch_gemm_mb(const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   with_gemm_config<BITS>(p.mb, p.wgmma_tiles, p.k_split, [&](auto cfg) {
     using Cfg = decltype(cfg);
+    if constexpr (!Cfg::kWgmma && Cfg::kMB <= 2) {
+      if (p.clusters == ClusterUse::kRequired) {
+        using Clustered = GemmConfig<BITS, Cfg::kMB, 0, 0, Cfg::kKSplit, false, false, true>;
+        static_assert(Clustered::kSmemTotal == Cfg::kSmemTotal && Clustered::kStages == Cfg::kStages, "one plan");
+        if constexpr (Cfg::kMB == 1 && Cfg::kKSplit == 1 && BITS <= 4) {
+          if (p.M == 1) {
+            err = launch_gemm<GemmConfig<BITS, 1, 0, 0, 1, true, false, true>, T>(p, stream);
+            return;
+          }
+        }
+        err = launch_gemm<Clustered, T>(p, stream);
+        return;
+      }
+    }
     if constexpr (!Cfg::kWgmma && Cfg::kKSplit == 1 && Cfg::kMB <= 2) {
       using Streamed = GemmConfig<Cfg::kBits, Cfg::kMB, 0, 0, 1, false, true>;
       static_assert(Streamed::kSmemTotal == Cfg::kSmemTotal && Streamed::kStages == Cfg::kStages, "one plan");

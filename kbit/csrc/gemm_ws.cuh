@@ -36,13 +36,11 @@
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
 
-#include <atomic>
-
 #include "gemm.cuh"
 
 namespace kbit {
 
-// Tokens per tile NT: 32, 64, 128 or 256 (the planner picks, kbit/dispatch.py; past NT tokens, more passes).
+// Tokens per tile NT: 32, 64, 128 or 256 (the planner picks, kbit/planner.py; past NT tokens, more passes).
 template <int BITS, int NT>
 struct WsConfig {
   static constexpr int kBits = BITS, kTokens = NT;
@@ -394,9 +392,6 @@ __device__ __forceinline__ void ws_store_by_copy(const GemmParams& p, const void
 // so that the reader loads the words unchecked, measured slower: the fence waits for the SM's copies in flight;
 // docs/PERFORMANCE.md#instructive-failures.)
 constexpr int kSlicedFrom = 5;
-// Tiles cut in at most this many parts are summed in a thread-block cluster where the GPU holds them all at once
-// (ws_cluster_reduce; 8: the portable cluster size).
-constexpr int kMaxClusterCtas = 8;
 
 template <class Cfg>
 __device__ __forceinline__ float* ws_partial(const GemmParams& p, int cta, bool lead) {
@@ -908,39 +903,6 @@ cudaError_t gemm_ws_dynamic_smem(int& bytes) {
   return cudaFuncSetAttribute(gemm_ws_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-// The launch attribute of 1-D clusters of `ctas` CTAs.
-inline cudaLaunchAttribute ws_cluster_attribute(int ctas) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = ctas, attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  return attribute;
-}
-
-// Whether `clusters` clusters of `parts` CTAs of this launch run at once on the device: each cluster's CTAs must share
-// a GPC, one CTA per SM, so the GPCs' sizes decide (a tile's parts waiting for a second wave of clusters would
-// serialize the launch). The driver's answer for each cluster size is asked once per device.
-template <class Cfg, typename T>
-bool ws_clusters_fit(int parts, int clusters, cudaLaunchConfig_t config) {
-  static std::atomic<int> most[kMaxDevices][kMaxClusterCtas + 1];  // clusters at once + 1; 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
-  int known = most[device][parts].load(std::memory_order_relaxed);
-  if (known == 0) {
-    cudaLaunchAttribute attribute = ws_cluster_attribute(parts);
-    config.gridDim = dim3(parts * clusters);
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    int at_once = 0;
-    if (cudaOccupancyMaxActiveClusters(&at_once, gemm_ws_kernel<Cfg, T>, &config) != cudaSuccess) {
-      (void)cudaGetLastError();  // the query's error is not the launch's
-      at_once = 0;
-    }
-    known = at_once + 1;
-    most[device][parts].store(known, std::memory_order_relaxed);
-  }
-  return clusters <= known - 1;
-}
-
 template <class Cfg, typename T>
 cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   WsActivationMaps x_maps{};
@@ -958,15 +920,18 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  // A tile cut in parts (a group of the cut per tile, cut.h): its parts as one cluster (ws_cluster_reduce).
+  // A tile cut in parts (a group of the cut per tile, cut.h): its parts as one cluster (ws_cluster_reduce) where the
+  // GPU holds every tile's cluster at once (a tile's parts waiting for a second wave of clusters would serialize the
+  // launch).
   const int parts = p.cut_group < p.grid ? p.cut_group : 1;
-  const bool clusters_wanted = parts > 1 && parts <= kMaxClusterCtas && p.ws_clusters != ClusterUse::kL2;
-  const bool clustered = clusters_wanted && ws_clusters_fit<Cfg, T>(parts, p.grid / parts, config);
-  if (clusters_wanted && !clustered && p.ws_clusters == ClusterUse::kRequired) return cudaErrorInvalidClusterSize;
+  const bool clusters_wanted = parts > 1 && parts <= kMaxClusterCtas && p.clusters != ClusterUse::kL2;
+  const bool clustered =
+      clusters_wanted && p.grid / parts <= clusters_at_once<gemm_ws_kernel<Cfg, T>>(parts, p.grid / parts, config);
+  if (clusters_wanted && !clustered && p.clusters == ClusterUse::kRequired) return cudaErrorInvalidClusterSize;
   cudaLaunchAttribute attributes[2]{};
   attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[0].val.programmaticStreamSerializationAllowed = 1;
-  attributes[1] = ws_cluster_attribute(parts);
+  attributes[1] = cluster_attribute(parts);
   config.attrs = p.dependent_launch ? attributes : attributes + 1;
   config.numAttrs = (p.dependent_launch ? 1 : 0) + (clustered ? 1 : 0);
   return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, x_maps, y_map, y_by_copy);

@@ -94,9 +94,11 @@ enum class GridRoom : uint8_t {
   kHalfOrLess,  // at most half the SMs: the whole grid starts beside a previous grid of its size
 };
 
-// Where the warp-specialized kernel sums the parts of a tile cut in parts (gemm_ws.cuh, ws_cluster_reduce): in a
-// thread-block cluster of those parts where the GPU holds every tile's cluster at once, else through L2 (the binding
-// reads KBIT_WS_CLUSTERS: 0 kL2, 1 kRequired, unset kWhereTheyFit).
+// Where the parts of a tile cut in parts (GemmLaunch::tile_parts) are summed. The warp-specialized kernel (gemm_ws.cuh,
+// ws_cluster_reduce): in a thread-block cluster of those parts where the GPU holds every tile's cluster at once, else
+// through L2 (the binding reads KBIT_WS_CLUSTERS: 0 kL2, 1 kRequired, unset kWhereTheyFit). gemm.cuh's kernels (up
+// to 16 tokens, sm_90): always in a cluster, kRequired (GemmConfig::kClustered, cluster_finish_tile); kL2 where
+// tiles are not cut in parts.
 enum class ClusterUse : uint8_t {
   kL2,            // through L2 always
   kWhereTheyFit,  // in clusters where they fit
@@ -132,7 +134,7 @@ struct GemmParams {
   bool row_scales;          // scale holds one float per 256 output rows: sibling projections fused into one launch,
                             // each padded to 256 rows with its own per-tensor scale (kbit/fusion.py); epilogue only
   uint16_t cut_unit;        // pipeline steps per unit of the cut: 1, or k_steps where every CTA owns whole tiles (the
-                            // warp-specialized kernel; gemm.cuh's kernels cut in steps and do not read it)
+                            // warp-specialized kernel; gemm.cuh's kernels cut in steps: 1)
   int k_steps;              // pipeline steps per tile: k_groups, or k_groups / k_split rounded up
   DType dtype;              // of x, y, bias
   bool dependent_launch;    // launched with programmatic stream serialization (sm_90; see common.cuh)
@@ -145,9 +147,9 @@ struct GemmParams {
   bool weights_stream;      // the weights are read once and exceed L2: copied evict-first (gemm.cuh up to 16
                             // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
   uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
-  ClusterUse ws_clusters;   // host only: how launch_gemm_ws launches tiles cut in parts
-  uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut; always in
-                            // gemm.cuh's kernels), or the CTAs sharing one tile (its parts; gemm.cu, ws_tile_parts)
+  ClusterUse clusters;      // host only: how the launch sums tiles cut in parts (ClusterUse)
+  uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut), or the CTAs
+                            // sharing one tile (its parts: the planner's tile_parts; in gemm.cuh's kernels a cluster)
   uint16_t cut_group_reciprocal;  // a CTA's group without a division (cut.h, make_cut)
 };
 // 128 bytes: a larger struct made ptxas compile every GEMM configuration differently, and small shapes ran slower
@@ -158,12 +160,13 @@ static_assert(sizeof(GemmParams) == 128, "GemmParams grew: measure the GEMM befo
 // 0x7FFFFFFF), so each word of a partial tile says by itself whether it has landed.
 constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
 
-// One configuration of the fused GEMM, as built. kbit/dispatch.py plans every call from this list (through the
+// One configuration of the fused GEMM, as built. kbit/planner.py plans every call from this list (through the
 // binding's gemm_configs): it never picks one that is not built, or that this GPU cannot run.
 struct GemmConfigInfo {
   int bits, mb, wgmma_tiles;  // GemmConfig<bits, mb, wgmma_tiles, 0, k_split> of gemm.cuh, or with ws_tokens:
   int k_split;                // warps splitting one tile's k-groups (GemmParams), 1 with ws_tokens
   int ws_tokens;              // > 0: WsConfig<bits, ws_tokens> of gemm_ws.cuh (mb = ws_tokens / 8, wgmma_tiles = 0)
+  int tile_rows;              // weight rows per CTA tile
   int smem_bytes;             // shared memory per CTA, static included
   int cc_major_min, cc_major_max;  // the compute capabilities (major) its code is built for
 };
@@ -187,15 +190,28 @@ struct GemmPlan {
   int cc_major;             // the device's compute capability, major (0 if unknown)
   bool built;               // whether the configuration is built for the device's architecture
   bool weights_stream;      // one token pass over more weight bytes than L2 holds (GemmParams)
+  bool clustered;           // gemm.cuh's kernels: each tile in cut_group parts, summed in a cluster (ClusterUse)
+  const char* refused;      // why the launch cannot run (nullptr: it can); the configuration's own facts aside
 };
 
-// The launch of the configuration (k, mb, wgmma_tiles, k_split, ws_tokens) for M tokens; chooses nothing. num_sms:
-// multiprocessors of the device; grid_override > 0 forces the CTA count (tests use it to force split-K). A
-// configuration that is not built comes back with built = false and nothing else set.
-GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, int num_sms,
-                   int grid_override);
+// The grid and the cut of the steps among its CTAs, as kbit/planner.py chose them (cut.h): the steps in one group
+// (tile_parts = 0, whole_tiles = false), whole tiles per CTA, or each tile in tile_parts parts (grid = tiles x parts).
+// Tile parts on gemm.cuh's kernels (mma.sync, up to 16 tokens, sm_90): 2 to 8 parts of a tile, on one thread-block
+// cluster of that many CTAs, summed in shared memory (ClusterUse).
+struct GemmLaunch {
+  int grid, tile_parts;
+  bool whole_tiles;
+};
+
+// The configuration (k, mb, wgmma_tiles, k_split, ws_tokens) run for M tokens on `launch`; chooses nothing. num_sms:
+// multiprocessors of the device. A configuration that is not built comes back with built = false and nothing else
+// set; a launch that does not fit it with `refused` set.
+GemmPlan gemm_plan(int M, int N, int K_w, int k, int mb, int wgmma_tiles, int k_split, int ws_tokens,
+                   const GemmLaunch& launch, int num_sms);
 // Fills the plan-derived fields of p; p.k must already be set.
 void gemm_fill_params(GemmParams& p, const GemmPlan& plan, int N, int K_w);
 cudaError_t gemm(const GemmParams& p, cudaStream_t stream);
+// Clusters of `ctas` CTAs (1..8) of gemm.cuh's clustered kernels the current device runs at once (0: none; gemm_k4.cu).
+int gemm_clusters_at_once(int ctas);
 
 }  // namespace kbit

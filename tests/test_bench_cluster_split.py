@@ -1,0 +1,55 @@
+"""benchmarks/bench_cluster_split.py's choice of launches and of the best one per shape, on the pinned configurations."""
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+from kbit import gemm_facts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("kbit_bench_cluster_split",
+                                                  ROOT / "benchmarks" / "bench_cluster_split.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cluster_launches_fit_the_k_steps_and_the_sms(bench):
+    """4096 -> 1024 at one token on 132 SMs (16 k-groups): 256-row tiles (4) take 2 to 8 parts, the k split's 32- and
+    16-row tiles (32 and 64 of 2 k-steps) only halves; no configuration past 16 tokens, no wgmma."""
+    configs = gemm_facts.parse_configs((ROOT / "tests" / "gemm_configs.json").read_text())
+    facts = types.SimpleNamespace(device=gemm_facts.Device("NVIDIA H200", (9, 0), 132, 232448), configs=configs)
+    found = bench.cluster_launches(facts, 4, 1024, 4096, 1, range(2, 9))
+    assert {(c.mb, c.k_split, tiles, k_steps, C) for c, tiles, k_steps, C in found} == (
+        {(mb, 1, 4, 16, C) for mb in (1, 2) for C in range(2, 9)} | {(1, 8, 32, 2, 2), (2, 8, 64, 2, 2)})
+    few_sms = types.SimpleNamespace(device=facts.device._replace(sms=100), configs=configs)
+    assert all(tiles * C <= 100 for _, tiles, _, C in bench.cluster_launches(few_sms, 4, 1024, 4096, 1, range(2, 9)))
+    assert (2, 8, 64, 2, 2) not in {(c.mb, c.k_split, t, k, C) for c, t, k, C in
+                                    bench.cluster_launches(few_sms, 4, 1024, 4096, 1, range(2, 9))}
+
+
+def test_best_rows_take_the_fastest_timed_cluster_launch(bench):
+    rows = [{"shape": "4096->1024", "m": 1, "cluster_us": None}, {"shape": "4096->1024", "m": 1, "cluster_us": 3.1},
+            {"shape": "4096->1024", "m": 1, "cluster_us": 2.9}, {"shape": "4096->1024", "m": 16, "cluster_us": None}]
+    best = bench.best_rows(rows)
+    assert [(r["m"], r["cluster_us"]) for r in best] == [(1, 2.9), (16, None)]
+
+
+def test_render_lists_every_launch_then_the_best_per_shape(bench):
+    planned = {"config": "mb1 ks8", "grid": 64, "tile_parts": 0}
+    base = {"shape": "4096->1024", "m": 1, "planned_us": 3.8, "copy_us": 0.9, "planned": planned}
+    rows = [dict(base, config="mb2 ks8", cluster=2, grid=128, cluster_us=3.1, l2_us=3.9, speedup=3.8 / 3.1),
+            dict(base, config="mb1", cluster=5, grid=20, cluster_us=None, l2_us=None, speedup=None),
+            dict(base, shape="4096->28672", config=None, cluster=None, grid=None, cluster_us=None, l2_us=None,
+                 speedup=None)]
+    text = bench.render(rows, "K=4 fp16, H200.")
+    every, best = text.split("Best cluster launch")
+    assert every.count("4096->1024") == 2 and "4096->28672" not in every  # shapes without a cluster launch: best only
+    assert "mb2 ks8 C=2 / 128" in best and "1.23x" in best and "none fits" in best
+    assert text.rstrip().splitlines()[-1].startswith("4096->28672")  # the best table is last
