@@ -107,3 +107,27 @@ def test_performance_coefficient_table_is_generated_from_the_shipped_coefficient
     assert files and _generated_block(ROOT / "docs" / "PERFORMANCE.md", "scripts/planner_table.py") == \
         module.table(files), ("docs/PERFORMANCE.md's coefficient table differs from kbit/gpus/*.json: "
                               "run python scripts/planner_table.py and paste its output")
+
+
+def test_performance_gemm_tables_are_generated_from_the_committed_results():
+    module = load_script("scripts/gemm_tables.py")
+    doc = ROOT / "docs" / "PERFORMANCE.md"
+    blocks = re.findall(r"<!-- generated: python scripts/gemm_tables.py (\w+) (\w+) -->", doc.read_text())
+    assert {(kind, device) for kind in ("decode", "batch") for device in ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3")} \
+        <= set(blocks)
+    for kind, device in blocks:
+        assert _generated_block(doc, f"scripts/gemm_tables.py {kind} {device}") == \
+            module.TABLES[kind](module.load(device)), (
+                f"docs/PERFORMANCE.md's {kind} table of {device} differs from benchmarks/results/gemm_{device}.json: "
+                f"run python scripts/gemm_tables.py {kind} {device} and paste its output")
+
+
+def test_gemm_tables_follow_the_results_they_read():
+    """The generator reads the rows it is given: a changed speedup shows in the table (not a copy of the doc)."""
+    module = load_script("scripts/gemm_tables.py")
+    rows = module.load("NVIDIA_H200")
+    before = module.batch_table(rows)
+    cell = next(r for r in rows if r["shape"] == "2048->1536" and r["M"] == 512 and r["K"] == 4 and r["dtype"] == "fp16")
+    cell["speedup"] = 9.87
+    after = module.batch_table(rows)
+    assert before != after and "| 2048→1536 |" in after and "9.87x" in after.split("| 2048→1536 |")[1].split("\n")[0]
