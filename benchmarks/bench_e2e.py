@@ -33,6 +33,10 @@ runs in one of three modes (``--mode``):
 * ``graph``: the eager step captured once in a ``torch.cuda.CUDAGraph`` and replayed;
 * ``eager`` (default on CPU): plain calls.
 
+``--inductor-pdl`` (``compile``, every row alike) has inductor launch its Triton kernels with programmatic dependent
+launch (``torch._inductor.config.triton.enable_pdl``): a kbit GEMM after a norm or rotary kernel may then start, and
+fetch its weights, while that kernel drains, as it does after another kbit GEMM (docs/DESIGN.md, dependent launch).
+
 Throughput is ``batch * new_tokens / time`` of the decode steps after the prefill (median of
 ``--repeats`` runs, timed with CUDA events). ``--check`` also decodes every configuration
 eagerly and requires the graph (or compiled) tokens to equal the eager ones exactly (``compile``
@@ -381,6 +385,18 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.split()[0] if name else "cuda").strip("_") or "cuda"
 
 
+def use_inductor_pdl(mode: str) -> bool:
+    """Switch inductor's programmatic dependent launch on for the rest of the process (``--inductor-pdl``)."""
+    import torch._inductor.config as inductor_config
+
+    if mode != "compile":
+        raise SystemExit(f"--inductor-pdl: inductor compiles only in mode compile, not {mode}")
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        raise SystemExit(f"--inductor-pdl: torch {torch.__version__}'s inductor has no triton.enable_pdl")
+    inductor_config.triton.enable_pdl = True
+    return True
+
+
 def run(args, on_row=None) -> dict:
     """Every row's measurements; ``on_row(result so far)`` after each row, so that a run cut short keeps its rows."""
     device = torch.device(args.device)
@@ -406,6 +422,8 @@ def run(args, on_row=None) -> dict:
     experts_implementation = getattr(config, "_experts_implementation", None)
     if experts_implementation is not None:
         env["experts_implementation"] = experts_implementation
+    if args.inductor_pdl:
+        env["inductor_pdl"] = use_inductor_pdl(mode)
 
     def summary(rows: list, ok: bool) -> dict:
         return {"model": args.model, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
@@ -547,7 +565,8 @@ def markdown(result: dict) -> str:
             f"{result['dtype']}, greedy decode with a static KV cache, mode `{result['mode']}`, "
             f"prompt {result['prompt_len']}, {result['new_tokens']} timed tokens, median of {result['repeats']}; "
             f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env['transformers']}, "
-            f"{env['date']}.")
+            f"{env['date']}" + ("; inductor's Triton kernels with programmatic dependent launch" if
+                                 env.get("inductor_pdl") else "") + ".")
     base_name = base["format"] if base else "fp16"
     cols = ["weights", "resident GB"]
     for b in batches:
@@ -653,6 +672,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="GPU kernel time per decode step and per prefill by group (kbit GEMM, cuBLAS, attention, "
                         "other) and kernel launches")
+    p.add_argument("--inductor-pdl", action="store_true",
+                   help="compile mode: inductor's Triton kernels launched with programmatic dependent launch "
+                        "(torch._inductor.config.triton.enable_pdl), in every row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default=None, help="results file suffix (default: the device, e.g. h100)")

@@ -507,6 +507,27 @@ def test_bench_e2e_writes_its_results_after_each_row(tmp_path, monkeypatch):
     assert "kbit K=4" in (tmp_path / "e2e_t.md").read_text()
 
 
+def test_bench_e2e_inductor_pdl_switches_inductor_and_says_so(monkeypatch):
+    """--inductor-pdl sets inductor's switch (compile mode only: eager has no inductor kernels to launch so) and the
+    table's header names it."""
+    import torch._inductor.config as inductor_config
+
+    be = _bench_e2e()
+    assert be.parse_args(["--inductor-pdl"]).inductor_pdl and not be.parse_args([]).inductor_pdl
+    with pytest.raises(SystemExit, match="mode compile"):
+        be.use_inductor_pdl("eager")
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)
+    assert be.use_inductor_pdl("compile") and inductor_config.triton.enable_pdl is True
+    result = {"model": "llama3-8b", "shape": {"layers": 1, "hidden": 8, "intermediate": 16, "heads": 1, "kv_heads": 1,
+                                              "vocab": 10},
+              "dtype": "float16", "mode": "compile", "prompt_len": 4, "new_tokens": 2, "repeats": 1, "prefill_len": 0,
+              "env": {"device": "cuda", "torch": "t", "transformers": "x", "date": "d", "inductor_pdl": True},
+              "rows": [{"format": "fp16", "bits": None, "resident_bytes": 1, "batches": {"1": {"tokens_per_s": 1.0}}}]}
+    assert "programmatic dependent launch" in be.markdown(result)
+    result["env"].pop("inductor_pdl")
+    assert "programmatic dependent launch" not in be.markdown(result)
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 @pytest.mark.cuda
