@@ -323,18 +323,26 @@ KERNEL_GROUPS = (("kbit GEMM", ("kbit",)), ("cuBLAS GEMM", ("gemm", "nvjet", "cu
                  ("attention", ("flash", "attention", "fmha", "sdpa")))
 
 
+def kernel_group(name: str) -> str:
+    """The group (``KERNEL_GROUPS``, first match wins, case-insensitive; else "other kernels") of a CUDA kernel."""
+    name = name.lower()
+    return next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other kernels")
+
+
+TOP_KERNELS = 12  # the largest kernels by time, named in the JSON: what a group's time is made of
+
+
 def kernel_time_by_group(kernels, runs: int) -> dict:
     """``kernels``: (name, total GPU microseconds, launches) of each CUDA kernel a profile saw over ``runs`` runs of the
-    same work: microseconds per run by group (``KERNEL_GROUPS``, first match wins) and launches per run."""
+    same work: microseconds per run by group (``kernel_group``) and launches per run; ``top_kernels``: the
+    ``TOP_KERNELS`` largest as [name, group, µs per run, launches per run]."""
     groups = {name: 0.0 for name, _ in KERNEL_GROUPS}
     groups["other kernels"] = 0.0
-    launches = 0
-    for name, us, count in kernels:
-        name = name.lower()
-        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other kernels")
-        groups[group] += us / runs
-        launches += count
-    return {"kernel_us_per_step": groups, "kernels_per_step": launches / runs}
+    for name, us, _ in kernels:
+        groups[kernel_group(name)] += us / runs
+    top = sorted(kernels, key=lambda kernel: -kernel[1])[:TOP_KERNELS]
+    return {"kernel_us_per_step": groups, "kernels_per_step": sum(count for _, _, count in kernels) / runs,
+            "top_kernels": [[name[:160], kernel_group(name), us / runs, count / runs] for name, us, count in top]}
 
 
 def _profiled_kernels(work, runs: int) -> dict:
