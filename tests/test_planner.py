@@ -255,8 +255,9 @@ def _committed_tune_files():
     return sorted((ROOT / "benchmarks" / "results").glob("tune_*.json"))
 
 
-# The target is 97% of the cells: the H200's data 97.3%, the H100's (54 cells) 94.4% (docs/PERFORMANCE.md).
-WITHIN_3_PERCENT = 0.94
+# The planned path within 3% of the fastest measured one in 97% of the cells where two paths or more were timed (the
+# H200's data: 674 of 693, the H100's 53 of 54; docs/PERFORMANCE.md, Planner).
+WITHIN_3_PERCENT = 0.97
 
 
 @pytest.mark.parametrize("path", _committed_tune_files(), ids=lambda p: p.name)
