@@ -31,6 +31,19 @@ cudaError_t setup_once_per_device(int& bytes) {
   return device_result[device];
 }
 
+// Where a kernel's dynamic shared memory starts on the current device: after the per-block reserve and the kernel's
+// static shared memory (the Setup functions size the dynamic part from it).
+template <typename Kernel>
+cudaError_t dynamic_smem_base(Kernel* kernel, int& base) {
+  cudaFuncAttributes attr{};
+  int device = 0, reserved = 0;
+  cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  if (err == cudaSuccess) base = reserved + static_cast<int>(attr.sharedSizeBytes);
+  return err;
+}
+
 // E4M4 decode: exponent bias 11, subnormals when the exponent field is 0 (value m * 2^-14).
 __device__ __forceinline__ float decode_e4m4(uint32_t c) {
   const uint32_t e = c >> 4, m = c & 15u;

@@ -1346,13 +1346,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_kernel(const typename C
 // static shared memory below the dynamic base), the tables, and the pieces above them.
 template <class Cfg, typename T>
 cudaError_t gemm_dynamic_smem(int& bytes) {
-  cudaFuncAttributes attr{};
-  int device = 0, reserved = 0;
-  cudaError_t err = cudaFuncGetAttributes(&attr, gemm_kernel<Cfg, T>);
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  int base = 0;
+  const cudaError_t err = dynamic_smem_base(gemm_kernel<Cfg, T>, base);
   if (err != cudaSuccess) return err;
-  const int base = reserved + static_cast<int>(attr.sharedSizeBytes);
   const int pad = (Cfg::kTableAlign - base % Cfg::kTableAlign) % Cfg::kTableAlign;
   if (pad < Cfg::kLowBytes) return cudaErrorInvalidConfiguration;
   bytes = pad + Cfg::kTables + Cfg::kHighBytes;

@@ -891,13 +891,9 @@ bool ws_output_map(const GemmParams& p, CUtensorMap& map) {
 // of the weights above the table.
 template <class Cfg, typename T>
 cudaError_t gemm_ws_dynamic_smem(int& bytes) {
-  cudaFuncAttributes attr{};
-  int device = 0, reserved = 0;
-  cudaError_t err = cudaFuncGetAttributes(&attr, gemm_ws_kernel<Cfg, T>);
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  int base = 0;
+  const cudaError_t err = dynamic_smem_base(gemm_ws_kernel<Cfg, T>, base);
   if (err != cudaSuccess) return err;
-  const int base = reserved + static_cast<int>(attr.sharedSizeBytes);
   if (base > kReservedSmem + kStaticSmemMax) return cudaErrorInvalidConfiguration;
   bytes = Cfg::kTableAddress + Cfg::kTables + Cfg::kAboveBytes - base;
   return cudaFuncSetAttribute(gemm_ws_kernel<Cfg, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
