@@ -54,8 +54,9 @@ class KbitModule(nn.Module):
         while they stay the same tensors, so that a GEMM layout derived from the storage format stays cached."""
         packed, absmax, scale, codes, gemm_absmax = self.WEIGHTS[name]
         gemm = self.is_gemm_resident
-        codes_held = (codes, gemm_absmax) if gemm else (packed, absmax)
-        held = tuple(getattr(self, key) for key in (*codes_held, "codebook", scale))
+        buffers = self._buffers  # as _held, inline: this runs in every forward
+        held = tuple(buffers[key] if key in buffers else getattr(self, key)
+                     for key in ((codes, gemm_absmax) if gemm else (packed, absmax)) + ("codebook", scale))
         qw = self._views.get(name)
         if qw is None or qw.is_gemm_resident != gemm or not _same_tensors(qw.resident, held):
             # Checked: a buffer may have been assigned by hand, or left on meta by a partial assign-load.
@@ -63,6 +64,13 @@ class KbitModule(nn.Module):
             make = QuantizedWeight.from_gemm_layout if gemm else QuantizedWeight
             qw = self._views[name] = make(*held, self.bits, shape, self.weight_dtype, row_order)
         return qw
+
+    def _held(self, key: str):
+        """Buffer ``key``, from the buffer dict where it is there (nn.Module's attribute lookup costs ~1.5 us, which a
+        small layer's forward at one token pays several times), else as an attribute (a loader may hold it elsewhere
+        for a while)."""
+        buffers = self._buffers
+        return buffers[key] if key in buffers else getattr(self, key)
 
     def _invalidate(self) -> None:
         """Forget the views: the buffers they were made of have been replaced or written."""

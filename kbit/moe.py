@@ -167,7 +167,7 @@ class KbitExperts(KbitModule):
     @property
     def is_gemm_resident(self) -> bool:
         """Whether the module holds the GEMM layouts in place of the storage format (module docstring)."""
-        return self.gate_up_packed is None
+        return self._held("gate_up_packed") is None
 
     def _weight_shape(self, proj: str) -> tuple:
         """([E, N, K], row order of the GEMM layout) of projection ``proj`` (``KbitModule._view``): gate/up's rows

@@ -241,7 +241,7 @@ class KbitLinear(KbitModule, nn.Linear):
     @property
     def is_gemm_resident(self) -> bool:
         """Whether the module holds the GEMM layout in place of the storage format (on CUDA; module docstring)."""
-        return self.packed is None
+        return self._held("packed") is None
 
     @property
     def qweight(self) -> QuantizedWeight:
