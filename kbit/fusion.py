@@ -228,8 +228,8 @@ class FusedProjections:
         if x.device.type == "cuda" and planner.gemm_plan(
                 x.device, stacked.rows, K, x2.shape[0], first.bits).path is planner.Path.DEQUANTIZE_CUBLAS:
             return None
-        y = ops.gemm(x2, stacked.codes, stacked.absmax, first.codebook, stacked.block_scale, self._bias(x.dtype),
-                     first.bits, stacked.rows, K, 0)
+        y = ops.gemm_direct(x2, stacked.codes, stacked.absmax, first.codebook, stacked.block_scale,
+                            self._bias(x.dtype), first.bits, stacked.rows, K, 0)
         return tuple(y[:, offset:offset + m.out_features].view(*lead, m.out_features)
                      for m, offset in zip(members, stacked.offsets))
 

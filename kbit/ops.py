@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from . import _op_contract, formats, grouped, layout, planner
 from ._build import cuda_ext
@@ -106,7 +107,7 @@ def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_
 
 
 @matmul_stored.register_kernel("cpu")
-def _(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
+def _matmul_stored_cpu_op(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
     _op_contract.matmul_stored(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
     return _matmul_stored_cpu(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded)
 
@@ -288,7 +289,7 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
 
 
 @gemm.register_kernel("cuda")
-def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
+def _gemm_cuda(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
     chosen = planner.gemm_plan(x.device, out_features, in_features_padded, x.shape[0], bits, fused_only=True,
                                grid_override=grid_override)
     return cuda_ext().gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded,
@@ -297,7 +298,7 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_feat
 
 
 @gemm.register_kernel("cpu")
-def _(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
+def _gemm_cpu(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded, grid_override):
     # The CPU kernels read the storage format: the layout goes back to it on every call (a weight kept on CPU, as
     # QuantizedWeight keeps it, never pays this).
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
@@ -322,6 +323,41 @@ def _gemm_cpu_by_row_scale(x, packed, absmax, codebook, scale, bias, bits, out_f
 
 
 _register_gemm_autograd(gemm, unrepack)
+
+
+# ----------------------------------------------------------------------------- eager calls
+def _direct(op, kernels: dict):
+    """``op`` as a function that runs its device's registered kernel (``kernels``) itself where neither autograd nor
+    a tracer takes part in the call: plain tensors (no subclass such as a fake or distributed tensor), none requiring
+    grad, not compiling, no dispatch mode (make_fx, FakeTensorMode) or functorch transform (vmap) active. The op's
+    dispatch (the custom op's, autograd's and dynamo's wrappers) costs ~20 us of host time per call, more than a
+    small layer's GEMM at one token, which an eager decode pays for every projection. Elsewhere the op runs: the
+    same kernel, the same result."""
+    def call(x, *args):
+        if (not torch.compiler.is_compiling() and _dispatch_mode() is None
+                and not torch._C._are_functorch_transforms_active() and _plain_without_grad((x, *args))):
+            kernel = kernels.get(x.device.type)
+            if kernel is not None:
+                return kernel(x, *args)
+        return op(x, *args)
+
+    call.__doc__ = f"``{op._namespace}::{op._name}`` called directly where no autograd or tracer takes part (``ops._direct``)."
+    return call
+
+
+def _plain_without_grad(args) -> bool:
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, Tensor) and (type(a) is not Tensor and type(a) is not torch.nn.Parameter
+                                      or grad and a.requires_grad):
+            return False
+    return True
+
+
+GEMM_KERNELS = {"cpu": _gemm_cpu, "cuda": _gemm_cuda}  # the kernels registered above, by device type
+MATMUL_STORED_KERNELS = {"cpu": _matmul_stored_cpu_op}
+gemm_direct = _direct(gemm, GEMM_KERNELS)
+matmul_stored_direct = _direct(matmul_stored, MATMUL_STORED_KERNELS)
 
 
 # ----------------------------------------------------------------------------- mixture of experts (kbit.grouped)

@@ -370,8 +370,8 @@ class QuantizedWeight:
     def _matmul_stored(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         """x [M, in_features] @ W_hat^T (+ bias) from the storage format (``ops.matmul_stored``), unchecked."""
         packed, absmax = self.storage()
-        return ops.matmul_stored(x, packed, absmax, self.codebook, self.scale, bias, self.bits, self.out_features,
-                                 self.in_features_padded)
+        return ops.matmul_stored_direct(x, packed, absmax, self.codebook, self.scale, bias, self.bits,
+                                        self.out_features, self.in_features_padded)
 
     def _stored_cpu_kernel(self, x: Tensor, bias: Optional[Tensor]):
         """``_matmul_stored`` as a CPU kernel bound to this weight (a function (x, bias) -> y that skips the custom
@@ -586,11 +586,11 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
             y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()
-            y = ops.gemm(x2, b, a, qw.codebook, qw.scale, bias_c, qw.bits, out_features, qw.in_features_padded,
-                         grid_override)
+            y = ops.gemm_direct(x2, b, a, qw.codebook, qw.scale, bias_c, qw.bits, out_features,
+                                qw.in_features_padded, grid_override)
     elif qw.is_gemm_resident and x.dtype in GEMM_DTYPES:  # from the layout it holds (the reference op), as on CUDA
-        y = ops.gemm(x2, *qw.gemm_layout(), qw.codebook, qw.scale, None if bias is None else bias.to(x.dtype),
-                     qw.bits, out_features, qw.in_features_padded, grid_override)
+        y = ops.gemm_direct(x2, *qw.gemm_layout(), qw.codebook, qw.scale, None if bias is None else bias.to(x.dtype),
+                            qw.bits, out_features, qw.in_features_padded, grid_override)
     else:
         y = qw._matmul_stored(x2, bias)
     return y.reshape(*lead, out_features)

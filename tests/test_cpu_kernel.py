@@ -285,15 +285,16 @@ def test_smaller_instruction_sets(ext, isa):
 
 
 def _counting_op(monkeypatch):
-    """Counts the calls of the ``kbit::matmul_stored`` op made through ``QuantizedWeight._matmul_stored``."""
+    """Counts the ``kbit::matmul_stored`` calls (the op, or its kernel without the op's dispatch) made through
+    ``QuantizedWeight._matmul_stored``."""
     calls = []
-    real = ops.matmul_stored
+    real = ops.matmul_stored_direct
 
     def counting(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(ops, "matmul_stored", counting)
+    monkeypatch.setattr(ops, "matmul_stored_direct", counting)
     return calls
 
 

@@ -54,14 +54,15 @@ def _fused_attention(bits=4, bias=True, **quantize):
 
 
 def _count_gemms(monkeypatch) -> list:
+    """The GEMM launches kbit's layers make (``ops.gemm_direct``: the op, or its kernel without the op's dispatch)."""
     calls = []
-    real = torch.ops.kbit.gemm
+    real = kbit.ops.gemm_direct
 
     def counted(*args):
         calls.append(args[7])  # out_features
         return real(*args)
 
-    monkeypatch.setattr(kbit.ops, "gemm", counted)
+    monkeypatch.setattr(kbit.ops, "gemm_direct", counted)
     return calls
 
 

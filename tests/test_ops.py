@@ -329,3 +329,53 @@ def test_compile_kbit_model_with_grad_enabled():
     torch.testing.assert_close(out, model(ids))
     out.sum().backward()
     assert model.up.bias.grad is not None and model.embed.weight.grad is not None
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_direct_calls_run_the_registered_kernel_where_no_autograd_or_tracer_takes_part(M, monkeypatch):
+    """gemm_direct / matmul_stored_direct: in a plain eager call the device's kernel itself (the op's dispatch costs
+    more host time than a small layer's GEMM), bit for bit the op's result; the op where x requires grad (the
+    result carries its backward) or is a tensor subclass."""
+    torch.manual_seed(M)
+    N, K = 48, 96
+    qw = kbit.quantize(torch.randn(N, K), 4)
+    x, bias = torch.randn(M, K, dtype=torch.bfloat16), torch.randn(N, dtype=torch.bfloat16)
+    Kp = qw.in_features_padded
+    packed, absmax = qw.storage()
+    b, a = qw.gemm_layout()
+    cases = [(ops.gemm_direct, ops.gemm, ops.GEMM_KERNELS, (b, a, qw.codebook, qw.scale, bias, 4, N, Kp, 0)),
+             (ops.matmul_stored_direct, ops.matmul_stored, ops.MATMUL_STORED_KERNELS,
+              (packed, absmax, qw.codebook, qw.scale, bias, 4, N, Kp))]
+    for direct, op, kernels, args in cases:
+        ran = []
+        kernel = kernels["cpu"]
+        monkeypatch.setitem(kernels, "cpu", lambda *a, kernel=kernel: ran.append(1) or kernel(*a))
+        expected = op(x, *args)
+        assert torch.equal(direct(x, *args), expected) and ran == [1]
+        with torch.no_grad():
+            assert torch.equal(direct(x.clone().requires_grad_(), *args), expected) and ran == [1, 1]
+        through_op = direct(x.clone().requires_grad_(), *args)
+        assert through_op.grad_fn is not None and torch.equal(through_op.detach(), expected) and ran == [1, 1]
+        subclass = x.as_subclass(_Marked)
+        assert torch.equal(direct(subclass, *args).as_subclass(torch.Tensor), expected) and ran == [1, 1]
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass (as fake and distributed tensors are): calls with one take the op."""
+
+
+def test_direct_calls_take_the_op_under_a_dispatch_mode(monkeypatch):
+    """make_fx and FakeTensorMode trace through dispatch modes: there the op runs (they record it), never its kernel
+    behind their back."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    qw = kbit.quantize(torch.randn(32, 64), 4)
+    packed, absmax = qw.storage()
+    args = (packed, absmax, qw.codebook, qw.scale, None, 4, 32, qw.in_features_padded)
+    ran = []
+    kernel = ops.MATMUL_STORED_KERNELS["cpu"]
+    monkeypatch.setitem(ops.MATMUL_STORED_KERNELS, "cpu", lambda *a: ran.append(1) or kernel(*a))
+    traced = make_fx(lambda x: ops.matmul_stored_direct(x, *args))(torch.randn(2, 64))
+    assert ran == [] and any(n.target is torch.ops.kbit.matmul_stored.default for n in traced.graph.nodes)
+    ops.matmul_stored_direct(torch.randn(2, 64), *args)
+    assert ran == [1]
