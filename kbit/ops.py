@@ -330,9 +330,9 @@ def _direct(op, kernels: dict):
     """``op`` as a function that runs its device's registered kernel (``kernels``) itself where neither autograd nor
     a tracer takes part in the call: plain tensors (no subclass such as a fake or distributed tensor), none requiring
     grad, not compiling, no dispatch mode (make_fx, FakeTensorMode) or functorch transform (vmap) active. The op's
-    dispatch (the custom op's, autograd's and dynamo's wrappers) costs ~20 us of host time per call, more than a
-    small layer's GEMM at one token, which an eager decode pays for every projection. Elsewhere the op runs: the
-    same kernel, the same result."""
+    dispatch (the custom op's, autograd's and dynamo's wrappers) costs more host time per call than a small layer's
+    GEMM at one token, which an eager decode pays for every projection. Elsewhere the op runs: the same kernel, the
+    same result."""
     def call(x, *args):
         if (not torch.compiler.is_compiling() and _dispatch_mode() is None
                 and not torch._C._are_functorch_transforms_active() and _plain_without_grad((x, *args))):
@@ -341,7 +341,7 @@ def _direct(op, kernels: dict):
                 return kernel(x, *args)
         return op(x, *args)
 
-    call.__doc__ = f"``{op._namespace}::{op._name}`` called directly where no autograd or tracer takes part (``ops._direct``)."
+    call.__doc__ = f"``{op._namespace}::{op._name}``, its kernel called directly where nothing else takes part."
     return call
 
 
