@@ -76,7 +76,8 @@ from .fusion import FUSE_BY_DEFAULT, FusedProjections, groups_of, why_separate
 from .methods import GPTQ_DAMP, check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
 from .rotation import Rotation, check_rotation, hadamard
-from .weight import PrecisionWarning, QuantizedWeight, matmul, quantize, quantize_checked, warn_precision
+from .weight import (PrecisionWarning, QuantizedWeight, matmul, matmul_unchecked, quantize, quantize_checked,
+                     warn_precision)
 
 __all__ = ["KbitLinear", "quantize_model", "prepare", "quantized_fraction", "fuse_projections"]
 
@@ -306,7 +307,12 @@ class KbitLinear(KbitModule, nn.Linear):
         kernel = self._direct_cpu_kernel(x)
         if kernel is not None:
             return kernel(x.reshape(-1, self.in_features), self.bias).view(*x.shape[:-1], self.out_features)
-        return matmul(x, self.qweight, self.bias)
+        qw, bias = self.qweight, self.bias
+        if (isinstance(x, Tensor) and x.dim() and x.shape[-1] == self.in_features and x.dtype in INPUT_DTYPES
+                and x.device == qw.device and (bias is None or bias.shape == (self.out_features,)
+                                               and bias.device == x.device)):
+            return matmul_unchecked(x, qw, bias)  # the weight is this layer's own, checked when it was set
+        return matmul(x, qw, bias)  # which says what is wrong
 
     def _direct_cpu_kernel(self, x: Tensor):
         """The CPU kernel bound to this layer's weight and bias, for a call that needs neither autograd nor

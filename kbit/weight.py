@@ -576,6 +576,13 @@ def matmul(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_o
     check_dtype(x.dtype, "x", INPUT_DTYPES)
     if grid_override and x.device.type == "cuda" and x.dtype not in GEMM_DTYPES:
         raise TypeError(f"grid_override forces the fused kernel, which takes float16 or bfloat16 x, got {x.dtype}")
+    return matmul_unchecked(x, qw, bias, grid_override)
+
+
+def matmul_unchecked(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None, grid_override: int = 0) -> Tensor:
+    """``matmul`` without its checks, for a caller that holds a checked 2-D weight and bias (kbit's layers) and has
+    checked x: [..., in_features], an input dtype, on the weight's device."""
+    out_features, in_features = qw.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     if x.device.type == "cuda":

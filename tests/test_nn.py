@@ -130,6 +130,22 @@ def test_from_linear_bad_inputs():
         kbit.KbitLinear.from_quantized(kbit.quantize(torch.randn(8, 32)), bias=torch.randn(7))
 
 
+def test_forward_takes_the_unchecked_product_only_for_inputs_kbit_matmul_accepts(monkeypatch):
+    """A layer's forward checks x and its bias (what can change between calls) and multiplies without kbit.matmul's
+    checks of the weight it holds; anything else goes to kbit.matmul, whose errors say what is wrong."""
+    layer = kbit.KbitLinear.from_linear(make_linear(64, 32))
+    unchecked = []
+    real = kbit.nn.matmul_unchecked
+    monkeypatch.setattr(kbit.nn, "matmul_unchecked", lambda *a: unchecked.append(1) or real(*a))
+    x = torch.randn(3, 5, 64, requires_grad=True)  # needs autograd: not the CPU kernel's direct call
+    y = layer(x)
+    assert unchecked == [1] and y.grad_fn is not None and torch.equal(y, kbit.matmul(x, layer.qweight, layer.bias))
+    layer.bias = nn.Parameter(torch.randn(31))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        layer(x)
+    assert unchecked == [1]
+
+
 def test_forward_bad_inputs():
     layer = kbit.KbitLinear.from_linear(make_linear(64, 32))
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 64\]"):
