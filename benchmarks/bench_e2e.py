@@ -711,12 +711,13 @@ def write(result: dict, args) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args, on_row=None if args.no_write else lambda partial: write(partial, args))
+    written = []  # the files after each row; the last row's hold the whole result
+    result = run(args, on_row=None if args.no_write else lambda partial: written.append(write(partial, args)))
     print(markdown(result))
     if result["check_passed"] is not None:
         print("check: " + ("PASSED" if result["check_passed"] else "FAILED"), file=sys.stderr)
-    if not args.no_write:
-        print(f"wrote {write(result, args)} and .json", file=sys.stderr)
+    if written:
+        print(f"wrote {written[-1]} and .json", file=sys.stderr)
     return 0 if result["check_passed"] in (None, True) else 1
 
 

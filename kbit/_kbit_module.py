@@ -54,9 +54,7 @@ class KbitModule(nn.Module):
         while they stay the same tensors, so that a GEMM layout derived from the storage format stays cached."""
         packed, absmax, scale, codes, gemm_absmax = self.WEIGHTS[name]
         gemm = self.is_gemm_resident
-        buffers = self._buffers  # as _held, inline: this runs in every forward
-        held = tuple(buffers[key] if key in buffers else getattr(self, key)
-                     for key in ((codes, gemm_absmax) if gemm else (packed, absmax)) + ("codebook", scale))
+        held = tuple(map(self._held, ((codes, gemm_absmax) if gemm else (packed, absmax)) + ("codebook", scale)))
         qw = self._views.get(name)
         if qw is None or qw.is_gemm_resident != gemm or not _same_tensors(qw.resident, held):
             # Checked: a buffer may have been assigned by hand, or left on meta by a partial assign-load.
