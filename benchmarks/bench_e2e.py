@@ -320,7 +320,7 @@ def time_prefill(model, prompt, repeats: int) -> float:
 
 # Kernel-name substrings per group of the step profile, first match wins.
 KERNEL_GROUPS = (("kbit GEMM", ("kbit",)), ("cuBLAS GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
-                 ("attention", ("flash", "attention", "fmha", "sdpa")))
+                 ("attention", ("flash", "attention", "fmha", "sdpa")), ("collectives", ("nccl",)))
 
 
 def kernel_group(name: str) -> str:

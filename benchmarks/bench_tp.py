@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_e2e import GreedyDecoder, build_model, llama_config  # noqa: E402
+from bench_e2e import KERNEL_GROUPS, GreedyDecoder, build_model, llama_config, profile_steps  # noqa: E402
 from common import env_info, free_memory, markdown_table, write_outputs  # noqa: E402
 
 from kbit import tensor_parallel as tp  # noqa: E402
@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="on CUDA: each row's decode step by kernel group (kbit GEMM, cuBLAS, collectives, ...)")
     return p.parse_args(argv)
 
 
@@ -99,10 +101,14 @@ def resident_bytes(model) -> int:
 
 
 def measure(model, prompt, args, mode) -> dict:
+    """Every rank of the row calls this (their steps meet in the collectives); ``profile`` is this rank's."""
     dec = GreedyDecoder(model, 1, args.prompt_len + max(args.new_tokens, args.check_tokens) + 8, mode).prepare(prompt)
     seconds = dec.time_decode(prompt, args.new_tokens, args.repeats)
     tokens = dec.generate(prompt, args.check_tokens)[0].tolist()
-    return {"tokens_per_s": args.new_tokens / seconds, "tokens": tokens, "bytes": resident_bytes(model)}
+    row = {"tokens_per_s": args.new_tokens / seconds, "tokens": tokens, "bytes": resident_bytes(model)}
+    if args.profile and prompt.is_cuda:
+        row["profile"] = profile_steps(dec, prompt)
+    return row
 
 
 def first_divergence(a, b):
@@ -150,6 +156,8 @@ def run(args):
                             speedup_vs_tp1=r["tokens_per_s"] / one["tokens_per_s"],
                             tokens_equal_tp1=r["tokens"] == one["tokens"],
                             first_divergence=first_divergence(r["tokens"], one["tokens"])))
+        if "profile" in r:
+            results[-1]["profile"] = r["profile"]
     kbit_tp, fp16_tp = rows[(f"kbit{args.bits}", world)], rows[(dense, world)]
     summary = {"kbit_tp_speedup": kbit_tp["tokens_per_s"] / rows[(f"kbit{args.bits}", 1)]["tokens_per_s"],
                "kbit_vs_fp16_at_tp": kbit_tp["tokens_per_s"] / fp16_tp["tokens_per_s"]}
@@ -170,7 +178,25 @@ def markdown(result: dict) -> str:
             for r in result["results"]]
     table = markdown_table(["weights", "TP", "tokens/s", "GiB per rank", "vs TP=1", "greedy tokens == TP=1"], rows)
     return (head + table + f"\n\nkbit TP={env['world']} vs TP=1: {s['kbit_tp_speedup']:.2f}x (target >= 1.6x); "
-            f"kbit vs {env['dtype']} at TP={env['world']}: {s['kbit_vs_fp16_at_tp']:.2f}x (target >= 2x).\n")
+            f"kbit vs {env['dtype']} at TP={env['world']}: {s['kbit_vs_fp16_at_tp']:.2f}x (target >= 2x).\n"
+            + profile_table(result["results"]))
+
+
+def profile_table(results: list) -> str:
+    """Where rank 0's decode step goes per row (torch profiler, GPU kernel µs; idle = step time minus kernel time:
+    launch gaps, host work, and waits the collectives do not show as kernel time)."""
+    rows = [r for r in results if "profile" in r]
+    if not rows:
+        return ""
+    groups = [g for g, _ in KERNEL_GROUPS] + ["other kernels"]
+    cells = []
+    for r in rows:
+        step, prof = 1e6 / r["tokens_per_s"], r["profile"]
+        busy = sum(prof["kernel_us_per_step"].values())
+        cells.append([r["format"], r["tp"], f"{step:.0f}"] + [f"{prof['kernel_us_per_step'][g]:.0f}" for g in groups]
+                     + [f"{step - busy:.0f}", f"{prof['kernels_per_step']:.0f}"])
+    return ("\nWhere rank 0's decode step goes (torch profiler, GPU kernel µs; idle = step time minus kernel time):\n\n"
+            + markdown_table(["weights", "TP", "µs"] + groups + ["idle", "kernels"], cells) + "\n")
 
 
 def main(argv=None) -> int:

@@ -462,7 +462,7 @@ def test_bench_e2e_groups_kernels_and_tables_the_decode_step_and_the_prefill():
                ("flash_fwd_kernel", 30.0, 2), ("void at::native::elementwise", 10.0, 4)]
     prof = be.kernel_time_by_group(kernels, 2)
     assert prof == {"kernel_us_per_step": {"kbit GEMM": 150.0, "cuBLAS GEMM": 30.0, "attention": 15.0,
-                                           "other kernels": 5.0}, "kernels_per_step": 7.0,
+                                           "collectives": 0.0, "other kernels": 5.0}, "kernels_per_step": 7.0,
                     "top_kernels": [["kbit_cuda::gemm_ws_kernel<4>", "kbit GEMM", 150.0, 3.0],
                                     ["nvjet_hsh_128x64", "cuBLAS GEMM", 30.0, 1.0],
                                     ["flash_fwd_kernel", "attention", 15.0, 1.0],
