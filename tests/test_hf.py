@@ -475,8 +475,8 @@ def test_bench_e2e_groups_kernels_and_tables_the_decode_step_and_the_prefill():
         {"format": "fp16", "batches": {"1": {"steps_per_s": 100.0}}, "prefill_s": 0.06}]}
     table = be._profile_table(result)
     rows = [line for line in table if line.startswith("| kbit")]
-    assert rows == ["| kbit K=4 | 1 | 250 | 150 | 30 | 15 | 5 | 50 | 7 |",
-                    "| kbit K=4 | prefill 2048 | 500 | 150 | 30 | 15 | 5 | 300 | 7 |"]
+    assert rows == ["| kbit K=4 | 1 | 250 | 150 | 30 | 15 | 0 | 5 | 50 | 7 |",
+                    "| kbit K=4 | prefill 2048 | 500 | 150 | 30 | 15 | 0 | 5 | 300 | 7 |"]
     assert not any(line.startswith("| fp16") for line in table)
     assert be._profile_table({"prefill_len": 0, "rows": result["rows"][1:]}) == []
 
