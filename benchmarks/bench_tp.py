@@ -201,22 +201,22 @@ def profile_table(results: list) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))  # TP=1 compiles while the others wait
-    try:
-        if dist.get_world_size() < 2:
-            raise SystemExit("run with torchrun --nproc-per-node 2 (or more)")
-        result = run(args)
-        if dist.get_rank() == 0:
-            md = markdown(result)
-            print(md)
-            if not args.no_write:
-                tag = "cpu" if args.device != "cuda" else env_info().get("device", "gpu").split()[-1].lower()
-                for path in write_outputs(Path(args.out_dir), f"tp_{tag}", md, result):
-                    print("wrote", path)
-        dist.barrier()  # rank 0 writes while the others wait: no rank tears NCCL down under another's work
-    finally:
-        dist.destroy_process_group()
+    backend, device_id = "gloo", None
+    if args.device == "cuda":  # this rank's GPU named up front: NCCL's barrier then need not guess it from the rank
+        backend, device_id = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    # TP=1 compiles while the others wait
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), device_id=device_id)
+    if dist.get_world_size() < 2:
+        raise SystemExit("run with torchrun --nproc-per-node 2 (or more)")
+    result = run(args)
+    if dist.get_rank() == 0:
+        md = markdown(result)
+        print(md)
+        if not args.no_write:
+            tag = "cpu" if args.device != "cuda" else env_info().get("device", "gpu").split()[-1].lower()
+            for path in write_outputs(Path(args.out_dir), f"tp_{tag}", md, result):
+                print("wrote", path)
+    dist.barrier()  # rank 0 writes while the others wait; then every rank ends (below)
     return 0
 
 
@@ -224,6 +224,6 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    # The results are written: skip interpreter shutdown, which hangs for minutes on torch 2.11 after CUDA-graphed
-    # NCCL collectives (measured on H200 x2).
+    # The results are written: end without destroy_process_group or interpreter shutdown, either of which hangs for
+    # minutes on torch 2.11 after CUDA-graphed NCCL collectives (H200 x2); the process's end frees what NCCL holds.
     os._exit(code)
