@@ -318,8 +318,11 @@ def time_prefill(model, prompt, repeats: int) -> float:
     return statistics.median(times)
 
 
-# Kernel-name substrings per group of the step profile, first match wins.
-KERNEL_GROUPS = (("kbit GEMM", ("kbit",)), ("cuBLAS GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+# Kernel-name substrings per group of the step profile, first match wins. Inductor's kernels come first: their names
+# list the ops fused into them (an RMSNorm fused with the next GEMM's input cast reads "..._gemm_mean_...", a rotary
+# embedding "..._scaled_dot_product_..."), which would otherwise count them as GEMMs or attention.
+KERNEL_GROUPS = (("Triton (inductor)", ("triton_",)), ("kbit GEMM", ("kbit",)),
+                 ("cuBLAS GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
                  ("attention", ("flash", "attention", "fmha", "sdpa")), ("collectives", ("nccl",)))
 
 

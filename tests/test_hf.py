@@ -459,14 +459,20 @@ def test_bench_e2e_groups_kernels_and_tables_the_decode_step_and_the_prefill():
     table has a row per profiled decode batch and per profiled prefill, idle = time minus kernel time."""
     be = _bench_e2e()
     kernels = [("kbit_cuda::gemm_ws_kernel<4>", 300.0, 6), ("nvjet_hsh_128x64", 60.0, 2),
-               ("flash_fwd_kernel", 30.0, 2), ("void at::native::elementwise", 10.0, 4)]
+               ("flash_fwd_kernel", 30.0, 2), ("void at::native::elementwise", 10.0, 4),
+               ("triton_red_fused__to_copy_add_gemm_mean_mul_pow_rsqrt_view_13", 8.0, 2),
+               ("ncclDevKernel_AllReduce_Sum_f16_RING_LL", 4.0, 2)]
     prof = be.kernel_time_by_group(kernels, 2)
-    assert prof == {"kernel_us_per_step": {"kbit GEMM": 150.0, "cuBLAS GEMM": 30.0, "attention": 15.0,
-                                           "collectives": 0.0, "other kernels": 5.0}, "kernels_per_step": 7.0,
+    assert prof == {"kernel_us_per_step": {"Triton (inductor)": 4.0, "kbit GEMM": 150.0, "cuBLAS GEMM": 30.0,
+                                           "attention": 15.0, "collectives": 2.0, "other kernels": 5.0},
+                    "kernels_per_step": 9.0,
                     "top_kernels": [["kbit_cuda::gemm_ws_kernel<4>", "kbit GEMM", 150.0, 3.0],
                                     ["nvjet_hsh_128x64", "cuBLAS GEMM", 30.0, 1.0],
                                     ["flash_fwd_kernel", "attention", 15.0, 1.0],
-                                    ["void at::native::elementwise", "other kernels", 5.0, 2.0]]}
+                                    ["void at::native::elementwise", "other kernels", 5.0, 2.0],
+                                    ["triton_red_fused__to_copy_add_gemm_mean_mul_pow_rsqrt_view_13",
+                                     "Triton (inductor)", 4.0, 1.0],
+                                    ["ncclDevKernel_AllReduce_Sum_f16_RING_LL", "collectives", 2.0, 1.0]]}
     assert len(be.kernel_time_by_group([(f"k{i}", float(i), 1) for i in range(30)], 1)["top_kernels"]) == \
         be.TOP_KERNELS
     result = {"prefill_len": 2048, "rows": [
@@ -475,8 +481,8 @@ def test_bench_e2e_groups_kernels_and_tables_the_decode_step_and_the_prefill():
         {"format": "fp16", "batches": {"1": {"steps_per_s": 100.0}}, "prefill_s": 0.06}]}
     table = be._profile_table(result)
     rows = [line for line in table if line.startswith("| kbit")]
-    assert rows == ["| kbit K=4 | 1 | 250 | 150 | 30 | 15 | 0 | 5 | 50 | 7 |",
-                    "| kbit K=4 | prefill 2048 | 500 | 150 | 30 | 15 | 0 | 5 | 300 | 7 |"]
+    assert rows == ["| kbit K=4 | 1 | 250 | 4 | 150 | 30 | 15 | 2 | 5 | 44 | 9 |",
+                    "| kbit K=4 | prefill 2048 | 500 | 4 | 150 | 30 | 15 | 2 | 5 | 294 | 9 |"]
     assert not any(line.startswith("| fp16") for line in table)
     assert be._profile_table({"prefill_len": 0, "rows": result["rows"][1:]}) == []
 
