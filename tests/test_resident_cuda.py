@@ -7,6 +7,7 @@ formula in docs/DESIGN.md#one-resident-copy; peak memory while loading a kbit fo
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -163,6 +164,16 @@ def test_resident_bytes_of_a_small_model_equal_the_formula():
           f"{sum(m.qweight.nbytes - 4 * 16 - 4 for m in layers)} B")
 
 
+def _allocated_at_rest() -> int:
+    """CUDA bytes allocated once earlier tests' garbage is collected (a cycle freed while the measured work runs would
+    lower what it seems to hold), the peak counter reset there."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
 def test_loading_a_kbit_folder_onto_cuda_holds_one_form_but_for_one_layer(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = _tiny_llama()
@@ -171,10 +182,7 @@ def test_loading_a_kbit_folder_onto_cuda_holds_one_form_but_for_one_layer(tmp_pa
     largest = max(m.in_features * m.out_features * 2 for m in model.modules() if isinstance(m, kbit.KbitLinear))
     model.save_pretrained(str(tmp_path))
     del model
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    base = _allocated_at_rest()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float16, device_map="cuda")
     torch.cuda.synchronize()
     final, peak = torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
@@ -187,10 +195,7 @@ def test_loading_a_kbit_folder_onto_cuda_holds_one_form_but_for_one_layer(tmp_pa
 def test_quantizing_while_loading_onto_cuda_keeps_only_the_layouts(tmp_path):
     transformers = pytest.importorskip("transformers")
     _tiny_llama().save_pretrained(str(tmp_path))
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    base = _allocated_at_rest()
     q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float16, device_map="cuda",
                                                           quantization_config=kbit.KbitConfig(bits=4))
     torch.cuda.synchronize()
@@ -213,9 +218,7 @@ def test_saving_a_gpu_model_derives_one_layer_at_a_time():
     want = _state(model)
     model.cuda()
     layers = [m for m in model.modules() if isinstance(m, kbit.KbitLinear)]
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    base = _allocated_at_rest()
     state = folder.saved_state_dict(model)
     peak = torch.cuda.max_memory_allocated() - base
     print(f"saved_state_dict on cuda: peak {peak} B over the model; the largest layer's storage "
