@@ -58,6 +58,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -348,16 +349,22 @@ def kernel_time_by_group(kernels, runs: int) -> dict:
             "top_kernels": [[name[:160], kernel_group(name), us / runs, count / runs] for name, us, count in top]}
 
 
-def _profiled_kernels(work, runs: int) -> dict:
-    """``work()`` run ``runs`` times under the torch profiler (CUDA kernels only), grouped by kernel_time_by_group."""
+def _profiled_kernels(work, runs: int, trace: Optional[str] = None) -> dict:
+    """``work()`` run ``runs`` times under the torch profiler (CUDA kernels only), grouped by kernel_time_by_group.
+    With ``trace`` (a file name) the host's side is recorded too and the whole written there as a Chrome trace: what
+    the CPU did while the GPU sat idle."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(runs):
             work()
         torch.cuda.synchronize()
+    if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
     kernels = []
     for ev in prof.key_averages():
         if ev.device_type == DeviceType.CUDA:
@@ -367,10 +374,10 @@ def _profiled_kernels(work, runs: int) -> dict:
 
 
 @torch.no_grad()
-def profile_steps(dec: "GreedyDecoder", prompt, steps: int = 16) -> dict:
-    """GPU kernel time per decode step by group (torch profiler), in microseconds."""
+def profile_steps(dec: "GreedyDecoder", prompt, steps: int = 16, trace: Optional[str] = None) -> dict:
+    """GPU kernel time per decode step by group (torch profiler), in microseconds; ``trace``: see _profiled_kernels."""
     dec.prefill(prompt)
-    return _profiled_kernels(dec.step, steps)
+    return _profiled_kernels(dec.step, steps, trace)
 
 
 @torch.no_grad()
@@ -497,7 +504,8 @@ def run(args, on_row=None) -> dict:
                 res["steps_per_s"] = args.new_tokens / secs
                 res["effective_GBps"] = res["bytes_per_step"] * args.new_tokens / secs / 1e9
             if args.profile and device.type == "cuda":
-                res["profile"] = profile_steps(dec, prompts[b])
+                trace = args.trace and str(Path(args.trace) / f"{re.sub(r'[^a-z0-9]+', '_', label.lower())}_b{b}.json")
+                res["profile"] = profile_steps(dec, prompts[b], trace=trace)
             row["batches"][str(b)] = res
             print(f"{label:>10}  batch {b:>3}: " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), file=sys.stderr,
@@ -683,6 +691,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="GPU kernel time per decode step and per prefill by group (kbit GEMM, cuBLAS, attention, "
                         "other) and kernel launches")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: each profiled decode batch's steps as a Chrome trace (CPU and CUDA) in DIR")
     p.add_argument("--inductor-pdl", action="store_true",
                    help="compile mode: inductor's Triton kernels launched with programmatic dependent launch "
                         "(torch._inductor.config.triton.enable_pdl), in every row")
