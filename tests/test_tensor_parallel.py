@@ -161,6 +161,10 @@ MODELS = {"llama": (tiny_llama, False), "llama_rotated": (lambda: tiny_llama(102
           "qwen3_moe": (tiny_qwen3_moe, False)}
 
 
+FP_MODELS = {"llama_fp": tiny_llama, "qwen3_moe_fp": tiny_qwen3_moe}
+QUANTIZE_WHILE_LOADING = kbit.KbitConfig(bits=4, min_features=32)
+
+
 def logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
@@ -237,9 +241,23 @@ def _worker(rank: int, port: int, folder: str) -> None:
         tied.tie_weights()
         out["tied_report"] = tp.shard_model(tied)
         out["errors"] = _refusals()
-        try:  # quantizing while loading under a tp_plan would quantize each shard apart: refused
+        for fp in FP_MODELS:  # quantized while loading: every rank quantizes each layer whole, then keeps its shard
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(root / fp), tp_plan="auto", quantization_config=QUANTIZE_WHILE_LOADING).eval()
+            out[fp] = {"bytes": tp.kbit_bytes(model), "groups": _groups(model),
+                       "sharded": sorted({type(m).__name__ for m in model.modules() if isinstance(m, tp._PARALLEL)})}
+            torch.save(logits(model, ids), root / f"{fp}.quantized_tp2.rank{rank}.pt")
+        try:  # layer 0's q_proj left in full precision, layer 1's quantized: one plan entry cannot split both
             transformers.AutoModelForCausalLM.from_pretrained(
-                str(root / "llama_fp"), tp_plan="auto", quantization_config=kbit.KbitConfig(bits=4, min_features=32))
+                str(root / "llama_fp"), tp_plan="auto", quantization_config=kbit.KbitConfig(
+                    bits=4, min_features=32, skip=["lm_head", "model.layers.0.self_attn.q_proj"]))
+            out["errors"].append("loaded")
+        except ValueError as e:
+            out["errors"].append(str(e))
+        try:  # calibrated methods run the whole model: one process only
+            transformers.AutoModelForCausalLM.from_pretrained(
+                str(root / "llama_fp"), tp_plan="auto", quantization_config=kbit.KbitConfig(
+                    bits=4, min_features=32, method="mse"))
             out["errors"].append("loaded")
         except ValueError as e:
             out["errors"].append(str(e))
@@ -295,9 +313,13 @@ def job(tmp_path_factory):
     torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (2, 12))
     torch.save(ids, root / "ids.pt")
-    torch.manual_seed(11)
-    tiny_llama().save_pretrained(str(root / "llama_fp"))
     whole = {}
+    for fp, build in FP_MODELS.items():  # and each quantized while loading on one process: the TP=1 reference
+        torch.manual_seed(11)
+        build().save_pretrained(str(root / fp))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(root / fp),
+                                                                  quantization_config=QUANTIZE_WHILE_LOADING).eval()
+        whole[fp] = (model, logits(model, ids), None)
     for name, (build, rotate) in MODELS.items():
         model = quantized(build, rotate)
         kbit.save_quantized(model, root / name)
@@ -398,11 +420,30 @@ def test_rotated_row_layers_shard_where_whole_hadamard_blocks_allow(job):
 
 def test_shard_model_refusals(job):
     *_, results = job
-    heads, plan, twice, quantize_while_loading = results[0]["errors"]
+    heads, plan, twice, mixed, calibrated = results[0]["errors"]
     assert "q_proj: out_features=96 does not split into 2 equal shards of whole heads of 32" in heads
     assert "plan must be a dict" in plan
     assert "sharded already" in twice
-    assert "quantizes while loading on one process only" in quantize_while_loading
+    assert "names layers kbit quantizes while loading and model.layers.0.self_attn.q_proj, which it does not" in mixed
+    assert "kbit quantizes with method='mse', per-layer bits or tuning on one process" in calibrated
+
+
+@pytest.mark.parametrize("fp", list(FP_MODELS))
+def test_quantizing_while_loading_under_tp_plan_gives_the_shards_of_the_one_process_quantization(job, fp):
+    """from_pretrained(fp_folder, quantization_config=KbitConfig(...), tp_plan="auto"): each rank reads every weight
+    whole, quantizes it as one process would, and keeps its shard: the logits of TP=1's quantization, about half the
+    kbit bytes a rank, every kbit layer sharded, siblings grouped."""
+    whole, root, _, results = job
+    model, ref, _ = whole[fp]
+    for rank in range(WORLD):
+        got = torch.load(root / f"{fp}.quantized_tp2.rank{rank}.pt")
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+        r = results[rank][fp]
+        assert 0.45 * tp.kbit_bytes(model) < r["bytes"] < 0.56 * tp.kbit_bytes(model), r
+        assert [tuple(g) for g in r["groups"]] == _groups(model), r
+    sharded = {"ColumnParallelKbitLinear", "RowParallelKbitLinear"} | ({"TensorParallelKbitExperts"} if "moe" in fp
+                                                                       else set())
+    assert sharded <= set(results[0][fp]["sharded"]), results[0][fp]
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -58,6 +58,7 @@ class QuantizeWhileLoading(ConversionOps):
         new = KbitLinear._wrap(qw, None, rotation)  # kbit made both
         if layer.bias is not None:
             new.bias = layer.bias  # the same parameter, whether transformers has loaded it yet or not
+        _take_over_tp(layer, new)
         model.set_submodule(name, new)
 
     def _quantize_experts(self, model, name: str, tensor_name: str, value: torch.Tensor) -> None:
@@ -74,5 +75,14 @@ class QuantizeWhileLoading(ConversionOps):
             warn_precision(loss, label, stacklevel=3)
         loaded.add(tensor_name)
         if loaded == set(FUSED_PARAMETERS):
+            _take_over_tp(original, experts)
             model.set_submodule(name, experts.prepare())
             del self.hf_quantizer.experts_pending[name]
+
+
+def _take_over_tp(layer, quantized) -> None:
+    """Under a tp_plan, the split that ``kbit.hf.tensor_parallel`` planned for ``layer`` passes to the kbit module
+    replacing it (``finish_loading`` cuts this rank's shard once every tensor is loaded)."""
+    for key in ("_kbit_tp_whole", "_kbit_head_dim"):
+        if key in layer.__dict__:
+            quantized.__dict__[key] = layer.__dict__[key]

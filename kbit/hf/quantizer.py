@@ -27,6 +27,7 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -248,6 +249,11 @@ class KbitHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             return model
         if not self.quantized_while_loading:  # the whole model is loaded: quantize it block by block
+            if any(isinstance(p, DTensor) for p in model.parameters()):  # a tp_plan sharded its full-precision layers
+                raise ValueError(f"kbit quantizes with method={config.method!r}, per-layer bits or tuning on one "
+                                 f"process (it runs the whole model to calibrate): quantize there, save the kbit "
+                                 f"folder, and load that with tp_plan='auto' (method='rtn' at one bit width also "
+                                 f"quantizes while loading under a tp_plan)")
             quantize_model(model, config.bits, config.codebook_tensor(),
                            default_skip(model) if config.skip is None else config.skip, config.min_features,
                            method=config.method, calibration=config.calibration, rotate=config.rotate,

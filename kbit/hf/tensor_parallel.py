@@ -20,9 +20,15 @@ storage as ``kbit.tensor_parallel`` splits it:
 Once loaded (``finish_loading``, from ``_process_model_after_weight_loading``), each kbit layer's local tensors become
 a ``kbit.tensor_parallel`` sharded layer (checked as untrusted input like any load; its GEMM layout derived on its
 device), and the plan gets transformers' own style names back (``generate`` reads them to size the KV cache).
+
+``from_pretrained(model_id, quantization_config=KbitConfig(bits=4), tp_plan="auto")``: the layers quantized while
+loading get ``kbit_quantize_<style>``, which places nothing, so every rank reads each full-precision weight whole and
+quantizes it alike (shards quantized apart would each get their own scale); ``finish_loading`` keeps this rank's shard.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -38,6 +44,8 @@ from ..rotation import Rotation
 from ..weight import QuantizedWeight
 
 PREFIX = "kbit_"
+QUANTIZE = "quantize_"  # kbit_quantize_<style>: a layer quantized while loading, then split <style>'s way
+_SPLITS = (tp.COLWISE, tp.ROWWISE, tp.EXPERTS)
 _KBIT_STYLES = {KbitLinear: (tp.COLWISE, tp.ROWWISE), KbitExperts: (tp.EXPERTS,)}
 
 
@@ -90,39 +98,79 @@ class KbitParallel(TensorParallelLayer):
 
 
 class QuantizeWhileLoadingParallel(TensorParallelLayer):
-    """A layer quantized while loading under a tp_plan: refused (its weight would be quantized shard by shard)."""
+    """A layer kbit quantizes while loading under a tp_plan, to be split ``style``'s way: no placeholders, so every
+    rank reads its full-precision weight whole and quantizes it alike (quantizing shards apart would give each its own
+    scale); ``finish_loading`` then cuts this rank's shard as ``shard_model`` does. A style kbit does not split by
+    (``None``: a gathered lm_head, say) leaves the quantized layer whole on every rank."""
+
+    def __init__(self, style: Optional[str]):
+        self.style = style
 
     def install_forward(self, module, mesh):
-        raise ValueError("kbit quantizes while loading on one process only: quantize with "
-                         "quantization_config=KbitConfig(...), save the kbit folder (kbit.save_quantized), then load "
-                         "that folder with tp_plan='auto'")
+        if self.style is not None:
+            module._kbit_tp_whole = (self.style, mesh)  # the quantized layer that replaces it takes this over
+        return module
 
 
 def register() -> None:
-    for style in (tp.COLWISE, tp.ROWWISE, tp.EXPERTS):
+    for style in _SPLITS:
         ALL_PARALLEL_STYLES.register(PREFIX + style, KbitParallel(style))
-    ALL_PARALLEL_STYLES.register(PREFIX + "quantize_while_loading", QuantizeWhileLoadingParallel())
+        ALL_PARALLEL_STYLES.register(PREFIX + QUANTIZE + style, QuantizeWhileLoadingParallel(style))
+    ALL_PARALLEL_STYLES.register(PREFIX + QUANTIZE + "whole", QuantizeWhileLoadingParallel(None))
 
 
 def kbit_plan(model, plan: dict, to_quantize=frozenset()) -> None:
     """Give the kbit layers of ``model`` that ``plan`` (transformers' ``tp_plan``, keys with ``*``) shards kbit's
-    styles, in place; the layers ``to_quantize`` while loading get a style that refuses with a message."""
+    styles, in place, and the layers ``to_quantize`` while loading the styles that read them whole. A plan entry that
+    names layers quantized while loading and a layer left in full precision (``skip``, ``min_features``) is refused:
+    transformers would shard that one's weight while the others are cut only after quantization."""
     register()
     original = model.__dict__.setdefault("_kbit_original_styles", {})  # finish_loading puts them back
+    wanted = {}  # plan key -> the kbit style each layer it names needs ("" where transformers' own style serves)
     for name, module in model.named_modules():
         key = next((k for k in plan if tp._pattern(k).fullmatch(name)), None)
-        if key is None:
+        if key is None or key in original:
             continue
-        if isinstance(module, KbitLinear):  # an attention projection splits at whole heads
+        if isinstance(module, (KbitLinear, torch.nn.Linear)):  # an attention projection splits at whole heads
             module._kbit_head_dim = tp._head_dim(model, name)
         styles = next((s for cls, s in _KBIT_STYLES.items() if isinstance(module, cls)), ())
-        if key not in original and (name in to_quantize or plan[key] in styles):
+        if name in to_quantize:
+            want = QUANTIZE + (plan[key] if plan[key] in _SPLITS else "whole")
+            # Its parameters' own plan entries (an experts module's "packed_colwise" gate_up_proj) read them whole too.
+            for param, _ in module.named_parameters(recurse=False):
+                param_key = next((k for k in plan if tp._pattern(k).fullmatch(f"{name}.{param}")), None)
+                if param_key is not None and param_key not in original:
+                    wanted.setdefault(param_key, {})[QUANTIZE + "whole"] = f"{name}.{param}"
+        else:
+            want = plan[key] if plan[key] in styles else ""
+        wanted.setdefault(key, {})[want] = name
+    for key, wants in wanted.items():
+        if len(wants) > 1 and any(w.startswith(QUANTIZE) for w in wants):
+            other = next(n for w, n in wants.items() if not w.startswith(QUANTIZE))
+            raise ValueError(f"tp_plan entry {key!r} names layers kbit quantizes while loading and {other}, which it "
+                             f"does not: quantize with these settings on one process, save the kbit folder, and load "
+                             f"that with tp_plan='auto'")
+        want = next((w for w in wants if w), "")
+        if want:
             original[key] = plan[key]
-            plan[key] = PREFIX + ("quantize_while_loading" if name in to_quantize else plan[key])
+            plan[key] = PREFIX + want
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+def _shard_quantized_whole(model, name: str, module, style: str, mesh) -> None:
+    """Replace the layer ``name``, quantized whole while loading, by this rank's shard of it (``shard_model``'s)."""
+    group = tp.RankGroup(mesh.get_group())
+    if isinstance(module, KbitExperts) and style == tp.EXPERTS:
+        new, _ = tp._shard_experts(module, group)
+    elif isinstance(module, KbitLinear) and style in (tp.COLWISE, tp.ROWWISE):
+        new, _ = tp._shard_linear(module, style, group, int(getattr(module, "_kbit_head_dim", 1)), name)
+    else:
+        raise ValueError(f"{name}: a {type(module).__name__} planned {style!r} was to be quantized while loading "
+                         f"and was not")
+    model.set_submodule(name, new)
 
 
 def finish_loading(model) -> None:
@@ -133,6 +181,11 @@ def finish_loading(model) -> None:
                          "kbit.tensor_parallel.shard_model, or use a transformers that has it")
     fused, sharded = has_groups(model), False
     for name, module in list(model.named_modules()):
+        whole = module.__dict__.pop("_kbit_tp_whole", None)
+        if whole is not None:  # quantized while loading, whole on every rank: this rank's shard of it
+            _shard_quantized_whole(model, name, module, *whole)
+            sharded = True
+            continue
         pending = module.__dict__.pop("_kbit_tp", None)
         if pending is None:
             continue
