@@ -91,6 +91,8 @@ class _Stacked(NamedTuple):
     block_scale: Tensor  # float32 [row blocks]: the per-tensor scale of each 256-row block's sibling
     offsets: tuple  # the first output row of each sibling
     rows: int  # output rows of the fused launch: the last sibling's offset plus its out_features
+    splits: tuple  # the output's columns cut as (sibling, gap to the next, sibling, ...): the siblings at even places
+    in_features_padded: int  # the launch's K
 
 
 class FusedProjections:
@@ -184,7 +186,11 @@ class FusedProjections:
             block += b_shape[0]
         rows = offsets[-1] + members[-1].out_features
         block_scale = torch.empty(blocks, dtype=torch.float32, device=device)
-        return _Stacked(codes, absmax, tuple(views), block_scale, tuple(offsets), rows)
+        splits = []
+        for m, offset, end in zip(members, offsets, offsets[1:] + [rows]):
+            splits += [m.out_features, end - offset - m.out_features]
+        return _Stacked(codes, absmax, tuple(views), block_scale, tuple(offsets), rows, tuple(splits[:-1]),
+                        padded_in_features(members[0].in_features))
 
     # ------------------------------------------------------------------ forward
     def output(self, member: nn.Module, slot: int, x: Tensor) -> Optional[Tensor]:
@@ -212,31 +218,32 @@ class FusedProjections:
     def _compute(self, x: Tensor) -> Optional[tuple]:
         """Every member's output for ``x`` from one launch, or None where the members run alone: another device or
         dtype, a member's buffers replaced since the stack was built, or a plan of dequantize + cuBLAS."""
+        # Buffers are read from the modules' dicts (KbitModule._held): an eager decode pays this per call, and
+        # nn.Module's attribute lookup costs about a microsecond a name.
         stacked, members = self._stacked, self.members
         first = members[0]
         if (x.dtype not in GEMM_DTYPES or x.device != stacked.codes.device or x.dim() < 1
                 or x.shape[-1] != first.in_features):
             return None
-        if not all(m.gemm_codes is v[0] and m.gemm_absmax is v[1] for m, v in zip(members, stacked.views)):
-            return None
-        rotation = first.rotation
-        if rotation is not None:
-            x = rotation.rotate(x)
+        for m, (codes, absmax) in zip(members, stacked.views):
+            if m._held("gemm_codes") is not codes or m._held("gemm_absmax") is not absmax:
+                return None
+        if first._held("rotation_signs") is not None:
+            x = first.rotation.rotate(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, first.in_features)
-        K = first.qweight.in_features_padded
+        K = stacked.in_features_padded
         if x.device.type == "cuda" and planner.gemm_plan(
                 x.device, stacked.rows, K, x2.shape[0], first.bits).path is planner.Path.DEQUANTIZE_CUBLAS:
             return None
-        y = ops.gemm_direct(x2, stacked.codes, stacked.absmax, first.codebook, stacked.block_scale,
+        y = ops.gemm_direct(x2, stacked.codes, stacked.absmax, first._held("codebook"), stacked.block_scale,
                             self._bias(x.dtype), first.bits, stacked.rows, K, 0)
-        return tuple(y[:, offset:offset + m.out_features].view(*lead, m.out_features)
-                     for m, offset in zip(members, stacked.offsets))
+        return y.view(*lead, stacked.rows).split(stacked.splits, dim=-1)[::2]
 
     def _bias(self, dtype: torch.dtype) -> Optional[Tensor]:
         """The members' biases stacked as their rows are (zeros for padding and for a member without one), made at
         each call so that it follows the parameters (trained, loaded); None when no member has one."""
-        if all(m.bias is None for m in self.members):
+        if all(m._parameters.get("bias") is None for m in self.members):
             return None
         parts, stacked = [], self._stacked
         for m, offset in zip(self.members, stacked.offsets):
