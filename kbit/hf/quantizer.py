@@ -27,7 +27,6 @@ import warnings
 from typing import Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -249,7 +248,7 @@ class KbitHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             return model
         if not self.quantized_while_loading:  # the whole model is loaded: quantize it block by block
-            if any(isinstance(p, DTensor) for p in model.parameters()):  # a tp_plan sharded its full-precision layers
+            if _sharded_by_a_tp_plan(model):
                 raise ValueError(f"kbit quantizes with method={config.method!r}, per-layer bits or tuning on one "
                                  f"process (it runs the whole model to calibrate): quantize there, save the kbit "
                                  f"folder, and load that with tp_plan='auto' (method='rtn' at one bit width also "
@@ -288,6 +287,15 @@ class KbitHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _sharded_by_a_tp_plan(model) -> bool:
+    """Whether transformers' tp_plan made any of ``model``'s parameters a DTensor (a shard of a full-precision layer)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def register() -> None:
