@@ -145,10 +145,14 @@ def _all_reduce(y: Tensor, group) -> Tensor:
     return funcol.wait_tensor(funcol.all_reduce(y, "sum", group))
 
 
+# all_gather_single where torch has it (all_gather_tensor, its older name, warns there that it is deprecated)
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def _all_gather(x: Tensor, dim: int, group) -> Tensor:
     """The ranks' ``x`` concatenated along ``dim`` in rank order. Gathered along dim 0, then laid side by side: for
     another dim funcol waits outside the traced graph, which breaks a compiled step and keeps CUDA graphs out."""
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    gathered = funcol.wait_tensor(_ALL_GATHER(x.contiguous(), 0, group))
     if dim % x.dim() == 0:
         return gathered
     return torch.cat(gathered.chunk(gathered.shape[0] // x.shape[0], 0), dim)
