@@ -14,7 +14,8 @@ the 16-bit baseline's Linear layers with torch's own ``parallelize_module`` (``C
 ``RowwiseParallel``), both from the model's transformers ``tp_plan``: the 16-bit lm_head split by vocabulary with
 its logits gathered on both sides, the embeddings replicated. A greedy divergence between TP=2 and TP=1 on random
 weights comes from near-ties of the two best logits (all-reduces sum in another order);
-``tests/test_tensor_parallel.py``'s NCCL test checks the margin at each divergence. Decoding is ``bench_e2e.GreedyDecoder`` (static KV cache; ``--mode compile``: torch.compile
+``tests/test_tensor_parallel.py``'s NCCL test checks the margin at each divergence. Decoding is
+``bench_e2e.GreedyDecoder`` (static KV cache; ``--mode compile``: torch.compile
 reduce-overhead, CUDA graphs; ``graph``: one captured CUDA graph per step), the same on both sides. Throughput is
 ``new_tokens / time`` (median of ``--repeats``); the run also checks that TP=2's greedy tokens equal TP=1's
 (``--check-tokens``) and reports the first divergence otherwise. Results: ``benchmarks/results/tp_<device>.md`` and
@@ -63,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="on CUDA: each row's decode step by kernel group (kbit GEMM, cuBLAS, collectives, ...)")
     p.add_argument("--trace", default=None, metavar="DIR",
-                   help="with --profile: each rank's profiled steps of each row as a Chrome trace (CPU and CUDA) in DIR")
+                   help="with --profile: each rank's profiled steps of each row as a Chrome trace (CPU, CUDA) in DIR")
     p.add_argument("--formats", default="dense,kbit", help="which rows: dense, kbit or both (comma-separated)")
     return p.parse_args(argv)
 
@@ -209,8 +210,8 @@ def profile_table(results: list) -> str:
         busy = sum(prof["kernel_us_per_step"].values())
         cells.append([r["format"], r["tp"], f"{step:.0f}"] + [f"{prof['kernel_us_per_step'][g]:.0f}" for g in groups]
                      + [f"{step - busy:.0f}", f"{prof['kernels_per_step']:.0f}"])
-    return ("\nWhere rank 0's decode step goes (torch profiler, GPU kernel µs; idle = step time minus kernel time):\n\n"
-            + markdown_table(["weights", "TP", "µs"] + groups + ["idle", "kernels"], cells) + "\n")
+    return ("\nWhere rank 0's decode step goes (torch profiler, GPU kernel µs; idle = step time minus kernel "
+            "time):\n\n" + markdown_table(["weights", "TP", "µs"] + groups + ["idle", "kernels"], cells) + "\n")
 
 
 def main(argv=None) -> int:

@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         print(f"  {us:9.0f} us  {pair}")
     print("largest gaps:")
     for g in s["largest"]:
-        print(f"  {g['us']:7.1f} us  {g['before'][:50]} -> {g['after'][:50]}  host: {', '.join(g['host_calls']) or '-'}")
+        host = ", ".join(g["host_calls"]) or "-"
+        print(f"  {g['us']:7.1f} us  {g['before'][:50]} -> {g['after'][:50]}  host: {host}")
     return 0
 
 
