@@ -10,7 +10,7 @@ def _event(cat, name, ts, dur, tid=7):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
 
 
-def test_gaps_merge_streams_and_name_the_host_calls_through_them(tmp_path):
+def test_gaps_merge_streams_and_name_the_host_calls_through_them(tmp_path, capsys):
     tg = load_script("benchmarks/trace_gaps.py")
     trace = {"traceEvents": [
         _event("kernel", "void kbit::gemm_kernel<4>", 100.0, 10.0),
@@ -34,3 +34,6 @@ def test_gaps_merge_streams_and_name_the_host_calls_through_them(tmp_path):
     assert [g["us"] for g in s["largest"]] == [50.0, 15.0]
     assert s["largest"][0]["host_calls"] == ["cudaGraphLaunch"] and s["largest"][1]["host_calls"] == []
     assert tg.summarize([], []) == {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "by_groups": {}, "largest": []}
+    assert tg.main([str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "span 130 us, kernels 64, idle 66" in printed and "host: cudaGraphLaunch" in printed
