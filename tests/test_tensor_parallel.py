@@ -161,8 +161,20 @@ MODELS = {"llama": (tiny_llama, False), "llama_rotated": (lambda: tiny_llama(102
           "qwen3_moe": (tiny_qwen3_moe, False)}
 
 
-FP_MODELS = {"llama_fp": tiny_llama, "qwen3_moe_fp": tiny_qwen3_moe}
-QUANTIZE_WHILE_LOADING = kbit.KbitConfig(bits=4, min_features=32)
+def tiny_qwen2():
+    """q/k/v with biases (loaded after their weights are quantized: the shards take them from the whole layer)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config)
+
+
+# Full-precision folders quantized while loading under a tp_plan, and the settings; rotated: o_proj's Hadamard blocks
+# of 256 do not split in two (it stays whole, its input gathered), down_proj's of 512 do.
+FP_MODELS = {"llama_fp": (tiny_llama, kbit.KbitConfig(bits=4, min_features=32)),
+             "qwen3_moe_fp": (tiny_qwen3_moe, kbit.KbitConfig(bits=4, min_features=32)),
+             "qwen2_rotated_fp": (tiny_qwen2, kbit.KbitConfig(bits=4, min_features=32, rotate=True))}
 
 
 def logits(model, ids):
@@ -241,9 +253,9 @@ def _worker(rank: int, port: int, folder: str) -> None:
         tied.tie_weights()
         out["tied_report"] = tp.shard_model(tied)
         out["errors"] = _refusals()
-        for fp in FP_MODELS:  # quantized while loading: every rank quantizes each layer whole, then keeps its shard
+        for fp, (_, config) in FP_MODELS.items():  # quantized while loading: each layer whole, then this rank's shard
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(root / fp), tp_plan="auto", quantization_config=QUANTIZE_WHILE_LOADING).eval()
+                str(root / fp), tp_plan="auto", quantization_config=config).eval()
             out[fp] = {"bytes": tp.kbit_bytes(model), "groups": _groups(model),
                        "sharded": sorted({type(m).__name__ for m in model.modules() if isinstance(m, tp._PARALLEL)})}
             torch.save(logits(model, ids), root / f"{fp}.quantized_tp2.rank{rank}.pt")
@@ -314,11 +326,10 @@ def job(tmp_path_factory):
     ids = torch.randint(0, VOCAB, (2, 12))
     torch.save(ids, root / "ids.pt")
     whole = {}
-    for fp, build in FP_MODELS.items():  # and each quantized while loading on one process: the TP=1 reference
+    for fp, (build, config) in FP_MODELS.items():  # and each quantized while loading on one process: TP=1's
         torch.manual_seed(11)
         build().save_pretrained(str(root / fp))
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(root / fp),
-                                                                  quantization_config=QUANTIZE_WHILE_LOADING).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(root / fp), quantization_config=config).eval()
         whole[fp] = (model, logits(model, ids), None)
     for name, (build, rotate) in MODELS.items():
         model = quantized(build, rotate)
