@@ -528,20 +528,24 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.cuda
-def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(tmp_path):
+def _run_cuda_ranks(worker, folder: Path, limit_s: float = 900) -> None:
+    """``worker(rank, port, folder)`` on each of WORLD GPUs, spawned; a bounded wait, then they are terminated."""
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs")
-    ctx = mp.start_processes(_cuda_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 900
+    ctx = mp.start_processes(worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + limit_s
     try:
         while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "the NCCL ranks did not finish within 900 s"
+            assert time.monotonic() < deadline, f"the NCCL ranks did not finish within {limit_s} s"
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
+
+
+@pytest.mark.cuda
+def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(tmp_path):
+    _run_cuda_ranks(_cuda_worker, tmp_path)
     for rank in range(WORLD):
         for dtype, r in json.loads((tmp_path / f"cuda_rank{rank}.json").read_text()).items():
             print(rank, dtype, {k: v for k, v in r.items() if k not in ("want", "got")})
@@ -551,6 +555,87 @@ def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(tmp_path):
             assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
             # greedy tokens equal; a divergence is allowed only at a near-tie of TP=1's two best scores
             assert r["got"] == r["want"] or r["margin"] <= 2 * r["logit_diff"], (dtype, r)
+
+
+def _divergence_is_a_near_tie(want, got, scores, logit_diff: float) -> bool:
+    """Greedy tokens ``got`` equal ``want``, or part from them where ``want``'s two best scores are within twice the
+    logits' difference (random weights have near-ties; all-reduces sum in another order)."""
+    diverged = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if diverged is None:
+        return len(got) == len(want)
+    top2 = scores[diverged].topk(2).values
+    return float(top2[0] - top2[1]) <= 2 * logit_diff
+
+
+def _cuda_tp_plan_worker(rank: int, port: int, folder: str) -> None:
+    """One GPU: TP=1 from the kbit folder (greedy tokens, scores, logits), then TP=2 with transformers' tp_plan="auto"
+    from the kbit folder and from the full-precision one quantized while loading: logits, generate's tokens, and the
+    tokens of a compiled decode (bench_e2e.GreedyDecoder: torch.compile reduce-overhead, CUDA graphs)."""
+    from transformers import AutoModelForCausalLM
+
+    from repo_script import load_script
+
+    root, device = Path(folder), torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=WORLD, timeout=timedelta(seconds=600), device_id=device)
+    try:
+        decoder = load_script("benchmarks/bench_e2e.py").GreedyDecoder
+        ids = torch.load(root / "ids.pt").to(device)
+        whole = AutoModelForCausalLM.from_pretrained(str(root / "kbit"), dtype=torch.float16,
+                                                     device_map={"": device}).eval()
+        want, scores = _greedy(whole, ids)
+        ref = logits(whole, ids).float()
+        del whole
+        out = {}
+        for source, kwargs in (("kbit", {}), ("fp", {"quantization_config": kbit.KbitConfig(bits=4)})):
+            model = AutoModelForCausalLM.from_pretrained(str(root / source), dtype=torch.float16, tp_plan="auto",
+                                                         **kwargs).eval()
+            diff = float((logits(model, ids).float() - ref).abs().max())
+            got, _ = _greedy(model, ids)
+            dec = decoder(model, 1, ids.shape[1] + NEW_TOKENS + 8, "compile").prepare(ids)
+            compiled = dec.generate(ids, NEW_TOKENS - 1)[0].tolist()  # the prefill's token and one a step
+            out[source] = dict(
+                sharded=sorted({type(m).__name__ for m in model.modules() if isinstance(m, tp._PARALLEL)}),
+                logit_scale=float(ref.abs().max()), logit_diff=diff,
+                generate_ok=_divergence_is_a_near_tie(want, got, scores, diff),
+                compiled_ok=_divergence_is_a_near_tie(want, compiled, scores, diff), want=want, got=got,
+                compiled=compiled)
+            del model, dec
+            torch.cuda.empty_cache()
+        (root / f"tp_plan_rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_nccl_tp_plan_auto_generates_and_compiles_as_tp1(tmp_path):
+    """from_pretrained(kbit_folder, tp_plan="auto") and from_pretrained(fp_folder, quantization_config=KbitConfig(4),
+    tp_plan="auto") on two GPUs over NCCL (fp16, a 2-layer Llama whose heads, blocks and Hadamard-free rows split in
+    two): every kbit layer sharded, logits within a few 16-bit roundings of TP=1's, greedy tokens of generate and of a
+    compiled, CUDA-graphed decode equal TP=1's but at near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.quantizers.base import HfQuantizer
+
+    if not hasattr(HfQuantizer, "update_parallel_plan"):
+        pytest.skip("this transformers has no HfQuantizer.update_parallel_plan (kbit's tp_plan loading needs it)")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    LlamaForCausalLM(config).half().save_pretrained(str(tmp_path / "fp"))
+    quantized = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp"), dtype=torch.float16,
+                                                                  quantization_config=kbit.KbitConfig(bits=4))
+    kbit.save_quantized(quantized, tmp_path / "kbit")
+    torch.save(torch.randint(0, 2048, (1, 16)), tmp_path / "ids.pt")
+    _run_cuda_ranks(_cuda_tp_plan_worker, tmp_path)
+    for rank in range(WORLD):
+        for source, r in json.loads((tmp_path / f"tp_plan_rank{rank}.json").read_text()).items():
+            print(rank, source, {k: v for k, v in r.items() if k not in ("want", "got", "compiled")})
+            assert {"ColumnParallelKbitLinear", "RowParallelKbitLinear"} <= set(r["sharded"]), r
+            assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
+            assert r["generate_ok"] and r["compiled_ok"], r
 
 
 @pytest.mark.cuda
