@@ -120,6 +120,19 @@ def test_loading_without_tp_plan_keeps_transformers_plan(tmp_path):
     assert dict(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "kbit")).tp_plan) == want
 
 
+def test_one_process_quantizes_while_loading_with_a_plan_entry_it_splits_apart(tmp_path):
+    """Layer 0's q_proj skipped, layer 1's quantized: one tp_plan entry names both. Only a tp_plan load refuses that
+    (test_shard_model_refusals); a one-process load, which never applies the plan, quantizes as asked."""
+    torch.manual_seed(11)
+    tiny_llama().save_pretrained(str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=kbit.KbitConfig(
+        bits=4, min_features=32, skip=["lm_head", "model.layers.0.self_attn.q_proj"]))
+    layers = model.model.layers
+    assert type(layers[0].self_attn.q_proj) is torch.nn.Linear and isinstance(layers[1].self_attn.q_proj,
+                                                                             kbit.KbitLinear)
+    assert "kbit_" not in "".join(model.tp_plan.values()), model.tp_plan  # the plan's own names again
+
+
 def test_shard_model_needs_torch_distributed():
     if torch.distributed.is_initialized():
         pytest.skip("a process group is initialized in this process")

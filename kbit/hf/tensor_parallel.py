@@ -107,6 +107,12 @@ class QuantizeWhileLoadingParallel(TensorParallelLayer):
         self.style = style
 
     def install_forward(self, module, mesh):
+        left = module.__dict__.get("_kbit_left_in_full_precision")
+        if left is not None:
+            key, name = left
+            raise ValueError(f"tp_plan entry {key!r} names layers kbit quantizes while loading and {name}, which it "
+                             f"does not (skip, min_features): quantize with these settings on one process, save the "
+                             f"kbit folder, and load that with tp_plan='auto'")
         if self.style is not None:
             module._kbit_tp_whole = (self.style, mesh)  # the quantized layer that replaces it takes this over
         return module
@@ -122,11 +128,12 @@ def register() -> None:
 def kbit_plan(model, plan: dict, to_quantize=frozenset()) -> None:
     """Give the kbit layers of ``model`` that ``plan`` (transformers' ``tp_plan``, keys with ``*``) shards kbit's
     styles, in place, and the layers ``to_quantize`` while loading the styles that read them whole. A plan entry that
-    names layers quantized while loading and a layer left in full precision (``skip``, ``min_features``) is refused:
-    transformers would shard that one's weight while the others are cut only after quantization."""
+    names layers quantized while loading and a layer left in full precision (``skip``, ``min_features``) refuses to
+    be applied (a tp_plan load; one process never applies it): transformers would shard that one's weight while the
+    others are cut only after quantization."""
     register()
     original = model.__dict__.setdefault("_kbit_original_styles", {})  # finish_loading puts them back
-    wanted = {}  # plan key -> the kbit style each layer it names needs ("" where transformers' own style serves)
+    wanted = {}  # plan key -> {the kbit style a layer it names needs ("": transformers' own serves): those layers}
     for name, module in model.named_modules():
         key = next((k for k in plan if tp._pattern(k).fullmatch(name)), None)
         if key is None or key in original:
@@ -140,17 +147,16 @@ def kbit_plan(model, plan: dict, to_quantize=frozenset()) -> None:
             for param, _ in module.named_parameters(recurse=False):
                 param_key = next((k for k in plan if tp._pattern(k).fullmatch(f"{name}.{param}")), None)
                 if param_key is not None and param_key not in original:
-                    wanted.setdefault(param_key, {})[QUANTIZE + "whole"] = f"{name}.{param}"
+                    wanted.setdefault(param_key, {}).setdefault(QUANTIZE + "whole", []).append(f"{name}.{param}")
         else:
             want = plan[key] if plan[key] in styles else ""
-        wanted.setdefault(key, {})[want] = name
+        wanted.setdefault(key, {}).setdefault(want, []).append(name)
     for key, wants in wanted.items():
-        if len(wants) > 1 and any(w.startswith(QUANTIZE) for w in wants):
-            other = next(n for w, n in wants.items() if not w.startswith(QUANTIZE))
-            raise ValueError(f"tp_plan entry {key!r} names layers kbit quantizes while loading and {other}, which it "
-                             f"does not: quantize with these settings on one process, save the kbit folder, and load "
-                             f"that with tp_plan='auto'")
-        want = next((w for w in wants if w), "")
+        quantized = next((w for w in wants if w.startswith(QUANTIZE)), None)
+        if quantized is not None:  # a layer it names but leaves in full precision refuses a tp_plan (install_forward)
+            for name in wants[""] if "" in wants else ():
+                model.get_submodule(name)._kbit_left_in_full_precision = (key, name)
+        want = quantized or next((w for w in wants if w), "")
         if want:
             original[key] = plan[key]
             plan[key] = PREFIX + want
