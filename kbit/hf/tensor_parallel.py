@@ -138,7 +138,7 @@ def kbit_plan(model, plan: dict, to_quantize=frozenset()) -> None:
         key = next((k for k in plan if tp._pattern(k).fullmatch(name)), None)
         if key is None or key in original:
             continue
-        if isinstance(module, (KbitLinear, torch.nn.Linear)):  # an attention projection splits at whole heads
+        if isinstance(module, KbitLinear) or name in to_quantize:  # an attention projection splits at whole heads
             module._kbit_head_dim = tp._head_dim(model, name)
         styles = next((s for cls, s in _KBIT_STYLES.items() if isinstance(module, cls)), ())
         if name in to_quantize:
