@@ -564,18 +564,27 @@ def gemm_plan(device: torch.device, out_features: int, in_features: int, tokens:
               fused_only: bool = False, grid_override: int = 0, gemm_resident: bool = True) -> Plan:
     """``plan`` on a CUDA device, with its facts and coefficients. ``KBIT_GEMM_PATH`` applies to fused-only plans:
     it chooses among the fused kernels, never whether the fused path is taken."""
-    facts = device_facts(device)
+    if torch.compiler.is_compiling() and not isinstance(tokens, int):  # a dynamic token count: the model traced
+        facts = device_facts(device)  # (no memo: its contents would become guards)
+        return plan(facts.device, facts.configs, facts.coefficients, out_features, in_features, tokens, bits,
+                    fused_only=fused_only, force=forced_paths() if fused_only or grid_override else None,
+                    grid_override=grid_override, gemm_resident=gemm_resident)
+    return _planned(device_index(device), out_features, in_features, tokens, bits, fused_only, grid_override,
+                    gemm_resident)
+
+
+@torch.compiler.assume_constant_result
+def _planned(index: int, out_features: int, in_features: int, tokens: int, bits: int, fused_only: bool,
+             grid_override: int, gemm_resident: bool) -> Plan:
+    """``gemm_plan`` of fixed sizes, memoized. torch.compile takes its result as a constant, made when it traces the
+    call: tracing the cost model instead took ~0.5 s a call, minutes for a model's projections."""
+    facts = device_facts(torch.device("cuda", index))
     force = forced_paths() if fused_only or grid_override else None
-    args = (facts.device, facts.configs, facts.coefficients, out_features, in_features, tokens, bits)
-    if torch.compiler.is_compiling():  # traced: no memo (its contents would become guards)
-        return plan(*args, fused_only=fused_only, force=force, grid_override=grid_override,
-                    gemm_resident=gemm_resident)
-    key = (device_index(device), out_features, in_features, tokens, bits, fused_only, force, grid_override,
-           gemm_resident)
+    key = (index, out_features, in_features, tokens, bits, fused_only, force, grid_override, gemm_resident)
     chosen = _PLANS.get(key)
     if chosen is None:
-        chosen = plan(*args, fused_only=fused_only, force=force, grid_override=grid_override,
-                      gemm_resident=gemm_resident)
+        chosen = plan(facts.device, facts.configs, facts.coefficients, out_features, in_features, tokens, bits,
+                      fused_only=fused_only, force=force, grid_override=grid_override, gemm_resident=gemm_resident)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = chosen
@@ -584,7 +593,18 @@ def gemm_plan(device: torch.device, out_features: int, in_features: int, tokens:
 
 def moe_rows_per_pass(device: torch.device, slots: int, num_experts: int, shapes: Iterable[tuple], bits: int,
                       supported: Iterable[int]) -> int:
-    """``rows_per_pass`` on a CUDA device, with its facts and coefficients."""
-    facts = device_facts(device)
+    """``rows_per_pass`` on a CUDA device, with its facts and coefficients (a constant to torch.compile where the
+    slots are, as ``gemm_plan``'s)."""
+    if torch.compiler.is_compiling() and not isinstance(slots, int):
+        facts = device_facts(device)
+        return rows_per_pass(facts.device, facts.configs, facts.coefficients, slots, num_experts, shapes, bits,
+                             supported)
+    return _rows_per_pass_planned(device_index(device), slots, num_experts, tuple(map(tuple, shapes)), bits,
+                                  tuple(supported))
+
+
+@torch.compiler.assume_constant_result
+def _rows_per_pass_planned(index: int, slots: int, num_experts: int, shapes: tuple, bits: int, supported: tuple) -> int:
+    facts = device_facts(torch.device("cuda", index))
     return rows_per_pass(facts.device, facts.configs, facts.coefficients, slots, num_experts, shapes, bits,
                          supported)

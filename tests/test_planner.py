@@ -174,6 +174,29 @@ def test_the_planner_traces_whole_under_torch_compile():
         torch.testing.assert_close(compiled(x, rows), f(x, rows))
 
 
+def test_plans_of_fixed_sizes_are_constants_to_torch_compile(monkeypatch):
+    """At fixed sizes torch.compile takes gemm_plan's and moe_rows_per_pass's results as constants, made once when it
+    traces the call and memoized (tracing the cost model took ~0.35 s a call here: minutes for a model); the compiled
+    result equals the eager one. A symbolic token count is traced instead (the test above)."""
+    monkeypatch.setitem(planner._FACTS, 0, planner.DeviceFacts(H200, CONFIGS, coefficients(H200)))
+    monkeypatch.setattr(planner, "_PLANS", {})
+    real, made = planner.plan, []
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: made.append(a[3:7]) or real(*a, **k))
+    cuda = torch.device("cuda", 0)
+
+    def f(x):
+        chosen = planner.gemm_plan(cuda, 6144, 4096, x.shape[0], 4)
+        rows = planner.moe_rows_per_pass(cuda, 8 * x.shape[0], 128, ((1536, 2048), (2048, 768)), 4, (8, 16, 32, 128))
+        return x * chosen.grid + rows
+
+    torch._dynamo.reset()
+    x = torch.randn(16, 2)
+    assert torch.equal(torch.compile(f, fullgraph=True, dynamic=False, backend="eager")(x), f(x))
+    assert made == [(6144, 4096, 16, 4)]  # once: the eager call found it memoized (a traced plan is not)
+    assert getattr(planner._planned, "_dynamo_marked_constant", False)
+    assert getattr(planner._rows_per_pass_planned, "_dynamo_marked_constant", False)
+
+
 # ----------------------------------------------------------------------------- the cost model's physics
 @pytest.mark.parametrize("bits", BITS)
 def test_time_never_falls_with_more_tokens_or_rows_at_a_fixed_configuration(bits):
