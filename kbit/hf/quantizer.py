@@ -290,7 +290,8 @@ class KbitHfQuantizer(HfQuantizer):
 
 
 def _sharded_by_a_tp_plan(model) -> bool:
-    """Whether transformers' tp_plan made any of ``model``'s parameters a DTensor (a shard of a full-precision layer)."""
+    """Whether transformers' tp_plan made any of ``model``'s parameters a DTensor (a full-precision layer's
+    shard)."""
     if not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor
