@@ -237,7 +237,11 @@ class GreedyDecoder:
             self.graph = capture_cuda_graph([self._step], warmup_calls=warmup, warm_seconds=0.0)
         elif self.mode == "compile":
             kbit.prepare(self.model)  # GEMM layouts exist (and are static) before anything is captured
-            self.compiled = torch.compile(self._next_token, mode="reduce-overhead")
+            # A fresh, static graph per decoder, as a server keeps one per batch size: dynamo caches by code object,
+            # which every decoder's _next_token shares, so without the reset a second batch size or model recompiled
+            # it with the batch dimension symbolic (automatic dynamic shapes), and past the recompile limit ran eagerly.
+            torch._dynamo.reset()
+            self.compiled = torch.compile(self._next_token, mode="reduce-overhead", dynamic=False)
             for _ in range(warmup):
                 self.step()
         return self

@@ -443,6 +443,21 @@ def _bench_e2e():
     return load_script("benchmarks/bench_e2e.py")
 
 
+def test_bench_e2e_compiles_each_decoder_afresh_with_static_shapes(monkeypatch):
+    """Every decoder's step is one static graph of its batch size: dynamo reset first (every decoder's _next_token
+    shares one code object, so a second batch size recompiled it with the batch symbolic), dynamic=False."""
+    be = _bench_e2e()
+    config = be.llama_config(layers=1, hidden=64, intermediate=128, heads=2, kv_heads=1, vocab=100)
+    model = be.build_model(config, "cpu", torch.float32, seed=0)
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)  # eager: the bookkeeping only
+    for batch in (1, 2):
+        dec = be.GreedyDecoder(model, batch, 32, "compile").prepare(torch.randint(0, 100, (batch, 4)))
+        assert dec.generate(torch.randint(0, 100, (batch, 4)), 2).shape == (batch, 3)
+    assert calls == ["reset", {"mode": "reduce-overhead", "dynamic": False}] * 2
+
+
 def test_bench_e2e_times_the_peer_row_last():
     """The torchao row takes minutes to build and compile: timed after fp16 and every kbit row, so that a run cut short
     by a time limit keeps them."""
