@@ -27,9 +27,9 @@ Decoding is greedy with a ``transformers.StaticCache`` (fixed shapes, fixed addr
 decode step -- the model forward for one token per sequence, argmax, and advancing the position --
 runs in one of three modes (``--mode``):
 
-* ``compile`` (default on CUDA, the fastest 16-bit path): ``torch.compile(step, mode="reduce-overhead")``
-  (inductor fuses norms, rotary and the rest; CUDA graphs remove launch gaps), kbit layers prepared
-  by ``kbit.prepare`` first;
+* ``compile`` (default on CUDA, the fastest 16-bit path): ``torch.compile(step, mode="reduce-overhead",
+  dynamic=False)`` (inductor fuses norms, rotary and the rest; CUDA graphs remove launch gaps), one static graph per
+  decoder (row and batch size), dynamo reset before each; kbit layers prepared by ``kbit.prepare`` first;
 * ``graph``: the eager step captured once in a ``torch.cuda.CUDAGraph`` and replayed;
 * ``eager`` (default on CPU): plain calls.
 
