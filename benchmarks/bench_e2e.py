@@ -646,18 +646,25 @@ def _profile_table(result: dict) -> list:
               r["prefill_profile"]) for r in result["rows"] if "prefill_profile" in r]
     if not rows:
         return []
-    groups = [g for g, _ in KERNEL_GROUPS] + ["other kernels"]
     lines = ["", "Where one decode step's (and one prefill's) time goes (torch profiler, GPU kernel time, µs; idle = "
              "the time minus kernel time: launch gaps and host work):", "",
-             "| weights | batch | µs | " + " | ".join(groups) + " | idle | kernels |",
-             "|---|---:|---:|" + "---:|" * (len(groups) + 2)]
+             "| " + " | ".join(["weights", "batch"] + PROFILE_HEADERS) + " |",
+             "|---|---:|" + "---:|" * len(PROFILE_HEADERS)]
     for fmt, ran, us, prof in rows:
-        busy = sum(prof["kernel_us_per_step"].values())
-        cells = [fmt, ran, f"{us:.0f}" if us else "-"]
-        cells += [f"{prof['kernel_us_per_step'][g]:.0f}" for g in groups]
-        cells += [f"{us - busy:.0f}" if us else "-", f"{prof['kernels_per_step']:.0f}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(str(c) for c in [fmt, ran] + profile_cells(us, prof)) + " |")
     return lines
+
+
+PROFILE_GROUPS = [g for g, _ in KERNEL_GROUPS] + ["other kernels"]
+PROFILE_HEADERS = ["µs"] + PROFILE_GROUPS + ["idle", "kernels"]  # the columns of profile_cells
+
+
+def profile_cells(us: Optional[float], prof: dict) -> list:
+    """A step-profile table's cells after a row's labels: its time (µs, "-" where not timed), kernel µs per group,
+    idle (the time less kernel time) and kernels launched."""
+    busy = sum(prof["kernel_us_per_step"].values())
+    return ([f"{us:.0f}" if us else "-"] + [f"{prof['kernel_us_per_step'][g]:.0f}" for g in PROFILE_GROUPS]
+            + [f"{us - busy:.0f}" if us else "-", f"{prof['kernels_per_step']:.0f}"])
 
 
 def parse_args(argv=None):

@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_e2e import KERNEL_GROUPS, GreedyDecoder, build_model, llama_config, profile_steps  # noqa: E402
+from bench_e2e import (PROFILE_HEADERS, GreedyDecoder, build_model, llama_config, profile_cells,  # noqa: E402
+                       profile_steps)
 from common import env_info, free_memory, markdown_table, write_outputs  # noqa: E402
 
 from kbit import tensor_parallel as tp  # noqa: E402
@@ -200,18 +201,12 @@ def markdown(result: dict) -> str:
 def profile_table(results: list) -> str:
     """Where rank 0's decode step goes per row (torch profiler, GPU kernel µs; idle = step time minus kernel time:
     launch gaps, host work, and waits the collectives do not show as kernel time)."""
-    rows = [r for r in results if "profile" in r]
-    if not rows:
+    cells = [[r["format"], r["tp"]] + profile_cells(1e6 / r["tokens_per_s"], r["profile"])
+             for r in results if "profile" in r]
+    if not cells:
         return ""
-    groups = [g for g, _ in KERNEL_GROUPS] + ["other kernels"]
-    cells = []
-    for r in rows:
-        step, prof = 1e6 / r["tokens_per_s"], r["profile"]
-        busy = sum(prof["kernel_us_per_step"].values())
-        cells.append([r["format"], r["tp"], f"{step:.0f}"] + [f"{prof['kernel_us_per_step'][g]:.0f}" for g in groups]
-                     + [f"{step - busy:.0f}", f"{prof['kernels_per_step']:.0f}"])
     return ("\nWhere rank 0's decode step goes (torch profiler, GPU kernel µs; idle = step time minus kernel "
-            "time):\n\n" + markdown_table(["weights", "TP", "µs"] + groups + ["idle", "kernels"], cells) + "\n")
+            "time):\n\n" + markdown_table(["weights", "TP"] + PROFILE_HEADERS, cells) + "\n")
 
 
 def main(argv=None) -> int:

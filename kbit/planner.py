@@ -505,6 +505,18 @@ class DeviceFacts(NamedTuple):
     configs: tuple  # GemmConfig
     coefficients: Coefficients
 
+    def plan(self, out_features: int, in_features: int, tokens: int, bits: int, fused_only: bool,
+             grid_override: int, gemm_resident: bool) -> Plan:
+        """``plan`` on this device, ``KBIT_GEMM_PATH`` read now (it applies to fused-only plans)."""
+        return plan(self.device, self.configs, self.coefficients, out_features, in_features, tokens, bits,
+                    fused_only=fused_only, force=forced_paths() if fused_only or grid_override else None,
+                    grid_override=grid_override, gemm_resident=gemm_resident)
+
+    def rows_per_pass(self, slots: int, num_experts: int, shapes: Iterable[tuple], bits: int,
+                      supported: Iterable[int]) -> int:
+        return rows_per_pass(self.device, self.configs, self.coefficients, slots, num_experts, shapes, bits,
+                             supported)
+
 
 _FACTS: dict = {}  # CUDA device index -> DeviceFacts
 _PLANS: dict = {}  # (device index, out, in, tokens, bits, fused_only, forced, grid_override, gemm_resident) -> Plan
@@ -564,27 +576,20 @@ def gemm_plan(device: torch.device, out_features: int, in_features: int, tokens:
               fused_only: bool = False, grid_override: int = 0, gemm_resident: bool = True) -> Plan:
     """``plan`` on a CUDA device, with its facts and coefficients. ``KBIT_GEMM_PATH`` applies to fused-only plans:
     it chooses among the fused kernels, never whether the fused path is taken."""
-    if torch.compiler.is_compiling() and not isinstance(tokens, int):  # a dynamic token count: the model traced
-        facts = device_facts(device)  # (no memo: its contents would become guards)
-        return plan(facts.device, facts.configs, facts.coefficients, out_features, in_features, tokens, bits,
-                    fused_only=fused_only, force=forced_paths() if fused_only or grid_override else None,
-                    grid_override=grid_override, gemm_resident=gemm_resident)
-    return _planned(device_index(device), out_features, in_features, tokens, bits, fused_only, grid_override,
-                    gemm_resident)
+    request = (out_features, in_features, tokens, bits, fused_only, grid_override, gemm_resident)
+    if torch.compiler.is_compiling() and not isinstance(tokens, int):  # a symbolic token count: the model traced
+        return device_facts(device).plan(*request)  # (no memo: its contents would become guards)
+    return _planned(device_index(device), *request)
 
 
 @torch.compiler.assume_constant_result
-def _planned(index: int, out_features: int, in_features: int, tokens: int, bits: int, fused_only: bool,
-             grid_override: int, gemm_resident: bool) -> Plan:
+def _planned(index: int, *request) -> Plan:
     """``gemm_plan`` of fixed sizes, memoized. torch.compile takes its result as a constant, made when it traces the
     call: tracing the cost model instead took about 0.35 s a call, minutes for a model's projections."""
-    facts = device_facts(torch.device("cuda", index))
-    force = forced_paths() if fused_only or grid_override else None
-    key = (index, out_features, in_features, tokens, bits, fused_only, force, grid_override, gemm_resident)
+    key = (index, *request, forced_paths())
     chosen = _PLANS.get(key)
     if chosen is None:
-        chosen = plan(facts.device, facts.configs, facts.coefficients, out_features, in_features, tokens, bits,
-                      fused_only=fused_only, force=force, grid_override=grid_override, gemm_resident=gemm_resident)
+        chosen = device_facts(torch.device("cuda", index)).plan(*request)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = chosen
@@ -595,17 +600,12 @@ def moe_rows_per_pass(device: torch.device, slots: int, num_experts: int, shapes
                       supported: Iterable[int]) -> int:
     """``rows_per_pass`` on a CUDA device, with its facts and coefficients (a constant to torch.compile where the
     slots are, as ``gemm_plan``'s)."""
+    request = (slots, num_experts, tuple(map(tuple, shapes)), bits, tuple(supported))
     if torch.compiler.is_compiling() and not isinstance(slots, int):
-        facts = device_facts(device)
-        return rows_per_pass(facts.device, facts.configs, facts.coefficients, slots, num_experts, shapes, bits,
-                             supported)
-    return _rows_per_pass_planned(device_index(device), slots, num_experts, tuple(map(tuple, shapes)), bits,
-                                  tuple(supported))
+        return device_facts(device).rows_per_pass(*request)
+    return _rows_per_pass_planned(device_index(device), *request)
 
 
 @torch.compiler.assume_constant_result
-def _rows_per_pass_planned(index: int, slots: int, num_experts: int, shapes: tuple, bits: int,
-                           supported: tuple) -> int:
-    facts = device_facts(torch.device("cuda", index))
-    return rows_per_pass(facts.device, facts.configs, facts.coefficients, slots, num_experts, shapes, bits,
-                         supported)
+def _rows_per_pass_planned(index: int, *request) -> int:
+    return device_facts(torch.device("cuda", index)).rows_per_pass(*request)

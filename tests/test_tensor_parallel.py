@@ -316,15 +316,14 @@ def _refusals() -> list:
     return messages
 
 
-def run_two_ranks(folder: Path) -> None:
-    """Both ranks in spawned processes; a bounded wait, then they are terminated."""
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+def run_ranks(worker, folder: Path, limit_s: float = JOB_TIMEOUT_S) -> None:
+    """``worker(rank, port, folder)`` in WORLD spawned processes; a bounded wait, then they are terminated."""
+    ctx = mp.start_processes(worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + limit_s
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the {WORLD} gloo ranks did not finish within {JOB_TIMEOUT_S} s")
+                raise TimeoutError(f"the {WORLD} ranks did not finish within {limit_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -351,7 +350,7 @@ def job(tmp_path_factory):
             tokens = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
         whole[name] = (model, logits(model, ids), tokens)
     sys.stdout.flush()
-    run_two_ranks(root)
+    run_ranks(_worker, root)
     results = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return whole, root, ids, results
 
@@ -541,19 +540,11 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _run_cuda_ranks(worker, folder: Path, limit_s: float = 900) -> None:
-    """``worker(rank, port, folder)`` on each of WORLD GPUs, spawned; a bounded wait, then they are terminated."""
+def _run_cuda_ranks(worker, folder: Path) -> None:
+    """``run_ranks`` on WORLD GPUs, one rank each (skipped with fewer)."""
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs")
-    ctx = mp.start_processes(worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + limit_s
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, f"the NCCL ranks did not finish within {limit_s} s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_ranks(worker, folder, limit_s=900)
 
 
 @pytest.mark.cuda
