@@ -13,7 +13,8 @@ class attributes below and supplies:
 - ``_hold_counts``: make the counting parameters (again);
 - ``_moved``: what follows a device or dtype move;
 - ``_check_state``: check what a state dict brings for it and return the weight's dtype;
-- ``prepare``: which form to hold where, and what else its GEMM needs made beforehand.
+- ``prepare``: which form to hold where, and what else its GEMM needs made beforehand;
+- ``_layout_assigned`` (optional): what follows assigning one of its layout buffers.
 """
 
 from __future__ import annotations
@@ -184,3 +185,8 @@ class KbitModule(nn.Module):
     def __setattr__(self, name: str, value) -> None:
         refuse_assignment(self, name, self.REFUSED)
         super().__setattr__(name, value)
+        if name in self.LAYOUT_KEYS:
+            self._layout_assigned()
+
+    def _layout_assigned(self) -> None:
+        """A GEMM layout buffer was assigned (KbitLinear: its fused siblings stop reading their stack)."""

@@ -107,6 +107,7 @@ class FusedProjections:
         self.names = tuple(names)
         self.enabled = True  # off after a call pattern that is not one shared input (module docstring)
         self._stacked: Optional[_Stacked] = None
+        self._current = False  # every member holds its rows of the stack as its layout buffers (refresh)
         self._held = None  # (input, its version, outputs, which members have yet to take theirs)
 
     def __repr__(self) -> str:
@@ -144,6 +145,7 @@ class FusedProjections:
             stacked = None  # every member has left its device (or holds its storage format there)
         if not resident:
             self._stacked = None
+            self._current = False
             return
         device = stacked.codes.device if stacked is not None else resident[0].gemm_codes.device
         if stacked is None:
@@ -159,6 +161,8 @@ class FusedProjections:
             first = offset // N_ALIGN  # its scale may have been loaded: in place too
             stacked.block_scale[first:first + codes.shape[0]].copy_(m.scale.reshape(1).expand(codes.shape[0]))
         self._stacked = stacked
+        self._current = all(m._held("gemm_codes") is codes and m._held("gemm_absmax") is absmax
+                            for m, (codes, absmax) in zip(members, stacked.views))
         if device.type == "cuda":  # read in place by CUDA graphs, as each member's own buffers (KbitLinear.prepare)
             for t in (stacked.codes, stacked.absmax, stacked.block_scale, *(t for v in stacked.views for t in v)):
                 torch._dynamo.mark_static_address(t, guard=False)
@@ -172,6 +176,12 @@ class FusedProjections:
                 m._invalidate()
             m._fusion, m._fusion_slot = None, 0
         self._stacked = None
+        self._current = False
+
+    def member_assigned(self) -> None:
+        """A member's layout buffer was assigned: the members run alone until ``refresh`` finds every member holding
+        its rows of the stack again (a member's ``prepare``)."""
+        self._current = False
 
     def _empty_stack(self, device) -> _Stacked:
         members = self.members
@@ -217,17 +227,17 @@ class FusedProjections:
 
     def _compute(self, x: Tensor) -> Optional[tuple]:
         """Every member's output for ``x`` from one launch, or None where the members run alone: another device or
-        dtype, a member's buffers replaced since the stack was built, or a plan of dequantize + cuBLAS."""
+        dtype, a member's layout assigned since the stack was built (``_current``), or a plan of dequantize + cuBLAS.
+
+        Reads no member's own layout buffers: under torch.compile every object the trace reads is guarded at every
+        call of the graph, and the stack alone is what the launch reads."""
         # Buffers are read from the modules' dicts (KbitModule._held): an eager decode pays this per call, and
         # nn.Module's attribute lookup costs about a microsecond a name.
         stacked, members = self._stacked, self.members
         first = members[0]
-        if (x.dtype not in GEMM_DTYPES or x.device != stacked.codes.device or x.dim() < 1
+        if (not self._current or x.dtype not in GEMM_DTYPES or x.device != stacked.codes.device or x.dim() < 1
                 or x.shape[-1] != first.in_features):
             return None
-        for m, (codes, absmax) in zip(members, stacked.views):
-            if m._held("gemm_codes") is not codes or m._held("gemm_absmax") is not absmax:
-                return None
         if first._held("rotation_signs") is not None:
             x = first.rotation.rotate(x)
         lead = x.shape[:-1]

@@ -46,6 +46,7 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from . import ops, planner
 from ._counted import count_name, hold_count
 from ._kbit_module import KbitModule
 from ._layers import linear_features, linear_weight
@@ -71,11 +72,11 @@ from .calibration import (check_calibration, check_calibration_used, check_gptq_
 from .calibration_text import default_calibration, is_text
 from .dequantized_weight import DequantizedWeight
 from .finetune import check_tune_steps, reference_outputs, tune_block, tune_end_to_end, tuning_batches
-from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, storage_spec
+from .formats import STATE_KEYS, create_normal_float_codebook, meta_tensor, padded_in_features, storage_spec
 from .fusion import FUSE_BY_DEFAULT, FusedProjections, groups_of, why_separate
 from .methods import GPTQ_DAMP, check_method
 from .moe import KbitExperts, experts_shape, find_experts, precision_losses, unsupported_reason
-from .rotation import Rotation, check_rotation, hadamard
+from .rotation import Rotation, check_rotation, hadamard, rotate
 from .weight import (PrecisionWarning, QuantizedWeight, matmul, matmul_unchecked, quantize, quantize_checked,
                      warn_precision)
 
@@ -301,6 +302,10 @@ class KbitLinear(KbitModule, nn.Linear):
             y = self._fusion.output(self, self._fusion_slot, x)
             if y is not None:
                 return y
+        if torch.compiler.is_compiling():
+            y = self._compiled_product(x)
+            if y is not None:
+                return y
         rotation = self.rotation
         if rotation is not None:
             x = rotation.rotate(x)
@@ -313,6 +318,34 @@ class KbitLinear(KbitModule, nn.Linear):
                                                and bias.device == x.device)):
             return matmul_unchecked(x, qw, bias)  # the weight is this layer's own, checked when it was set
         return matmul(x, qw, bias)  # which says what is wrong
+
+    def _layout_assigned(self) -> None:
+        fusion = self.__dict__.get("_fusion")
+        if fusion is not None:  # its siblings' launch reads the stack, not this buffer (kbit.fusion)
+            fusion.member_assigned()
+
+    def _compiled_product(self, x: Tensor) -> Optional[Tensor]:
+        """The product torch.compile traces for a GEMM-resident layer: each tensor read once, from the module's dicts,
+        and no other state. A compiled graph checks a guard for every object its trace read at every call (a decode
+        step's host time); the general path reads the layout through the ``QuantizedWeight`` view as well, which
+        doubles the tensors guarded and adds the view's attributes. None where the general path decides: no layout
+        held, another dtype or device, a plan of dequantize + cuBLAS."""
+        buffers = self._buffers
+        codes = buffers["gemm_codes"]
+        if (codes is None or type(x) is not Tensor or x.dtype not in GEMM_DTYPES or x.device != codes.device
+                or x.dim() == 0 or x.shape[-1] != self.in_features):
+            return None
+        K = padded_in_features(self.in_features)
+        x2 = x.reshape(-1, self.in_features)
+        if x.device.type == "cuda" and planner.gemm_plan(x.device, self.out_features, K, x2.shape[0], self.bits,
+                                                         gemm_resident=True).path is planner.Path.DEQUANTIZE_CUBLAS:
+            return None
+        signs, bias = buffers["rotation_signs"], self._parameters["bias"]
+        if signs is not None:
+            x2 = rotate(x2, signs, self._block)
+        y = ops.gemm_direct(x2, codes, buffers["gemm_absmax"], buffers["codebook"], buffers["scale"],
+                            None if bias is None else bias.to(x.dtype).contiguous(), self.bits, self.out_features, K, 0)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def _direct_cpu_kernel(self, x: Tensor):
         """The CPU kernel bound to this layer's weight and bias, for a call that needs neither autograd nor

@@ -339,3 +339,47 @@ def test_an_input_written_in_place_between_siblings_is_a_new_input():
     k = model.k_proj(x)
     assert not model.q_proj._fusion.enabled
     assert torch.equal(k, kbit.matmul(x, model.k_proj.qweight, model.k_proj.bias))
+
+
+def test_a_member_layout_assigned_by_hand_runs_the_group_alone_until_its_prepare(monkeypatch):
+    """The fused launch reads the stack, not the members' buffers: a layout assigned to a member (a copy of the same
+    values here) takes the group off the stack until that member's prepare() copies it in."""
+    model = _fused_attention()
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    want = [kbit.matmul(x, m.qweight, m.bias) for m in (model.q_proj, model.k_proj, model.v_proj)]
+    calls = _count_gemms(monkeypatch)
+    model.k_proj.gemm_codes = model.k_proj.gemm_codes.clone()
+    got = model(x)
+    assert len(calls) == 3
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    model.k_proj.prepare()
+    calls.clear()
+    got = model(x)
+    assert calls == [model.q_proj._fusion._stacked.rows]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_the_compiled_trace_reads_the_layers_buffers_and_not_their_weight_views(rotate, monkeypatch):
+    """Under torch.compile a GEMM-resident layer (fused or alone) multiplies from its buffers, read once from its
+    dicts: a compiled graph checks a guard for every object its trace read, at every call (a decode step's host
+    time), and the QuantizedWeight view would double the tensors read. Output equal to eager, bit for bit."""
+    model = _tiny("llama", layers=1) if not rotate else None
+    if rotate:
+        config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})
+        model = from_config(transformers.LlamaForCausalLM, config, dtype=torch.bfloat16).eval()
+        kbit.quantize_model(model, bits=4, min_features=16, rotate=True, progress=False)
+        _gemm_resident(model)
+    assert any(m._fusion is None for m in model.modules() if isinstance(m, kbit.KbitLinear))  # o_proj, down_proj
+    ids = torch.randint(1, COMMON["vocab_size"], (1, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+
+    def no_view(self):
+        raise AssertionError("the compiled trace read a layer's QuantizedWeight view")
+
+    monkeypatch.setattr(kbit.KbitLinear, "qweight", property(no_view))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+    assert torch.equal(got, want)
