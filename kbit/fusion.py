@@ -248,7 +248,7 @@ class FusedProjections:
             return None
         y = ops.gemm_direct(x2, stacked.codes, stacked.absmax, first._held("codebook"), stacked.block_scale,
                             self._bias(x.dtype), first.bits, stacked.rows, K, 0)
-        return y.view(*lead, stacked.rows).split(stacked.splits, dim=-1)[::2]
+        return y.view(*lead, stacked.rows).split_with_sizes(stacked.splits, dim=-1)[::2]
 
     def _bias(self, dtype: torch.dtype) -> Optional[Tensor]:
         """The members' biases stacked as their rows are (zeros for padding and for a member without one), made at

@@ -302,10 +302,9 @@ class KbitLinear(KbitModule, nn.Linear):
             y = self._fusion.output(self, self._fusion_slot, x)
             if y is not None:
                 return y
-        if torch.compiler.is_compiling():
-            y = self._compiled_product(x)
-            if y is not None:
-                return y
+        y = self._layout_product(x)
+        if y is not None:
+            return y
         rotation = self.rotation
         if rotation is not None:
             x = rotation.rotate(x)
@@ -324,12 +323,13 @@ class KbitLinear(KbitModule, nn.Linear):
         if fusion is not None:  # its siblings' launch reads the stack, not this buffer (kbit.fusion)
             fusion.member_assigned()
 
-    def _compiled_product(self, x: Tensor) -> Optional[Tensor]:
-        """The product torch.compile traces for a GEMM-resident layer: each tensor read once, from the module's dicts,
-        and no other state. A compiled graph checks a guard for every object its trace read at every call (a decode
-        step's host time); the general path reads the layout through the ``QuantizedWeight`` view as well, which
-        doubles the tensors guarded and adds the view's attributes. None where the general path decides: no layout
-        held, another dtype or device, a plan of dequantize + cuBLAS."""
+    def _layout_product(self, x: Tensor) -> Optional[Tensor]:
+        """The product of a GEMM-resident layer (on CUDA; on CPU where made so by hand), from its buffers read once
+        from the module's dicts and no other state: kbit.matmul's result from the same op and tensors. An eager call
+        pays host time for each step of the general path (the QuantizedWeight view, its checks), and a compiled graph
+        checks a guard for every object its trace read, at every call: through the view, the tensors twice and the
+        view's attributes. None where the general path decides (and says what is wrong): no layout held, x of another
+        type, dtype, device or width, a plan of dequantize + cuBLAS."""
         buffers = self._buffers
         codes = buffers["gemm_codes"]
         if (codes is None or type(x) is not Tensor or x.dtype not in GEMM_DTYPES or x.device != codes.device

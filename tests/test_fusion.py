@@ -360,26 +360,34 @@ def test_a_member_layout_assigned_by_hand_runs_the_group_alone_until_its_prepare
 
 
 @pytest.mark.parametrize("rotate", [False, True])
-def test_the_compiled_trace_reads_the_layers_buffers_and_not_their_weight_views(rotate, monkeypatch):
-    """Under torch.compile a GEMM-resident layer (fused or alone) multiplies from its buffers, read once from its
-    dicts: a compiled graph checks a guard for every object its trace read, at every call (a decode step's host
-    time), and the QuantizedWeight view would double the tensors read. Output equal to eager, bit for bit."""
-    model = _tiny("llama", layers=1) if not rotate else None
-    if rotate:
-        config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})
-        model = from_config(transformers.LlamaForCausalLM, config, dtype=torch.bfloat16).eval()
-        kbit.quantize_model(model, bits=4, min_features=16, rotate=True, progress=False)
-        _gemm_resident(model)
-    assert any(m._fusion is None for m in model.modules() if isinstance(m, kbit.KbitLinear))  # o_proj, down_proj
+def test_gemm_resident_layers_multiply_from_their_buffers_not_their_weight_views(rotate, monkeypatch):
+    """A GEMM-resident layer (fused or alone) multiplies from its buffers, read once from its dicts: an eager call
+    pays host time for every step through the QuantizedWeight view, and a compiled graph checks a guard for every
+    object its trace read, at every call (the view doubles the tensors). Eager equals kbit.matmul's product of the
+    view and compiled equals eager, bit for bit; neither reads the view."""
+    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})
+    model = from_config(transformers.LlamaForCausalLM, config, dtype=torch.bfloat16).eval()
+    kbit.quantize_model(model, bits=4, min_features=16, rotate=rotate, progress=False)
+    _gemm_resident(model)
+    layers = [m for m in model.modules() if isinstance(m, kbit.KbitLinear)]
+    assert any(m._fusion is None for m in layers)  # o_proj, down_proj
+    x = torch.randn(3, COMMON["hidden_size"], dtype=torch.bfloat16)
+    for layer in (m for m in layers if m._fusion is None and m.in_features == COMMON["hidden_size"]):
+        rotated = x if layer.rotation is None else layer.rotation.rotate(x)
+        want_layer = kbit.matmul(rotated, layer.qweight, layer.bias)
+        with monkeypatch.context() as patch:
+            patch.setattr(kbit.KbitLinear, "qweight", property(_no_view))
+            assert torch.equal(layer(x), want_layer)
     ids = torch.randint(1, COMMON["vocab_size"], (1, 6))
     with torch.no_grad():
         want = model(ids).logits
-
-    def no_view(self):
-        raise AssertionError("the compiled trace read a layer's QuantizedWeight view")
-
-    monkeypatch.setattr(kbit.KbitLinear, "qweight", property(no_view))
+    monkeypatch.setattr(kbit.KbitLinear, "qweight", property(_no_view))
     torch._dynamo.reset()
     with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
         got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
     assert torch.equal(got, want)
+
+
+def _no_view(self):
+    raise AssertionError("a layer's product read its QuantizedWeight view")
