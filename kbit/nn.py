@@ -302,7 +302,7 @@ class KbitLinear(KbitModule, nn.Linear):
             y = self._fusion.output(self, self._fusion_slot, x)
             if y is not None:
                 return y
-        y = self._layout_product(x)
+        y = self._layout_product(x, self._parameters["bias"])
         if y is not None:
             return y
         rotation = self.rotation
@@ -323,13 +323,13 @@ class KbitLinear(KbitModule, nn.Linear):
         if fusion is not None:  # its siblings' launch reads the stack, not this buffer (kbit.fusion)
             fusion.member_assigned()
 
-    def _layout_product(self, x: Tensor) -> Optional[Tensor]:
-        """The product of a GEMM-resident layer (on CUDA; on CPU where made so by hand), from its buffers read once
-        from the module's dicts and no other state: kbit.matmul's result from the same op and tensors. An eager call
-        pays host time for each step of the general path (the QuantizedWeight view, its checks), and a compiled graph
-        checks a guard for every object its trace read, at every call: through the view, the tensors twice and the
-        view's attributes. None where the general path decides (and says what is wrong): no layout held, x of another
-        type, dtype, device or width, a plan of dequantize + cuBLAS."""
+    def _layout_product(self, x: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
+        """The product (plus ``bias``) of a GEMM-resident layer (on CUDA; on CPU where made so by hand), from its
+        buffers read once from the module's dicts and no other state: kbit.matmul's result from the same op and
+        tensors. An eager call pays host time for each step of the general path (the QuantizedWeight view, its
+        checks), and a compiled graph checks a guard for every object its trace read, at every call: through the
+        view, the tensors twice and the view's attributes. None where the general path decides (and says what is
+        wrong): no layout held, x of another type, dtype, device or width, a plan of dequantize + cuBLAS."""
         buffers = self._buffers
         codes = buffers["gemm_codes"]
         if (codes is None or type(x) is not Tensor or x.dtype not in GEMM_DTYPES or x.device != codes.device
@@ -340,7 +340,7 @@ class KbitLinear(KbitModule, nn.Linear):
         if x.device.type == "cuda" and planner.gemm_plan(x.device, self.out_features, K, x2.shape[0], self.bits,
                                                          gemm_resident=True).path is planner.Path.DEQUANTIZE_CUBLAS:
             return None
-        signs, bias = buffers["rotation_signs"], self._parameters["bias"]
+        signs = buffers["rotation_signs"]
         if signs is not None:
             x2 = rotate(x2, signs, self._block)
         y = ops.gemm_direct(x2, codes, buffers["gemm_absmax"], buffers["codebook"], buffers["scale"],

@@ -177,9 +177,13 @@ class RowParallelKbitLinear(KbitLinear):
     tp: RankGroup
 
     def forward(self, x: Tensor) -> Tensor:
-        rotation = self.rotation
-        y = _all_reduce(matmul(x if rotation is None else rotation.rotate(x), self.qweight), self.tp.group)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = self._layout_product(x, None)  # the bias after the sum
+        if y is None:
+            rotation = self.rotation
+            y = matmul(x if rotation is None else rotation.rotate(x), self.qweight)
+        y = _all_reduce(y, self.tp.group)
+        bias = self._parameters["bias"]
+        return y if bias is None else y + bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", row shard {self.tp.rank} of {self.tp.world}"

@@ -11,6 +11,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,6 +105,23 @@ def test_row_split_needs_whole_blocks_and_whole_hadamard_blocks():
         tp.row_shard(kbit.quantize(torch.randn(8, 96)), 0, 2)
     with pytest.raises(ValueError, match="out_features=9"):
         tp.column_shard(kbit.quantize(torch.randn(9, 64)), 0, 2)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_a_gemm_resident_row_shard_sums_its_layout_product_then_adds_the_bias(rotate, monkeypatch):
+    """A row-parallel shard holding its GEMM layout (CUDA's state, made by hand on the CPU) multiplies from its buffers
+    as a whole KbitLinear does, without reading its QuantizedWeight view, all-reduces, then adds the bias once."""
+    torch.manual_seed(0)
+    qw = kbit.quantize(torch.randn(48, 64, dtype=torch.bfloat16), bits=4)
+    rotation = kbit.rotation.Rotation(torch.randint(0, 2, (64,), dtype=torch.int8) * 2 - 1, 32) if rotate else None
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    layer = tp.local_linear(tp.RowParallelKbitLinear, qw, bias, rotation, SimpleNamespace(group=None, rank=0, world=2))
+    layer._hold_layout()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    want = kbit.matmul(x if rotation is None else rotation.rotate(x), layer.qweight) * 2 + bias
+    monkeypatch.setattr(tp, "_all_reduce", lambda y, group: y * 2)  # two ranks holding the same shard
+    monkeypatch.setattr(kbit.KbitLinear, "qweight", property(lambda self: pytest.fail("read the weight view")))
+    assert torch.equal(layer(x), want)
 
 
 def test_loading_without_tp_plan_keeps_transformers_plan(tmp_path):
