@@ -107,7 +107,7 @@ class FusedProjections:
         self.names = tuple(names)
         self.enabled = True  # off after a call pattern that is not one shared input (module docstring)
         self._stacked: Optional[_Stacked] = None
-        self._current = False  # every member holds its rows of the stack as its layout buffers (refresh)
+        self._current = False  # the stack is built and every member holds its rows as its layout buffers (refresh)
         self._held = None  # (input, its version, outputs, which members have yet to take theirs)
 
     def __repr__(self) -> str:
@@ -116,8 +116,9 @@ class FusedProjections:
 
     @property
     def launching(self) -> bool:
-        """Whether the members run as one GEMM launch: switched on, with their stacked layout built (on CUDA)."""
-        return self.enabled and self._stacked is not None
+        """Whether the members run as one GEMM launch: switched on, their stacked layout built (on CUDA) and every
+        member holding its rows of it."""
+        return self.enabled and self._current
 
     def __getstate__(self):  # outputs held mid-forward belong to that forward
         return {**self.__dict__, "_held": None}
@@ -227,15 +228,14 @@ class FusedProjections:
 
     def _compute(self, x: Tensor) -> Optional[tuple]:
         """Every member's output for ``x`` from one launch, or None where the members run alone: another device or
-        dtype, a member's layout assigned since the stack was built (``_current``), or a plan of dequantize + cuBLAS.
-
-        Reads no member's own layout buffers: under torch.compile every object the trace reads is guarded at every
-        call of the graph, and the stack alone is what the launch reads."""
+        dtype, or a plan of dequantize + cuBLAS. Reads no member's own layout buffers (``launching`` knows that each
+        holds its rows of the stack): under torch.compile every object the trace reads is guarded at every call of
+        the graph, and the stack alone is what the launch reads."""
         # Buffers are read from the modules' dicts (KbitModule._held): an eager decode pays this per call, and
         # nn.Module's attribute lookup costs about a microsecond a name.
         stacked, members = self._stacked, self.members
         first = members[0]
-        if (not self._current or x.dtype not in GEMM_DTYPES or x.device != stacked.codes.device or x.dim() < 1
+        if (x.dtype not in GEMM_DTYPES or x.device != stacked.codes.device or x.dim() < 1
                 or x.shape[-1] != first.in_features):
             return None
         if first._held("rotation_signs") is not None:

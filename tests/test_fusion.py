@@ -184,7 +184,7 @@ def test_moves_and_loads_keep_one_stacked_copy():
     assert all(torch.equal(a, b) for a, b in zip(model(x), want))
     state = {key: t.clone() for key, t in model.state_dict().items()}
     model.q_proj.load_state_dict({key[len("q_proj."):]: t for key, t in state.items() if key.startswith("q_proj.")})
-    assert group._stacked is stacked and group._compute(x) is None  # on CPU q holds its storage: each layer alone
+    assert group._stacked is stacked and not group.launching  # on CPU q holds its storage: each layer alone
     model.load_state_dict(state)  # none resident any more: the stack is dropped
     assert group._stacked is None
     _gemm_resident(model)
@@ -304,7 +304,7 @@ def test_each_layer_moves_into_the_stack_as_it_becomes_gemm_resident():
         m._hold_layout()
         m.prepare()  # its own layout copied into its rows of the stack, made at the first one: one copy held
         assert m.gemm_codes is group._stacked.views[i][0] and m.gemm_absmax is group._stacked.views[i][1]
-        assert (group._compute(x) is None) == (i < 2)  # one launch once all three are in
+        assert group.launching == (i == 2)  # one launch once all three are in
     for got, expected in zip(model(x), want):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # the CPU kernel's rounding against the op's
 
