@@ -4,6 +4,7 @@ torchrun, one process per GPU:
 
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py                       # H200 x2: fp16 and kbit K=4
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --mode graph          # CUDA graphs instead of compile
+    KBIT_TP_ALL_REDUCE=symmetric torchrun --nproc-per-node 2 benchmarks/bench_tp.py   # decode sums: symmetric memory
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --layers 2 --hidden 256 --intermediate 512 \\
         --heads 4 --kv-heads 2 --vocab 1000 --new-tokens 4 --repeats 1 --no-write      # tiny gloo smoke run
 
@@ -41,6 +42,7 @@ from bench_e2e import (PROFILE_HEADERS, GreedyDecoder, build_model, llama_config
                        profile_steps)
 from common import env_info, free_memory, markdown_table, write_outputs  # noqa: E402
 
+from kbit import symmetric_all_reduce  # noqa: E402
 from kbit import tensor_parallel as tp  # noqa: E402
 
 SHAPE = dict(layers=4, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=128256)  # Llama-3-70B
@@ -158,7 +160,8 @@ def run(args):
     info = env_info()
     info.update(world=world, mode=mode, dtype=args.dtype, bits=args.bits, shape={k: getattr(args, k) for k in SHAPE},
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
-                backend=dist.get_backend(), transformers=__import__("transformers").__version__)
+                backend=dist.get_backend(), transformers=__import__("transformers").__version__,
+                all_reduce=symmetric_all_reduce.mode())
     results = []
     for (fmt, size), r in rows.items():
         one = rows[(fmt, 1)]
@@ -184,7 +187,8 @@ def markdown(result: dict) -> str:
             f"{shape['hidden']}, intermediate {shape['intermediate']}, {shape['heads']} heads / {shape['kv_heads']} "
             f"KV heads, vocab {shape['vocab']}), random weights, {env['dtype']}, greedy decode with a static KV "
             f"cache, mode `{env['mode']}`, prompt {env['prompt_len']}, {env['new_tokens']} timed tokens, median of "
-            f"{env['repeats']}; {env.get('device', 'cpu')} x{env['world']} ({env['backend']}), torch {env['torch']}, "
+            f"{env['repeats']}; {env.get('device', 'cpu')} x{env['world']} ({env['backend']}; kbit's decode sums: "
+            f"{env.get('all_reduce', 'nccl')}), torch {env['torch']}, "
             f"transformers {env['transformers']}, commit {env['commit']}, {env['date']}.\n\n")
     rows = [[r["format"], r["tp"], f"{r['tokens_per_s']:.1f}", f"{r['bytes_per_rank'] / 2**30:.2f}",
              f"{r['speedup_vs_tp1']:.2f}x", "yes" if r["tokens_equal_tp1"] else f"no (from {r['first_divergence']})"]

@@ -53,6 +53,7 @@ from .formats import BLOCK_SIZE
 from .moe import KbitExperts
 from .nn import KbitLinear, fuse_projections, has_groups
 from .rotation import Rotation
+from .symmetric_all_reduce import symmetric_sum
 from .weight import QuantizedWeight, matmul
 
 __all__ = ["shard_model", "unshard_model", "column_shard", "row_shard", "row_split_problem", "kbit_bytes",
@@ -136,13 +137,17 @@ class RankGroup:
     def __init__(self, group):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.name = group.group_name  # a plain string: what a compiled step reads of it (symmetric_sum)
 
     def __deepcopy__(self, memo):  # a copied model talks over the same group
         return self
 
 
-def _all_reduce(y: Tensor, group) -> Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(y, "sum", group))
+def _all_reduce(y: Tensor, tp: RankGroup) -> Tensor:
+    """The sum of ``y`` over ``tp``'s ranks: a decode step's through symmetric memory where asked
+    (``kbit.symmetric_all_reduce``), else NCCL through the functional collectives."""
+    total = symmetric_sum(y, tp.name)
+    return total if total is not None else funcol.wait_tensor(funcol.all_reduce(y, "sum", tp.group))
 
 
 # all_gather_single where torch has it (all_gather_tensor, its older name, warns there that it is deprecated)
@@ -181,7 +186,7 @@ class RowParallelKbitLinear(KbitLinear):
         if y is None:
             rotation = self.rotation
             y = matmul(x if rotation is None else rotation.rotate(x), self.qweight)
-        y = _all_reduce(y, self.tp.group)
+        y = _all_reduce(y, self.tp)
         bias = self._parameters["bias"]
         return y if bias is None else y + bias.to(y.dtype)
 
@@ -209,7 +214,7 @@ class TensorParallelKbitExperts(KbitExperts):
     tp: RankGroup
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return _all_reduce(super().forward(hidden_states, top_k_index, top_k_weights), self.tp.group)
+        return _all_reduce(super().forward(hidden_states, top_k_index, top_k_weights), self.tp)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", shard {self.tp.rank} of {self.tp.world} of every expert"

@@ -124,6 +124,21 @@ def test_a_gemm_resident_row_shard_sums_its_layout_product_then_adds_the_bias(ro
     assert torch.equal(layer(x), want)
 
 
+def test_the_all_reduce_is_the_collective_unless_asked_and_off_cuda_always(monkeypatch):
+    """KBIT_TP_ALL_REDUCE: the process group's collective by default, symmetric on request, anything else refused
+    by name; a CPU tensor (gloo) is summed by the collective whatever it says (symmetric memory is on a GPU)."""
+    from kbit import symmetric_all_reduce as sar
+
+    monkeypatch.delenv(sar.ENV, raising=False)
+    assert sar.mode() == "collective"
+    monkeypatch.setenv(sar.ENV, "Symmetric")
+    assert sar.mode() == "symmetric"
+    assert sar.symmetric_sum(torch.ones(4), "0") is None
+    monkeypatch.setenv(sar.ENV, "nvshmem")
+    with pytest.raises(ValueError, match="KBIT_TP_ALL_REDUCE='nvshmem'"):
+        sar.mode()
+
+
 def test_loading_without_tp_plan_keeps_transformers_plan(tmp_path):
     """kbit renames the plan's styles of its layers while transformers loads; the model keeps the class's plan."""
     torch.manual_seed(3)
@@ -550,7 +565,8 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
             out[str(dtype)] = dict(
                 want=want, got=got, margin=margin, whole_bytes=whole_bytes, bytes=tp.kbit_bytes(model),
                 report=sorted(set(report.values())), logit_scale=float(ref.abs().max()),
-                logit_diff=float((logits(model, prompt).float() - ref).abs().max()))
+                logit_diff=float((logits(model, prompt).float() - ref).abs().max()),
+                symmetric_buffers=len(kbit.symmetric_all_reduce._buffers))
             del model
             torch.cuda.empty_cache()
         (Path(folder) / f"cuda_rank{rank}.json").write_text(json.dumps(out))
@@ -566,12 +582,17 @@ def _run_cuda_ranks(worker, folder: Path) -> None:
 
 
 @pytest.mark.cuda
-def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(tmp_path):
+@pytest.mark.parametrize("all_reduce", ["collective", "symmetric"])
+def test_nccl_tp2_greedy_tokens_equal_tp1_on_a_70b_shaped_model(all_reduce, tmp_path, monkeypatch):
+    """TP=2 on two GPUs against TP=1, the decode sums through NCCL or (KBIT_TP_ALL_REDUCE=symmetric) through
+    symmetric memory (the prompt's still through NCCL: larger than SYMMETRIC_BYTES)."""
+    monkeypatch.setenv(kbit.symmetric_all_reduce.ENV, all_reduce)  # the spawned ranks inherit it
     _run_cuda_ranks(_cuda_worker, tmp_path)
     for rank in range(WORLD):
         for dtype, r in json.loads((tmp_path / f"cuda_rank{rank}.json").read_text()).items():
             print(rank, dtype, {k: v for k, v in r.items() if k not in ("want", "got")})
             assert r["report"] == ["column shard", "column shard, output gathered", "row shard"], r["report"]
+            assert (r["symmetric_buffers"] > 0) == (all_reduce == "symmetric"), r["symmetric_buffers"]
             assert 0.45 * r["whole_bytes"] < r["bytes"] < 0.55 * r["whole_bytes"]
             # 16-bit all-reduces sum in another order than one GPU's GEMM: logits agree to a few 16-bit roundings
             assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
