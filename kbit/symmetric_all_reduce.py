@@ -8,9 +8,9 @@ process group's all-reduce (NCCL on GPUs), which runs on NCCL's own stream with 
 call; a decode step makes two a layer. Larger sums (a prompt's), and every sum while no buffer is there, take the
 collective whatever the setting.
 
-The buffer, one per process group and GPU, is made and exchanged by the first eager call that needs it on every
-rank of the group (``symm_mem.empty`` and ``rendezvous`` are collective: every rank runs the same layers in the
-same order, as tensor parallelism does); a graph that torch.compile traces before any eager call keeps the
+The buffer, one per process group and GPU, is made and exchanged by the first eager sum on CUDA (a prompt's, say)
+on every rank of the group (``symm_mem.empty`` and ``rendezvous`` are collective: every rank runs the same layers
+in the same order, as tensor parallelism does); a graph that torch.compile traces before any eager sum keeps the
 collective. It is marked static, so that CUDA graphs read it in place.
 """
 
@@ -44,16 +44,14 @@ def symmetric_sum(y: Tensor, group_name: str) -> Optional[Tensor]:
     as a static input."""
     if not y.is_cuda:
         return None
-    nbytes = y.numel() * y.element_size()
-    if nbytes > SYMMETRIC_BYTES:
-        return None
     buffer = _buffers.get((group_name, y.device))
     if not torch.compiler.is_compiling():  # a trace reads no environment: the mode an eager call saw made the buffer
         if mode() != "symmetric":
             return None
-        if buffer is None:
+        if buffer is None:  # at the first eager sum of any size (a prompt's), so that a decode step traced next has it
             buffer = _exchange(group_name, y.device)
-    if buffer is None:
+    nbytes = y.numel() * y.element_size()
+    if buffer is None or nbytes > SYMMETRIC_BYTES:
         return None
     staged = buffer[:nbytes].view(y.dtype).view(y.shape)
     return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, y.contiguous(), "sum", group_name)
