@@ -359,17 +359,18 @@ class KbitExperts(KbitModule):
         T, top_k = idx.shape
         E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
         rows = self.rows_per_pass(T * top_k)
-        x_rows, row_weights, position, passes, num_passes = ops.moe_route(idx.contiguous(), w.contiguous(), E, rows)
+        routed = ops.moe_route_direct(idx.contiguous(), w.contiguous(), E, rows)
+        x_rows, row_weights, position, passes, num_passes = routed
         fused = _is_silu(self.act_fn)
-        h = ops.moe_gemm(x.contiguous(), self.gate_up_gemm_codes, self.gate_up_gemm_absmax, self.codebook,
-                         self.gate_up_scale, x_rows, None, passes, num_passes, self.bits, 2 * I, padded_in_features(H),
-                         rows, fused, 0)
+        h = ops.moe_gemm_direct(x.contiguous(), self.gate_up_gemm_codes, self.gate_up_gemm_absmax, self.codebook,
+                                self.gate_up_scale, x_rows, None, passes, num_passes, self.bits, 2 * I,
+                                padded_in_features(H), rows, fused, 0)
         if not fused:  # the product's columns come interleaved by 8 (gate_up_row_order): gate, up, gate, ...
             pairs = h.view(h.shape[0], I // 8, 2, 8)
             h = (self.act_fn(pairs[:, :, 0]) * pairs[:, :, 1]).reshape(h.shape[0], I)
-        y = ops.moe_gemm(h, self.down_gemm_codes, self.down_gemm_absmax, self.codebook, self.down_scale, None,
-                         row_weights, passes, num_passes, self.bits, H, padded_in_features(I), rows, False, 0)
-        return ops.moe_combine(y, position)
+        y = ops.moe_gemm_direct(h, self.down_gemm_codes, self.down_gemm_absmax, self.codebook, self.down_scale, None,
+                                row_weights, passes, num_passes, self.bits, H, padded_in_features(I), rows, False, 0)
+        return ops.moe_combine_direct(y, position)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

@@ -383,7 +383,7 @@ def _(expert_ids, weights, num_experts, rows_per_pass):
 
 
 @moe_route.register_kernel("cuda")
-def _(expert_ids, weights, num_experts, rows_per_pass):
+def _moe_route_cuda(expert_ids, weights, num_experts, rows_per_pass):
     return cuda_ext().moe_route(expert_ids, weights, num_experts, rows_per_pass)
 
 
@@ -422,8 +422,8 @@ def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_
 
 
 @moe_gemm.register_kernel("cuda")
-def _(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits, out_features,
-      in_features_padded, rows_per_pass, silu_gate, grid_override):
+def _moe_gemm_cuda(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits, out_features,
+                   in_features_padded, rows_per_pass, silu_gate, grid_override):
     return cuda_ext().moe_gemm(x, b_gemm, absmax_gemm, codebook, scale, x_rows, row_weights, passes, num_passes, bits,
                                out_features, in_features_padded, rows_per_pass, silu_gate, grid_override,
                                weights_settled(b_gemm, absmax_gemm, codebook))
@@ -442,5 +442,12 @@ def _(y, position):
 
 
 @moe_combine.register_kernel("cuda")
-def _(y, position):
+def _moe_combine_cuda(y, position):
     return cuda_ext().moe_combine(y, position)
+
+
+# The MoE ops as an eager decode calls them (``_direct``): four a layer, each costing more host time through the
+# op's dispatch than a decode step's routing or combine on the GPU.
+moe_route_direct = _direct(moe_route, {"cuda": _moe_route_cuda})
+moe_gemm_direct = _direct(moe_gemm, {"cuda": _moe_gemm_cuda})
+moe_combine_direct = _direct(moe_combine, {"cuda": _moe_combine_cuda})

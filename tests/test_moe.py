@@ -692,3 +692,21 @@ def test_moe_benchmark_peer_dequantizes_the_experts_storage():
     for proj in ("gate_up", "down"):
         got = bench.dequantized(experts, proj, *experts.storage(proj))
         torch.testing.assert_close(got, experts.dequantize(proj, torch.bfloat16), rtol=0, atol=0)
+
+
+def test_the_moe_ops_direct_forms_take_the_op_where_they_hold_no_kernel():
+    """moe_route_direct / moe_gemm_direct / moe_combine_direct (KbitExperts' grouped forward, four calls a layer)
+    hold the CUDA kernels (ops._direct; tests/test_moe_cuda.py runs them); on the CPU they run the op, its
+    reference, equal to calling it."""
+    E, H, I, T = 4, 64, 32, 5
+    mod = _with_layouts(E, H, I, 4)
+    x, idx, w = torch.randn(T, H).half(), routing("unrouted", T, 2, E), torch.rand(T, 2)
+    routed = ops.moe_route_direct(idx, w, E, 8)
+    assert all(torch.equal(a, b) for a, b in zip(routed, ops.moe_route(idx, w, E, 8)))
+    x_rows, row_weights, position, passes, num_passes = routed
+    args = (mod.gate_up_gemm_codes, mod.gate_up_gemm_absmax, mod.codebook, mod.gate_up_scale, x_rows, None, passes,
+            num_passes, 4, 2 * I, H, 8, True, 0)
+    h = ops.moe_gemm_direct(x, *args)
+    assert torch.equal(h, ops.moe_gemm(x, *args))
+    y = torch.randn(T * 2, H, dtype=torch.float16)
+    assert torch.equal(ops.moe_combine_direct(y, position), ops.moe_combine(y, position))
