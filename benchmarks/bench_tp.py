@@ -188,7 +188,7 @@ def markdown(result: dict) -> str:
             f"KV heads, vocab {shape['vocab']}), random weights, {env['dtype']}, greedy decode with a static KV "
             f"cache, mode `{env['mode']}`, prompt {env['prompt_len']}, {env['new_tokens']} timed tokens, median of "
             f"{env['repeats']}; {env.get('device', 'cpu')} x{env['world']} ({env['backend']}; kbit's decode sums: "
-            f"{env.get('all_reduce', 'nccl')}), torch {env['torch']}, "
+            f"{env.get('all_reduce', 'collective')}), torch {env['torch']}, "
             f"transformers {env['transformers']}, commit {env['commit']}, {env['date']}.\n\n")
     rows = [[r["format"], r["tp"], f"{r['tokens_per_s']:.1f}", f"{r['bytes_per_rank'] / 2**30:.2f}",
              f"{r['speedup_vs_tp1']:.2f}x", "yes" if r["tokens_equal_tp1"] else f"no (from {r['first_divergence']})"]

@@ -302,16 +302,21 @@ class KbitLinear(KbitModule, nn.Linear):
             y = self._fusion.output(self, self._fusion_slot, x)
             if y is not None:
                 return y
-        y = self._layout_product(x, self._parameters["bias"])
+        return self._product(x, self._parameters["bias"])
+
+    def _product(self, x: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """``x`` (rotated where the weight is) times the weight, plus ``bias`` (this layer's, or None where a sharded
+        layer adds it after a sum): from the held layout, or the CPU kernel, or kbit.matmul."""
+        y = self._layout_product(x, bias)
         if y is not None:
             return y
         rotation = self.rotation
         if rotation is not None:
             x = rotation.rotate(x)
-        kernel = self._direct_cpu_kernel(x)
+        kernel = self._direct_cpu_kernel(x, bias)
         if kernel is not None:
-            return kernel(x.reshape(-1, self.in_features), self.bias).view(*x.shape[:-1], self.out_features)
-        qw, bias = self.qweight, self.bias
+            return kernel(x.reshape(-1, self.in_features), bias).view(*x.shape[:-1], self.out_features)
+        qw = self.qweight
         if (isinstance(x, Tensor) and x.dim() and x.shape[-1] == self.in_features and x.dtype in INPUT_DTYPES
                 and x.device == qw.device and (bias is None or bias.shape == (self.out_features,)
                                                and bias.device == x.device)):
@@ -347,12 +352,11 @@ class KbitLinear(KbitModule, nn.Linear):
                             None if bias is None else bias.to(x.dtype).contiguous(), self.bits, self.out_features, K, 0)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _direct_cpu_kernel(self, x: Tensor):
-        """The CPU kernel bound to this layer's weight and bias, for a call that needs neither autograd nor
+    def _direct_cpu_kernel(self, x: Tensor, bias: Optional[Tensor]):
+        """The CPU kernel bound to this layer's weight and ``bias``, for a call that needs neither autograd nor
         torch.compile's tracing: the ``kbit::matmul_stored`` op and ``kbit.matmul``'s checks cost more Python per
         call than a small layer's GEMM at one token. None otherwise (then ``kbit.matmul`` checks x and runs the
         op). Bound once, checked then by the op's contract, again when the weight (``qweight``) or bias changes."""
-        bias = self.bias
         if (type(x) is not Tensor or x.device.type != "cpu" or x.dtype not in INPUT_DTYPES or x.dim() == 0
                 or self.is_gemm_resident and x.dtype in GEMM_DTYPES  # kbit.matmul multiplies from the layout
                 or x.shape[-1] != self.in_features or torch.compiler.is_compiling()

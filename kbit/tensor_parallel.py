@@ -54,7 +54,7 @@ from .moe import KbitExperts
 from .nn import KbitLinear, fuse_projections, has_groups
 from .rotation import Rotation
 from .symmetric_all_reduce import symmetric_sum
-from .weight import QuantizedWeight, matmul
+from .weight import QuantizedWeight
 
 __all__ = ["shard_model", "unshard_model", "column_shard", "row_shard", "row_split_problem", "kbit_bytes",
            "ColumnParallelKbitLinear", "RowParallelKbitLinear", "GatheredInputKbitLinear",
@@ -182,11 +182,7 @@ class RowParallelKbitLinear(KbitLinear):
     tp: RankGroup
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self._layout_product(x, None)  # the bias after the sum
-        if y is None:
-            rotation = self.rotation
-            y = matmul(x if rotation is None else rotation.rotate(x), self.qweight)
-        y = _all_reduce(y, self.tp)
+        y = _all_reduce(self._product(x, None), self.tp)  # the bias after the sum
         bias = self._parameters["bias"]
         return y if bias is None else y + bias.to(y.dtype)
 
