@@ -1,12 +1,12 @@
 """The tensor-parallel layers' decode sums through torch's one-shot symmetric-memory all-reduce (opt-in).
 
 ``KBIT_TP_ALL_REDUCE=symmetric`` sends each all-reduce of a sharded kbit layer of at most ``SYMMETRIC_BYTES`` (a
-decode step's: tokens x hidden in 16 bits) through torch's ``symm_mem::one_shot_all_reduce_copy``: every rank
-copies its partial sum into a buffer of symmetric memory (``torch.distributed._symmetric_memory``) and one kernel
-on the compute stream reads every rank's copy over NVLink and adds them. The default, ``collective``, is the
-process group's all-reduce (NCCL on GPUs), which runs on NCCL's own stream with a hand-off before and after each
-call; a decode step makes two a layer. Larger sums (a prompt's), and every sum while no buffer is there, take the
-collective whatever the setting.
+decode step's: tokens x hidden, fp16 widened to fp32, ``SUMMED_DTYPES``) through torch's
+``symm_mem::one_shot_all_reduce_copy``: every rank copies its partial sum into a buffer of symmetric memory
+(``torch.distributed._symmetric_memory``) and one kernel on the compute stream reads every rank's copy over NVLink
+and adds them. The default, ``collective``, is the process group's all-reduce (NCCL on GPUs), which runs on NCCL's
+own stream with a hand-off before and after each call; a decode step makes two a layer. Larger sums (a prompt's),
+and every sum while no buffer is there, take the collective whatever the setting.
 
 The buffer, one per process group and GPU, is made and exchanged by the first eager sum on CUDA (a prompt's, say)
 on every rank of the group (``symm_mem.empty`` and ``rendezvous`` are collective: every rank runs the same layers
@@ -25,6 +25,10 @@ from torch import Tensor
 ENV = "KBIT_TP_ALL_REDUCE"
 MODES = ("collective", "symmetric")
 SYMMETRIC_BYTES = 256 * 1024  # the largest sum sent through symmetric memory: a decode step's, not a prompt's
+# What torch's one-shot kernel adds (torch 2.11 dispatches fp32 and bf16 only). Any other dtype (fp16) is summed in
+# fp32 and rounded once, which for two ranks gives the bits of NCCL's 16-bit sum (the sum of two fp16 values is exact
+# in fp32).
+SUMMED_DTYPES = (torch.float32, torch.bfloat16)
 
 _buffers: dict = {}  # (group name, device) -> uint8 [SYMMETRIC_BYTES] in symmetric memory, exchanged
 
@@ -50,11 +54,13 @@ def symmetric_sum(y: Tensor, group_name: str) -> Optional[Tensor]:
             return None
         if buffer is None:  # at the first eager sum of any size (a prompt's), so that a decode step traced next has it
             buffer = _exchange(group_name, y.device)
-    nbytes = y.numel() * y.element_size()
+    dtype = y.dtype if y.dtype in SUMMED_DTYPES else torch.float32
+    nbytes = y.numel() * dtype.itemsize
     if buffer is None or nbytes > SYMMETRIC_BYTES:
         return None
-    staged = buffer[:nbytes].view(y.dtype).view(y.shape)
-    return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, y.contiguous(), "sum", group_name)
+    staged = buffer[:nbytes].view(dtype).view(y.shape)
+    total = torch.ops.symm_mem.one_shot_all_reduce_copy(staged, y.to(dtype).contiguous(), "sum", group_name)
+    return total.to(y.dtype)
 
 
 def _exchange(group_name: str, device: torch.device) -> Tensor:
