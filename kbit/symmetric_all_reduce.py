@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 ENV = "KBIT_TP_ALL_REDUCE"
 MODES = ("collective", "symmetric")
@@ -68,7 +69,7 @@ def _exchange(group_name: str, device: torch.device) -> Tensor:
     from torch.distributed import _symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # needed before torch 2.9; a no-op (or absent) after
+    if enable is not None and TorchVersion(torch.__version__) < (2, 9):  # needed before 2.9; since, only a warning
         enable(group_name)
     buffer = symm_mem.empty(SYMMETRIC_BYTES, dtype=torch.uint8, device=device)
     symm_mem.rendezvous(buffer, group_name)

@@ -612,8 +612,9 @@ def _divergence_is_a_near_tie(want, got, scores, logit_diff: float) -> bool:
 
 def _cuda_tp_plan_worker(rank: int, port: int, folder: str) -> None:
     """One GPU: TP=1 from the kbit folder (greedy tokens, scores, logits), then TP=2 with transformers' tp_plan="auto"
-    from the kbit folder and from the full-precision one quantized while loading: logits, generate's tokens, and the
-    tokens of a compiled decode (bench_e2e.GreedyDecoder: torch.compile reduce-overhead, CUDA graphs)."""
+    from the folder ``source.txt`` names: the kbit one, or the full-precision one quantized while loading. Logits,
+    generate's tokens, and the tokens of a compiled decode (bench_e2e.GreedyDecoder: torch.compile reduce-overhead,
+    CUDA graphs)."""
     from transformers import AutoModelForCausalLM
 
     from repo_script import load_script
@@ -632,30 +633,28 @@ def _cuda_tp_plan_worker(rank: int, port: int, folder: str) -> None:
         want, scores = _greedy(whole, ids)
         ref = logits(whole, ids).float()
         del whole
-        out = {}
-        for source, kwargs in (("kbit", {}), ("fp", {"quantization_config": kbit.KbitConfig(bits=4)})):
-            model = AutoModelForCausalLM.from_pretrained(str(root / source), dtype=torch.float16, tp_plan="auto",
-                                                         **kwargs).eval()
-            diff = float((logits(model, ids).float() - ref).abs().max())
-            got, _ = _greedy(model, ids)
-            dec = decoder(model, 1, ids.shape[1] + NEW_TOKENS + 8, "compile").prepare(ids)
-            compiled = dec.generate(ids, NEW_TOKENS - 1)[0].tolist()  # the prefill's token and one a step
-            out[source] = dict(
-                sharded=sorted({type(m).__name__ for m in model.modules() if isinstance(m, tp._PARALLEL)}),
-                logit_scale=float(ref.abs().max()), logit_diff=diff,
-                generate_ok=_divergence_is_a_near_tie(want, got, scores, diff),
-                compiled_ok=_divergence_is_a_near_tie(want, compiled, scores, diff), want=want, got=got,
-                compiled=compiled)
-            del model, dec
-            torch.cuda.empty_cache()
+        source = (root / "source.txt").read_text()
+        kwargs = {"quantization_config": kbit.KbitConfig(bits=4)} if source == "fp" else {}
+        model = AutoModelForCausalLM.from_pretrained(str(root / source), dtype=torch.float16, tp_plan="auto",
+                                                     **kwargs).eval()
+        diff = float((logits(model, ids).float() - ref).abs().max())
+        got, _ = _greedy(model, ids)
+        dec = decoder(model, 1, ids.shape[1] + NEW_TOKENS + 8, "compile").prepare(ids)
+        compiled = dec.generate(ids, NEW_TOKENS - 1)[0].tolist()  # the prefill's token and one a step
+        out = dict(sharded=sorted({type(m).__name__ for m in model.modules() if isinstance(m, tp._PARALLEL)}),
+                   logit_scale=float(ref.abs().max()), logit_diff=diff,
+                   generate_ok=_divergence_is_a_near_tie(want, got, scores, diff),
+                   compiled_ok=_divergence_is_a_near_tie(want, compiled, scores, diff), want=want, got=got,
+                   compiled=compiled)
         (root / f"tp_plan_rank{rank}.json").write_text(json.dumps(out))
     finally:
         torch.distributed.destroy_process_group()
 
 
 @pytest.mark.cuda
-def test_nccl_tp_plan_auto_generates_and_compiles_as_tp1(tmp_path):
-    """from_pretrained(kbit_folder, tp_plan="auto") and from_pretrained(fp_folder, quantization_config=KbitConfig(4),
+@pytest.mark.parametrize("source", ["kbit", "fp"])
+def test_nccl_tp_plan_auto_generates_and_compiles_as_tp1(source, tmp_path):
+    """from_pretrained(kbit_folder, tp_plan="auto") or from_pretrained(fp_folder, quantization_config=KbitConfig(4),
     tp_plan="auto") on two GPUs over NCCL (fp16, a 2-layer Llama whose heads, blocks and Hadamard-free rows split in
     two): every kbit layer sharded, logits within a few 16-bit roundings of TP=1's, greedy tokens of generate and of a
     compiled, CUDA-graphed decode equal TP=1's but at near-ties."""
@@ -672,13 +671,14 @@ def test_nccl_tp_plan_auto_generates_and_compiles_as_tp1(tmp_path):
                                                                   quantization_config=kbit.KbitConfig(bits=4))
     kbit.save_quantized(quantized, tmp_path / "kbit")
     torch.save(torch.randint(0, 2048, (1, 16)), tmp_path / "ids.pt")
+    (tmp_path / "source.txt").write_text(source)
     _run_cuda_ranks(_cuda_tp_plan_worker, tmp_path)
     for rank in range(WORLD):
-        for source, r in json.loads((tmp_path / f"tp_plan_rank{rank}.json").read_text()).items():
-            print(rank, source, {k: v for k, v in r.items() if k not in ("want", "got", "compiled")})
-            assert {"ColumnParallelKbitLinear", "RowParallelKbitLinear"} <= set(r["sharded"]), r
-            assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
-            assert r["generate_ok"] and r["compiled_ok"], r
+        r = json.loads((tmp_path / f"tp_plan_rank{rank}.json").read_text())
+        print(rank, source, {k: v for k, v in r.items() if k not in ("want", "got", "compiled")})
+        assert {"ColumnParallelKbitLinear", "RowParallelKbitLinear"} <= set(r["sharded"]), r
+        assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
+        assert r["generate_ok"] and r["compiled_ok"], r
 
 
 @pytest.mark.cuda
