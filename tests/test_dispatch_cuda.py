@@ -117,7 +117,7 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
         assert shape.configs  # what ran is recorded
         assert shape.gemm_resident  # dequantize + cuBLAS timed as a layer runs it
         # Each fused time with the launch that ran: the plan on that path from the coefficients the tune started
-        # from (the shipped ones: the cache was empty), then the clustered launches tune adds (clusters_to_time).
+        # from (the shipped ones: the cache was empty), then the other launches tune adds (launches_to_time).
         shipped = planner.shipped_coefficients(device.name)
         configs = planner.device_facts(torch.device("cuda")).configs
         clustered = 0
@@ -131,9 +131,9 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
                 planned = planner.Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)
                 assert timed[0] == (tuple(planned), us), (path, M, timed)
                 config = next(c for c in configs if c.bits == 4 and c.key == chosen.key)
-                added = tune.clusters_to_time(config, planner.Shape(2048, 1024, M, 4), device, shipped, planned)
+                added = tune.launches_to_time(config, planner.Shape(2048, 1024, M, 4), device, shipped, planned)
                 assert [launch for launch, _ in timed[1:]] == [tuple(launch) for launch in added], (path, M, timed)
-                clustered += len(added)
+                clustered += sum(1 for launch in added if launch.tile_parts and not config.ws_tokens)
         if torch.cuda.get_device_capability()[0] == 9:
             assert any(shape.launches.get(planner.Path.WARP_SPECIALIZED) or ())
             assert clustered  # M = 1: mma.sync and the k split on tiles in clusters too

@@ -501,6 +501,22 @@ def test_tune_times_a_few_cluster_sizes_per_cell():
     assert tune.clusters_to_time(mb2, shape, H200, co, planned) == []  # clusters at once not known
 
 
+def test_tune_times_the_other_launch_of_the_k_split_beside_the_planned_one():
+    """The k split's launches the planner weighs are both timed (a CTA per tile, the steps in one group), so the fit
+    sees the one it did not plan; then the clustered ones. A configuration with one launch adds only clusters."""
+    k_split = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.K_SPLIT and c.mb == 2)
+    shape = Shape(1024, 4096, 16, 4)  # 64 tiles of 16 rows, 2 steps each: 128 steps
+    co = coefficients(H200C)
+    for planned, other in ((Launch(128), Launch(64)), (Launch(64), Launch(128))):
+        timed = tune.launches_to_time(k_split, shape, H200C, co, planned)
+        assert timed[0] == other and planned not in timed
+        assert timed[1:] == tune.clusters_to_time(k_split, shape, H200C, co, planned)
+    mb2 = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.MMA_SYNC and c.mb == 2)
+    big = Shape(4096, 4096, 16, 4)
+    assert tune.launches_to_time(mb2, big, H200C, co, Launch(132)) == tune.clusters_to_time(mb2, big, H200C, co,
+                                                                                            Launch(132))
+
+
 def test_nonnegative_least_squares():
     rows = [[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]]
     assert tune.nonnegative_least_squares(rows, [1.0, 3.0, 5.0]) == pytest.approx([1.0, 2.0])
