@@ -28,8 +28,8 @@ How a kbit weight splits, at the storage level (no re-quantization; ``column_sha
   rank reads half of each routed expert's bytes, the router and routing stay unchanged, and the communication is
   the dense MLP's all-reduce.
 
-* a 16-bit ``lm_head`` (transformers' ``"colwise_gather_output"``): rows of the vocabulary, its logits gathered
-  (``ColumnParallelLinear``). At batch 1 it is the largest tensor a decode step reads (128256 x 8192 in 16 bits
+* an ``lm_head`` (transformers' ``"colwise_gather_output"``): rows of the vocabulary, its logits gathered
+  (``ColumnParallelLinear`` in 16 bits, ``GatheredOutputKbitLinear`` quantized). At batch 1 it is the largest tensor a decode step reads (128256 x 8192 in 16 bits
   is 2 GiB, the same as four K=4 layers of a 70B model): replicated, it would cap a two-way split at ~1.3x. An
   ``lm_head`` tied to the input embeddings stays whole (a shard of it would be a second copy).
 
@@ -57,12 +57,12 @@ from .symmetric_all_reduce import symmetric_sum
 from .weight import QuantizedWeight
 
 __all__ = ["shard_model", "unshard_model", "column_shard", "row_shard", "row_split_problem", "kbit_bytes",
-           "ColumnParallelKbitLinear", "RowParallelKbitLinear", "GatheredInputKbitLinear",
+           "ColumnParallelKbitLinear", "GatheredOutputKbitLinear", "RowParallelKbitLinear", "GatheredInputKbitLinear",
            "TensorParallelKbitExperts", "ColumnParallelLinear"]
 
 # transformers' names for the styles kbit layers take (its ``tp_plan``); any other style leaves a layer whole.
 COLWISE, ROWWISE, EXPERTS = "colwise", "rowwise", "moe_tp_experts"
-GATHERED_OUTPUT = ("colwise_gather_output", "colwise_rep")  # a 16-bit layer's rows, its output gathered
+GATHERED_OUTPUT = ("colwise_gather_output", "colwise_rep")  # a layer's rows, its output gathered (an lm_head)
 
 
 # ---------------------------------------------------------------------- storage-level shards
@@ -174,6 +174,17 @@ class ColumnParallelKbitLinear(KbitLinear):
         return super().extra_repr() + f", column shard {self.tp.rank} of {self.tp.world}"
 
 
+class GatheredOutputKbitLinear(ColumnParallelKbitLinear):
+    """A ``ColumnParallelKbitLinear`` whose output every rank gathers whole (a quantized ``lm_head`` planned
+    ``"colwise_gather_output"``: each rank reads its rows of the vocabulary, every rank gets all the logits)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _all_gather(super().forward(x), -1, self.tp.group)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", output gathered"
+
+
 class RowParallelKbitLinear(KbitLinear):
     """A ``KbitLinear`` holding input features ``[rank * K / world, ...)`` of a [out_features, K] weight: its input is
     this rank's slice of the features, its output the all-reduced sum of every rank's product, plus the bias (kept
@@ -249,10 +260,16 @@ def _head_dim(model: nn.Module, name: str) -> int:
 
 
 def linear_split(style: str, shape, world: int, head_dim: int = 1, rotation_block: int = 0, name: str = "layer"):
-    """How a [out_features, in_features] ``KbitLinear`` planned ``style`` (``"colwise"`` / ``"rowwise"``) splits over
-    ``world`` ranks: (the sharded class, what becomes of it). A column split must keep heads of ``head_dim`` whole
-    (ValueError otherwise); a row split that would cut a block leaves the layer whole, its input gathered."""
+    """How a [out_features, in_features] ``KbitLinear`` planned ``style`` (``"colwise"``, ``"rowwise"`` or one of
+    ``GATHERED_OUTPUT``) splits over ``world`` ranks: (the sharded class, what becomes of it). A column split must keep
+    heads of ``head_dim`` whole (ValueError otherwise); a row split that would cut a block leaves the layer whole, its
+    input gathered; a gathered-output layer whose rows do not split evenly stays whole (class None), as a 16-bit
+    one does."""
     out_features, in_features = shape
+    if style in GATHERED_OUTPUT:
+        if out_features % world:
+            return None, f"whole: out_features={out_features} does not split into {world} equal shards"
+        return GatheredOutputKbitLinear, "column shard, output gathered"
     if style == COLWISE:
         if out_features % (world * head_dim):
             unit = f"heads of {head_dim}" if head_dim > 1 else "rows"
@@ -269,7 +286,9 @@ def _shard_linear(layer: KbitLinear, style: str, tp: RankGroup, head_dim: int, n
     qw, bias, rotation = layer.qweight, layer.bias, layer.rotation
     bias = None if bias is None else bias.detach()
     cls, how = linear_split(style, qw.shape, tp.world, head_dim, 0 if rotation is None else rotation.block, name)
-    if cls is ColumnParallelKbitLinear:
+    if cls is None:
+        return layer, how
+    if issubclass(cls, ColumnParallelKbitLinear):
         lo, hi = _even_part(qw.out_features, tp.rank, tp.world)
         qw, bias = column_shard(qw, tp.rank, tp.world), None if bias is None else bias[lo:hi].clone()
     elif cls is RowParallelKbitLinear:
@@ -341,7 +360,7 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
     """Shard every kbit layer of ``model`` in place over ``group`` (default: the default process group).
 
     ``plan`` maps layer names (``*`` for a layer number) to ``"colwise"``, ``"rowwise"`` or (``KbitExperts``)
-    ``"moe_tp_experts"``, as transformers' ``tp_plan``, and a 16-bit ``nn.Linear`` (the ``lm_head``) to
+    ``"moe_tp_experts"``, as transformers' ``tp_plan``, and an ``lm_head`` (16-bit ``nn.Linear`` or ``KbitLinear``) to
     ``"colwise_gather_output"``; default ``model_plan(model)``. Layers it does not name (and other modules) stay
     whole on every rank. Every rank of ``group`` must call this with
     the same model; the storage is sliced where it lies (shard on the CPU, then move each rank's model to its GPU).
@@ -360,7 +379,7 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
         if isinstance(module, _PARALLEL):
             raise ValueError(f"{name} is sharded already: shard_model runs once per model")
         style = _style(name, plan)
-        if isinstance(module, KbitLinear) and style in (COLWISE, ROWWISE):
+        if isinstance(module, KbitLinear) and style in (COLWISE, ROWWISE) + GATHERED_OUTPUT:
             new, report[name] = _shard_linear(module, style, tp, _head_dim(model, name), name)
         elif isinstance(module, KbitExperts) and style == EXPERTS:
             new, report[name] = _shard_experts(module, tp)

@@ -191,20 +191,20 @@ def tiny_qwen3_moe():
     return Qwen3MoeForCausalLM(config)
 
 
-def quantized(build, rotate: bool):
+def quantized(build, **settings):
     torch.manual_seed(11)
     model = build().eval()
     with torch.no_grad():  # non-trivial norms, so that a mix-up of tensors would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    return kbit.quantize_model(model, bits=4, min_features=32, progress=False, rotate=rotate)
+    return kbit.quantize_model(model, bits=4, min_features=32, progress=False, **settings)
 
 
 # Rotated: o_proj (in 128, Hadamard blocks of 128) cannot split in two and stays whole; down_proj (in 1024, blocks
-# of 512) splits into one Hadamard block per rank.
-MODELS = {"llama": (tiny_llama, False), "llama_rotated": (lambda: tiny_llama(1024), True),
-          "qwen3_moe": (tiny_qwen3_moe, False)}
+# of 512) splits into one Hadamard block per rank. The last quantizes the lm_head too.
+MODELS = {"llama": (tiny_llama, {}), "llama_rotated": (lambda: tiny_llama(1024), {"rotate": True}),
+          "qwen3_moe": (tiny_qwen3_moe, {}), "llama_kbit_lm_head": (tiny_llama, {"skip": ()})}
 
 
 def tiny_qwen2():
@@ -220,7 +220,8 @@ def tiny_qwen2():
 # of 256 do not split in two (it stays whole, its input gathered), down_proj's of 512 do.
 FP_MODELS = {"llama_fp": (tiny_llama, kbit.KbitConfig(bits=4, min_features=32)),
              "qwen3_moe_fp": (tiny_qwen3_moe, kbit.KbitConfig(bits=4, min_features=32)),
-             "qwen2_rotated_fp": (tiny_qwen2, kbit.KbitConfig(bits=4, min_features=32, rotate=True))}
+             "qwen2_rotated_fp": (tiny_qwen2, kbit.KbitConfig(bits=4, min_features=32, rotate=True)),
+             "llama_kbit_lm_head_fp": (tiny_llama, kbit.KbitConfig(bits=4, min_features=32, skip=[]))}
 
 
 def logits(model, ids):
@@ -276,7 +277,8 @@ def _worker(rank: int, port: int, folder: str) -> None:
             whole_bytes, whole_groups = tp.kbit_bytes(model), _groups(model)
             report = tp.shard_model(model)
             out[name] = {"report": report, "whole_bytes": whole_bytes, "bytes": tp.kbit_bytes(model),
-                         "lm_head_rows": model.lm_head.weight.shape[0], "whole_groups": whole_groups,
+                         "lm_head_rows": model.lm_head.weight.shape[0],
+                         "lm_head": type(model.lm_head).__name__, "whole_groups": whole_groups,
                          "sharded_groups": _groups(model)}
             torch.save(logits(model, ids), root / f"{name}.tp2.rank{rank}.pt")
             tp.unshard_model(model)
@@ -387,8 +389,8 @@ def job(tmp_path_factory):
         build().save_pretrained(str(root / fp))
         model = transformers.AutoModelForCausalLM.from_pretrained(str(root / fp), quantization_config=config).eval()
         whole[fp] = (model, logits(model, ids), None)
-    for name, (build, rotate) in MODELS.items():
-        model = quantized(build, rotate)
+    for name, (build, settings) in MODELS.items():
+        model = quantized(build, **settings)
         kbit.save_quantized(model, root / name)
         with torch.no_grad():
             tokens = model.generate(ids[:1], max_new_tokens=4, do_sample=False)[0].tolist()
@@ -427,6 +429,7 @@ def test_tp_plan_auto_reads_only_this_ranks_shard(job, name):
     for rank in range(WORLD):
         reads, report = results[rank][name]["tp_plan_reads"], results[rank][name]["report"]
         sharded = sum(2 if how == "shard of every expert" else how.endswith("shard") for how in report.values())
+        sharded += results[rank][name]["lm_head"] == "GatheredOutputKbitLinear"  # a 16-bit one reads no int32
         assert sharded and len(reads) == sharded, (reads, report)
         assert all(2 * got == full for full, got in reads), reads
 
@@ -445,6 +448,7 @@ def test_every_kbit_layer_is_sharded(job):
     assert llama and all(how in ("column shard", "row shard") for how in llama.values()), llama
     moe = dict(results[0]["qwen3_moe"]["report"])
     assert moe.pop("lm_head") == "column shard, output gathered"
+    assert results[0]["llama"]["lm_head"] == "ColumnParallelLinear"
     assert {how for name, how in moe.items() if name.endswith("experts")} == {"shard of every expert"}
     assert all(how in ("column shard", "row shard") for name, how in moe.items() if not name.endswith("experts"))
 
@@ -456,19 +460,24 @@ def test_sharded_sibling_projections_stay_grouped(job, name):
     *_, results = job
     for rank in results:
         got = rank[name]
-        rotated = MODELS[name][1]  # rotated siblings differ in their input rotations: they stay apart
+        rotated = MODELS[name][1].get("rotate", False)  # rotated siblings differ in their input rotations: apart
         assert bool(got["whole_groups"]) != rotated and all("?" not in g for g in got["whole_groups"])
         for key in ("sharded_groups", "unsharded_groups", "tp_plan_groups"):
             assert got[key] == got["whole_groups"], key
 
 
-def test_the_16_bit_lm_head_is_split_by_vocabulary_unless_tied(job):
+def test_the_lm_head_is_split_by_vocabulary_unless_tied(job):
     """The lm_head is a decode step's largest read at batch 1: each rank holds half its rows (its logits gathered,
-    as test_tp2_logits_equal_tp1 shows); tied to the embeddings it stays whole."""
+    as test_tp2_logits_equal_tp1 shows), in 16 bits or quantized (GatheredOutputKbitLinear; before, a tp_plan load of
+    a quantized one failed in its forward: transformers' gathered its whole logits); tied to the embeddings it stays
+    whole."""
     *_, results = job
     for rank in range(WORLD):
         for name in MODELS:
             assert results[rank][name]["lm_head_rows"] == VOCAB // WORLD
+            want = "GatheredOutputKbitLinear" if name == "llama_kbit_lm_head" else "ColumnParallelLinear"
+            assert results[rank][name]["lm_head"] == want, name
+            assert results[rank][name]["report"]["lm_head"] == "column shard, output gathered"
         assert results[rank]["tied_report"] == {"lm_head": "whole: tied to another module's weight"}
 
 
@@ -509,8 +518,9 @@ def test_quantizing_while_loading_under_tp_plan_gives_the_shards_of_the_one_proc
         r = results[rank][fp]
         assert 0.45 * tp.kbit_bytes(model) < r["bytes"] < 0.56 * tp.kbit_bytes(model), r
         assert [tuple(g) for g in r["groups"]] == _groups(model), r
-    sharded = {"ColumnParallelKbitLinear", "RowParallelKbitLinear"} | ({"TensorParallelKbitExperts"} if "moe" in fp
-                                                                       else set())
+    sharded = {"ColumnParallelKbitLinear", "RowParallelKbitLinear"}
+    sharded |= {"TensorParallelKbitExperts"} if "moe" in fp else set()
+    sharded |= {"GatheredOutputKbitLinear"} if "lm_head" in fp else set()
     assert sharded <= set(results[0][fp]["sharded"]), results[0][fp]
 
 

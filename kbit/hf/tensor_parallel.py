@@ -5,11 +5,11 @@ transformers (5.2x: ``HfQuantizer.update_parallel_plan``) builds the model on th
 ``tp_plan`` to it (each style turns the parameters it shards into meta DTensors: placeholders whose placements tell
 the loader which slice of each checkpoint tensor this rank reads, via safetensors slices) and then loads. kbit's
 storage is buffers its styles do not know, so ``KbitHfQuantizer.update_parallel_plan`` gives the kbit layers
-kbit's styles instead (``kbit_colwise``, ``kbit_rowwise``, ``kbit_moe_tp_experts``), whose placeholders describe the
-storage as ``kbit.tensor_parallel`` splits it:
+kbit's styles instead (``kbit_colwise``, ``kbit_rowwise``, ``kbit_moe_tp_experts``, and for a quantized ``lm_head``
+``kbit_colwise_gather_output``), whose placeholders describe the storage as ``kbit.tensor_parallel`` splits it:
 
 * column parallel: ``packed`` and ``absmax`` (rows after rows, flat) ``Shard(0)``: a contiguous run of whole rows;
-  the bias ``Shard(0)``.
+  the bias ``Shard(0)``. A gathered-output layer (an ``lm_head``) the same, its output gathered on every rank.
 * row parallel: ``packed`` and ``absmax`` ``_StridedShard(0, split_factor=out_features)``: in every row (a group),
   this rank's run of whole blocks; ``rotation_signs`` ``Shard(0)``. A layer whose shards would cut a block (of 32 or
   of its Hadamard transform) gets no placeholders: it loads whole and gathers its input.
@@ -45,8 +45,8 @@ from ..weight import QuantizedWeight
 
 PREFIX = "kbit_"
 QUANTIZE = "quantize_"  # kbit_quantize_<style>: a layer quantized while loading, then split <style>'s way
-_SPLITS = (tp.COLWISE, tp.ROWWISE, tp.EXPERTS)
-_KBIT_STYLES = {KbitLinear: (tp.COLWISE, tp.ROWWISE), KbitExperts: (tp.EXPERTS,)}
+_SPLITS = (tp.COLWISE, tp.ROWWISE, tp.EXPERTS) + tp.GATHERED_OUTPUT
+_KBIT_STYLES = {KbitLinear: (tp.COLWISE, tp.ROWWISE) + tp.GATHERED_OUTPUT, KbitExperts: (tp.EXPERTS,)}
 
 
 def _placeholder(module, name: str, mesh, placement) -> None:
@@ -62,7 +62,7 @@ class KbitParallel(TensorParallelLayer):
 
     def shard_param(self, module, param, mesh):  # the bias; the weights' counts (kbit._counted) hold nothing
         bias = module._parameters.get(param) if param == "bias" else None
-        if bias is not None and self.style == tp.COLWISE:
+        if bias is not None and (self.style == tp.COLWISE or self.style in tp.GATHERED_OUTPUT):
             module._parameters[param] = torch.nn.Parameter(
                 distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None), requires_grad=bias.requires_grad)
 
@@ -78,8 +78,10 @@ class KbitParallel(TensorParallelLayer):
     def _linear(self, layer: KbitLinear, mesh) -> None:
         cls, _ = tp.linear_split(self.style, (layer.out_features, layer.in_features), mesh.size(),
                                  int(getattr(layer, "_kbit_head_dim", 1)), layer._block)
+        if cls is None:
+            return  # whole on every rank
         layer._kbit_tp = (cls, mesh)
-        if cls is tp.ColumnParallelKbitLinear:
+        if issubclass(cls, tp.ColumnParallelKbitLinear):
             for key in ("packed", "absmax"):
                 _placeholder(layer, key, mesh, Shard(0))
         elif cls is tp.RowParallelKbitLinear:
@@ -101,7 +103,7 @@ class QuantizeWhileLoadingParallel(TensorParallelLayer):
     """A layer kbit quantizes while loading under a tp_plan, to be split ``style``'s way: no placeholders, so every
     rank reads its full-precision weight whole and quantizes it alike (quantizing shards apart would give each its own
     scale); ``finish_loading`` then cuts this rank's shard as ``shard_model`` does. A style kbit does not split by
-    (``None``: a gathered lm_head, say) leaves the quantized layer whole on every rank."""
+    (``None``) leaves the quantized layer whole on every rank."""
 
     def __init__(self, style: Optional[str]):
         self.style = style
@@ -171,7 +173,7 @@ def _shard_quantized_whole(model, name: str, module, style: str, mesh) -> None:
     group = tp.RankGroup(mesh.get_group())
     if isinstance(module, KbitExperts) and style == tp.EXPERTS:
         new, _ = tp._shard_experts(module, group)
-    elif isinstance(module, KbitLinear) and style in (tp.COLWISE, tp.ROWWISE):
+    elif isinstance(module, KbitLinear) and style in (tp.COLWISE, tp.ROWWISE) + tp.GATHERED_OUTPUT:
         new, _ = tp._shard_linear(module, style, group, int(getattr(module, "_kbit_head_dim", 1)), name)
     else:
         raise ValueError(f"{name}: a {type(module).__name__} planned {style!r} was to be quantized while loading "
@@ -204,7 +206,7 @@ def finish_loading(model) -> None:
             continue
         state = {key: _local(getattr(module, key)) for key in ("packed", "absmax", "codebook", "scale")}
         out_features, in_features = module.out_features, module.in_features
-        if cls is tp.ColumnParallelKbitLinear:
+        if issubclass(cls, tp.ColumnParallelKbitLinear):
             out_features //= group.world
         elif cls is tp.RowParallelKbitLinear:
             in_features //= group.world
