@@ -5,11 +5,13 @@ torchrun, one process per GPU:
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py                       # H200 x2: fp16 and kbit K=4
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --mode graph          # CUDA graphs instead of compile
     KBIT_TP_ALL_REDUCE=symmetric torchrun --nproc-per-node 2 benchmarks/bench_tp.py   # decode sums: symmetric memory
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --quantize-lm-head 4  # kbit rows quantize the lm_head too
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --layers 2 --hidden 256 --intermediate 512 \\
         --heads 4 --kv-heads 2 --vocab 1000 --new-tokens 4 --repeats 1 --no-write      # tiny gloo smoke run
 
 Each format starts from the same seeded random model (``bench_e2e.build_model``: kbit rows quantize q/k/v/o and
-gate/up/down with ``kbit.quantize_model``; embeddings and lm_head stay 16-bit). TP=1 runs on rank 0 alone (the
+gate/up/down with ``kbit.quantize_model``; embeddings and lm_head stay 16-bit, the lm_head quantized with
+``--quantize-lm-head``). TP=1 runs on rank 0 alone (the
 other ranks wait); TP=2 shards the model over every rank: kbit layers with ``kbit.tensor_parallel.shard_model``,
 the 16-bit baseline's Linear layers with torch's own ``parallelize_module`` (``ColwiseParallel`` /
 ``RowwiseParallel``), both from the model's transformers ``tp_plan``: the 16-bit lm_head split by vocabulary with
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     for k, v in SHAPE.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--quantize-lm-head", type=int, default=0, metavar="BITS",
+                   help="kbit rows quantize the lm_head too, to BITS (default: it stays 16-bit)")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     p.add_argument("--mode", default=None, choices=("compile", "graph", "eager"),
                    help="default: compile on CUDA, eager on CPU")
@@ -141,15 +145,17 @@ def run(args):
     kinds = set(args.formats.split(","))
     if not kinds or not kinds <= {"dense", "kbit"}:
         raise SystemExit(f"--formats: dense, kbit or both, not {args.formats!r}")
-    for fmt in [f for kind, f in (("dense", dense), ("kbit", f"kbit{args.bits}")) if kind in kinds]:
+    kbit_fmt = f"kbit{args.bits}" + (f" + lm_head K={args.quantize_lm_head}" if args.quantize_lm_head else "")
+    for fmt in [f for kind, f in (("dense", dense), ("kbit", kbit_fmt)) if kind in kinds]:
         bits = None if fmt == dense else args.bits
+        lm_head_bits = None if fmt == dense else args.quantize_lm_head or None
         if rank == 0:  # TP=1 on one GPU; the others wait
-            model = build_model(config, device, dtype, args.seed, bits=bits)
+            model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits)
             rows[(fmt, 1)] = measure(model, prompt, args, mode, fmt, sharded=False)
             del model
             free_memory()
         dist.barrier()
-        model = build_model(config, device, dtype, args.seed, bits=bits)
+        model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits)
         shard(model, bits is not None, device)
         rows[(fmt, world)] = measure(model, prompt, args, mode, fmt, sharded=True)
         del model
@@ -158,7 +164,8 @@ def run(args):
     if rank != 0:
         return None
     info = env_info()
-    info.update(world=world, mode=mode, dtype=args.dtype, bits=args.bits, shape={k: getattr(args, k) for k in SHAPE},
+    info.update(world=world, mode=mode, dtype=args.dtype, bits=args.bits, lm_head_bits=args.quantize_lm_head or None,
+                shape={k: getattr(args, k) for k in SHAPE},
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                 backend=dist.get_backend(), transformers=__import__("transformers").__version__,
                 all_reduce=symmetric_all_reduce.mode())
@@ -172,9 +179,9 @@ def run(args):
         if "profile" in r:
             results[-1]["profile"] = r["profile"]
     summary = {}
-    kbit_tp = rows.get((f"kbit{args.bits}", world))
+    kbit_tp = rows.get((kbit_fmt, world))
     if kbit_tp is not None:
-        summary["kbit_tp_speedup"] = kbit_tp["tokens_per_s"] / rows[(f"kbit{args.bits}", 1)]["tokens_per_s"]
+        summary["kbit_tp_speedup"] = kbit_tp["tokens_per_s"] / rows[(kbit_fmt, 1)]["tokens_per_s"]
         if (dense, world) in rows:
             summary["kbit_vs_fp16_at_tp"] = kbit_tp["tokens_per_s"] / rows[(dense, world)]["tokens_per_s"]
     return {"env": info, "results": results, "summary": summary}
