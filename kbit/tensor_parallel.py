@@ -29,9 +29,10 @@ How a kbit weight splits, at the storage level (no re-quantization; ``column_sha
   the dense MLP's all-reduce.
 
 * an ``lm_head`` (transformers' ``"colwise_gather_output"``): rows of the vocabulary, its logits gathered
-  (``ColumnParallelLinear`` in 16 bits, ``GatheredOutputKbitLinear`` quantized). At batch 1 it is the largest tensor a decode step reads (128256 x 8192 in 16 bits
-  is 2 GiB, the same as four K=4 layers of a 70B model): replicated, it would cap a two-way split at ~1.3x. An
-  ``lm_head`` tied to the input embeddings stays whole (a shard of it would be a second copy).
+  (``ColumnParallelLinear`` in 16 bits, ``GatheredOutputKbitLinear`` quantized). At batch 1 it is the largest tensor
+  a decode step reads (128256 x 8192 in 16 bits is 2 GiB, the same as four K=4 layers of a 70B model): replicated,
+  it would cap a two-way split at ~1.3x. An ``lm_head`` tied to the input embeddings stays whole (a shard of it
+  would be a second copy).
 
 Other modules (embeddings, norms, the router) stay replicated. Each rank
 keeps only its shard: the full storage is released once ``shard_model`` returns, and a layer re-derives its GEMM
@@ -57,8 +58,8 @@ from .symmetric_all_reduce import symmetric_sum
 from .weight import QuantizedWeight
 
 __all__ = ["shard_model", "unshard_model", "column_shard", "row_shard", "row_split_problem", "kbit_bytes",
-           "ColumnParallelKbitLinear", "GatheredOutputKbitLinear", "RowParallelKbitLinear", "GatheredInputKbitLinear",
-           "TensorParallelKbitExperts", "ColumnParallelLinear"]
+           "ColumnParallelKbitLinear", "GatheredOutputKbitLinear", "RowParallelKbitLinear",
+           "GatheredInputKbitLinear", "TensorParallelKbitExperts", "ColumnParallelLinear"]
 
 # transformers' names for the styles kbit layers take (its ``tp_plan``); any other style leaves a layer whole.
 COLWISE, ROWWISE, EXPERTS = "colwise", "rowwise", "moe_tp_experts"
@@ -455,8 +456,8 @@ def _gathered_experts(experts: TensorParallelKbitExperts) -> KbitExperts:
 
 def unshard_model(model: nn.Module) -> nn.Module:
     """Gather every sharded layer of ``model`` back into a whole ``KbitLinear`` / ``KbitExperts`` / ``nn.Linear``, in
-    place, on every rank (each rank of the group must call it). Layers kept whole by ``shard_model`` become plain kbit layers
-    again. Returns the model, which then saves (``kbit.save_quantized`` on rank 0) and loads at any TP size."""
+    place, on every rank (each rank of the group must call it). Layers kept whole by ``shard_model`` become plain kbit
+    layers again. Returns the model, which then saves (``kbit.save_quantized`` on rank 0) and loads at any TP size."""
     fused = has_groups(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, TensorParallelKbitExperts):
