@@ -468,9 +468,9 @@ def test_sharded_sibling_projections_stay_grouped(job, name):
 
 def test_the_lm_head_is_split_by_vocabulary_unless_tied(job):
     """The lm_head is a decode step's largest read at batch 1: each rank holds half its rows (its logits gathered,
-    as test_tp2_logits_equal_tp1 shows), in 16 bits or quantized (GatheredOutputKbitLinear; before, a tp_plan load of
-    a quantized one failed in its forward: transformers' gathered its whole logits); tied to the embeddings it stays
-    whole."""
+    as test_tp2_logits_equal_tp1 shows), in 16 bits or quantized (GatheredOutputKbitLinear, whose tp_plan load reads
+    half its rows: transformers' own gathered-output style would gather a whole layer's logits); tied to the
+    embeddings it stays whole."""
     *_, results = job
     for rank in range(WORLD):
         for name in MODELS:
