@@ -3,12 +3,15 @@ launch, up to 16 tokens (compute capability 9.x).
 
     python benchmarks/bench_cluster_split.py                       # K=4 fp16, M = 1 and 16, six shapes (< 60 s)
     python benchmarks/bench_cluster_split.py --shapes 4096->1024 --m 1
+    python benchmarks/bench_cluster_split.py --grids 64,96,112,120,128,132      # and those grids, no parts
 
 Per shape and M: the planned launch (``kbit.ops.gemm``: the planner's configuration and grid), then for every mma.sync
 configuration up to 16 tokens (mb 1 and 2, k split 1 and 8) and every cluster size C in 2..8 that fits (C <= a tile's
 k-steps, tiles x C <= SMs), the same weights with each tile's k-steps in C parts on one cluster of C CTAs (tile_parts =
 C on tiles x C CTAs), and, where C divides the k-steps, the same parts on the same grid cut in one group, whose split
-tiles meet through L2 (the two columns differ only in the hand-off; bitwise the same sums). Timed as bench_gemm.py times
+tiles meet through L2 (the two columns differ only in the hand-off; bitwise the same sums). With ``--grids``, each of
+those configurations' steps also in one group on each grid given (at most a CTA per step) and, for the k split, on a
+CTA per tile: the launches the planner chooses among (C = 0 in the tables). Timed as bench_gemm.py times
 (docs/PERFORMANCE.md#method): CUDA graphs of calls over weight copies that together exceed twice L2, the median replay
 over the calls; the copy of the call's bytes timed the same way. Clusters the GPU cannot hold all at once run in waves
 (the time shows it). Prints every launch, then the best per shape and M last; writes bench_cluster_split.json to $OUT
@@ -46,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="comma-separated K_in->N_out list")
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="comma-separated token counts, 1 to 16")
     p.add_argument("--clusters", default=",".join(map(str, CLUSTER_SIZES)), help="cluster sizes to try, 2 to 8")
+    p.add_argument("--grids", default="", help="comma-separated grids to try with the steps in one group (default none)")
     p.add_argument("--k", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
     p.add_argument("--dtype", default="fp16", help="activation dtype: fp16 or bf16 (default fp16)")
     p.add_argument("--calls", type=int, default=20, help="minimum calls per CUDA graph (default 20)")
@@ -57,6 +61,7 @@ def parse_args(argv=None):
         args.shape_list = [parse_shape(s) for s in args.shapes.split(",")]
         args.m_list = parse_int_list(args.m, "--m", allowed=range(1, 17))
         args.cluster_list = parse_int_list(args.clusters, "--clusters", allowed=CLUSTER_SIZES)
+        args.grid_list = parse_int_list(args.grids, "--grids", allowed=range(1, 1025)) if args.grids else []
         (args.dtype_t,) = parse_dtypes(args.dtype)
     except ValueError as e:
         p.error(str(e))
@@ -104,6 +109,23 @@ def cluster_launches(facts, k: int, n_out: int, kdim: int, m: int, sizes) -> lis
     return found
 
 
+def group_launches(facts, k: int, n_out: int, kdim: int, m: int, grids) -> list:
+    """(config, tiles, k-steps, grid) of the clustered launches' configurations with their steps in one group on each
+    of ``grids`` that the device and the steps allow (a CTA per SM and per step at most), and for the k split on a CTA
+    per tile: the launches ``kbit.planner.launches`` offers, and others."""
+    from kbit import planner
+
+    found = []
+    for c in facts.configs:
+        if c.bits != k or not c.tile_parts_in_clusters or not c.runs_on(facts.device):
+            continue
+        steps = planner.steps_of(c, planner.Shape(n_out, kdim, m, k))
+        per_tile = [steps.tiles] if c.k_split > 1 and steps.tiles <= facts.device.sms else []
+        found += [(c, steps.tiles, steps.k_steps, g) for g in sorted(set(grids) | set(per_tile))
+                  if g <= min(facts.device.sms, steps.total)]
+    return found
+
+
 def bench_shape(runner: Runner, facts, args, k_in: int, n_out: int, log) -> list:
     torch = common.torch
     from kbit import planner
@@ -144,6 +166,20 @@ def bench_shape(runner: Runner, facts, args, k_in: int, n_out: int, log) -> list
             log(f"  {row['config']:>8} C={C} grid {row['grid']:>3}: cluster {fmt_us(row['cluster_us'])} us, same cut "
                 f"through L2 {fmt_us(row['l2_us'])} us")
             rows.append(row)
+        for config, tiles, k_steps, grid in group_launches(facts, args.k, n_out, fused.kdim, m, args.grid_list):
+            row = dict(base, config=config_name(config), tiles=tiles, k_steps=k_steps, cluster=0, grid=grid,
+                       cluster_us=None, l2_us=None, speedup=None)
+            peer = ForcedLaunch(fused, config, grid, 0)
+            try:
+                error = float((peer.call(x, ws[0]).float() - reference).norm() / reference.norm().clamp_min(1e-30))
+            except RuntimeError as e:  # refused by the binding (this GPU): reported, not fatal
+                log(f"  {row['config']} grid {grid}: {e}")
+                continue
+            if error <= AGREEMENT:
+                row["l2_us"] = runner.time(peer, ws, x)["us"]
+                row["speedup"] = planned / row["l2_us"]
+            log(f"  {row['config']:>8} one group, grid {grid:>3}: {fmt_us(row['l2_us'])} us")
+            rows.append(row)
         if not any(r["m"] == m and r["shape"] == base["shape"] for r in rows):
             rows.append(dict(base, config=None, cluster=None, grid=None, cluster_us=None, l2_us=None, speedup=None))
     del ws
@@ -151,18 +187,25 @@ def bench_shape(runner: Runner, facts, args, k_in: int, n_out: int, log) -> list
     return rows
 
 
+def launch_us(row: dict) -> float:
+    """A row's time: its clustered launch's, or with C = 0 (``--grids``) its steps in one group."""
+    us = row["l2_us"] if row.get("cluster") == 0 else row["cluster_us"]
+    return us or float("inf")
+
+
 def best_rows(rows: list) -> list:
-    """Per shape and M, the fastest cluster launch (or none)."""
+    """Per shape and M, the fastest launch timed (or none)."""
     best = {}
     for r in rows:
         key = (r["shape"], r["m"])
-        if key not in best or (r["cluster_us"] or float("inf")) < (best[key]["cluster_us"] or float("inf")):
+        if key not in best or launch_us(r) < launch_us(best[key]):
             best[key] = r
     return list(best.values())
 
 
 def render(rows: list, heading: str) -> str:
-    """Every cluster launch timed, then the best per shape and M against the planned launch (printed last)."""
+    """Every launch timed, then the best per shape and M against the planned launch (printed last). C = 0: the steps
+    in one group on that grid (``--grids``), its time in the L2 column."""
     every = [[r["shape"], r["m"], r["planned"]["config"], r["planned"]["grid"], fmt_us(r["planned_us"]), r["config"],
               r["cluster"], r["grid"], fmt_us(r["cluster_us"]), fmt_us(r["l2_us"]), fmt_ratio(r["speedup"])]
              for r in rows if r["config"] is not None]
@@ -174,8 +217,8 @@ def render(rows: list, heading: str) -> str:
         text_table(["shape", "M", "planned", "grid", "us", "config", "C", "grid", "cluster us", "L2 us (same cut)",
                     "speedup"], every),
         "",
-        f"{heading} Best cluster launch per shape and M (speedup over the planned launch):",
-        text_table(["shape", "M", "copy us", "planned / grid", "planned us", "cluster / grid", "cluster us",
+        f"{heading} Best launch per shape and M (speedup over the planned launch):",
+        text_table(["shape", "M", "copy us", "planned / grid", "planned us", "launch / grid", "cluster us",
                     "L2 us (same cut)", "speedup"], best)])
 
 

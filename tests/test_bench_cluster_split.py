@@ -34,11 +34,27 @@ def test_cluster_launches_fit_the_k_steps_and_the_sms(bench):
                                     bench.cluster_launches(few_sms, 4, 1024, 4096, 1, range(2, 9))}
 
 
-def test_best_rows_take_the_fastest_timed_cluster_launch(bench):
-    rows = [{"shape": "4096->1024", "m": 1, "cluster_us": None}, {"shape": "4096->1024", "m": 1, "cluster_us": 3.1},
-            {"shape": "4096->1024", "m": 1, "cluster_us": 2.9}, {"shape": "4096->1024", "m": 16, "cluster_us": None}]
+def test_best_rows_take_the_fastest_timed_launch(bench):
+    """A clustered launch by its cluster time; one of the steps in one group (C = 0, ``--grids``) by its L2 time."""
+    def row(m, cluster, cluster_us, l2_us):
+        return {"shape": "4096->1024", "m": m, "cluster": cluster, "cluster_us": cluster_us, "l2_us": l2_us}
+
+    rows = [row(1, 2, None, None), row(1, 2, 3.1, 2.0), row(1, 4, 2.9, 3.5), row(16, 2, None, None),
+            row(16, 0, None, 5.6), row(16, 2, 6.0, 5.0)]
     best = bench.best_rows(rows)
-    assert [(r["m"], r["cluster_us"]) for r in best] == [(1, 2.9), (16, None)]
+    assert [(r["m"], r["cluster"], r["cluster_us"], r["l2_us"]) for r in best] == [(1, 4, 2.9, 3.5), (16, 0, None, 5.6)]
+    assert bench.best_rows([row(1, 2, None, None)])[0]["cluster_us"] is None  # none timed: the row stays, "none"
+
+
+def test_group_launches_are_the_grids_given_and_the_k_splits_cta_per_tile(bench):
+    """4096 -> 1024 at 16 tokens on 132 SMs: the grids given up to a CTA per step, and for the k split (mb 2: 64 tiles
+    of 16 rows, 2 k-steps; mb 1: 2 passes of 32 tiles) its CTA per tile; no configuration past 16 tokens."""
+    configs = gemm_facts.parse_configs((ROOT / "tests" / "gemm_configs.json").read_text())
+    facts = types.SimpleNamespace(device=gemm_facts.Device("NVIDIA H200", (9, 0), 132, 232448), configs=configs)
+    found = {(c.mb, c.k_split, grid) for c, _, _, grid in bench.group_launches(facts, 4, 1024, 4096, 16, [96, 132])}
+    # 256-row tiles: 4 of 16 k-steps, 64 steps at mb 2 (too few for either grid), 128 in two passes at mb 1; the k
+    # split's 128 steps in 64 tiles either way
+    assert found == {(1, 1, 96), (1, 8, 96), (1, 8, 64), (2, 8, 96), (2, 8, 64)}
 
 
 def test_render_lists_every_launch_then_the_best_per_shape(bench):
@@ -49,7 +65,7 @@ def test_render_lists_every_launch_then_the_best_per_shape(bench):
             dict(base, shape="4096->28672", config=None, cluster=None, grid=None, cluster_us=None, l2_us=None,
                  speedup=None)]
     text = bench.render(rows, "K=4 fp16, H200.")
-    every, best = text.split("Best cluster launch")
+    every, best = text.split("Best launch")
     assert every.count("4096->1024") == 2 and "4096->28672" not in every  # shapes without a cluster launch: best only
     assert "mb2 ks8 C=2 / 128" in best and "1.23x" in best and "none fits" in best
     assert text.rstrip().splitlines()[-1].startswith("4096->28672")  # the best table is last
