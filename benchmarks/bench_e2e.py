@@ -229,7 +229,9 @@ class GreedyDecoder:
 
     @torch.no_grad()
     def prepare(self, prompt, warmup: int = 3):
-        """Capture the graph / compile the step (this dirties the cache: ``prefill`` again after)."""
+        """Capture the graph / compile the step, or (eager) run it: ``warmup`` steps in every mode, so that no timed
+        step loads a kernel, plans a GEMM or builds an attention plan for the first time (this dirties the cache:
+        ``prefill`` again after)."""
         self.prefill(prompt)
         if self.mode == "graph":  # warm-up calls derive kbit's GEMM layouts before the capture
             # one replay after capture, not warm_seconds of them: each step advances the cache, and on a small model
@@ -242,6 +244,7 @@ class GreedyDecoder:
             # it with the batch dimension symbolic (automatic dynamic shapes), and past the recompile limit ran eagerly.
             torch._dynamo.reset()
             self.compiled = torch.compile(self._next_token, mode="reduce-overhead", dynamic=False)
+        if self.mode != "graph":  # the capture ran its own warm-up calls
             for _ in range(warmup):
                 self.step()
         return self
