@@ -243,8 +243,7 @@ class FusedProjections:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, first.in_features)
         K = stacked.in_features_padded
-        if x.device.type == "cuda" and planner.gemm_plan(
-                x.device, stacked.rows, K, x2.shape[0], first.bits).path is planner.Path.DEQUANTIZE_CUBLAS:
+        if x.device.type == "cuda" and planner.dequantizes_first(x.device, stacked.rows, K, x2.shape[0], first.bits):
             return None
         y = ops.gemm_direct(x2, stacked.codes, stacked.absmax, first._held("codebook"), stacked.block_scale,
                             self._bias(x.dtype), first.bits, stacked.rows, K, 0)

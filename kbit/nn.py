@@ -342,8 +342,8 @@ class KbitLinear(KbitModule, nn.Linear):
             return None
         K = padded_in_features(self.in_features)
         x2 = x.reshape(-1, self.in_features)
-        if x.device.type == "cuda" and planner.gemm_plan(x.device, self.out_features, K, x2.shape[0], self.bits,
-                                                         gemm_resident=True).path is planner.Path.DEQUANTIZE_CUBLAS:
+        tokens = x2.shape[0]
+        if x.device.type == "cuda" and planner.dequantizes_first(x.device, self.out_features, K, tokens, self.bits):
             return None
         signs = buffers["rotation_signs"]
         if signs is not None:

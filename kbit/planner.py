@@ -582,6 +582,14 @@ def gemm_plan(device: torch.device, out_features: int, in_features: int, tokens:
     return _planned(device_index(device), *request)
 
 
+def dequantizes_first(device: torch.device, out_features: int, in_features: int, tokens: int, bits: int,
+                      gemm_resident: bool = True) -> bool:
+    """Whether ``kbit.matmul`` on this CUDA device runs dequantize + cuBLAS for the call (else the fused GEMM): the
+    one decision that every caller of ``ops.gemm_direct`` with a GEMM layout of its own takes from ``gemm_plan``."""
+    return gemm_plan(device, out_features, in_features, tokens, bits,
+                     gemm_resident=gemm_resident).path is Path.DEQUANTIZE_CUBLAS
+
+
 @torch.compiler.assume_constant_result
 def _planned(index: int, *request) -> Plan:
     """``gemm_plan`` of fixed sizes, memoized. torch.compile takes its result as a constant, made when it traces the

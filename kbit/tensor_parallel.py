@@ -64,6 +64,8 @@ __all__ = ["shard_model", "unshard_model", "column_shard", "row_shard", "row_spl
 # transformers' names for the styles kbit layers take (its ``tp_plan``); any other style leaves a layer whole.
 COLWISE, ROWWISE, EXPERTS = "colwise", "rowwise", "moe_tp_experts"
 GATHERED_OUTPUT = ("colwise_gather_output", "colwise_rep")  # a layer's rows, its output gathered (an lm_head)
+COLUMN_STYLES = (COLWISE,) + GATHERED_OUTPUT  # split by rows
+LINEAR_STYLES = COLUMN_STYLES + (ROWWISE,)  # the styles a KbitLinear splits by
 
 
 # ---------------------------------------------------------------------- storage-level shards
@@ -380,7 +382,7 @@ def shard_model(model: nn.Module, group=None, plan: Optional[dict] = None) -> di
         if isinstance(module, _PARALLEL):
             raise ValueError(f"{name} is sharded already: shard_model runs once per model")
         style = _style(name, plan)
-        if isinstance(module, KbitLinear) and style in (COLWISE, ROWWISE) + GATHERED_OUTPUT:
+        if isinstance(module, KbitLinear) and style in LINEAR_STYLES:
             new, report[name] = _shard_linear(module, style, tp, _head_dim(model, name), name)
         elif isinstance(module, KbitExperts) and style == EXPERTS:
             new, report[name] = _shard_experts(module, tp)

@@ -587,9 +587,8 @@ def matmul_unchecked(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = No
     x2 = x.reshape(-1, in_features)
     if x.device.type == "cuda":
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
-        chosen = None if grid_override or x.dtype not in GEMM_DTYPES else planner.gemm_plan(
-            x.device, out_features, qw.in_features_padded, x2.shape[0], qw.bits, gemm_resident=qw.is_gemm_resident)
-        if x.dtype not in GEMM_DTYPES or chosen is not None and chosen.path is planner.Path.DEQUANTIZE_CUBLAS:
+        if x.dtype not in GEMM_DTYPES or not grid_override and planner.dequantizes_first(
+                x.device, out_features, qw.in_features_padded, x2.shape[0], qw.bits, qw.is_gemm_resident):
             y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()

@@ -45,8 +45,8 @@ from ..weight import QuantizedWeight
 
 PREFIX = "kbit_"
 QUANTIZE = "quantize_"  # kbit_quantize_<style>: a layer quantized while loading, then split <style>'s way
-_SPLITS = (tp.COLWISE, tp.ROWWISE, tp.EXPERTS) + tp.GATHERED_OUTPUT
-_KBIT_STYLES = {KbitLinear: (tp.COLWISE, tp.ROWWISE) + tp.GATHERED_OUTPUT, KbitExperts: (tp.EXPERTS,)}
+_KBIT_STYLES = {KbitLinear: tp.LINEAR_STYLES, KbitExperts: (tp.EXPERTS,)}
+_SPLITS = tp.LINEAR_STYLES + (tp.EXPERTS,)
 
 
 def _placeholder(module, name: str, mesh, placement) -> None:
@@ -62,7 +62,7 @@ class KbitParallel(TensorParallelLayer):
 
     def shard_param(self, module, param, mesh):  # the bias; the weights' counts (kbit._counted) hold nothing
         bias = module._parameters.get(param) if param == "bias" else None
-        if bias is not None and (self.style == tp.COLWISE or self.style in tp.GATHERED_OUTPUT):
+        if bias is not None and self.style in tp.COLUMN_STYLES:
             module._parameters[param] = torch.nn.Parameter(
                 distribute_tensor(bias, mesh, [Shard(0)], src_data_rank=None), requires_grad=bias.requires_grad)
 
@@ -173,7 +173,7 @@ def _shard_quantized_whole(model, name: str, module, style: str, mesh) -> None:
     group = tp.RankGroup(mesh.get_group())
     if isinstance(module, KbitExperts) and style == tp.EXPERTS:
         new, _ = tp._shard_experts(module, group)
-    elif isinstance(module, KbitLinear) and style in (tp.COLWISE, tp.ROWWISE) + tp.GATHERED_OUTPUT:
+    elif isinstance(module, KbitLinear) and style in tp.LINEAR_STYLES:
         new, _ = tp._shard_linear(module, style, group, int(getattr(module, "_kbit_head_dim", 1)), name)
     else:
         raise ValueError(f"{name}: a {type(module).__name__} planned {style!r} was to be quantized while loading "
