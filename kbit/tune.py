@@ -14,7 +14,9 @@ from then on.
 
 ``python -m kbit tune --fit MEASUREMENTS --configs REPORT --out FILE`` fits without a GPU, from a tune file
 (``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``):
-how the shipped ``kbit/gpus/<GPU>.json`` are made.
+how the shipped ``kbit/gpus/<GPU>.json`` are made. ``--merge FILE`` lays a measuring run over such a tune file (a
+token count timed again replaces the old times) and fits to the whole: how a region is re-timed without the hours of
+a full run.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=0.0,
                         help="start no further shape after this many seconds and fit what was measured; shapes are "
                              "timed in the order given, each at every bit width (default: 0, no limit)")
+    parser.add_argument("--merge", metavar="MEASUREMENTS",
+                        help="lay this run's times over this tune file's (a token count timed again replaces the "
+                             "old), rewrite it and fit the coefficients to the whole: how a committed "
+                             "benchmarks/results/tune_<GPU>.json takes a re-timed region")
     parser.add_argument("--fit", metavar="MEASUREMENTS", help="fit the coefficients to this tune file, no GPU needed")
     parser.add_argument("--configs", metavar="REPORT", help="with --fit: the configuration report (gemm_configs())")
     parser.add_argument("--out", metavar="FILE", help="with --fit: write the coefficients here (else print them)")
@@ -202,6 +208,8 @@ def main(args: argparse.Namespace) -> int:
     from . import planner, tune_cache
 
     if args.fit:
+        if args.merge:
+            raise SystemExit("kbit tune: --merge lays a measuring run over a tune file; --fit measures nothing")
         return _fit_file(args)
     if not torch.cuda.is_available():
         print("kbit tune: no CUDA device is visible; the planner's coefficients are measured on the GPU that runs "
@@ -214,6 +222,7 @@ def main(args: argparse.Namespace) -> int:
     tokens = sorted(set(_int_list(args.tokens, "--tokens")))
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     facts = planner.device_facts(torch.device("cuda"))
+    base = _tune_file_to_merge(args.merge, facts.device) if args.merge else None
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -228,6 +237,9 @@ def main(args: argparse.Namespace) -> int:
             break
         entries += [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log) for bits in bits_list]
         log(f"kbit tune: {k_in}->{n_out} done at {time.monotonic() - start:.0f} s")
+    if args.merge:
+        entries = _merge_into(args.merge, base, facts.device, entries)
+        log(f"kbit tune: merged into {args.merge}: {len(entries)} shapes and bit widths")
     measured = tune_cache.parse({"format": tune_cache.FORMAT, "shapes": entries})
     coefficients = fit(measured, facts.device, facts.configs, facts.coefficients.cut, "python -m kbit tune")
     path = tune_cache.save(facts.device, entries, planner.coefficients_to_json(coefficients))
@@ -235,6 +247,37 @@ def main(args: argparse.Namespace) -> int:
     log(f"kbit tune: wrote {path}")
     _report(facts.device, facts.configs, coefficients, measured, log)
     return 0
+
+
+def _tune_file_to_merge(name: str, device) -> dict:
+    """The tune file ``name``, checked before anything is timed: a file this run cannot be laid over fails now."""
+    import json
+    from pathlib import Path as FilePath
+
+    from . import tune_cache
+
+    try:
+        data = json.loads(FilePath(name).read_text())
+        tune_cache.merge(data, device, [])
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kbit tune: --merge {name}: {e}") from None
+    return data
+
+
+def _merge_into(name: str, base: dict, device, entries: list) -> list:
+    """``entries`` laid over ``base`` (``tune_cache.merge``), written to ``name`` atomically: the whole."""
+    import json
+    import os
+    from pathlib import Path as FilePath
+
+    from . import tune_cache
+
+    merged = tune_cache.merge(base, device, entries)
+    path = FilePath(name)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(merged, indent=1) + "\n")
+    os.replace(tmp, path)
+    return merged["shapes"]
 
 
 def _fit_file(args: argparse.Namespace) -> int:

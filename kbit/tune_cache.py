@@ -4,7 +4,8 @@ coefficients it fitted to them.
 One JSON file per GPU name and kbit version, ``$KBIT_CACHE_DIR/tuned/<GPU>-kbit-<version>.json`` (default
 ``~/.cache/kbit``), as gemlite and Triton keep their autotuning results. ``kbit.planner`` reads its coefficients once
 per process. A file that does not parse or does not describe this GPU and kbit version is ignored with a warning: a
-bad cache never changes what runs. ``benchmarks/results/tune_<GPU>.json`` keeps a copy of each GPU's measurements.
+bad cache never changes what runs. ``benchmarks/results/tune_<GPU>.json`` keeps a copy of each GPU's measurements
+(``merge`` lays a re-timed region over them: ``kbit tune --merge``).
 
 Format 1::
 
@@ -200,3 +201,45 @@ def parse(data) -> dict:
         tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times, configs, launches,
                                                                                   gemm_resident)
     return tuned
+
+
+def merge(base: dict, device: Device, shapes: list) -> dict:
+    """``base`` (a tune file's contents, of ``device``) with ``shapes`` (the format's entries, measured later on the
+    same GPU) laid over it: per bit width and shape, a token count measured again takes the new time, configuration
+    and launches of every path; the others keep theirs; a new shape is added. An entry keeps ``base``'s
+    ``gemm_resident``, and its dequantize + cuBLAS times where the new ones were measured otherwise (that flag is
+    the entry's, not the time's). ``date`` and ``clusters`` become ``device``'s now. ValueError (``parse``'s, or
+    another GPU's file) where ``base`` is no tune file of this GPU."""
+    parse(base)
+    if base.get("device") != device.name:
+        raise ValueError(f"measured on {base.get('device')!r}, not on this {device.name!r}")
+    merged = {key: value for key, value in base.items() if key != "coefficients"}
+    entries = {(e["bits"], e["out_features"], e["in_features"]): e for e in base["shapes"]}
+    for new in shapes:
+        key = (new["bits"], new["out_features"], new["in_features"])
+        entries[key] = _merged_entry(entries[key], new) if key in entries else new
+    merged.update(shapes=list(entries.values()), clusters=list(device.clusters),
+                  date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    parse(merged)
+    return merged
+
+
+def _merged_entry(old: dict, new: dict) -> dict:
+    tokens = sorted(set(old["tokens"]) | set(new["tokens"]))
+    resident = old.get("gemm_resident", False)
+    entry = {"bits": old["bits"], "out_features": old["out_features"], "in_features": old["in_features"],
+             "tokens": tokens, "gemm_resident": resident}
+    for field in ("us", "configs", "launches"):
+        columns = {}
+        for path in Path:
+            before = dict(zip(old["tokens"], (old.get(field) or {}).get(path.value) or ()))
+            after = dict(zip(new["tokens"], (new.get(field) or {}).get(path.value) or ()))
+            if path is Path.DEQUANTIZE_CUBLAS and new.get("gemm_resident", False) != resident:
+                after = {}
+            # a token count measured again takes the new value, None included (not timed this time)
+            row = [after[t] if t in after else before.get(t) for t in tokens]
+            if before or after:
+                columns[path.value] = row
+        if columns or field == "us":
+            entry[field] = columns
+    return entry

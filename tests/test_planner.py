@@ -736,29 +736,95 @@ def test_tune_without_a_gpu_says_so(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+def _measuring_tune(monkeypatch, device, timed, entry_of):
+    """The parser of ``python -m kbit tune``, whose main now runs on a fake GPU ``device``: its ``tune_shape``
+    returns ``entry_of(bits, out_features, in_features)`` and records what it timed in ``timed``."""
+    import argparse
+
+    def tune_shape(facts, bits, k_in, n_out, tokens, dtype, repeats, log):
+        timed.append((k_in, n_out, bits))
+        return entry_of(bits, n_out, k_in)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(planner, "device_facts", lambda _: planner.DeviceFacts(
+        device, CONFIGS, planner.shipped_coefficients(device.name)))
+    monkeypatch.setattr(tune, "tune_shape", tune_shape)
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    return parser
+
+
 def test_tune_stops_starting_shapes_after_its_seconds(cache_dir, monkeypatch):
     """--seconds: the shape running when the time is up finishes (at every bit width), no later shape starts, and
     the coefficients are fitted to what was timed."""
-    import argparse
-
     clock = [0.0]
     timed = []
 
-    def tune_shape(facts, bits, k_in, n_out, tokens, dtype, repeats, log):
+    def timed_entry(bits, n_out, k_in):
         clock[0] += 50.0  # seconds per shape and bit width
-        timed.append((k_in, n_out, bits))
         return dict(TUNED, bits=bits, out_features=n_out, in_features=k_in)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(planner, "device_facts", lambda device: planner.DeviceFacts(
-        H100, CONFIGS, planner.shipped_coefficients(H100.name)))
-    monkeypatch.setattr(tune, "tune_shape", tune_shape)
+    parser = _measuring_tune(monkeypatch, H100, timed, timed_entry)
     monkeypatch.setattr(tune.time, "monotonic", lambda: clock[0])
-    parser = argparse.ArgumentParser()
-    tune.add_arguments(parser)
     args = parser.parse_args(["--bits", "2,4", "--shapes", "4096->4096,1024->1024,2048->2048", "--seconds", "150"])
     assert tune.main(args) == 0
     assert timed == [(4096, 4096, 2), (4096, 4096, 4), (1024, 1024, 2), (1024, 1024, 4)]  # 200 s > 150 after two
     written = json.loads(tune_cache.cache_file(H100.name).read_text())
     assert [(e["in_features"], e["bits"]) for e in written["shapes"]] == [(4096, 2), (4096, 4), (1024, 2), (1024, 4)]
     assert set(written["coefficients"]["paths"]) >= {"mma_sync", "wgmma", "dequantize_cublas"}
+
+
+def test_tune_merges_a_re_timed_region_into_a_tune_file(cache_dir, tmp_path, monkeypatch):
+    """--merge: a token count timed again takes the new times, configurations and launches; the others and the other
+    shapes keep theirs; a new shape is added; the file is rewritten and the fit (and the cache) cover the whole."""
+    old = dict(TUNED, configs={"mma_sync": [[4, 0, 0, 1], None, None]}, gemm_resident=True)
+    other = entry(4, 1536, 2048, (1, 64), mma_sync=[3.0, 9.0], dequantize_cublas=[9.0, 12.0])
+    base = {"format": tune_cache.FORMAT, "kbit": "0.1.0", "device": H200C.name, "capability": [9, 0], "sms": 132,
+            "date": "then", "shapes": [old, other]}
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(base))
+    launched = [[[132, 0, False, 20.0], [64, 2, False, 15.0]], None]
+    new = {(4, 4096, 4096): entry(4, 4096, 4096, (1, 128), mma_sync=[20.0, 85.0], k_split=[18.0, None],
+                                  dequantize_cublas=[30.0, 60.0]),
+           (4, 1024, 4096): entry(4, 1024, 4096, (1,), mma_sync=[4.0], dequantize_cublas=[9.0])}
+    new[(4, 4096, 4096)].update(gemm_resident=True, launches={"mma_sync": launched},
+                                configs={"mma_sync": [[1, 0, 0, 1], [4, 0, 0, 1]]})
+    timed = []
+    parser = _measuring_tune(monkeypatch, H200C, timed, lambda *key: new[key])
+    args = parser.parse_args(["--bits", "4", "--shapes", "4096->4096,4096->1024", "--merge", str(path)])
+    assert tune.main(args) == 0 and timed == [(4096, 4096, 4), (4096, 1024, 4)]
+    merged = json.loads(path.read_text())
+    assert merged["clusters"] == list(H200_CLUSTERS) and merged["date"] != "then"
+    measured = tune_cache.parse(merged)
+    square = measured[(4, 4096, 4096)]
+    assert square.tokens == (1, 32, 128, 512)
+    assert square.us[Path.MMA_SYNC] == (20.0, 30.0, 85.0, 400.0)
+    assert square.us[Path.K_SPLIT] == (18.0, None, None, None)
+    assert square.us[Path.WGMMA] == (None, 25.0, 80.0, 300.0)
+    assert square.us[Path.DEQUANTIZE_CUBLAS] == (30.0, 50.0, 60.0, 250.0)
+    assert square.configs[Path.MMA_SYNC] == ((1, 0, 0, 1), (4, 0, 0, 1), (4, 0, 0, 1), None)
+    assert square.launches[Path.MMA_SYNC][0] == (((132, 0, False), 20.0), ((64, 2, False), 15.0))
+    assert square.launches[Path.MMA_SYNC][1:] == (None, None, None)
+    assert measured[(4, 1536, 2048)] == tune_cache.parse(base)[(4, 1536, 2048)]
+    assert measured[(4, 1024, 4096)].us[Path.MMA_SYNC] == (4.0,)
+    cached = json.loads(tune_cache.cache_file(H200C.name).read_text())
+    assert tune_cache.parse(cached) == measured
+
+    # A file of another GPU (or none) fails before anything is timed.
+    timed.clear()
+    path.write_text(json.dumps(dict(base, device=H100.name)))
+    with pytest.raises(SystemExit, match="H100"):
+        tune.main(args)
+    with pytest.raises(SystemExit, match="--merge"):
+        tune.main(parser.parse_args(["--bits", "4", "--merge", str(tmp_path / "none.json")]))
+    assert timed == []
+
+
+def test_a_merge_keeps_an_entrys_dequantize_cublas_measured_as_it_says():
+    """gemm_resident is an entry's: dequantize + cuBLAS times measured the other way do not enter it."""
+    base = {"format": tune_cache.FORMAT, "device": H200C.name, "capability": [9, 0], "sms": 132,
+            "shapes": [entry(4, 4096, 4096, (1, 32), mma_sync=[9.0, 30.0], dequantize_cublas=[20.0, 40.0])]}
+    new = dict(entry(4, 4096, 4096, (1,), mma_sync=[8.0], dequantize_cublas=[25.0]), gemm_resident=True)
+    merged = tune_cache.parse(tune_cache.merge(base, H200C, [new]))[(4, 4096, 4096)]
+    assert merged.us[Path.MMA_SYNC] == (8.0, 30.0) and not merged.gemm_resident
+    assert merged.us[Path.DEQUANTIZE_CUBLAS] == (20.0, 40.0)
