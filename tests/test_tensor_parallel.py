@@ -362,13 +362,33 @@ def _refusals() -> list:
     return messages
 
 
+def _rank(rank: int, worker, port: int, folder: str) -> None:
+    """One rank: ``worker(rank, port, folder)``, its threads' stacks printed to stderr on SIGUSR1 (``run_ranks``
+    sends it to a rank still running at its limit), so a rank stuck in a collective or a compile says where."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    worker(rank, port, folder)
+
+
 def run_ranks(worker, folder: Path, limit_s: float = JOB_TIMEOUT_S) -> None:
-    """``worker(rank, port, folder)`` in WORLD spawned processes; a bounded wait, then they are terminated."""
-    ctx = mp.start_processes(worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False, start_method="spawn")
+    """``worker(rank, port, folder)`` in WORLD spawned processes; a bounded wait, then each rank still running prints
+    its stacks and is terminated."""
+    import signal
+
+    ctx = mp.start_processes(_rank, args=(worker, _free_port(), str(folder)), nprocs=WORLD, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + limit_s
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
+                if hasattr(signal, "SIGUSR1"):
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(2)  # the stacks are written from a signal handler: let them reach stderr
                 raise TimeoutError(f"the {WORLD} ranks did not finish within {limit_s} s")
     finally:
         for p in ctx.processes:
