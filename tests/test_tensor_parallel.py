@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 WORLD = 2
 JOB_TIMEOUT_S = 120
+RANK_STACKS_ENV = "KBIT_TEST_RANK_STACKS_S"  # seconds between each rank's stack dumps (unset: none)
 VOCAB = 320
 
 
@@ -364,13 +365,20 @@ def _refusals() -> list:
 
 def _rank(rank: int, worker, port: int, folder: str) -> None:
     """One rank: ``worker(rank, port, folder)``, its threads' stacks printed to stderr on SIGUSR1 (``run_ranks``
-    sends it to a rank still running at its limit), so a rank stuck in a collective or a compile says where."""
+    sends it to a rank still running at its limit) and every ``$KBIT_TEST_RANK_STACKS_S`` seconds where set, so a
+    rank stuck in a collective or a compile says where."""
     import faulthandler
     import signal
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    worker(rank, port, folder)
+    every = float(os.environ.get(RANK_STACKS_ENV, "0"))
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True)
+    try:
+        worker(rank, port, folder)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_ranks(worker, folder: Path, limit_s: float = JOB_TIMEOUT_S) -> None:
@@ -689,8 +697,15 @@ def _cuda_tp_plan_worker(rank: int, port: int, folder: str) -> None:
                    compiled_ok=_divergence_is_a_near_tie(want, compiled, scores, diff), want=want, got=got,
                    compiled=compiled)
         (root / f"tp_plan_rank{rank}.json").write_text(json.dumps(out))
-    finally:
+    except BaseException:
         torch.distributed.destroy_process_group()
+        raise
+    # The results are written. destroy_process_group, like the interpreter's end, hangs for minutes on torch 2.11
+    # after CUDA-graphed NCCL collectives (H200 x2: both ranks stood in it past 80 s); as bench_tp.py ends, the
+    # process's end frees what NCCL holds.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.cuda
