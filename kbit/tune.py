@@ -266,17 +266,12 @@ def _tune_file_to_merge(name: str, device) -> dict:
 
 def _merge_into(name: str, base: dict, device, entries: list) -> list:
     """``entries`` laid over ``base`` (``tune_cache.merge``), written to ``name`` atomically: the whole."""
-    import json
-    import os
     from pathlib import Path as FilePath
 
     from . import tune_cache
 
     merged = tune_cache.merge(base, device, entries)
-    path = FilePath(name)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(merged, indent=1) + "\n")
-    os.replace(tmp, path)
+    tune_cache.write_json(FilePath(name), merged)
     return merged["shapes"]
 
 

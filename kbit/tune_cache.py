@@ -79,10 +79,17 @@ def save(device: Device, shapes: list, coefficients: dict) -> FilePath:
     _check_cache(data, device.name)  # never write what load would refuse
     path = cache_file(device.name)
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, data)
+    return path
+
+
+def write_json(path: FilePath, data: dict) -> None:
+    """``data`` as ``path``'s JSON, atomically: the old file or the new one, never part of one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
+            f.write("\n")
             f.flush()
             os.fsync(f.fileno())  # else a power loss after the rename can leave an empty file
         os.replace(tmp, path)
@@ -90,7 +97,6 @@ def save(device: Device, shapes: list, coefficients: dict) -> FilePath:
     except BaseException:
         os.unlink(tmp)
         raise
-    return path
 
 
 def load(device_name: str) -> Optional[dict]:
