@@ -4,18 +4,21 @@ launch, up to 16 tokens (compute capability 9.x).
     python benchmarks/bench_cluster_split.py                       # K=4 fp16, M = 1 and 16, six shapes (< 60 s)
     python benchmarks/bench_cluster_split.py --shapes 4096->1024 --m 1
     python benchmarks/bench_cluster_split.py --grids 64,96,112,120,128,132      # and those grids, no parts
+    python benchmarks/bench_cluster_split.py --in-step     # each call after a kernel writing its input, as in a step
 
 Per shape and M: the planned launch (``kbit.ops.gemm``: the planner's configuration and grid), then for every mma.sync
 configuration up to 16 tokens (mb 1 and 2, k split 1 and 8) and every cluster size C in 2..8 that fits (C <= a tile's
 k-steps, tiles x C <= SMs), the same weights with each tile's k-steps in C parts on one cluster of C CTAs (tile_parts =
 C on tiles x C CTAs), and, where C divides the k-steps, the same parts on the same grid cut in one group, whose split
 tiles meet through L2 (the two columns differ only in the hand-off; bitwise the same sums). With ``--grids``, each of
-those configurations' steps also in one group on each grid given (at most a CTA per step) and, for the k split, on a
-CTA per tile: the launches the planner chooses among (C = 0 in the tables). Timed as bench_gemm.py times
+those configurations' steps also in one group on each grid given (at most a CTA per step) and, for the k split, on a CTA
+per tile: the launches the planner chooses among (C = 0 in the tables). Timed as bench_gemm.py times
 (docs/PERFORMANCE.md#method): CUDA graphs of calls over weight copies that together exceed twice L2, the median replay
 over the calls; the copy of the call's bytes timed the same way. Clusters the GPU cannot hold all at once run in waves
-(the time shows it). Prints every launch, then the best per shape and M last; writes bench_cluster_split.json to $OUT
-when set.
+(the time shows it). ``--in-step`` times each call just after an elementwise kernel that writes its input, less that
+kernel (``common.time_in_step``): in a decoder step a projection follows a norm, an activation or attention, none of
+which lets it start early, where back to back each call starts under the last one's tail. Prints every launch, then the
+best per shape and M last; writes bench_cluster_split.json to $OUT when set.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, default=7, help="graph replays; the median is reported (default 7)")
     p.add_argument("--mem-fraction", type=float, default=0.5,
                    help="cap on the free GPU memory one rotation set may use (default 0.5)")
+    p.add_argument("--in-step", action="store_true",
+                   help="time each call just after a kernel that writes its input, as a projection runs in a decoder "
+                        "step (back to back, each call starts under the last one's tail)")
     args = p.parse_args(argv)
     try:
         args.shape_list = [parse_shape(s) for s in args.shapes.split(",")]
@@ -234,7 +240,7 @@ def main(argv=None) -> int:
         return 1
     start = time.perf_counter()
     runner = Runner(argparse.Namespace(calls=args.calls, replays=args.replays, mem_fraction=args.mem_fraction), 0.0,
-                    l2_bytes())
+                    l2_bytes(), in_step=args.in_step)
     rows = []
     for k_in, n_out in args.shape_list:
         rows += bench_shape(runner, facts, args, k_in, n_out, lambda s: print(s, flush=True))
@@ -243,11 +249,13 @@ def main(argv=None) -> int:
     out = os.environ.get("OUT")
     if out:
         path = Path(out) / "bench_cluster_split.json"
-        path.write_text(json.dumps({"env": env_info(), "k": args.k, "dtype": args.dtype, "seconds": seconds,
-                                    "rows": rows}, indent=1))
+        path.write_text(json.dumps({"env": env_info(), "k": args.k, "dtype": args.dtype, "in_step": args.in_step,
+                                    "seconds": seconds, "rows": rows}, indent=1))
         print(f"wrote {path}")
     print()
-    print(render(rows, f"K={args.k} {args.dtype}, {facts.device.name}, {facts.device.sms} SMs; {seconds:.0f} s."))
+    timing = "each call after a kernel writing its input" if args.in_step else "calls back to back"
+    print(render(rows, f"K={args.k} {args.dtype}, {facts.device.name}, {facts.device.sms} SMs, {timing}; "
+                       f"{seconds:.0f} s."))
     return 0
 
 

@@ -309,8 +309,10 @@ class Gemlite(Peer):
 
 # ----------------------------------------------------------------------------- timing
 class Runner:
-    def __init__(self, args, bw: float, l2: int):
-        self.args, self.bw, self.l2 = args, bw, l2
+    def __init__(self, args, bw: float, l2: int, in_step: bool = False):
+        """``in_step``: each call timed just after a kernel that writes its input (``common.time_in_step``), as in
+        a decoder step, instead of back to back."""
+        self.args, self.bw, self.l2, self.in_step = args, bw, l2, in_step
         self._copy_us: dict[int, float] = {}
 
     def copy_us(self, nbytes: float) -> float:
@@ -348,7 +350,8 @@ class Runner:
     def time(self, peer: Peer, ws, x) -> dict:
         n_calls = max(self.args.calls, len(ws))
         calls = [(lambda w=ws[i % len(ws)]: peer.call(x, w)) for i in range(n_calls)]
-        r = time_graph(calls, replays=self.args.replays)
+        r = (common.time_in_step(calls, x, replays=self.args.replays) if self.in_step
+             else time_graph(calls, replays=self.args.replays))
         r["copies"] = len(ws)
         return r
 

@@ -207,6 +207,24 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 5, warmup_c
     return {"us": statistics.median(times), "min_us": min(times), "replays": replays, "calls": len(calls)}
 
 
+def time_in_step(calls: Sequence[Callable[[], object]], written: torch.Tensor, replays: int = 5,
+                 warmup_calls: int = 2) -> dict:
+    """Per-call time (µs) of ``calls`` each run just after a kernel that writes ``written`` (their input), as a
+    projection runs in a decoder step: after a norm, an activation or attention, none of which lets the next kernel
+    start early (dependent launch), where back to back (``time_graph``) each call starts under the last one's tail.
+    The graph of the pairs less the graph of the writes alone; ``write_us``: one write's time."""
+    source = written.clone()
+
+    def write():
+        torch.mul(source, 1, out=written)  # an elementwise kernel, as inductor's are (a copy_ may be a memcpy)
+
+    pairs = [step for call in calls for step in (write, call)]
+    both = time_graph(pairs, replays=replays, warmup_calls=warmup_calls)
+    alone = time_graph([write] * len(calls), replays=replays, warmup_calls=warmup_calls)
+    return {"us": 2 * both["us"] - alone["us"], "min_us": 2 * both["min_us"] - alone["min_us"], "replays": replays,
+            "calls": len(calls), "write_us": alone["us"]}
+
+
 def time_rotated(fn: Callable[[object], object], copies: Sequence, calls: int, replays: int) -> float:
     """Median µs per call of ``fn`` over ``copies`` in turn, one CUDA graph of at least ``calls`` calls."""
     graph_calls = [(lambda w=copies[i % len(copies)]: fn(w)) for i in range(max(calls, len(copies)))]

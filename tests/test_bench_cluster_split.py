@@ -69,3 +69,30 @@ def test_render_lists_every_launch_then_the_best_per_shape(bench):
     assert every.count("4096->1024") == 2 and "4096->28672" not in every  # shapes without a cluster launch: best only
     assert "mb2 ks8 C=2 / 128" in best and "1.23x" in best and "none fits" in best
     assert text.rstrip().splitlines()[-1].startswith("4096->28672")  # the best table is last
+
+
+def test_in_step_timing_is_each_call_after_a_write_of_its_input_less_the_writes(bench, monkeypatch):
+    """--in-step (``common.time_in_step``): one graph of (write x, call) pairs, one of the writes alone; a call's time
+    is the pair's less the write's, and the write is an elementwise kernel leaving x as it was."""
+    import torch
+
+    common = bench.common
+    x = torch.arange(6, dtype=torch.float32)
+    graphs = []
+
+    def fake_time_graph(calls, replays, warmup_calls):  # a write costs 2 us, a call 5 (what it returns)
+        costs = []
+        for call in calls:
+            x.add_(100)  # what a write must undo: it writes x from a copy taken first
+            out = call()
+            costs.append(out if isinstance(out, float) else 2.0)
+        graphs.append(costs)
+        return {"us": sum(costs) / len(calls), "min_us": sum(costs) / len(calls)}
+
+    monkeypatch.setattr(common, "time_graph", fake_time_graph)
+    calls = [lambda: 5.0] * 3
+    r = common.time_in_step(calls, x, replays=3)
+    assert graphs == [[2.0, 5.0] * 3, [2.0] * 3]
+    assert r["us"] == pytest.approx(5.0) and r["write_us"] == pytest.approx(2.0) and r["calls"] == 3
+    assert torch.equal(x, torch.arange(6, dtype=torch.float32))  # each write undid the add before it
+    assert bench.parse_args(["--in-step"]).in_step and not bench.parse_args([]).in_step
