@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/bench_x.py` from anyw
     sys.path.insert(0, str(REPO))
 
 from kbit.formats import storage_spec  # noqa: E402
-from kbit.timing import capture_cuda_graph, replay_seconds  # noqa: E402
+from kbit.timing import capture_cuda_graph, in_step, replay_seconds  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -209,18 +209,12 @@ def time_graph(calls: Sequence[Callable[[], object]], replays: int = 5, warmup_c
 
 def time_in_step(calls: Sequence[Callable[[], object]], written: torch.Tensor, replays: int = 5,
                  warmup_calls: int = 2) -> dict:
-    """Per-call time (µs) of ``calls`` each run just after a kernel that writes ``written`` (their input), as a
-    projection runs in a decoder step: after a norm, an activation or attention, none of which lets the next kernel
-    start early (dependent launch), where back to back (``time_graph``) each call starts under the last one's tail.
-    The graph of the pairs less the graph of the writes alone; ``write_us``: one write's time."""
-    source = written.clone()
-
-    def write():
-        torch.mul(source, 1, out=written)  # an elementwise kernel, as inductor's are (a copy_ may be a memcpy)
-
-    pairs = [step for call in calls for step in (write, call)]
+    """Per-call time (µs) of ``calls`` each run just after a kernel that writes ``written`` (their input), as in a
+    decoder step (``kbit.timing.in_step``): the graph of the pairs less the graph of the writes alone; ``write_us``:
+    one write's time."""
+    pairs, writes = in_step(calls, written)
     both = time_graph(pairs, replays=replays, warmup_calls=warmup_calls)
-    alone = time_graph([write] * len(calls), replays=replays, warmup_calls=warmup_calls)
+    alone = time_graph(writes, replays=replays, warmup_calls=warmup_calls)
     return {"us": 2 * both["us"] - alone["us"], "min_us": 2 * both["min_us"] - alone["min_us"], "replays": replays,
             "calls": len(calls), "write_us": alone["us"]}
 

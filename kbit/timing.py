@@ -2,6 +2,7 @@
 
     graph = capture_cuda_graph([lambda: kbit.matmul(x, qw)])
     seconds = replay_seconds(graph, timings=5, replays_per_timing=10)   # per replay, one entry per timing
+    pairs, writes = in_step(calls, x)   # each call after a kernel writing x: time both, a pair's less a write's
 
 A graph replay has no Python or launch overhead, so its time is the GPU's. Capture follows the usual recipe of
 inference engines: every callable runs a few times on a side stream first (JIT builds, cuBLAS heuristics, kbit's
@@ -61,3 +62,16 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, timings: int = 5, replays_per_ti
         stop.synchronize()
         seconds.append(start.elapsed_time(stop) / 1e3 / replays_per_timing)
     return seconds
+
+
+def in_step(calls: Sequence[Callable[[], object]], written: torch.Tensor) -> tuple:
+    """(pairs, writes): ``calls`` each just after an elementwise kernel that writes ``written`` (their input), and
+    those writes alone. Timed as graphs, a call's time in a decoder step is a pair's less a write's: there a
+    projection follows a norm, an activation or attention, none of which lets it start early (dependent launch),
+    where in a graph of calls back to back each starts under the last one's tail."""
+    source = written.clone()
+
+    def write():
+        torch.mul(source, 1, out=written)  # an elementwise kernel, as inductor's are (a copy_ may be a memcpy)
+
+    return [step for call in calls for step in (write, call)], [write] * len(calls)

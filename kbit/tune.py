@@ -13,10 +13,11 @@ and the k split up to 16 tokens, a few launches that sum each tile's parts in a 
 from then on.
 
 ``python -m kbit tune --fit MEASUREMENTS --configs REPORT --out FILE`` fits without a GPU, from a tune file
-(``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``):
-how the shipped ``kbit/gpus/<GPU>.json`` are made. ``--merge FILE`` lays a measuring run over such a tune file (a
-token count timed again replaces the old times) and fits to the whole: how a region is re-timed without the hours of
-a full run.
+(``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``): how the
+shipped ``kbit/gpus/<GPU>.json`` are made. ``--merge FILE`` lays a measuring run over such a tune file (a token count
+timed again replaces the old times) and fits to the whole: a region re-timed without timing every shape and token count
+again. ``--in-step`` times each call just after a kernel that writes its input, as a projection runs in a decoder step
+(``kbit.timing.in_step``); the file says how its calls were timed, and one fit takes one timing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=0.0,
                         help="start no further shape after this many seconds and fit what was measured; shapes are "
                              "timed in the order given, each at every bit width (default: 0, no limit)")
+    parser.add_argument("--in-step", action="store_true",
+                        help="time each call just after a kernel that writes its input, as a projection runs in a "
+                             "decoder step (default: calls back to back, each starting under the last one's tail)")
     parser.add_argument("--merge", metavar="MEASUREMENTS",
                         help="lay this run's times over this tune file's (a token count timed again replaces the "
                              "old), rewrite it and fit the coefficients to the whole: how a committed "
@@ -89,16 +93,31 @@ def _rotation(first, nbytes: int, l2_bytes: int) -> list:
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
 
 
-def _time_us(call, operands, repeats: int) -> float:
-    """Median microseconds per call of ``call`` over ``operands``, one CUDA graph calling it on each in turn."""
+def _time_us(call, operands, repeats: int, written=None) -> float:
+    """Median microseconds per call of ``call`` over ``operands``, one CUDA graph calling it on each in turn; with
+    ``written`` (the calls' input), each call just after a kernel writing it, as in a decoder step
+    (``kbit.timing.in_step``: the pairs' time less the writes')."""
+    from .timing import in_step
+
+    calls = [lambda o=o: call(o) for o in operands]
+    if written is None:
+        return _graph_us(calls, repeats)
+    pairs, writes = in_step(calls, written)
+    return 2 * _graph_us(pairs, repeats) - _graph_us(writes, repeats)
+
+
+def _graph_us(calls, repeats: int) -> float:
+    """Median microseconds per call of ``calls`` captured in one CUDA graph."""
     from .timing import capture_cuda_graph, replay_seconds
 
-    graph = capture_cuda_graph([lambda o=o: call(o) for o in operands])
-    return statistics.median(replay_seconds(graph, timings=repeats)) * 1e6 / len(operands)
+    graph = capture_cuda_graph(calls)
+    return statistics.median(replay_seconds(graph, timings=repeats)) * 1e6 / len(calls)
 
 
-def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: list, dtype, repeats: int, log) -> dict:
-    """The cache entry of one shape: each path's microseconds per call at each token count (None: not timed)."""
+def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: list, dtype, repeats: int, log,
+               in_step: bool = False) -> dict:
+    """The cache entry of one shape: each path's microseconds per call at each token count (None: not timed);
+    ``in_step``: each call timed just after a kernel writing its input (``_time_us``)."""
     from . import ops, planner
     from ._build import cuda_ext
     from .formats import padded_in_features
@@ -122,12 +141,13 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
     timed_launches = {path.value: [] for path in FUSED_PATHS}
     for M in tokens:
         x = torch.randn(M, in_features, device=device, dtype=dtype)
+        written = x if in_step else None
 
         def dequantize_cublas(w, x=x):  # kbit.matmul's dequantize + cuBLAS path
             return torch.nn.functional.linear(x, w._dequantize(dtype))
 
         reference = dequantize_cublas(weights[0]).float()
-        us[Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats))
+        us[Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats, written))
         for path in FUSED_PATHS:
             try:
                 c = planner.plan(facts.device, facts.configs, facts.coefficients, out_features, in_features, M, bits,
@@ -148,14 +168,14 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
 
                 planned = planner.Launch(config.grid, config.tile_parts, config.whole_tiles)
                 if error(planned) <= AGREEMENT:
-                    measured_us = _time_us(lambda lay: fused(lay, planned), layouts, repeats)
+                    measured_us = _time_us(lambda lay: fused(lay, planned), layouts, repeats, written)
                     launches.append(list(planned) + [measured_us])
                     built = next(c for c in facts.configs if c.bits == bits and c.key == config.key)
                     shape = planner.Shape(out_features, in_features_padded, M, bits)
                     for launch in launches_to_time(built, shape, facts.device, facts.coefficients, planned):
                         if error(launch) <= AGREEMENT:
                             launches.append(list(launch) + [_time_us(lambda lay, lc=launch: fused(lay, lc), layouts,
-                                                                     repeats)])
+                                                                     repeats, written)])
                         else:
                             log(f"  {path.value} at M = {M} on {launch}: output differs; left out")
                 else:
@@ -208,8 +228,8 @@ def main(args: argparse.Namespace) -> int:
     from . import planner, tune_cache
 
     if args.fit:
-        if args.merge:
-            raise SystemExit("kbit tune: --merge lays a measuring run over a tune file; --fit measures nothing")
+        if args.merge or args.in_step:
+            raise SystemExit("kbit tune: --merge and --in-step are a measuring run's; --fit measures nothing")
         return _fit_file(args)
     if not torch.cuda.is_available():
         print("kbit tune: no CUDA device is visible; the planner's coefficients are measured on the GPU that runs "
@@ -222,7 +242,8 @@ def main(args: argparse.Namespace) -> int:
     tokens = sorted(set(_int_list(args.tokens, "--tokens")))
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     facts = planner.device_facts(torch.device("cuda"))
-    base = _tune_file_to_merge(args.merge, facts.device) if args.merge else None
+    timing = tune_cache.IN_STEP if args.in_step else tune_cache.BACK_TO_BACK
+    base = _tune_file_to_merge(args.merge, facts.device, timing) if args.merge else None
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -235,21 +256,22 @@ def main(args: argparse.Namespace) -> int:
         if args.seconds and n and time.monotonic() - start > args.seconds:
             log(f"kbit tune: {args.seconds:g} s passed: {n} of {len(shapes)} shapes timed, the rest left out")
             break
-        entries += [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log) for bits in bits_list]
+        entries += [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log, in_step=args.in_step)
+                    for bits in bits_list]
         log(f"kbit tune: {k_in}->{n_out} done at {time.monotonic() - start:.0f} s")
     if args.merge:
-        entries = _merge_into(args.merge, base, facts.device, entries)
+        entries = _merge_into(args.merge, base, facts.device, entries, timing)
         log(f"kbit tune: merged into {args.merge}: {len(entries)} shapes and bit widths")
     measured = tune_cache.parse({"format": tune_cache.FORMAT, "shapes": entries})
     coefficients = fit(measured, facts.device, facts.configs, facts.coefficients.cut, "python -m kbit tune")
-    path = tune_cache.save(facts.device, entries, planner.coefficients_to_json(coefficients))
+    path = tune_cache.save(facts.device, entries, planner.coefficients_to_json(coefficients), timing)
     planner.forget()
     log(f"kbit tune: wrote {path}")
     _report(facts.device, facts.configs, coefficients, measured, log)
     return 0
 
 
-def _tune_file_to_merge(name: str, device) -> dict:
+def _tune_file_to_merge(name: str, device, timing: str) -> dict:
     """The tune file ``name``, checked before anything is timed: a file this run cannot be laid over fails now."""
     import json
     from pathlib import Path as FilePath
@@ -258,19 +280,19 @@ def _tune_file_to_merge(name: str, device) -> dict:
 
     try:
         data = json.loads(FilePath(name).read_text())
-        tune_cache.merge(data, device, [])
+        tune_cache.merge(data, device, [], timing)
     except (OSError, ValueError) as e:
         raise SystemExit(f"kbit tune: --merge {name}: {e}") from None
     return data
 
 
-def _merge_into(name: str, base: dict, device, entries: list) -> list:
+def _merge_into(name: str, base: dict, device, entries: list, timing: str) -> list:
     """``entries`` laid over ``base`` (``tune_cache.merge``), written to ``name`` atomically: the whole."""
     from pathlib import Path as FilePath
 
     from . import tune_cache
 
-    merged = tune_cache.merge(base, device, entries)
+    merged = tune_cache.merge(base, device, entries, timing)
     tune_cache.write_json(FilePath(name), merged)
     return merged["shapes"]
 

@@ -27,6 +27,9 @@ thread-block clusters), or null; optional. ``clusters``: the clusters of 1..8 CT
 (``gemm_facts.Device.clusters``), optional. ``gemm_resident``: dequantize + cuBLAS
 was timed on a weight holding only its GEMM layout (unrepacked first, as in kbit's layers); optional, false (the
 storage format held) where absent.
+``timing``: how each call was timed, ``"back_to_back"`` (a CUDA graph of calls, each starting under the last one's
+tail; the default where absent) or ``"in_step"`` (each just after a kernel writing its input, as in a decoder step:
+``kbit tune --in-step``); optional.
 ``coefficients``: ``kbit.planner.coefficients_to_json``'s, required in the cache.
 """
 
@@ -49,6 +52,8 @@ from .formats import padded_in_features
 from .gemm_facts import Device, Path
 
 FORMAT = 1
+BACK_TO_BACK, IN_STEP = "back_to_back", "in_step"  # how a file's calls were timed (``timing``)
+TIMINGS = (BACK_TO_BACK, IN_STEP)
 
 
 class TunedShape(NamedTuple):
@@ -70,12 +75,12 @@ def cache_file(device_name: str) -> FilePath:
     return cache_root() / "tuned" / f"{file_tag(device_name)}-kbit-{__version__}.json"
 
 
-def save(device: Device, shapes: list, coefficients: dict) -> FilePath:
-    """Write the measurements (``shapes``: the format's entries) and the coefficients fitted to them for
-    ``device``, atomically. Returns the file."""
+def save(device: Device, shapes: list, coefficients: dict, timing: str = BACK_TO_BACK) -> FilePath:
+    """Write the measurements (``shapes``: the format's entries, timed as ``timing`` says) and the coefficients
+    fitted to them for ``device``, atomically. Returns the file."""
     data = {"format": FORMAT, "kbit": __version__, "device": device.name, "capability": list(device.capability),
             "sms": device.sms, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "clusters": list(device.clusters), "coefficients": coefficients, "shapes": shapes}
+            "clusters": list(device.clusters), "timing": timing, "coefficients": coefficients, "shapes": shapes}
     _check_cache(data, device.name)  # never write what load would refuse
     path = cache_file(device.name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +155,8 @@ def parse(data) -> dict:
         raise ValueError("not a JSON object")
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+    if timing_of(data) not in TIMINGS:
+        raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {data.get('timing')!r}")
     clusters = data.get("clusters", [])
     if not isinstance(clusters, list) or len(clusters) > 8 or not all(type(c) is int and c >= 0 for c in clusters):
         raise ValueError(f"clusters must be a list of at most 8 integers >= 0, got {clusters!r}")
@@ -209,22 +216,30 @@ def parse(data) -> dict:
     return tuned
 
 
-def merge(base: dict, device: Device, shapes: list) -> dict:
+def timing_of(data: dict) -> str:
+    """How a tune file's calls were timed (``TIMINGS``)."""
+    return data.get("timing", BACK_TO_BACK)
+
+
+def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK) -> dict:
     """``base`` (a tune file's contents, of ``device``) with ``shapes`` (the format's entries, measured later on the
     same GPU) laid over it: per bit width and shape, a token count measured again takes the new time, configuration
     and launches of every path; the others keep theirs; a new shape is added. An entry keeps ``base``'s
     ``gemm_resident``, and its dequantize + cuBLAS times where the new ones were measured otherwise (that flag is
     the entry's, not the time's). ``date`` and ``clusters`` become ``device``'s now. ValueError (``parse``'s, or
-    another GPU's file) where ``base`` is no tune file of this GPU."""
+    another GPU's file, or times taken otherwise than ``timing``) where ``base`` is no tune file to lay ``shapes``
+    over."""
     parse(base)
     if base.get("device") != device.name:
         raise ValueError(f"measured on {base.get('device')!r}, not on this {device.name!r}")
+    if timing_of(base) != timing:
+        raise ValueError(f"its calls were timed {timing_of(base)}, this run's {timing}: one fit takes one timing")
     merged = {key: value for key, value in base.items() if key != "coefficients"}
     entries = {(e["bits"], e["out_features"], e["in_features"]): e for e in base["shapes"]}
     for new in shapes:
         key = (new["bits"], new["out_features"], new["in_features"])
         entries[key] = _merged_entry(entries[key], new) if key in entries else new
-    merged.update(shapes=list(entries.values()), clusters=list(device.clusters),
+    merged.update(shapes=list(entries.values()), clusters=list(device.clusters), timing=timing,
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     parse(merged)
     return merged

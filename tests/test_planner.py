@@ -741,8 +741,8 @@ def _measuring_tune(monkeypatch, device, timed, entry_of):
     returns ``entry_of(bits, out_features, in_features)`` and records what it timed in ``timed``."""
     import argparse
 
-    def tune_shape(facts, bits, k_in, n_out, tokens, dtype, repeats, log):
-        timed.append((k_in, n_out, bits))
+    def tune_shape(facts, bits, k_in, n_out, tokens, dtype, repeats, log, in_step=False):
+        timed.append((k_in, n_out, bits) + (("in step",) if in_step else ()))
         return entry_of(bits, n_out, k_in)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -828,3 +828,34 @@ def test_a_merge_keeps_an_entrys_dequantize_cublas_measured_as_it_says():
     merged = tune_cache.parse(tune_cache.merge(base, H200C, [new]))[(4, 4096, 4096)]
     assert merged.us[Path.MMA_SYNC] == (8.0, 30.0) and not merged.gemm_resident
     assert merged.us[Path.DEQUANTIZE_CUBLAS] == (20.0, 40.0)
+
+
+def test_tune_in_step_times_each_call_after_a_write_and_says_so(cache_dir, tmp_path, monkeypatch):
+    """--in-step: every call is timed in-step (tune_shape's flag), the cache and a merged file say ``"timing":
+    "in_step"``, and a file timed back to back (every file without the field) is not laid over: one fit, one timing."""
+    timed = []
+    parser = _measuring_tune(monkeypatch, H200C, timed,
+                             lambda bits, n_out, k_in: dict(TUNED, bits=bits, out_features=n_out, in_features=k_in))
+    assert tune.main(parser.parse_args(["--bits", "4", "--shapes", "4096->4096", "--in-step"])) == 0
+    assert timed == [(4096, 4096, 4, "in step")]
+    cached = json.loads(tune_cache.cache_file(H200C.name).read_text())
+    assert tune_cache.timing_of(cached) == "in_step"
+    assert tune_cache.timing_of({"format": 1, "shapes": []}) == "back_to_back"  # files written before the field
+
+    path = tmp_path / "tune.json"
+    back_to_back = {"format": tune_cache.FORMAT, "device": H200C.name, "capability": [9, 0], "sms": 132,
+                    "shapes": [TUNED]}
+    path.write_text(json.dumps(back_to_back))
+    timed.clear()
+    with pytest.raises(SystemExit, match="one timing"):
+        tune.main(parser.parse_args(["--bits", "4", "--shapes", "4096->4096", "--in-step", "--merge", str(path)]))
+    assert timed == []
+    path.write_text(json.dumps(dict(back_to_back, timing="in_step")))
+    assert tune.main(parser.parse_args(["--bits", "4", "--shapes", "4096->4096", "--in-step", "--merge",
+                                        str(path)])) == 0
+    assert tune_cache.timing_of(json.loads(path.read_text())) == "in_step"
+    with pytest.raises(ValueError, match="timing"):
+        tune_cache.parse(dict(back_to_back, timing="sometimes"))
+    with pytest.raises(SystemExit, match="--fit"):
+        tune.main(parser.parse_args(["--fit", str(path), "--in-step"]))
+
