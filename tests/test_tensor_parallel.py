@@ -708,22 +708,36 @@ def _cuda_tp_plan_worker(rank: int, port: int, folder: str) -> None:
     os._exit(0)
 
 
+def _cuda_tp_plan_model(family: str):
+    """A 2-layer fp16 model of ``family`` whose heads, blocks and rows (and, for Qwen3-MoE, experts' rows) split in
+    two, and the parallel layer types a tp_plan load of it holds."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shared = dict(vocab_size=2048, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                  tie_word_embeddings=False)
+    linear = {"ColumnParallelKbitLinear", "RowParallelKbitLinear"}
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(intermediate_size=2816, **shared)).half(), linear
+    config = Qwen3MoeConfig(intermediate_size=2816, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
+                            head_dim=128, **shared)
+    return Qwen3MoeForCausalLM(config).half(), linear | {"TensorParallelKbitExperts"}
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("source", ["kbit", "fp"])
-def test_nccl_tp_plan_auto_generates_and_compiles_as_tp1(source, tmp_path):
+def test_nccl_tp_plan_auto_generates_and_compiles_as_tp1(source, family, tmp_path):
     """from_pretrained(kbit_folder, tp_plan="auto") or from_pretrained(fp_folder, quantization_config=KbitConfig(4),
-    tp_plan="auto") on two GPUs over NCCL (fp16, a 2-layer Llama whose heads, blocks and Hadamard-free rows split in
-    two): every kbit layer sharded, logits within a few 16-bit roundings of TP=1's, greedy tokens of generate and of a
-    compiled, CUDA-graphed decode equal TP=1's but at near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    tp_plan="auto") on two GPUs over NCCL (fp16, a 2-layer Llama or Qwen3-MoE, ``_cuda_tp_plan_model``): every kbit
+    layer sharded, logits within a few 16-bit roundings of TP=1's, greedy tokens of generate and of a compiled,
+    CUDA-graphed decode equal TP=1's but at near-ties."""
     from transformers.quantizers.base import HfQuantizer
 
     if not hasattr(HfQuantizer, "update_parallel_plan"):
         pytest.skip("this transformers has no HfQuantizer.update_parallel_plan (kbit's tp_plan loading needs it)")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
-    LlamaForCausalLM(config).half().save_pretrained(str(tmp_path / "fp"))
+    model, sharded = _cuda_tp_plan_model(family)
+    model.save_pretrained(str(tmp_path / "fp"))
     quantized = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp"), dtype=torch.float16,
                                                                   quantization_config=kbit.KbitConfig(bits=4))
     kbit.save_quantized(quantized, tmp_path / "kbit")
@@ -732,8 +746,8 @@ def test_nccl_tp_plan_auto_generates_and_compiles_as_tp1(source, tmp_path):
     _run_cuda_ranks(_cuda_tp_plan_worker, tmp_path)
     for rank in range(WORLD):
         r = json.loads((tmp_path / f"tp_plan_rank{rank}.json").read_text())
-        print(rank, source, {k: v for k, v in r.items() if k not in ("want", "got", "compiled")})
-        assert {"ColumnParallelKbitLinear", "RowParallelKbitLinear"} <= set(r["sharded"]), r
+        print(rank, family, source, {k: v for k, v in r.items() if k not in ("want", "got", "compiled")})
+        assert sharded <= set(r["sharded"]), r
         assert r["logit_diff"] <= 0.05 * r["logit_scale"], r
         assert r["generate_ok"] and r["compiled_ok"], r
 
