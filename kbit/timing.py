@@ -2,7 +2,7 @@
 
     graph = capture_cuda_graph([lambda: kbit.matmul(x, qw)])
     seconds = replay_seconds(graph, timings=5, replays_per_timing=10)   # per replay, one entry per timing
-    pairs, writes = in_step(calls, x)   # each call after a kernel writing x: time both, a pair's less a write's
+    pairs, writes = in_step([lambda: kbit.matmul(x, qw)], x)   # as in a decoder step: a pair's time less a write's
 
 A graph replay has no Python or launch overhead, so its time is the GPU's. Capture follows the usual recipe of
 inference engines: every callable runs a few times on a side stream first (JIT builds, cuBLAS heuristics, kbit's
