@@ -37,6 +37,11 @@ runs in one of three modes (``--mode``):
 launch (``torch._inductor.config.triton.enable_pdl``): a kbit GEMM after a norm or rotary kernel may then start, and
 fetch its weights, while that kernel drains, as it does after another kbit GEMM (docs/DESIGN.md, dependent launch).
 
+``--attention packed-gqa`` (every row alike) runs the decode's attention with a key/value head's query heads packed
+as its query rows (``benchmarks/packed_gqa_attention.py``), where transformers' ``sdpa`` under ``torch.compile``
+copies each cached key/value head for its query heads first (two kernels a layer, 600 µs of a 4.7 ms batch-16 step
+on the H200).
+
 Throughput is ``batch * new_tokens / time`` of the decode steps after the prefill (median of
 ``--repeats`` runs, timed with CUDA events). ``--check`` also decodes every configuration
 eagerly and requires the graph (or compiled) tokens to equal the eager ones exactly (``compile``
@@ -63,8 +68,9 @@ from typing import Optional
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):  # kbit; the benchmarks' modules (packed_gqa_attention)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import kbit  # noqa: E402
 from kbit.hf import from_config  # noqa: E402
@@ -110,15 +116,22 @@ def model_config(model: str, shape: dict):
     return (llama_config if model == "llama3-8b" else qwen3_moe_config)(**shape)
 
 
-def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=None):
+ATTENTIONS = {"sdpa": "sdpa", "packed-gqa": "sdpa_packed_gqa"}  # --attention: transformers' attn_implementation
+
+
+def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=None, attention: str = "sdpa"):
     """The random-weight causal LM of ``config`` on ``device``; Linear projections and routed experts
     kbit-quantized if ``bits``, the lm_head too (to ``lm_head_bits``) if that is given (sibling projections fused,
-    the default: ``kbit.fuse_projections`` switches that on the built model)."""
+    the default: ``kbit.fuse_projections`` switches that on the built model); ``attention``: one of ``ATTENTIONS``
+    (``packed-gqa``: benchmarks/packed_gqa_attention.py)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if attention == "packed-gqa":
+        import packed_gqa_attention  # noqa: F401  (registers its attention with transformers)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = from_config(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config, dtype=dtype, attn_implementation="sdpa")
+        model = from_config(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config, dtype=dtype,
+                            attn_implementation=ATTENTIONS[attention])
     model.eval().requires_grad_(False)
     if bits is not None:
         kbit.quantize_model(model, bits=bits, progress=False)
@@ -449,6 +462,7 @@ def run(args, on_row=None) -> dict:
         env["experts_implementation"] = experts_implementation
     if args.inductor_pdl:
         env["inductor_pdl"] = use_inductor_pdl(mode)
+    env["attention"] = ATTENTIONS[args.attention]
 
     def summary(rows: list, ok: bool) -> dict:
         return {"model": args.model, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
@@ -472,10 +486,10 @@ def run(args, on_row=None) -> dict:
             model = built_bits = None
             gc.collect()
             if bits == TORCHAO:
-                model = build_torchao_int4(config, device, seed=args.seed)
+                model = build_torchao_int4(config, device, seed=args.seed, attention=args.attention)
             else:
                 model = build_model(config, device, dtype, seed=args.seed, bits=bits,
-                                    lm_head_bits=args.quantize_lm_head)
+                                    lm_head_bits=args.quantize_lm_head, attention=args.attention)
             built_bits = bits
         if fused is not None:
             kbit.fuse_projections(model, fused)
@@ -556,14 +570,14 @@ def row_settings(formats, args) -> list:
 TORCHAO, TORCHAO_LABEL = "torchao", "torchao int4 g128 (bf16)"
 
 
-def build_torchao_int4(config, device, seed: int):
+def build_torchao_int4(config, device, seed: int, attention: str = "sdpa"):
     """The same random model in bf16 with torchao's int4 weight-only quantization (tinygemm layout, groups of 128) on
     the Linear projections kbit quantizes (``lm_head`` stays 16-bit, as in the kbit rows)."""
     try:
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
     except ImportError as e:
         raise SystemExit(f"--torchao needs torchao (pip install torchao): {e}") from None
-    model = build_model(config, device, torch.bfloat16, seed=seed)
+    model = build_model(config, device, torch.bfloat16, seed=seed, attention=attention)
     quantize_(model, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"),
               filter_fn=lambda module, name: type(module) is torch.nn.Linear and name.rpartition(".")[2] != "lm_head")
     return model
@@ -592,7 +606,10 @@ def markdown(result: dict) -> str:
             f"prompt {result['prompt_len']}, {result['new_tokens']} timed tokens, median of {result['repeats']}; "
             f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env['transformers']}, "
             f"{env['date']}" + ("; inductor's Triton kernels with programmatic dependent launch" if
-                                 env.get("inductor_pdl") else "") + ".")
+                                 env.get("inductor_pdl") else "")
+            + ("; decode attention with grouped-query heads packed" if env.get("attention") == ATTENTIONS["packed-gqa"]
+               else "")
+            + ".")
     base_name = base["format"] if base else "fp16"
     cols = ["weights", "resident GB"]
     for b in batches:
@@ -707,6 +724,9 @@ def parse_args(argv=None):
                         "other) and kernel launches")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: each profiled decode batch's steps as a Chrome trace (CPU and CUDA) in DIR")
+    p.add_argument("--attention", default="sdpa", choices=tuple(ATTENTIONS),
+                   help="every row's attention: transformers' sdpa, or packed-gqa (decode reads each cached key/value "
+                        "head once for its query heads; benchmarks/packed_gqa_attention.py)")
     p.add_argument("--inductor-pdl", action="store_true",
                    help="compile mode: inductor's Triton kernels launched with programmatic dependent launch "
                         "(torch._inductor.config.triton.enable_pdl), in every row")

@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_e2e import (PROFILE_HEADERS, GreedyDecoder, build_model, llama_config, profile_cells,  # noqa: E402
-                       profile_steps)
+from bench_e2e import (ATTENTIONS, PROFILE_HEADERS, GreedyDecoder, build_model, llama_config,  # noqa: E402
+                       profile_cells, profile_steps)
 from common import env_info, free_memory, markdown_table, write_outputs  # noqa: E402
 
 from kbit import symmetric_all_reduce  # noqa: E402
@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: each rank's profiled steps of each row as a Chrome trace (CPU, CUDA) in DIR")
     p.add_argument("--formats", default="dense,kbit", help="which rows: dense, kbit or both (comma-separated)")
+    p.add_argument("--attention", default="sdpa", choices=tuple(ATTENTIONS),
+                   help="every row's attention, as bench_e2e.py --attention")
     return p.parse_args(argv)
 
 
@@ -150,12 +152,14 @@ def run(args):
         bits = None if fmt == dense else args.bits
         lm_head_bits = None if fmt == dense else args.quantize_lm_head or None
         if rank == 0:  # TP=1 on one GPU; the others wait
-            model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits)
+            model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits,
+                                attention=args.attention)
             rows[(fmt, 1)] = measure(model, prompt, args, mode, fmt, sharded=False)
             del model
             free_memory()
         dist.barrier()
-        model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits)
+        model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits,
+                            attention=args.attention)
         shard(model, bits is not None, device)
         rows[(fmt, world)] = measure(model, prompt, args, mode, fmt, sharded=True)
         del model
@@ -168,7 +172,7 @@ def run(args):
                 shape={k: getattr(args, k) for k in SHAPE},
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                 backend=dist.get_backend(), transformers=__import__("transformers").__version__,
-                all_reduce=symmetric_all_reduce.mode())
+                all_reduce=symmetric_all_reduce.mode(), attention=ATTENTIONS[args.attention])
     results = []
     for (fmt, size), r in rows.items():
         one = rows[(fmt, 1)]
@@ -195,7 +199,7 @@ def markdown(result: dict) -> str:
             f"KV heads, vocab {shape['vocab']}), random weights, {env['dtype']}, greedy decode with a static KV "
             f"cache, mode `{env['mode']}`, prompt {env['prompt_len']}, {env['new_tokens']} timed tokens, median of "
             f"{env['repeats']}; {env.get('device', 'cpu')} x{env['world']} ({env['backend']}; kbit's decode sums: "
-            f"{env.get('all_reduce', 'collective')}), torch {env['torch']}, "
+            f"{env.get('all_reduce', 'collective')}; attention {env.get('attention', 'sdpa')}), torch {env['torch']}, "
             f"transformers {env['transformers']}, commit {env['commit']}, {env['date']}.\n\n")
     rows = [[r["format"], r["tp"], f"{r['tokens_per_s']:.1f}", f"{r['bytes_per_rank'] / 2**30:.2f}",
              f"{r['speedup_vs_tp1']:.2f}x", "yes" if r["tokens_equal_tp1"] else f"no (from {r['first_divergence']})"]

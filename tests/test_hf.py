@@ -534,6 +534,40 @@ def test_bench_e2e_writes_its_results_after_each_row(tmp_path, monkeypatch):
     assert "kbit K=4" in (tmp_path / "e2e_t.md").read_text()
 
 
+
+@pytest.mark.parametrize("model", ["llama3-8b", "qwen3-moe"])
+def test_bench_e2e_packed_gqa_attention_decodes_as_sdpa(model, monkeypatch):
+    """--attention packed-gqa: a decode step's logits are sdpa's, eager and traced by torch.compile, and nothing is
+    repeated (transformers' repeat_kv never called); transformers' sdpa repeats each key/value head when traced."""
+    from transformers.integrations import sdpa_attention
+
+    be = _bench_e2e()
+    small = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=96)
+    config = (be.llama_config(intermediate=256, **small) if model == "llama3-8b" else
+              be.qwen3_moe_config(head_dim=32, experts=4, top_k=2, moe_intermediate=64, **small))
+    prompt = torch.randint(0, 96, (2, 5))
+    repeats = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda h, n: repeats.append(n) or real(h, n))
+    logits = {}
+    for attention in ("sdpa", "packed-gqa"):
+        dec = be.GreedyDecoder(be.build_model(config, "cpu", torch.float32, seed=3, attention=attention), 2, 16,
+                               "eager").prepare(prompt)
+        for mode in ("eager", "traced"):
+            torch._dynamo.reset()
+            step = dec._logits if mode == "eager" else torch.compile(dec._logits, backend="aot_eager", fullgraph=True)
+            repeats.clear()
+            with torch.no_grad():
+                logits[attention, mode] = step(dec.tok, dec.pos).float()
+            if attention == "packed-gqa":
+                assert not repeats, mode
+            elif mode == "traced":
+                assert repeats, "transformers' sdpa no longer repeats key/value heads when traced"
+    for mode in ("eager", "traced"):
+        torch.testing.assert_close(logits["packed-gqa", mode], logits["sdpa", mode], rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_bench_e2e_inductor_pdl_switches_inductor_and_says_so(monkeypatch):
     """--inductor-pdl sets inductor's switch (compile mode only: eager has no inductor kernels to launch so) and the
     table's header names it."""
