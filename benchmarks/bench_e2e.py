@@ -116,7 +116,7 @@ def model_config(model: str, shape: dict):
     return (llama_config if model == "llama3-8b" else qwen3_moe_config)(**shape)
 
 
-ATTENTIONS = {"sdpa": "sdpa", "packed-gqa": "sdpa_packed_gqa"}  # --attention: transformers' attn_implementation
+ATTENTIONS = ("sdpa", "packed-gqa")  # --attention: transformers' sdpa, or benchmarks/packed_gqa_attention.py's
 
 
 def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=None, attention: str = "sdpa"):
@@ -126,12 +126,15 @@ def build_model(config, device, dtype, seed: int = 0, bits=None, lm_head_bits=No
     (``packed-gqa``: benchmarks/packed_gqa_attention.py)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    implementation = "sdpa"
     if attention == "packed-gqa":
-        import packed_gqa_attention  # noqa: F401  (registers its attention with transformers)
+        import packed_gqa_attention  # registers its attention with transformers
+
+        implementation = packed_gqa_attention.ATTENTION
     torch.manual_seed(seed)
     with torch.device(device):
         model = from_config(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config, dtype=dtype,
-                            attn_implementation=ATTENTIONS[attention])
+                            attn_implementation=implementation)
     model.eval().requires_grad_(False)
     if bits is not None:
         kbit.quantize_model(model, bits=bits, progress=False)
@@ -462,7 +465,7 @@ def run(args, on_row=None) -> dict:
         env["experts_implementation"] = experts_implementation
     if args.inductor_pdl:
         env["inductor_pdl"] = use_inductor_pdl(mode)
-    env["attention"] = ATTENTIONS[args.attention]
+    env["attention"] = args.attention
 
     def summary(rows: list, ok: bool) -> dict:
         return {"model": args.model, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
@@ -607,8 +610,7 @@ def markdown(result: dict) -> str:
             f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env['transformers']}, "
             f"{env['date']}" + ("; inductor's Triton kernels with programmatic dependent launch" if
                                  env.get("inductor_pdl") else "")
-            + ("; decode attention with grouped-query heads packed" if env.get("attention") == ATTENTIONS["packed-gqa"]
-               else "")
+            + ("; decode attention with grouped-query heads packed" if env.get("attention") == "packed-gqa" else "")
             + ".")
     base_name = base["format"] if base else "fp16"
     cols = ["weights", "resident GB"]
@@ -724,7 +726,7 @@ def parse_args(argv=None):
                         "other) and kernel launches")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: each profiled decode batch's steps as a Chrome trace (CPU and CUDA) in DIR")
-    p.add_argument("--attention", default="sdpa", choices=tuple(ATTENTIONS),
+    p.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                    help="every row's attention: transformers' sdpa, or packed-gqa (decode reads each cached key/value "
                         "head once for its query heads; benchmarks/packed_gqa_attention.py)")
     p.add_argument("--inductor-pdl", action="store_true",

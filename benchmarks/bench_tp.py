@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: each rank's profiled steps of each row as a Chrome trace (CPU, CUDA) in DIR")
     p.add_argument("--formats", default="dense,kbit", help="which rows: dense, kbit or both (comma-separated)")
-    p.add_argument("--attention", default="sdpa", choices=tuple(ATTENTIONS),
+    p.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                    help="every row's attention, as bench_e2e.py --attention")
     return p.parse_args(argv)
 
@@ -172,7 +172,7 @@ def run(args):
                 shape={k: getattr(args, k) for k in SHAPE},
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                 backend=dist.get_backend(), transformers=__import__("transformers").__version__,
-                all_reduce=symmetric_all_reduce.mode(), attention=ATTENTIONS[args.attention])
+                all_reduce=symmetric_all_reduce.mode(), attention=args.attention)
     results = []
     for (fmt, size), r in rows.items():
         one = rows[(fmt, 1)]
