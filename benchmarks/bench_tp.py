@@ -151,15 +151,18 @@ def run(args):
     for fmt in [f for kind, f in (("dense", dense), ("kbit", kbit_fmt)) if kind in kinds]:
         bits = None if fmt == dense else args.bits
         lm_head_bits = None if fmt == dense else args.quantize_lm_head or None
+
+        def build():
+            return build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits,
+                               attention=args.attention)
+
         if rank == 0:  # TP=1 on one GPU; the others wait
-            model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits,
-                                attention=args.attention)
+            model = build()
             rows[(fmt, 1)] = measure(model, prompt, args, mode, fmt, sharded=False)
             del model
             free_memory()
         dist.barrier()
-        model = build_model(config, device, dtype, args.seed, bits=bits, lm_head_bits=lm_head_bits,
-                            attention=args.attention)
+        model = build()
         shard(model, bits is not None, device)
         rows[(fmt, world)] = measure(model, prompt, args, mode, fmt, sharded=True)
         del model

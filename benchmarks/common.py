@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/bench_x.py` from anyw
     sys.path.insert(0, str(REPO))
 
 from kbit.formats import storage_spec  # noqa: E402
-from kbit.timing import capture_cuda_graph, in_step, replay_seconds  # noqa: E402
+from kbit.timing import capture_cuda_graph, in_step, in_step_time, replay_seconds  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -215,8 +215,8 @@ def time_in_step(calls: Sequence[Callable[[], object]], written: torch.Tensor, r
     pairs, writes = in_step(calls, written)
     both = time_graph(pairs, replays=replays, warmup_calls=warmup_calls)
     alone = time_graph(writes, replays=replays, warmup_calls=warmup_calls)
-    return {"us": 2 * both["us"] - alone["us"], "min_us": 2 * both["min_us"] - alone["min_us"], "replays": replays,
-            "calls": len(calls), "write_us": alone["us"]}
+    return {"us": in_step_time(both["us"], alone["us"]), "min_us": in_step_time(both["min_us"], alone["min_us"]),
+            "replays": replays, "calls": len(calls), "write_us": alone["us"]}
 
 
 def time_rotated(fn: Callable[[object], object], copies: Sequence, calls: int, replays: int) -> float:

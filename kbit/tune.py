@@ -97,13 +97,13 @@ def _time_us(call, operands, repeats: int, written=None) -> float:
     """Median microseconds per call of ``call`` over ``operands``, one CUDA graph calling it on each in turn; with
     ``written`` (the calls' input), each call just after a kernel writing it, as in a decoder step
     (``kbit.timing.in_step``: the pairs' time less the writes')."""
-    from .timing import in_step
+    from .timing import in_step, in_step_time
 
     calls = [lambda o=o: call(o) for o in operands]
     if written is None:
         return _graph_us(calls, repeats)
     pairs, writes = in_step(calls, written)
-    return 2 * _graph_us(pairs, repeats) - _graph_us(writes, repeats)
+    return in_step_time(_graph_us(pairs, repeats), _graph_us(writes, repeats))
 
 
 def _graph_us(calls, repeats: int) -> float:
@@ -280,7 +280,7 @@ def _tune_file_to_merge(name: str, device, timing: str) -> dict:
 
     try:
         data = json.loads(FilePath(name).read_text())
-        tune_cache.merge(data, device, [], timing)
+        tune_cache.check_mergeable(data, device, timing)
     except (OSError, ValueError) as e:
         raise SystemExit(f"kbit tune: --merge {name}: {e}") from None
     return data

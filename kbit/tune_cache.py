@@ -221,19 +221,24 @@ def timing_of(data: dict) -> str:
     return data.get("timing", BACK_TO_BACK)
 
 
-def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK) -> dict:
-    """``base`` (a tune file's contents, of ``device``) with ``shapes`` (the format's entries, measured later on the
-    same GPU) laid over it: per bit width and shape, a token count measured again takes the new time, configuration
-    and launches of every path; the others keep theirs; a new shape is added. An entry keeps ``base``'s
-    ``gemm_resident``, and its dequantize + cuBLAS times where the new ones were measured otherwise (that flag is
-    the entry's, not the time's). ``date`` and ``clusters`` become ``device``'s now. ValueError (``parse``'s, or
-    another GPU's file, or times taken otherwise than ``timing``) where ``base`` is no tune file to lay ``shapes``
-    over."""
+def check_mergeable(base: dict, device: Device, timing: str = BACK_TO_BACK) -> None:
+    """ValueError (``parse``'s, or another GPU's file, or times taken otherwise than ``timing``) where ``base`` is no
+    tune file that ``merge`` can lay times of ``device`` taken ``timing`` over."""
     parse(base)
     if base.get("device") != device.name:
         raise ValueError(f"measured on {base.get('device')!r}, not on this {device.name!r}")
     if timing_of(base) != timing:
         raise ValueError(f"its calls were timed {timing_of(base)}, this run's {timing}: one fit takes one timing")
+
+
+def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK) -> dict:
+    """``base`` (a tune file's contents, of ``device``) with ``shapes`` (the format's entries, measured later on the
+    same GPU) laid over it: per bit width and shape, a token count measured again takes the new time, configuration
+    and launches of every path; the others keep theirs; a new shape is added. An entry keeps ``base``'s
+    ``gemm_resident``, and its dequantize + cuBLAS times where the new ones were measured otherwise (that flag is
+    the entry's, not the time's). ``date`` and ``clusters`` become ``device``'s now. ValueError where ``base`` is
+    no tune file to lay them over (``check_mergeable``)."""
+    check_mergeable(base, device, timing)
     merged = {key: value for key, value in base.items() if key != "coefficients"}
     entries = {(e["bits"], e["out_features"], e["in_features"]): e for e in base["shapes"]}
     for new in shapes:
