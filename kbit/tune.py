@@ -14,9 +14,9 @@ from then on.
 
 ``python -m kbit tune --fit MEASUREMENTS --configs REPORT --out FILE`` fits without a GPU, from a tune file
 (``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``): how the
-shipped ``kbit/gpus/<GPU>.json`` are made. ``--merge FILE`` lays a measuring run over such a tune file (a token count
-timed again replaces the old times) and fits to the whole: a region re-timed without timing every shape and token count
-again. ``--in-step`` times each call just after a kernel that writes its input, as a projection runs in a decoder step
+shipped ``kbit/gpus/<GPU>.json`` are made. ``--merge FILE`` lays a measuring run (with ``--fit``, that tune file) over
+such a tune file (a token count timed again replaces the old times) and fits to the whole: a region re-timed without
+timing every shape and token count again, or chunks timed on two GPUs made one file. ``--in-step`` times each call just after a kernel that writes its input, as a projection runs in a decoder step
 (``kbit.timing.in_step``); the file says how its calls were timed, and one fit takes one timing.
 """
 
@@ -59,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time each call just after a kernel that writes its input, as a projection runs in a "
                              "decoder step (default: calls back to back, each starting under the last one's tail)")
     parser.add_argument("--merge", metavar="MEASUREMENTS",
-                        help="lay this run's times over this tune file's (a token count timed again replaces the "
-                             "old), rewrite it and fit the coefficients to the whole: how a committed "
-                             "benchmarks/results/tune_<GPU>.json takes a re-timed region")
+                        help="lay this run's times (with --fit: that file's) over this tune file's (a token count "
+                             "timed again replaces the old), rewrite it and fit the coefficients to the whole: how a "
+                             "committed benchmarks/results/tune_<GPU>.json takes a re-timed region")
     parser.add_argument("--fit", metavar="MEASUREMENTS", help="fit the coefficients to this tune file, no GPU needed")
     parser.add_argument("--configs", metavar="REPORT", help="with --fit: the configuration report (gemm_configs())")
     parser.add_argument("--out", metavar="FILE", help="with --fit: write the coefficients here (else print them)")
@@ -228,8 +228,8 @@ def main(args: argparse.Namespace) -> int:
     from . import planner, tune_cache
 
     if args.fit:
-        if args.merge or args.in_step:
-            raise SystemExit("kbit tune: --merge and --in-step are a measuring run's; --fit measures nothing")
+        if args.in_step:
+            raise SystemExit("kbit tune: --in-step is a measuring run's; --fit measures nothing")
         return _fit_file(args)
     if not torch.cuda.is_available():
         print("kbit tune: no CUDA device is visible; the planner's coefficients are measured on the GPU that runs "
@@ -286,19 +286,21 @@ def _tune_file_to_merge(name: str, device, timing: str) -> dict:
     return data
 
 
-def _merge_into(name: str, base: dict, device, entries: list, timing: str) -> list:
+def _merge_into(name: str, base: dict, device, entries: list, timing: str, date=None) -> list:
     """``entries`` laid over ``base`` (``tune_cache.merge``), written to ``name`` atomically: the whole."""
     from pathlib import Path as FilePath
 
     from . import tune_cache
 
-    merged = tune_cache.merge(base, device, entries, timing)
+    merged = tune_cache.merge(base, device, entries, timing, date)
     tune_cache.write_json(FilePath(name), merged)
     return merged["shapes"]
 
 
 def _fit_file(args: argparse.Namespace) -> int:
-    """--fit: the coefficients of a tune file's GPU, fitted to its measurements."""
+    """--fit: the coefficients of a tune file's GPU, fitted to its measurements; with --merge BASE, that file's
+    measurements laid over BASE's first (BASE rewritten) and the fit to the whole: chunks timed apart (on two GPUs of
+    one kind, or in several calls) become one file."""
     import json
     from pathlib import Path as FilePath
 
@@ -312,9 +314,14 @@ def _fit_file(args: argparse.Namespace) -> int:
     # The measurements ran on this GPU: every configuration they name fits its shared memory.
     device = Device(data["device"], tuple(data["capability"]), int(data["sms"]), 1 << 30,
                     tuple(data.get("clusters", ())))
+    if args.merge:
+        timing = tune_cache.timing_of(data)
+        base = _tune_file_to_merge(args.merge, device, timing)
+        entries = _merge_into(args.merge, base, device, data["shapes"], timing, data.get("date"))
+        measured = tune_cache.parse({"format": tune_cache.FORMAT, "shapes": entries})
     configs = parse_configs(FilePath(args.configs).read_text())
     coefficients = fit(measured, device, configs, planner.DEFAULT_CUT,
-                       f"python -m kbit tune --fit {args.fit}")
+                       f"python -m kbit tune --fit {args.fit}" + (f" --merge {args.merge}" if args.merge else ""))
     text = json.dumps(planner.coefficients_to_json(coefficients), indent=1) + "\n"
     if args.out:
         FilePath(args.out).write_text(text)

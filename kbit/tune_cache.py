@@ -231,13 +231,13 @@ def check_mergeable(base: dict, device: Device, timing: str = BACK_TO_BACK) -> N
         raise ValueError(f"its calls were timed {timing_of(base)}, this run's {timing}: one fit takes one timing")
 
 
-def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK) -> dict:
+def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK, date: Optional[str] = None) -> dict:
     """``base`` (a tune file's contents, of ``device``) with ``shapes`` (the format's entries, measured later on the
     same GPU) laid over it: per bit width and shape, a token count measured again takes the new time, configuration
     and launches of every path; the others keep theirs; a new shape is added. An entry keeps ``base``'s
     ``gemm_resident``, and its dequantize + cuBLAS times where the new ones were measured otherwise (that flag is
-    the entry's, not the time's). ``date`` and ``clusters`` become ``device``'s now. ValueError where ``base`` is
-    no tune file to lay them over (``check_mergeable``)."""
+    the entry's, not the time's). ``clusters`` become ``device``'s, ``date`` the new measurements' (default: now).
+    ValueError where ``base`` is no tune file to lay them over (``check_mergeable``)."""
     check_mergeable(base, device, timing)
     merged = {key: value for key, value in base.items() if key != "coefficients"}
     entries = {(e["bits"], e["out_features"], e["in_features"]): e for e in base["shapes"]}
@@ -245,7 +245,7 @@ def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK) 
         key = (new["bits"], new["out_features"], new["in_features"])
         entries[key] = _merged_entry(entries[key], new) if key in entries else new
     merged.update(shapes=list(entries.values()), clusters=list(device.clusters), timing=timing,
-                  date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+                  date=date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     parse(merged)
     return merged
 

@@ -820,6 +820,44 @@ def test_tune_merges_a_re_timed_region_into_a_tune_file(cache_dir, tmp_path, mon
     assert timed == []
 
 
+def test_tune_fit_merges_chunks_timed_apart_into_one_file(tmp_path):
+    """--fit PART --merge BASE, no GPU: PART's times laid over BASE's as a measuring run's would be (BASE rewritten,
+    the date PART's), the coefficients fitted to the whole; a PART of another GPU or timing fails with BASE untouched."""
+    import argparse
+
+    header = {"format": tune_cache.FORMAT, "kbit": "0.1.0", "capability": [9, 0], "sms": 132, "timing": "in_step"}
+    base = dict(header, device=H200C.name, date="then", clusters=[], shapes=[
+        TUNED, entry(4, 1536, 2048, (1, 64), mma_sync=[3.0, 9.0], dequantize_cublas=[9.0, 12.0])])
+    part = dict(header, device=H200C.name, date="later", clusters=list(H200_CLUSTERS), shapes=[
+        entry(4, 4096, 4096, (1, 32), mma_sync=[7.0, 28.0], dequantize_cublas=[20.0, 45.0]),
+        entry(4, 1024, 4096, (1,), mma_sync=[4.0], dequantize_cublas=[9.0])])
+    base_path, part_path, out = tmp_path / "tune.json", tmp_path / "part.json", tmp_path / "fitted.json"
+    base_path.write_text(json.dumps(base))
+    part_path.write_text(json.dumps(part))
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    args = ["--fit", str(part_path), "--merge", str(base_path), "--configs", str(ROOT / "tests" / "gemm_configs.json")]
+    assert tune.main(parser.parse_args(args + ["--out", str(out)])) == 0
+    merged = json.loads(base_path.read_text())
+    assert (merged["date"], merged["clusters"], merged["timing"]) == ("later", list(H200_CLUSTERS), "in_step")
+    measured = tune_cache.parse(merged)
+    assert measured[(4, 4096, 4096)].tokens == (1, 32, 128, 512)
+    assert measured[(4, 4096, 4096)].us[Path.MMA_SYNC] == (7.0, 28.0, 90.0, 400.0)
+    assert measured[(4, 1536, 2048)] == tune_cache.parse(base)[(4, 1536, 2048)]
+    assert measured[(4, 1024, 4096)].us[Path.MMA_SYNC] == (4.0,)
+    fitted = json.loads(out.read_text())
+    assert fitted["source"].endswith(f"--merge {base_path}")
+    expected = tune.fit(measured, H200C, CONFIGS, planner.DEFAULT_CUT, fitted["source"])
+    assert planner.coefficients_from_json(fitted, "fitted.json") == expected
+
+    for wrong, match in ((dict(part, timing="back_to_back"), "one timing"), (dict(part, device=H100.name), "H100")):
+        base_path.write_text(json.dumps(base))
+        part_path.write_text(json.dumps(wrong))
+        with pytest.raises(SystemExit, match=match):
+            tune.main(parser.parse_args(args))
+        assert json.loads(base_path.read_text()) == base
+
+
 def test_a_merge_keeps_an_entrys_dequantize_cublas_measured_as_it_says():
     """gemm_resident is an entry's: dequantize + cuBLAS times measured the other way do not enter it."""
     base = {"format": tune_cache.FORMAT, "device": H200C.name, "capability": [9, 0], "sms": 132,
