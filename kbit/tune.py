@@ -16,8 +16,9 @@ from then on.
 (``benchmarks/results/tune_<GPU>.json``) and the extension's configuration report (``tests/gemm_configs.json``): how the
 shipped ``kbit/gpus/<GPU>.json`` are made. ``--merge FILE`` lays a measuring run (with ``--fit``, that tune file) over
 such a tune file (a token count timed again replaces the old times) and fits to the whole: a region re-timed without
-timing every shape and token count again, or chunks timed on two GPUs made one file. ``--in-step`` times each call just after a kernel that writes its input, as a projection runs in a decoder step
-(``kbit.timing.in_step``); the file says how its calls were timed, and one fit takes one timing.
+timing every shape and token count again, or chunks timed on two GPUs made one file. ``--in-step`` times each call
+just after a kernel that writes its input, as a projection runs in a decoder step (``kbit.timing.in_step``); the file
+says how its calls were timed, and one fit takes one timing.
 """
 
 from __future__ import annotations

@@ -822,7 +822,7 @@ def test_tune_merges_a_re_timed_region_into_a_tune_file(cache_dir, tmp_path, mon
 
 def test_tune_fit_merges_chunks_timed_apart_into_one_file(tmp_path):
     """--fit PART --merge BASE, no GPU: PART's times laid over BASE's as a measuring run's would be (BASE rewritten,
-    the date PART's), the coefficients fitted to the whole; a PART of another GPU or timing fails with BASE untouched."""
+    the date PART's), the coefficients fitted to the whole; a PART of another GPU or timing fails, BASE untouched."""
     import argparse
 
     header = {"format": tune_cache.FORMAT, "kbit": "0.1.0", "capability": [9, 0], "sms": 132, "timing": "in_step"}
