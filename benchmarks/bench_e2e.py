@@ -29,7 +29,9 @@ runs in one of three modes (``--mode``):
 
 * ``compile`` (default on CUDA, the fastest 16-bit path): ``torch.compile(step, mode="reduce-overhead",
   dynamic=False)`` (inductor fuses norms, rotary and the rest; CUDA graphs remove launch gaps), one static graph per
-  decoder (row and batch size), dynamo reset before each; kbit layers prepared by ``kbit.prepare`` first;
+  decoder (row and batch size), dynamo reset before each; kbit layers prepared by ``kbit.prepare`` first; each row
+  records torch.compile's counts since its decoder compiled (``compile``: graphs, breaks, graphs run without CUDA
+  graphs), and the table names a row whose step was not one CUDA graph (its time is then not a graphed step's);
 * ``graph``: the eager step captured once in a ``torch.cuda.CUDAGraph`` and replayed;
 * ``eager`` (default on CPU): plain calls.
 
@@ -189,6 +191,19 @@ def make_static_cache(config, batch: int, max_len: int, device, dtype):
     return StaticCache(config=config, max_batch_size=batch, max_cache_len=max_len, device=device, dtype=dtype)
 
 
+ONE_CUDA_GRAPH = {"graphs": 1, "graph_breaks": 0, "cudagraph_skips": 0}  # a healthy compiled step on CUDA
+
+
+def compile_counts() -> dict:
+    """torch.compile's running counts that say whether a compiled step stayed one graph replayed as a CUDA graph:
+    graphs compiled, graph breaks, and graphs inductor ran without CUDA graphs (``cudagraph_skips``: a CPU tensor,
+    a mutated input, ...; only its perf_hints log says why)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
 class GreedyDecoder:
     """Greedy decoding with a static KV cache; the decode step runs eagerly, as a captured CUDA
     graph (``mode="graph"``) or through ``torch.compile(mode="reduce-overhead")``.
@@ -213,6 +228,7 @@ class GreedyDecoder:
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.graph = None
         self.compiled = None
+        self._counts_before = None  # compile_counts() before this decoder's step was compiled
 
     def _logits(self, ids, positions):
         kw = dict(input_ids=ids, position_ids=positions.unsqueeze(0).expand(ids.shape[0], -1),
@@ -259,11 +275,18 @@ class GreedyDecoder:
             # which every decoder's _next_token shares, so without the reset a second batch size or model recompiled
             # it with the batch dimension symbolic (automatic dynamic shapes), and past the recompile limit ran eagerly.
             torch._dynamo.reset()
+            self._counts_before = compile_counts()
             self.compiled = torch.compile(self._next_token, mode="reduce-overhead", dynamic=False)
         if self.mode != "graph":  # the capture ran its own warm-up calls
             for _ in range(warmup):
                 self.step()
         return self
+
+    def compile_report(self) -> dict:
+        """``compile_counts`` since this decoder compiled its step (mode ``compile``): a healthy step is one graph, no
+        break, no skip on CUDA (every CPU graph is a skip: CUDA graphs are CUDA's)."""
+        now = compile_counts()
+        return {k: now[k] - self._counts_before[k] for k in now}
 
     def step(self):
         if self.mode == "graph":
@@ -527,6 +550,11 @@ def run(args, on_row=None) -> dict:
                 res["tokens_per_s"] = b * args.new_tokens / secs
                 res["steps_per_s"] = args.new_tokens / secs
                 res["effective_GBps"] = res["bytes_per_step"] * args.new_tokens / secs / 1e9
+            if mode == "compile":
+                res["compile"] = dec.compile_report()
+                if device.type == "cuda" and res["compile"] != ONE_CUDA_GRAPH:
+                    print(f"warning: {label} batch {b}: the compiled step is not one CUDA graph ({res['compile']}): "
+                          "its time is not a CUDA-graphed step's (TORCH_LOGS=perf_hints says why)", file=sys.stderr)
             if args.profile and device.type == "cuda":
                 trace = args.trace and str(Path(args.trace) / f"{re.sub(r'[^a-z0-9]+', '_', label.lower())}_b{b}.json")
                 res["profile"] = profile_steps(dec, prompts[b], trace=trace)
@@ -647,6 +675,11 @@ def markdown(result: dict) -> str:
                  "traffic not counted).")
     if prefill:
         lines.append(f"TTFT: batch 1, a {result['prefill_len']}-token prompt, eager forward into the static cache.")
+    lost = [f"{r['format']} batch {b}" for r in result["rows"] for b, res in r["batches"].items()
+            if res.get("compile", ONE_CUDA_GRAPH) != ONE_CUDA_GRAPH]
+    if lost and env["device"].startswith("cuda"):
+        lines.append("Not one CUDA graph per compiled step (more graphs, graph breaks or graphs run without CUDA "
+                     "graphs: each row's ``compile`` in the JSON): " + ", ".join(lost) + ".")
     lines += _profile_table(result)
     return "\n".join(lines) + "\n"
 

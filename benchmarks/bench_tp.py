@@ -119,6 +119,8 @@ def measure(model, prompt, args, mode, fmt: str, sharded: bool) -> dict:
     seconds = dec.time_decode(prompt, args.new_tokens, args.repeats)
     tokens = dec.generate(prompt, args.check_tokens)[0].tolist()
     row = {"tokens_per_s": args.new_tokens / seconds, "tokens": tokens, "bytes": resident_bytes(model)}
+    if mode == "compile":
+        row["compile"] = dec.compile_report()  # bench_e2e.ONE_CUDA_GRAPH where the step stayed one CUDA graph
     if args.profile and prompt.is_cuda:
         trace = args.trace and str(Path(args.trace) / f"{fmt}_tp{dist.get_world_size() if sharded else 1}_rank"
                                                        f"{dist.get_rank()}.json")
@@ -183,8 +185,7 @@ def run(args):
                             speedup_vs_tp1=r["tokens_per_s"] / one["tokens_per_s"],
                             tokens_equal_tp1=r["tokens"] == one["tokens"],
                             first_divergence=first_divergence(r["tokens"], one["tokens"])))
-        if "profile" in r:
-            results[-1]["profile"] = r["profile"]
+        results[-1].update({key: r[key] for key in ("compile", "profile") if key in r})
     summary = {}
     kbit_tp = rows.get((kbit_fmt, world))
     if kbit_tp is not None:

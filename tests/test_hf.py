@@ -458,6 +458,42 @@ def test_bench_e2e_compiles_each_decoder_afresh_with_static_shapes(monkeypatch):
     assert calls == ["reset", {"mode": "reduce-overhead", "dynamic": False}] * 2
 
 
+def test_bench_e2e_says_when_a_compiled_step_is_not_one_cuda_graph(monkeypatch):
+    """A compiled row's time is a CUDA-graphed step's only where its step compiled to one graph, unbroken, replayed as
+    a CUDA graph: each row records torch.compile's counts since its decoder compiled (``compile``), and the table names
+    the rows where they say otherwise. The counters are torch's own (a real compile on the CPU is a cudagraph skip)."""
+    from torch._dynamo.utils import counters
+
+    be = _bench_e2e()
+    before = be.compile_counts()
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 2 + 1, mode="reduce-overhead")(torch.randn(4))
+    after = be.compile_counts()
+    assert (after["graphs"] - before["graphs"], after["cudagraph_skips"] - before["cudagraph_skips"]) == (1, 1)
+
+    def compile_badly(fn, **kw):  # a step that inductor split in two graphs and ran one of them without CUDA graphs
+        counters["stats"]["unique_graphs"] += 2
+        counters["inductor"]["cudagraph_skips"] += 1
+        return fn
+
+    config = be.llama_config(layers=1, hidden=64, intermediate=128, heads=2, kv_heads=1, vocab=100)
+    model = be.build_model(config, "cpu", torch.float32, seed=0)
+    monkeypatch.setattr(torch, "compile", compile_badly)
+    dec = be.GreedyDecoder(model, 1, 32, "compile").prepare(torch.randint(0, 100, (1, 4)))
+    report = dec.compile_report()
+    assert report == {"graphs": 2, "graph_breaks": 0, "cudagraph_skips": 1}
+    row = {"format": "kbit K=4", "bits": 4, "resident_bytes": 1e9, "batches": {"1": {"tokens_per_s": 9.0}}}
+    result = {"model": "llama3-8b", "shape": {"layers": 1, "hidden": 64, "intermediate": 128, "heads": 2,
+                                              "kv_heads": 1, "vocab": 100},
+              "dtype": "float16", "mode": "compile", "prompt_len": 4, "prefill_len": 0, "new_tokens": 8, "repeats": 1,
+              "env": {"device": "cuda:0", "torch": "x", "transformers": "y", "date": "d"}, "rows": [row]}
+    assert "Not one CUDA graph" not in be.markdown(result)
+    row["batches"]["1"]["compile"] = report
+    assert "Not one CUDA graph per compiled step" in be.markdown(result) and "kbit K=4 batch 1" in be.markdown(result)
+    row["batches"]["1"]["compile"] = dict(be.ONE_CUDA_GRAPH)
+    assert "Not one CUDA graph" not in be.markdown(result)
+
+
 def test_bench_e2e_times_the_peer_row_last():
     """The torchao row takes minutes to build and compile: timed after fp16 and every kbit row, so that a run cut short
     by a time limit keeps them."""
