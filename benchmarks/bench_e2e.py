@@ -225,14 +225,15 @@ class GreedyDecoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         params = inspect.signature(model.forward).parameters
         self._cache_position = "cache_position" in params  # transformers < 5.x-ish; newer caches track it
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.graph = None
         self.compiled = None
         self._counts_before = None  # compile_counts() before this decoder's step was compiled
 
     def _logits(self, ids, positions):
-        kw = dict(input_ids=ids, position_ids=positions.unsqueeze(0).expand(ids.shape[0], -1),
-                  past_key_values=self.cache, use_cache=True)
+        kw = {"input_ids": ids, "position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1),
+              self._cache_kw: self.cache, "use_cache": True}
         if self._cache_position:
             kw["cache_position"] = positions
         if self._logits_kw:
