@@ -118,11 +118,16 @@ class PathCost(NamedTuple):
     # per partial tile the lead CTA of a thread-block cluster sums from the others' shared memory (gemm.cuh's tile
     # parts), its barriers included; None: never fitted (no clustered launch was timed), so none is planned
     cluster_us: Optional[float] = None
+    # per launch of gemm.cuh's mma.sync kernels with a CTA on every SM where fewer CTAs would have the same busiest
+    # steps (``slack_launch``); None: never fitted (no such pair timed), so the two price alike and the full grid,
+    # weighed first, is planned
+    full_grid_us: Optional[float] = None
 
 
 FEATURES = PathCost._fields
 MEMORY = FEATURES.index("memory_us")
-OPTIONAL_FEATURES = ("cluster_us",)  # absent from coefficient files fitted before clustered launches were timed
+# absent from coefficient files fitted before clustered launches, or launches leaving SMs free, were timed
+OPTIONAL_FEATURES = ("cluster_us", "full_grid_us")
 
 
 class CutCost(NamedTuple):
@@ -183,15 +188,28 @@ def steps_of(config: GemmConfig, shape: Shape) -> Steps:
 
 
 def launches(config: GemmConfig, steps: Steps, sms: int) -> list:
-    """The launches the binding accepts that are worth comparing: the steps in one group on one CTA per SM (or a CTA
-    per tile where the warps split k); for the warp-specialized kernel, the one its measured cut rules give
-    (``ws_launch``)."""
+    """The launches the binding accepts that are worth comparing: the steps in one group on one CTA per SM, then on
+    the fewest CTAs as busy (``slack_launch``), or a CTA per tile where the warps split k; for the warp-specialized
+    kernel, the one its measured cut rules give (``ws_launch``)."""
     if config.ws_tokens:
         return [ws_launch(config, steps, sms)]
     found = [Launch(min(sms, steps.total))]
     if config.k_split > 1 and steps.tiles <= sms:
         found.append(Launch(steps.tiles))
-    return found
+    slack = slack_launch(config, steps, sms)
+    return found + ([slack] if slack is not None else [])
+
+
+def slack_launch(config: GemmConfig, steps: Steps, sms: int) -> Optional[Launch]:
+    """mma.sync's steps (k not split: that weighs a CTA per tile) in one group on the fewest CTAs whose busiest CTA
+    has as many steps as on one CTA per SM, where that leaves SMs free; else None. Measured beside the full grid
+    (H200, k = 4, in a decoder step, ``bench_cluster_split.py --in-step``): 4096->28672 and 14336->4096 at one token
+    on 128 CTAs 22.2 and 15.3 us against 23.7 and 17.0 on 132, as busy; back to back 20.2 / 13.7 against 20.9 / 14.4;
+    at 16 tokens mixed. Priced by ``PathCost.full_grid_us`` once a tune has timed both."""
+    if config.ws_tokens or config.wgmma_tiles or config.k_split > 1 or steps.total <= sms:
+        return None
+    grid = -(-steps.total // -(-steps.total // sms))
+    return Launch(grid) if grid < sms else None
 
 
 # The warp-specialized kernel's cut, by the rules measured on the H100 and H200 (docs/PERFORMANCE.md, "Measured
@@ -253,7 +271,7 @@ def best_launch(config: GemmConfig, shape: Shape, cut: CutCost, sms: int, cost: 
 
     def rank(launch: Launch):
         if cost is not None:
-            return predict(cost, fused_features(config, shape, launch, cut, steps))
+            return predict(cost, fused_features(config, shape, launch, cut, steps, sms))
         return busiest(config, steps, launch, cut)
 
     return _least((rank(launch), launch) for launch in launches(config, steps, sms))
@@ -302,8 +320,9 @@ def in_cluster(config: GemmConfig, launch: Launch) -> bool:
 
 
 def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCost,
-                   steps: Optional[Steps] = None) -> tuple:
-    """The cost model's features (``FEATURES``) of a fused launch (``steps``: the shape's, unless given)."""
+                   steps: Optional[Steps] = None, sms: int = 0) -> tuple:
+    """The cost model's features (``FEATURES``) of a fused launch (``steps``: the shape's, unless given) on a GPU of
+    ``sms`` SMs (0: not known, no full-grid term)."""
     steps = steps or steps_of(config, shape)
     e, tiles, sharers = busiest(config, steps, launch, cut)
     step_weights = config.tile_rows * K_GROUP * config.k_split
@@ -313,8 +332,9 @@ def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCos
     tokens = min(shape.tokens, config.tokens) if config.ws_tokens else config.tokens
     clustered = in_cluster(config, launch)
     partials = 0 if clustered else handed_partials(config, sharers) * config.tile_rows * tokens * 4
+    full_grid = bool(sms) and launch.grid >= sms and slack_launch(config, steps, sms) is not None
     return (1.0, e * step_bytes / MIB, e * step_weights / MIB, e * step_weights * config.tokens / 2**30, tiles,
-            partials / MIB, shape.memory_mib, float(sharers - 1) if clustered else 0.0)
+            partials / MIB, shape.memory_mib, float(sharers - 1) if clustered else 0.0, float(full_grid))
 
 
 def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
@@ -327,13 +347,13 @@ def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
     dequantize_mib = (unrepack_bytes + shape.weight_bytes + 2 * weights) / MIB
     gemm_mib = (2 * weights + 2 * shape.tokens * (shape.in_features + shape.out_features)) / MIB
     macs = -(-shape.tokens // CUBLAS_TILE) * CUBLAS_TILE * weights / 2**30  # its tiles hold 128 tokens
-    return 1.0, gemm_mib / sms, 0.0, macs / sms, 0.0, 0.0, dequantize_mib, 0.0
+    return 1.0, gemm_mib / sms, 0.0, macs / sms, 0.0, 0.0, dequantize_mib, 0.0, 0.0
 
 
 def terms(cost: PathCost, features: tuple) -> tuple:
     """(loading, computing, the rest) of the predicted time: loads overlap the lookups and the MMAs. A feature of 0
-    costs nothing, also where its coefficient was never fitted (None)."""
-    t = [c * f if f else 0.0 for c, f in zip(cost, features)]
+    costs nothing, and so does one whose coefficient was never fitted (None)."""
+    t = [c * f if f and c is not None else 0.0 for c, f in zip(cost, features)]
     return t[1], t[2] + t[3], t[0] + sum(t[4:])
 
 
@@ -382,7 +402,7 @@ def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficient
         steps = steps_of(config, shape)
         clustered = cluster_launches(config, steps, device) if cost.cluster_us is not None else []
         for launch in launches(config, steps, device.sms) + clustered:
-            us = predict(cost, fused_features(config, shape, launch, coefficients.cut))
+            us = predict(cost, fused_features(config, shape, launch, coefficients.cut, steps, device.sms))
             found.append((us, Plan.of(config, launch)))
     return found
 
@@ -449,7 +469,7 @@ def rows_per_pass(device: Device, configs: Iterable[GemmConfig], coefficients: C
             one = steps_of(config, expert)
             steps = Steps(active * -(-per_expert // rows), one.row_tiles, one.k_steps)
             launch = Launch(min(device.sms, steps.total))
-            features = fused_features(config, expert, launch, coefficients.cut, steps)
+            features = fused_features(config, expert, launch, coefficients.cut, steps, device.sms)
             memory = (active * expert.weight_bytes + 2 * slots * (expert.in_features + expert.out_features)) / MIB
             us += predict(cost, features[:MEMORY] + (memory,) + features[MEMORY + 1:])
         if best is None or us < best[0]:

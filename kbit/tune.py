@@ -218,8 +218,8 @@ def clusters_to_time(config, shape, device, coefficients, planned) -> list:
     if not found:
         return []
     if cost is not None and cost.cluster_us is not None:
-        predicted = [planner.predict(cost, planner.fused_features(config, shape, launch, coefficients.cut))
-                     for launch in found]
+        predicted = [planner.predict(cost, planner.fused_features(config, shape, launch, coefficients.cut,
+                                                                  sms=device.sms)) for launch in found]
         best = predicted.index(min(predicted))
         return found[max(0, best - 1):best + 2]
     return [launch for launch in found if launch.tile_parts in (2, 4) or launch == found[-1]]
@@ -366,7 +366,7 @@ def _features(device, cut, path: Path, cell: Cell, cost=None):
     if path is Path.DEQUANTIZE_CUBLAS:
         return planner.cublas_features(cell.shape, device.sms, cell.gemm_resident)
     launch = cell.launch or planner.best_launch(cell.config, cell.shape, cut, device.sms, cost)
-    return planner.fused_features(cell.config, cell.shape, launch, cut)
+    return planner.fused_features(cell.config, cell.shape, launch, cut, sms=device.sms)
 
 
 def nonnegative_least_squares(rows: list, targets: list) -> list:
@@ -405,7 +405,7 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
     """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error, on the
     cells where it contends (all of them where too few do); the k split shares mma.sync's. A path with no
     measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it; likewise ``cluster_us``
-    stays None where no clustered launch was timed."""
+    stays None where no clustered launch was timed, and ``full_grid_us`` where no ``planner.slack_launch``."""
     from . import planner
 
     paths: dict = {path: [] for path in Path}  # path -> [(Cell, whether it contends)]
@@ -452,9 +452,13 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
 def _fit_cells(path: Path, cells: list, device, cut, rounds: int):
     """One PathCost fitted to ``cells`` ([Cell]). The model's max (loads against lookups and MMAs) is fitted by
     turns: each measurement counts the side the coefficients fitted so far say is the longer (at first both), and is
-    taken as the launch the planner runs (at first the one of fewest steps)."""
+    taken as the launch the planner runs (at first the one of fewest steps). The full grid's cost is fitted only
+    where a launch leaving SMs free (``planner.slack_launch``) was timed: without one it is the fixed cost again."""
     from . import planner
 
+    cluster, full_grid = planner.FEATURES.index("cluster_us"), planner.FEATURES.index("full_grid_us")
+    slack_timed = any(cell.launch is not None and cell.config is not None and cell.launch == planner.slack_launch(
+        cell.config, planner.steps_of(cell.config, cell.shape), device.sms) for cell in cells)
     cost = None
     for _ in range(rounds):
         rows = []
@@ -464,10 +468,13 @@ def _fit_cells(path: Path, cells: list, device, cut, rounds: int):
                 loading, computing, _ = planner.terms(cost, features)
                 for i in ((2, 3) if loading >= computing else (1,)):
                     features[i] = 0.0
+            if not slack_timed:
+                features[full_grid] = 0.0
             rows.append([f / cell.us for f in features])
         cost = planner.PathCost(*nonnegative_least_squares(rows, [1.0] * len(rows)))
-    clustered = any(row[-1] for row in rows)
-    return cost if clustered else cost._replace(cluster_us=None)  # no clustered launch timed: no value, none planned
+    if not any(row[cluster] for row in rows):  # no clustered launch timed: no value, none planned
+        cost = cost._replace(cluster_us=None)
+    return cost if slack_timed else cost._replace(full_grid_us=None)
 
 
 def _report(device, configs, coefficients, measured: dict, log) -> None:

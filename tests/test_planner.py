@@ -424,10 +424,11 @@ def test_the_shipped_coefficients_plan_no_clusters_and_as_before():
 CLUSTER_SHAPES = ((1024, 4096), (4096, 4096), (6144, 4096), (1536, 2048), (4096, 14336), (28672, 8192))
 
 
-def _mma_times_with_clusters(truth: planner.PathCost) -> dict:
+def _mma_times_with_clusters(truth: planner.PathCost, slack: bool = False) -> dict:
     """A tune file's measurements (``tune_cache.parse``'s) of mma.sync and the k split made by ``truth``: each path's
-    planned configuration (by the shipped coefficients, as tune runs) timed on its planned launch and on every
-    clustered launch that runs, as tune records them."""
+    planned configuration (by the shipped coefficients, as tune runs) timed on its planned launch, with ``slack`` on
+    its launch leaving SMs free (``planner.slack_launch``) where it has one, and on every clustered launch that runs,
+    as tune records them."""
     shipped = coefficients(H200C)
     measured = {}
     for N, K in CLUSTER_SHAPES:
@@ -438,10 +439,13 @@ def _mma_times_with_clusters(truth: planner.PathCost) -> dict:
             for M in tokens:
                 chosen = planner.plan(H200C, CONFIGS, shipped, N, K, M, 4, fused_only=True, force=frozenset({path}))
                 config, shape = config_of(chosen, 4), Shape(N, K, M, 4)
+                steps = planner.steps_of(config, shape)
                 runs = [Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)]
-                runs += planner.cluster_launches(config, planner.steps_of(config, shape), H200C)
+                runs += [planner.slack_launch(config, steps, H200C.sms)] if slack else []
+                runs = [launch for launch in runs if launch is not None]
+                runs += planner.cluster_launches(config, steps, H200C)
                 timed.append((config.key, tuple((tuple(launch), planner.predict(truth, planner.fused_features(
-                    config, shape, launch, planner.DEFAULT_CUT))) for launch in runs)))
+                    config, shape, launch, planner.DEFAULT_CUT, sms=H200C.sms))) for launch in runs)))
             us[path] = tuple(runs[0][1] for _, runs in timed)
             keys[path] = tuple(key for key, _ in timed)
             launched[path] = tuple(runs for _, runs in timed)
@@ -488,6 +492,63 @@ def test_the_fit_leaves_the_cluster_cost_unset_without_clustered_times():
     assert "cluster_us" not in planner.coefficients_to_json(fitted)["paths"]["mma_sync"]
 
 
+def test_a_launch_leaving_sms_free_is_the_fewest_ctas_as_busy_as_the_full_grid():
+    """``planner.slack_launch``: mma.sync's steps (k not split) on the fewest CTAs whose busiest CTA has the full
+    grid's steps; none where every SM is needed for that, or for the other kernels."""
+    mb1 = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.MMA_SYNC and c.mb == 1)
+    cases = {(28672, 4096): 128, (4096, 14336): 128, (6144, 4096): 128, (4096, 4096): 128, (1536, 2048): None}
+    for (N, K), grid in cases.items():
+        steps = planner.steps_of(mb1, Shape(N, K, 1, 4))
+        slack = planner.slack_launch(mb1, steps, 132)
+        assert slack == (None if grid is None else Launch(grid)), (N, K, steps)
+        if slack is not None:
+            full, free = (planner.busiest(mb1, steps, launch, planner.DEFAULT_CUT) for launch in (Launch(132), slack))
+            assert full == free and planner.launches(mb1, steps, 132)[-1] == slack
+            assert planner.busiest(mb1, steps, Launch(slack.grid - 1), planner.DEFAULT_CUT)[0] > full[0]
+    others = [c for c in CONFIGS if c.ws_tokens or c.wgmma_tiles or c.k_split > 1]
+    assert others and all(planner.slack_launch(c, planner.steps_of(c, Shape(28672, 8192, 64, c.bits)), 132) is None
+                          for c in others)
+
+
+def test_the_shipped_coefficients_price_no_full_grid_and_plan_as_before():
+    """No shipped file prices the full grid (full_grid_us: their tunes timed no launch leaving SMs free), so a slack
+    launch prices as its full grid and the full grid, weighed first, stays planned: every plan as without it."""
+    import unittest.mock
+
+    for device in (H100, H200, H100_PCIE):
+        co = coefficients(device)
+        assert all(cost.full_grid_us is None for cost in co.paths.values())
+        cells = [(shape, M, bits) for shape in SHAPES for M in TOKENS[:12] for bits in BITS]
+        plans = [planner.plan(device, CONFIGS, co, N, K, M, bits) for (N, K), M, bits in cells]
+        with unittest.mock.patch.object(planner, "slack_launch", lambda *args: None):
+            assert plans == [planner.plan(device, CONFIGS, co, N, K, M, bits) for (N, K), M, bits in cells]
+
+
+@pytest.mark.parametrize("full_grid_us", (0.8, 3.0))
+def test_the_fit_learns_the_full_grids_cost_and_the_planner_leaves_sms_free_where_that_is_faster(full_grid_us):
+    """Times made by mma.sync coefficients pricing a CTA on every SM, with launches leaving SMs free timed beside the
+    full grids: the fit recovers the price and each plan is no slower than any launch timed, on fewer CTAs than SMs
+    where the two were timed. The same times without the slack launches (the committed tune files) fit no price."""
+    truth = coefficients(H200C).paths[Path.MMA_SYNC]._replace(cluster_us=0.5, full_grid_us=full_grid_us)
+    measured = _mma_times_with_clusters(truth, slack=True)
+    fitted = tune.fit(measured, H200C, CONFIGS, planner.DEFAULT_CUT, "test")
+    assert fitted.paths[Path.MMA_SYNC] == pytest.approx(truth, rel=1e-3, abs=1e-6)
+    free = 0
+    for (bits, N, K), shape in measured.items():
+        for i, M in enumerate(shape.tokens):
+            fastest = min(min(dict(shape.launches[p][i]).values()) for p in (Path.MMA_SYNC, Path.K_SPLIT))
+            chosen = planner.plan(H200C, CONFIGS, fitted, N, K, M, bits, fused_only=True)
+            launch = Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)
+            us = planner.predict(truth, planner.fused_features(config_of(chosen, bits), Shape(N, K, M, bits), launch,
+                                                               planner.DEFAULT_CUT, sms=H200C.sms))
+            assert us <= fastest * (1 + 1e-6), (N, K, M, chosen)
+            free += chosen.path is Path.MMA_SYNC and chosen.grid < H200C.sms
+    assert free > 0
+    without = tune.fit(_mma_times_with_clusters(truth), H200C, CONFIGS, planner.DEFAULT_CUT, "test")
+    assert without.paths[Path.MMA_SYNC].full_grid_us is None
+    assert "full_grid_us" not in planner.coefficients_to_json(without)["paths"]["mma_sync"]
+
+
 def test_tune_times_a_few_cluster_sizes_per_cell():
     """Before a cluster cost is fitted: 2, 4 and the largest that runs; after: the model's best and its neighbours."""
     mb2 = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.MMA_SYNC and c.mb == 2)
@@ -503,7 +564,8 @@ def test_tune_times_a_few_cluster_sizes_per_cell():
 
 def test_tune_times_the_other_launch_of_the_k_split_beside_the_planned_one():
     """The k split's launches the planner weighs are both timed (a CTA per tile, the steps in one group), so the fit
-    sees the one it did not plan; then the clustered ones. A configuration with one launch adds only clusters."""
+    sees the one it did not plan; then the clustered ones. mma.sync's full grid adds its launch leaving SMs free
+    (``planner.slack_launch``: 256 steps on 128 CTAs, as busy as on 132), then clusters."""
     k_split = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.K_SPLIT and c.mb == 2)
     shape = Shape(1024, 4096, 16, 4)  # 64 tiles of 16 rows, 2 steps each: 128 steps
     co = coefficients(H200C)
@@ -513,8 +575,8 @@ def test_tune_times_the_other_launch_of_the_k_split_beside_the_planned_one():
         assert timed[1:] == tune.clusters_to_time(k_split, shape, H200C, co, planned)
     mb2 = next(c for c in CONFIGS if c.bits == 4 and c.path is Path.MMA_SYNC and c.mb == 2)
     big = Shape(4096, 4096, 16, 4)
-    assert tune.launches_to_time(mb2, big, H200C, co, Launch(132)) == tune.clusters_to_time(mb2, big, H200C, co,
-                                                                                            Launch(132))
+    assert tune.launches_to_time(mb2, big, H200C, co, Launch(132)) == [Launch(128)] + tune.clusters_to_time(
+        mb2, big, H200C, co, Launch(132))
 
 
 def test_nonnegative_least_squares():
