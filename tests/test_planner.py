@@ -542,6 +542,7 @@ def test_the_fit_learns_the_full_grids_cost_and_the_planner_leaves_sms_free_wher
             us = planner.predict(truth, planner.fused_features(config_of(chosen, bits), Shape(N, K, M, bits), launch,
                                                                planner.DEFAULT_CUT, sms=H200C.sms))
             assert us <= fastest * (1 + 1e-6), (N, K, M, chosen)
+            assert accepted(chosen, config_of(chosen, bits), Shape(N, K, M, bits), H200C), chosen
             free += chosen.path is Path.MMA_SYNC and chosen.grid < H200C.sms
     assert free > 0
     without = tune.fit(_mma_times_with_clusters(truth), H200C, CONFIGS, planner.DEFAULT_CUT, "test")
