@@ -467,17 +467,26 @@ def test_the_fit_learns_the_cluster_cost_and_the_planner_clusters_where_it_is_fa
         assert cost.cluster_us is None
     else:
         assert cost == pytest.approx(truth, rel=1e-3, abs=1e-6)
-    clustered = 0
+    clustered = sum(chosen.tile_parts > 0 for chosen in _plans_no_slower_than_any_launch_timed(measured, fitted, truth))
+    assert (clustered > 0) == (cluster_us < 10), clustered
+
+
+def _plans_no_slower_than_any_launch_timed(measured: dict, fitted: planner.Coefficients, truth: planner.PathCost):
+    """The fused plans ``fitted`` makes for every cell of ``measured`` (``_mma_times_with_clusters``'), each checked:
+    by ``truth``, no slower than any launch timed there, and a launch the binding accepts."""
+    plans = []
     for (bits, N, K), shape in measured.items():
         for i, M in enumerate(shape.tokens):
             fastest = min(min(dict(shape.launches[p][i]).values()) for p in (Path.MMA_SYNC, Path.K_SPLIT))
             chosen = planner.plan(H200C, CONFIGS, fitted, N, K, M, bits, fused_only=True)
+            config, cell = config_of(chosen, bits), Shape(N, K, M, bits)
             launch = Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)
-            us = planner.predict(truth, planner.fused_features(config_of(chosen, bits), Shape(N, K, M, bits), launch,
-                                                               planner.DEFAULT_CUT))
-            assert us <= fastest * (1 + 1e-6), (N, K, M, chosen)  # no slower than any launch timed
-            clustered += chosen.tile_parts > 0
-    assert (clustered > 0) == (cluster_us < 10), clustered
+            features = planner.fused_features(config, cell, launch, planner.DEFAULT_CUT, sms=H200C.sms)
+            us = planner.predict(truth, features)
+            assert us <= fastest * (1 + 1e-6), (N, K, M, chosen)
+            assert accepted(chosen, config, cell, H200C), chosen
+            plans.append(chosen)
+    return plans
 
 
 def test_the_fit_leaves_the_cluster_cost_unset_without_clustered_times():
@@ -533,18 +542,8 @@ def test_the_fit_learns_the_full_grids_cost_and_the_planner_leaves_sms_free_wher
     measured = _mma_times_with_clusters(truth, slack=True)
     fitted = tune.fit(measured, H200C, CONFIGS, planner.DEFAULT_CUT, "test")
     assert fitted.paths[Path.MMA_SYNC] == pytest.approx(truth, rel=1e-3, abs=1e-6)
-    free = 0
-    for (bits, N, K), shape in measured.items():
-        for i, M in enumerate(shape.tokens):
-            fastest = min(min(dict(shape.launches[p][i]).values()) for p in (Path.MMA_SYNC, Path.K_SPLIT))
-            chosen = planner.plan(H200C, CONFIGS, fitted, N, K, M, bits, fused_only=True)
-            launch = Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)
-            us = planner.predict(truth, planner.fused_features(config_of(chosen, bits), Shape(N, K, M, bits), launch,
-                                                               planner.DEFAULT_CUT, sms=H200C.sms))
-            assert us <= fastest * (1 + 1e-6), (N, K, M, chosen)
-            assert accepted(chosen, config_of(chosen, bits), Shape(N, K, M, bits), H200C), chosen
-            free += chosen.path is Path.MMA_SYNC and chosen.grid < H200C.sms
-    assert free > 0
+    plans = _plans_no_slower_than_any_launch_timed(measured, fitted, truth)
+    assert any(chosen.path is Path.MMA_SYNC and chosen.grid < H200C.sms for chosen in plans)
     without = tune.fit(_mma_times_with_clusters(truth), H200C, CONFIGS, planner.DEFAULT_CUT, "test")
     assert without.paths[Path.MMA_SYNC].full_grid_us is None
     assert "full_grid_us" not in planner.coefficients_to_json(without)["paths"]["mma_sync"]
