@@ -332,9 +332,10 @@ def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCos
     tokens = min(shape.tokens, config.tokens) if config.ws_tokens else config.tokens
     clustered = in_cluster(config, launch)
     partials = 0 if clustered else handed_partials(config, sharers) * config.tile_rows * tokens * 4
-    full_grid = bool(sms) and launch.grid >= sms and slack_launch(config, steps, sms) is not None
+    # (a conditional, not float() of the comparison: torch.compile traces this with the token count symbolic)
+    full_grid = 1.0 if sms and launch.grid >= sms and slack_launch(config, steps, sms) is not None else 0.0
     return (1.0, e * step_bytes / MIB, e * step_weights / MIB, e * step_weights * config.tokens / 2**30, tiles,
-            partials / MIB, shape.memory_mib, float(sharers - 1) if clustered else 0.0, float(full_grid))
+            partials / MIB, shape.memory_mib, float(sharers - 1) if clustered else 0.0, full_grid)
 
 
 def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
