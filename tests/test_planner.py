@@ -440,9 +440,8 @@ def _mma_times_with_clusters(truth: planner.PathCost, slack: bool = False) -> di
                 chosen = planner.plan(H200C, CONFIGS, shipped, N, K, M, 4, fused_only=True, force=frozenset({path}))
                 config, shape = config_of(chosen, 4), Shape(N, K, M, 4)
                 steps = planner.steps_of(config, shape)
-                runs = [Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)]
-                runs += [planner.slack_launch(config, steps, H200C.sms)] if slack else []
-                runs = [launch for launch in runs if launch is not None]
+                free = planner.slack_launch(config, steps, H200C.sms) if slack else None
+                runs = [Launch(chosen.grid, chosen.tile_parts, chosen.whole_tiles)] + ([free] if free else [])
                 runs += planner.cluster_launches(config, steps, H200C)
                 timed.append((config.key, tuple((tuple(launch), planner.predict(truth, planner.fused_features(
                     config, shape, launch, planner.DEFAULT_CUT, sms=H200C.sms))) for launch in runs)))
