@@ -28,7 +28,8 @@ multiply-adds (tokens in tiles of 128) per SM.
 
 The coefficients are per GPU (``Coefficients``): ``python -m kbit tune`` fits them on this GPU into the tuned cache
 (``kbit.tune_cache``); else the shipped defaults of ``kbit/gpus/<GPU>.json`` (fitted the same way from
-``benchmarks/results/tune_<GPU>.json``), else those of ``DEFAULT_GPU``. ``KBIT_GEMM_PATH`` (``ws``, ``classic``,
+``benchmarks/results/tune_<GPU>.json``; the decode step's, where it has its own, from
+``tune_in_step_<GPU>.json``), else those of ``DEFAULT_GPU``. ``KBIT_GEMM_PATH`` (``ws``, ``classic``,
 ``mma_sync``, ``wgmma``, ``k_split``) restricts the fused kernels of a fused-only plan, read at every call.
 """
 
@@ -65,6 +66,7 @@ CUBLAS_TILE = 128  # tokens per cuBLAS output tile, as the model counts its mult
 GPU_DIR = FilePath(__file__).parent / "gpus"
 DEFAULT_GPU = "NVIDIA H100 80GB HBM3"  # the defaults of a GPU with no file of its own
 MIB = float(1 << 20)
+DECODE_TOKENS = 16  # the most tokens a call plans from a decode step's coefficients (``Coefficients.decode``)
 
 
 class Launch(NamedTuple):
@@ -147,6 +149,15 @@ class Coefficients(NamedTuple):
     tokens: dict  # (bits,) + GemmConfig.key -> (fewest, most) tokens it was measured at: where the fit holds for it
     cut: CutCost
     source: str  # what they were fitted from
+    # The decode step's own (paths and tokens alike), fitted to calls timed in step at up to DECODE_TOKENS tokens
+    # (``kbit tune --fit ... --decode``): there each call follows a few small kernels (a norm, the rotary embedding,
+    # attention) instead of another GEMM's tail, and the launch that wins is another (the slack launch, the k split:
+    # docs/PERFORMANCE.md, Planner). None: ``paths`` plan every call.
+    decode: Optional["Coefficients"] = None
+
+    def at(self, tokens: int) -> "Coefficients":
+        """The coefficients that plan a call of ``tokens`` tokens."""
+        return self.decode if self.decode is not None and tokens <= DECODE_TOKENS else self
 
 
 class Shape(NamedTuple):
@@ -421,6 +432,7 @@ def plan(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficien
     on CUDA), so dequantize + cuBLAS unrepacks it first.
     """
     shape = Shape(out_features, padded_in_features(in_features), max(tokens, 1), bits)
+    coefficients = coefficients.at(shape.tokens)
     fused_only = fused_only or grid_override > 0
     configs = tuple(configs)
     candidates = []
@@ -480,7 +492,14 @@ def rows_per_pass(device: Device, configs: Iterable[GemmConfig], coefficients: C
 
 # ---------------------------------------------------------------------------------------------- coefficients
 def coefficients_from_json(data: dict, source: str) -> Coefficients:
-    """The coefficient file's contents (``kbit/gpus/*.json``, the tuned cache's ``coefficients``), checked."""
+    """The coefficient file's contents (``kbit/gpus/*.json``, the tuned cache's ``coefficients``), checked; its
+    ``decode`` (paths, tokens and source, the device and cut being the file's) becomes ``Coefficients.decode``."""
+    decode = data.get("decode") if isinstance(data, dict) else None
+    if decode is not None:
+        if not isinstance(decode, dict) or "decode" in decode:
+            raise ValueError(f"{source}: decode: paths, tokens and source of the decode step's coefficients")
+        decode = coefficients_from_json({**decode, "device": data.get("device"), "cut": data.get("cut")},
+                                        f"{source} (decode)")
     try:
         paths = {Path(name): PathCost(**{f: float(v[f]) for f in FEATURES if f in v or f not in OPTIONAL_FEATURES})
                  for name, v in data["paths"].items()}
@@ -497,15 +516,19 @@ def coefficients_from_json(data: dict, source: str) -> Coefficients:
            if v is not None and (not math.isfinite(v) or v < 0)]
     if bad:
         raise ValueError(f"{source}: coefficients must be finite and >= 0: {', '.join(bad)}")
-    return Coefficients(device, paths, tokens, cut_cost, str(data.get("source", source)))
+    return Coefficients(device, paths, tokens, cut_cost, str(data.get("source", source)), decode)
 
 
 def coefficients_to_json(coefficients: Coefficients) -> dict:
-    return {"device": coefficients.device, "source": coefficients.source,
-            "paths": {path.value: {f: v for f, v in zip(FEATURES, cost) if v is not None}
-                      for path, cost in coefficients.paths.items()},
-            "tokens": {",".join(map(str, key)): list(r) for key, r in sorted(coefficients.tokens.items())},
-            "cut": {"whole_tiles_gain": {str(t): g for t, g in coefficients.cut.whole_tiles_gain.items()}}}
+    def fitted(c: Coefficients) -> dict:
+        return {"source": c.source,
+                "paths": {path.value: {f: v for f, v in zip(FEATURES, cost) if v is not None}
+                          for path, cost in c.paths.items()},
+                "tokens": {",".join(map(str, key)): list(r) for key, r in sorted(c.tokens.items())}}
+
+    return {"device": coefficients.device, **fitted(coefficients),
+            "cut": {"whole_tiles_gain": {str(t): g for t, g in coefficients.cut.whole_tiles_gain.items()}},
+            **({"decode": fitted(coefficients.decode)} if coefficients.decode is not None else {})}
 
 
 def gpu_file(device_name: str) -> FilePath:

@@ -18,7 +18,9 @@ shipped ``kbit/gpus/<GPU>.json`` are made. ``--merge FILE`` lays a measuring run
 such a tune file (a token count timed again replaces the old times) and fits to the whole: a region re-timed without
 timing every shape and token count again, or chunks timed on two GPUs made one file. ``--in-step`` times each call
 just after a kernel that writes its input, as a projection runs in a decoder step (``kbit.timing.in_step``); the file
-says how its calls were timed, and one fit takes one timing.
+says how its calls were timed, and one fit takes one timing. ``--decode FILE`` (with ``--fit``) fits such an in-step
+file, the k split apart from mma.sync, as the decode step's own coefficients (``kbit.planner.Coefficients.decode``),
+which plan the calls of up to 16 tokens.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "timed again replaces the old), rewrite it and fit the coefficients to the whole: how a "
                              "committed benchmarks/results/tune_<GPU>.json takes a re-timed region")
     parser.add_argument("--fit", metavar="MEASUREMENTS", help="fit the coefficients to this tune file, no GPU needed")
+    parser.add_argument("--decode", metavar="MEASUREMENTS",
+                        help="with --fit: an in-step tune file (--in-step) fitted as the decode step's own "
+                             "coefficients, which plan the calls of up to 16 tokens")
     parser.add_argument("--configs", metavar="REPORT", help="with --fit: the configuration report (gemm_configs())")
     parser.add_argument("--out", metavar="FILE", help="with --fit: write the coefficients here (else print them)")
 
@@ -232,6 +237,8 @@ def main(args: argparse.Namespace) -> int:
         if args.in_step:
             raise SystemExit("kbit tune: --in-step is a measuring run's; --fit measures nothing")
         return _fit_file(args)
+    if args.decode:
+        raise SystemExit("kbit tune: --decode goes with --fit (the decode step's coefficients beside a fit's)")
     if not torch.cuda.is_available():
         print("kbit tune: no CUDA device is visible; the planner's coefficients are measured on the GPU that runs "
               "them (--fit fits them from a tune file without one)", file=sys.stderr)
@@ -322,7 +329,10 @@ def _fit_file(args: argparse.Namespace) -> int:
         measured = tune_cache.parse({"format": tune_cache.FORMAT, "shapes": entries})
     configs = parse_configs(FilePath(args.configs).read_text())
     coefficients = fit(measured, device, configs, planner.DEFAULT_CUT,
-                       f"python -m kbit tune --fit {args.fit}" + (f" --merge {args.merge}" if args.merge else ""))
+                       f"python -m kbit tune --fit {args.fit}" + (f" --merge {args.merge}" if args.merge else "")
+                       + (f" --decode {args.decode}" if args.decode else ""))
+    if args.decode:
+        coefficients = coefficients._replace(decode=_decode_fit(args.decode, device, configs))
     text = json.dumps(planner.coefficients_to_json(coefficients), indent=1) + "\n"
     if args.out:
         FilePath(args.out).write_text(text)
@@ -330,6 +340,26 @@ def _fit_file(args: argparse.Namespace) -> int:
         print(text, end="")
     _report(device, configs, coefficients, measured, lambda line: print(line, file=sys.stderr))
     return 0
+
+
+def _decode_fit(name: str, device, configs):
+    """The decode step's coefficients: fitted to an in-step tune file of ``device`` (every call it timed: the counts
+    past ``planner.DECODE_TOKENS`` constrain the rates too), planning the calls of up to that many tokens."""
+    import json
+    from pathlib import Path as FilePath
+
+    from . import planner, tune_cache
+
+    data = json.loads(FilePath(name).read_text())
+    measured = tune_cache.parse(data)
+    if data.get("device") != device.name:
+        raise SystemExit(f"kbit tune: --decode {name} was measured on {data.get('device')!r}, not {device.name!r}")
+    if tune_cache.timing_of(data) != tune_cache.IN_STEP:
+        raise SystemExit(f"kbit tune: --decode {name}: its calls were timed {tune_cache.timing_of(data)}; the decode "
+                         f"step's coefficients fit calls timed in step (kbit tune --in-step)")
+    if not any(M <= planner.DECODE_TOKENS for shape in measured.values() for M in shape.tokens):
+        raise SystemExit(f"kbit tune: --decode {name} timed no call of {planner.DECODE_TOKENS} tokens or fewer")
+    return fit(measured, device, configs, planner.DEFAULT_CUT, name, own_k_split=True)
 
 
 # ---------------------------------------------------------------------------------------------- the fit
@@ -401,9 +431,11 @@ CONTENDER = 1.25  # a path's times are fitted where it is within this of the fas
 # paths): where plans are decided
 
 
-def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
+def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6, own_k_split: bool = False):
     """Each measured path's coefficients fitted to ``measured`` (``tune_cache.parse``'s), in relative error, on the
-    cells where it contends (all of them where too few do); the k split shares mma.sync's. A path with no
+    cells where it contends (all of them where too few do); the k split shares mma.sync's unless ``own_k_split``
+    (the decode step's fit: in step its warps' sums through shared memory and its one step per CTA price otherwise
+    than mma.sync's rates say, 4096->4096 at one token 8.7 us priced that way against 6.9 timed). A path with no
     measurements gets none: the planner leaves it out unless ``KBIT_GEMM_PATH`` forces it; likewise ``cluster_us``
     stays None where no clustered launch was timed, and ``full_grid_us`` where no ``planner.slack_launch``."""
     from . import planner
@@ -428,13 +460,16 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
                          if launched and launched[i] else [cell])
                 for one in found:
                     paths[path].append((one, any(one.us <= CONTENDER * fastest(i, among) for among in rivals)))
-    # The k split is mma.sync's kernel with the warps splitting k: its features differ, not its rates.
-    paths[Path.MMA_SYNC] += paths.pop(Path.K_SPLIT)
+    # A fit of 7 or 8 coefficients wants several cells each: where fewer contend, it takes all of a path's.
+    wanted = 3 * (len(planner.FEATURES) - len(planner.OPTIONAL_FEATURES))
+    # The k split is mma.sync's kernel with the warps splitting k: its features differ, not its rates, unless
+    # ``own_k_split`` fits it its own.
+    if not own_k_split:
+        paths[Path.MMA_SYNC] += paths.pop(Path.K_SPLIT)
     fitted = {}
     for path, cells in paths.items():
         contenders = [cell for cell, contends in cells if contends]
-        if cells:  # where too few contend, all (a fit of 7 or 8 coefficients wants several cells each)
-            wanted = 3 * (len(planner.FEATURES) - len(planner.OPTIONAL_FEATURES))
+        if cells:
             chosen = contenders if len(contenders) >= wanted else [cell for cell, _ in cells]
             fitted[path] = _fit_cells(path, chosen, device, cut, rounds)
     tokens: dict = {}  # configuration -> (fewest, most) tokens measured
@@ -444,7 +479,7 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6):
                 key = (cell.config.bits,) + cell.config.key
                 low, high = tokens.get(key, (cell.shape.tokens, cell.shape.tokens))
                 tokens[key] = (min(low, cell.shape.tokens), max(high, cell.shape.tokens))
-    if Path.MMA_SYNC in fitted:
+    if Path.MMA_SYNC in fitted and not own_k_split:
         fitted[Path.K_SPLIT] = fitted[Path.MMA_SYNC]
     return planner.Coefficients(device.name, fitted, tokens, cut, source)
 
