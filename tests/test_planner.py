@@ -346,9 +346,9 @@ def _launch_us(shape, i: int, chosen: Plan):
 
 
 # The decode step's plans against the in-step times they were fitted to, per call of up to 16 tokens whose planned
-# launch was timed: within 3% of the fastest launch timed in 93% of them, within 10% in 97% (the H200's: 108 and 111
-# of 113; its back-to-back coefficients' plans there: 163 and 200 of 224; docs/PERFORMANCE.md, Planner).
-DECODE_WITHIN_3_PERCENT, DECODE_WITHIN_10_PERCENT = 0.93, 0.97
+# launch was timed: within 3% of the fastest launch timed in 87% of them, within 10% in 96% (the H200's: 194 and 213
+# of 220; its back-to-back coefficients' plans there: 133 and 191 of 224; docs/PERFORMANCE.md, Planner).
+DECODE_WITHIN_3_PERCENT, DECODE_WITHIN_10_PERCENT = 0.87, 0.96
 
 
 @pytest.mark.parametrize("path", _committed_tune_files(tune_cache.IN_STEP), ids=lambda p: p.name)
@@ -367,7 +367,7 @@ def test_the_decode_step_plans_the_launch_its_in_step_times_favour(path):
                           + [t for runs in shape.launches.values() if runs and runs[i] for _, t in runs[i]])
             if us is not None:
                 ratios.append(us / fastest)
-    assert len(ratios) >= 100
+    assert len(ratios) >= 200
     assert sum(r <= 1.03 for r in ratios) >= DECODE_WITHIN_3_PERCENT * len(ratios)
     assert sum(r <= 1.10 for r in ratios) >= DECODE_WITHIN_10_PERCENT * len(ratios)
 
