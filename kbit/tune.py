@@ -20,7 +20,8 @@ timing every shape and token count again, or chunks timed on two GPUs made one f
 just after a kernel that writes its input, as a projection runs in a decoder step (``kbit.timing.in_step``); the file
 says how its calls were timed, and one fit takes one timing. ``--decode FILE`` (with ``--fit``) fits such an in-step
 file, the k split apart from mma.sync, as the decode step's own coefficients (``kbit.planner.Coefficients.decode``),
-which plan the calls of up to 16 tokens.
+which plan the calls of up to 16 tokens; a measuring run's cache holds its own where it timed in step, else the
+shipped file's.
 """
 
 from __future__ import annotations
@@ -272,6 +273,11 @@ def main(args: argparse.Namespace) -> int:
         log(f"kbit tune: merged into {args.merge}: {len(entries)} shapes and bit widths")
     measured = tune_cache.parse({"format": tune_cache.FORMAT, "shapes": entries})
     coefficients = fit(measured, facts.device, facts.configs, facts.coefficients.cut, "python -m kbit tune")
+    # The decode step's own: this run's, where it timed its calls in step; else the shipped file's (calls timed back
+    # to back say nothing of one that follows a norm or attention).
+    coefficients = coefficients._replace(decode=fit(
+        measured, facts.device, facts.configs, facts.coefficients.cut, "python -m kbit tune --in-step",
+        own_k_split=True) if args.in_step else planner.shipped_coefficients(facts.device.name).decode)
     path = tune_cache.save(facts.device, entries, planner.coefficients_to_json(coefficients), timing)
     planner.forget()
     log(f"kbit tune: wrote {path}")
@@ -460,8 +466,6 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6, own_
                          if launched and launched[i] else [cell])
                 for one in found:
                     paths[path].append((one, any(one.us <= CONTENDER * fastest(i, among) for among in rivals)))
-    # A fit of 7 or 8 coefficients wants several cells each: where fewer contend, it takes all of a path's.
-    wanted = 3 * (len(planner.FEATURES) - len(planner.OPTIONAL_FEATURES))
     # The k split is mma.sync's kernel with the warps splitting k: its features differ, not its rates, unless
     # ``own_k_split`` fits it its own.
     if not own_k_split:
@@ -469,7 +473,8 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6, own_
     fitted = {}
     for path, cells in paths.items():
         contenders = [cell for cell, contends in cells if contends]
-        if cells:
+        if cells:  # where too few contend, all (a fit of 7 or 8 coefficients wants several cells each)
+            wanted = 3 * (len(planner.FEATURES) - len(planner.OPTIONAL_FEATURES))
             chosen = contenders if len(contenders) >= wanted else [cell for cell, _ in cells]
             fitted[path] = _fit_cells(path, chosen, device, cut, rounds)
     tokens: dict = {}  # configuration -> (fewest, most) tokens measured

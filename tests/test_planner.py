@@ -931,6 +931,19 @@ def test_tune_stops_starting_shapes_after_its_seconds(cache_dir, monkeypatch):
     written = json.loads(tune_cache.cache_file(H100.name).read_text())
     assert [(e["in_features"], e["bits"]) for e in written["shapes"]] == [(4096, 2), (4096, 4), (1024, 2), (1024, 4)]
     assert set(written["coefficients"]["paths"]) >= {"mma_sync", "wgmma", "dequantize_cublas"}
+    assert "decode" not in written["coefficients"]  # timed back to back, and the H100's file has none
+
+
+def test_a_tune_run_keeps_the_shipped_decode_coefficients_unless_it_timed_in_step(cache_dir, monkeypatch):
+    parser = _measuring_tune(monkeypatch, H200C, [],
+                             lambda bits, n_out, k_in: dict(TUNED, bits=bits, out_features=n_out, in_features=k_in))
+    shipped = planner.shipped_coefficients(H200C.name).decode
+    assert shipped is not None
+    assert tune.main(parser.parse_args(["--bits", "4", "--shapes", "4096->4096"])) == 0
+    assert planner._coefficients(H200C.name).decode == shipped
+    assert tune.main(parser.parse_args(["--bits", "4", "--shapes", "4096->4096", "--in-step"])) == 0
+    co = planner._coefficients(H200C.name)
+    assert co.decode.source == "python -m kbit tune --in-step" and co.decode.paths and co.decode != shipped
 
 
 def test_tune_merges_a_re_timed_region_into_a_tune_file(cache_dir, tmp_path, monkeypatch):
