@@ -294,7 +294,7 @@ def _tune_file_to_merge(name: str, device, timing: str) -> dict:
 
     try:
         data = json.loads(FilePath(name).read_text())
-        tune_cache.check_mergeable(data, device, timing)
+        tune_cache.check_tune_file(data, device, timing)
     except (OSError, ValueError) as e:
         raise SystemExit(f"kbit tune: --merge {name}: {e}") from None
     return data
@@ -357,12 +357,11 @@ def _decode_fit(name: str, device, configs):
     from . import planner, tune_cache
 
     data = json.loads(FilePath(name).read_text())
+    try:
+        tune_cache.check_tune_file(data, device, tune_cache.IN_STEP)  # the decode step's calls follow other kernels
+    except ValueError as e:
+        raise SystemExit(f"kbit tune: --decode {name}: {e} (kbit tune --in-step)") from None
     measured = tune_cache.parse(data)
-    if data.get("device") != device.name:
-        raise SystemExit(f"kbit tune: --decode {name} was measured on {data.get('device')!r}, not {device.name!r}")
-    if tune_cache.timing_of(data) != tune_cache.IN_STEP:
-        raise SystemExit(f"kbit tune: --decode {name}: its calls were timed {tune_cache.timing_of(data)}; the decode "
-                         f"step's coefficients fit calls timed in step (kbit tune --in-step)")
     if not any(M <= planner.DECODE_TOKENS for shape in measured.values() for M in shape.tokens):
         raise SystemExit(f"kbit tune: --decode {name} timed no call of {planner.DECODE_TOKENS} tokens or fewer")
     return fit(measured, device, configs, planner.DEFAULT_CUT, name, own_k_split=True)

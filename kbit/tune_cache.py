@@ -221,14 +221,15 @@ def timing_of(data: dict) -> str:
     return data.get("timing", BACK_TO_BACK)
 
 
-def check_mergeable(base: dict, device: Device, timing: str = BACK_TO_BACK) -> None:
-    """ValueError (``parse``'s, or another GPU's file, or times taken otherwise than ``timing``) where ``base`` is no
-    tune file that ``merge`` can lay times of ``device`` taken ``timing`` over."""
-    parse(base)
-    if base.get("device") != device.name:
-        raise ValueError(f"measured on {base.get('device')!r}, not on this {device.name!r}")
-    if timing_of(base) != timing:
-        raise ValueError(f"its calls were timed {timing_of(base)}, this run's {timing}: one fit takes one timing")
+def check_tune_file(data: dict, device: Device, timing: str = BACK_TO_BACK) -> None:
+    """ValueError (``parse``'s, or another GPU's file, or times taken otherwise than ``timing``) where ``data`` is no
+    tune file of ``device`` whose calls were timed ``timing``: one that ``merge`` lays such times over, or that the
+    decode step's fit takes."""
+    parse(data)
+    if data.get("device") != device.name:
+        raise ValueError(f"measured on {data.get('device')!r}, not {device.name!r}")
+    if timing_of(data) != timing:
+        raise ValueError(f"its calls were timed {timing_of(data)}, not {timing}: one fit takes one timing")
 
 
 def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK, date: Optional[str] = None) -> dict:
@@ -237,8 +238,8 @@ def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK, 
     and launches of every path; the others keep theirs; a new shape is added. An entry keeps ``base``'s
     ``gemm_resident``, and its dequantize + cuBLAS times where the new ones were measured otherwise (that flag is
     the entry's, not the time's). ``clusters`` become ``device``'s, ``date`` the new measurements' (default: now).
-    ValueError where ``base`` is no tune file to lay them over (``check_mergeable``)."""
-    check_mergeable(base, device, timing)
+    ValueError where ``base`` is no tune file to lay them over (``check_tune_file``)."""
+    check_tune_file(base, device, timing)
     merged = {key: value for key, value in base.items() if key != "coefficients"}
     entries = {(e["bits"], e["out_features"], e["in_features"]): e for e in base["shapes"]}
     for new in shapes:
