@@ -1,11 +1,12 @@
-"""Bandwidth of kbit's quantize, dequantize and repack kernels vs the measured copy bandwidth.
+"""Bandwidth of kbit's quantize, dequantize, repack and dequantize-from-layout kernels vs the measured copy
+bandwidth.
 
     python benchmarks/bench_quant.py                # 64M elements, K = 2..5, all dtypes
     python benchmarks/bench_quant.py --numel 134217728 --k 4
 
 Each op runs on a flat tensor of ``--numel`` elements (repack on a square-ish [N, K] weight of the
-same size), timed as a CUDA graph of several calls alternating between two input copies (each
-larger than the L2), median of several replays. Bandwidth = (bytes read + bytes written) / time;
+same size, dequantize_layout on its GEMM layout), timed as a CUDA graph of several calls alternating between two
+input copies (each larger than the L2), median of several replays. Bandwidth = (bytes read + bytes written) / time;
 reported with its percentage of the device-to-device copy bandwidth (also read + write), the
 practical ceiling. Writes ``quant_<device>.md`` / ``.json`` / ``_summary.txt`` under ``--out``.
 """
@@ -124,7 +125,17 @@ def main(argv=None) -> int:
             stores = [(p, a), (p.clone(), a.clone())]
             calls = [(lambda s=stores[i % 2]: ops.repack(s[0], s[1], k, N, K)) for i in range(args.calls)]
             record("repack", k, f"[{N}x{K}]", repack_bytes(N * K, k), calls)
+            layouts = [ops.repack(s[0], s[1], k, N, K) for s in stores]
             del stores, p, a, calls
+            free_memory()
+            for dtype in args.dtype_list:  # a kbit layer's dense weight on the GPU: straight from its layout
+                calls = [(lambda l=layouts[i % 2], dt=dtype: ops.dequantize_layout(l[0], l[1], cb, k, N, K, dt, one))
+                         for i in range(args.calls)]
+                record("dequantize_layout", k, dtype_name(dtype),
+                       dequant_bytes(N * K, k, torch.empty(0, dtype=dtype).element_size()), calls)
+                del calls
+                free_memory()
+            del layouts
         free_memory()
 
     data = {"env": env, "copy_bandwidth": bw, "numel": n, "rows": rows, "errors": errors,

@@ -94,6 +94,13 @@ def unrepack(b_gemm: Tensor, absmax_gemm: Tensor, bits: int, out_features: int, 
     _tensor(absmax_gemm, "absmax_gemm", torch.uint8, a_shape, b_gemm.device)
 
 
+def dequantize_layout(b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, bits: int, out_features: int,
+                      in_features_padded: int, dtype: torch.dtype, scale: Tensor) -> None:
+    unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+    check_dtype(dtype, "kbit: dtype", INPUT_DTYPES)
+    _codebook_and_scale(codebook, scale, bits, b_gemm.device)
+
+
 def _activations(x: Tensor, allowed, in_features_padded: int, device: torch.device, codebook: Tensor, scale: Tensor,
                  bits: int, scale_rows: int = 0) -> None:
     """x [tokens, <= in_features_padded] of an ``allowed`` dtype on the weight's device; codebook and scale (per

@@ -81,6 +81,12 @@ def _(packed, absmax, codebook, bits, n, dtype, scale):
     return ext.dequantize(packed.contiguous(), absmax.contiguous(), codebook, bits, n, dtype, scale)
 
 
+def _dense_stored(packed, absmax, codebook, bits, out_features, in_features_padded, dtype, scale):
+    """The storage format's [out_features, in_features_padded] weight in dtype (``dequantize``, reshaped)."""
+    return dequantize(packed, absmax, codebook, bits, out_features * in_features_padded, dtype,
+                      scale).reshape(out_features, in_features_padded)
+
+
 # ----------------------------------------------------------------------------- GEMM from the storage format
 def matmul_stored_reference(x, packed, absmax, codebook, scale, bias, bits, out_features, in_features_padded):
     """The reference of ``matmul_stored``: the weight dequantized in float32, multiplied in float32."""
@@ -133,9 +139,9 @@ def stored_cpu_kernel(packed, absmax, codebook, scale, bits, out_features, in_fe
 
 # Gradients for x and bias (the quantized weight is constant), so that kbit.matmul can sit inside a graph that
 # autograd records (torch.compile outside no_grad, adapters trained on top of it). Both GEMM ops take
-# (x, weight codes, weight scales, codebook, scale, bias, bits, out_features, in_features_padded, ...); ``storage``
-# turns their weight tensors into the storage format the backward dequantizes.
-def _register_gemm_autograd(op, storage) -> None:
+# (x, weight codes, weight scales, codebook, scale, bias, bits, out_features, in_features_padded, ...); ``dense``
+# dequantizes their weight tensors (dequantize_rows).
+def _register_gemm_autograd(op, dense) -> None:
     def setup_context(ctx, inputs, output):
         x, codes, block_scales, codebook, scale, bias, bits, out_features, in_features_padded = inputs[:9]
         ctx.save_for_backward(codes, block_scales, codebook, scale)
@@ -147,8 +153,7 @@ def _register_gemm_autograd(op, storage) -> None:
         bits, N, K, x_columns, x_dtype, bias_dtype = ctx.dims
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            packed, absmax = storage(codes, block_scales, bits, N, K)
-            w = dequantize_rows(packed, absmax, codebook, bits, N, K, scale)
+            w = dequantize_rows(dense, codes, block_scales, codebook, bits, N, K, scale)
             grad_x = (grad.to(torch.float32) @ w[:, :x_columns]).to(x_dtype)
         if bias_dtype is not None and ctx.needs_input_grad[5]:
             grad_bias = grad.to(torch.float32).sum(0).to(bias_dtype)
@@ -157,7 +162,7 @@ def _register_gemm_autograd(op, storage) -> None:
     op.register_autograd(backward, setup_context=setup_context)
 
 
-_register_gemm_autograd(matmul_stored, lambda packed, absmax, bits, N, K: (packed, absmax))
+_register_gemm_autograd(matmul_stored, _dense_stored)
 
 
 # ----------------------------------------------------------------------------- repack
@@ -208,6 +213,40 @@ def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
     return cuda_ext().unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
 
 
+# ----------------------------------------------------------------------------- dense weight from the GEMM layout
+def _dense_layout_reference(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale):
+    packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+    return formats.dequantize_reference(packed, absmax, codebook, bits, out_features * in_features_padded, dtype,
+                                        scale).reshape(out_features, in_features_padded)
+
+
+@torch.library.custom_op("kbit::dequantize_layout", mutates_args=())
+def dequantize_layout(b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, bits: int, out_features: int,
+                      in_features_padded: int, dtype: torch.dtype, scale: Tensor) -> Tensor:
+    """GEMM layout -> the dense [out_features, in_features_padded] weight in dtype: ``dequantize`` of the storage
+    that ``unrepack`` derives, value for value; on CUDA one pass, no storage in between."""
+    _op_contract.dequantize_layout(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale)
+    return _dense_layout_reference(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale)
+
+
+@dequantize_layout.register_fake
+def _(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale):
+    return b_gemm.new_empty((out_features, in_features_padded), dtype=dtype)
+
+
+@dequantize_layout.register_kernel("cuda")
+def _(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale):
+    return cuda_ext().dequantize_layout(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype,
+                                        scale)
+
+
+@dequantize_layout.register_kernel("cpu")
+def _(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale):
+    _op_contract.dequantize_layout(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale)
+    packed, absmax = unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
+    return _dense_stored(packed, absmax, codebook, bits, out_features, in_features_padded, dtype, scale)
+
+
 # ----------------------------------------------------------------------------- settled weights
 EARLY_WEIGHTS_ENV = "KBIT_EARLY_WEIGHTS"
 _SEEN = "_kbit_gemm_seen"  # the (version, address) at which a GEMM last read a tensor
@@ -239,16 +278,16 @@ def weights_settled(*tensors: Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- fused GEMM
-def dequantize_rows(packed: Tensor, absmax: Tensor, codebook: Tensor, bits: int, N: int, K: int, scale: Tensor,
-                    dequantize_flat=None) -> Tensor:
+def dequantize_rows(dense, codes: Tensor, block_scales: Tensor, codebook: Tensor, bits: int, N: int, K: int,
+                    scale: Tensor) -> Tensor:
     """The [N, K] weight in float32 with a per-tensor ``scale`` or one per 256 rows (``layout.row_blocks``: fused
     projections, each row times its own projection's power of two, the same product as that projection's per-tensor
-    scale). ``dequantize_flat``: the dequantize op (default) or ``formats.dequantize_reference``."""
-    dequantize_flat = dequantize if dequantize_flat is None else dequantize_flat
+    scale). ``dense``: the weight's dequantizer, (codes, block_scales, codebook, bits, N, K, dtype, scale) -> [N, K]
+    (``dequantize_layout`` for the GEMM layout, ``_dense_stored`` for the storage format, or a reference)."""
     if scale.numel() == 1:
-        return dequantize_flat(packed, absmax, codebook, bits, N * K, torch.float32, scale).reshape(N, K)
+        return dense(codes, block_scales, codebook, bits, N, K, torch.float32, scale)
     unit = torch.ones((), dtype=torch.float32, device=scale.device)
-    w = dequantize_flat(packed, absmax, codebook, bits, N * K, torch.float32, unit).reshape(N, K)
+    w = dense(codes, block_scales, codebook, bits, N, K, torch.float32, unit)
     return w * scale.repeat_interleave(layout.N_ALIGN)[:N, None]
 
 
@@ -275,8 +314,7 @@ def gemm(
     """
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     N, K = out_features, in_features_padded
-    packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, N, K)
-    w = dequantize_rows(packed, absmax, codebook, bits, N, K, scale, formats.dequantize_reference)
+    w = dequantize_rows(_dense_layout_reference, b_gemm, absmax_gemm, codebook, bits, N, K, scale)
     y = x.to(torch.float32) @ w[:, : x.shape[1]].T
     if bias is not None:
         y = y + bias.to(torch.float32)
@@ -322,7 +360,7 @@ def _gemm_cpu_by_row_scale(x, packed, absmax, codebook, scale, bias, bits, out_f
     return torch.cat(parts, dim=-1)
 
 
-_register_gemm_autograd(gemm, unrepack)
+_register_gemm_autograd(gemm, dequantize_layout)
 
 
 # ----------------------------------------------------------------------------- eager calls

@@ -22,9 +22,10 @@ the warps split k):
 whole tiles and so sweep k in step. A tile cut in parts hands over what gemm_ws.cuh moves (``handed_partials``): the
 lead reads the other parts' sums, or, split 5 ways or more, each part two tiles' worth in slices; the stream-K cut is
 counted one partial tile, whatever its ranges (so the time never falls as the steps grow). Dequantize + cuBLAS: a
-fixed cost, the bytes of the passes before cuBLAS over bandwidth (a weight that holds only its GEMM layout, as kbit's
-layers do, is unrepacked to its storage format first, then dequantized), and the larger of cuBLAS's loads and its
-multiply-adds (tokens in tiles of 128) per SM.
+fixed cost, the bytes of the passes before cuBLAS over bandwidth (for a weight that holds only its GEMM layout, as
+kbit's layers do, an unrepack's bytes too: the shipped coefficients were fitted on times taken so, before that path
+dequantized straight from the layout in one pass, which they price high until a tune refits them), and the larger of
+cuBLAS's loads and its multiply-adds (tokens in tiles of 128) per SM.
 
 The coefficients are per GPU (``Coefficients``): ``python -m kbit tune`` fits them on this GPU into the tuned cache
 (``kbit.tune_cache``); else the shipped defaults of ``kbit/gpus/<GPU>.json`` (fitted the same way from
@@ -351,9 +352,10 @@ def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCos
 
 def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
     """Dequantize + cuBLAS: the bytes of the passes before cuBLAS over bandwidth: the dequantize kernel's (the codes
-    read, the 16-bit weight written) and, for a weight holding only its GEMM layout (``gemm_resident``),
-    ``ops.unrepack``'s first (the layout read, the storage format written: as many bytes each); cuBLAS's loads (the
-    16-bit weight, x, y) and multiply-adds per SM, tokens in tiles of 128."""
+    read, the 16-bit weight written) and, for a weight holding only its GEMM layout (``gemm_resident``), an unrepack's
+    (the layout read, the storage format written: as many bytes each), as the committed tune files timed that path
+    (see the module's docstring); cuBLAS's loads (the 16-bit weight, x, y) and multiply-adds per SM, tokens in tiles
+    of 128."""
     weights = shape.out_features * shape.in_features
     unrepack_bytes = 2 * shape.weight_bytes if gemm_resident else 0.0
     dequantize_mib = (unrepack_bytes + shape.weight_bytes + 2 * weights) / MIB
@@ -429,7 +431,7 @@ def plan(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficien
     of ``bits`` runs on the device. ``force``: the fused paths allowed (``FORCED_PATHS``), ignored when none of them
     runs here. ``grid_override`` > 0: that many CTAs (at most one per SM and one per step), the steps in one group;
     fused only (tests force split-K with it). ``gemm_resident``: the weight holds only its GEMM layout (kbit's layers
-    on CUDA), so dequantize + cuBLAS unrepacks it first.
+    on CUDA; dequantize + cuBLAS priced with ``cublas_features``' unrepack).
     """
     shape = Shape(out_features, padded_in_features(in_features), max(tokens, 1), bits)
     coefficients = coefficients.at(shape.tokens)

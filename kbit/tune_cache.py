@@ -25,8 +25,8 @@ timed, (mb, wgmma_tiles, ws_tokens, k_split), optional (measurements written bef
 planned one, whose time is ``us[path][i]``, and others: tile parts on mma.sync or the k split are summed in
 thread-block clusters), or null; optional. ``clusters``: the clusters of 1..8 CTAs the GPU ran at once
 (``gemm_facts.Device.clusters``), optional. ``gemm_resident``: dequantize + cuBLAS
-was timed on a weight holding only its GEMM layout (unrepacked first, as in kbit's layers); optional, false (the
-storage format held) where absent.
+was timed on a weight holding only its GEMM layout, as in kbit's layers (the committed files: unrepacked first, before
+``ops.dequantize_layout``); optional, false (the storage format held) where absent.
 ``timing``: how each call was timed, ``"back_to_back"`` (a CUDA graph of calls, each starting under the last one's
 tail; the default where absent) or ``"in_step"`` (each just after a kernel writing its input, as in a decoder step:
 ``kbit tune --in-step``); optional.
@@ -63,7 +63,7 @@ class TunedShape(NamedTuple):
     us: dict  # Path -> tuple of float or None
     configs: dict  # Path -> tuple of (mb, wgmma_tiles, ws_tokens, k_split) or None; {} where not recorded
     launches: dict  # Path -> tuple of (tuple of ((grid, tile_parts, whole_tiles), us)) or None; {} if not recorded
-    gemm_resident: bool  # dequantize + cuBLAS timed from the GEMM layout alone (an unrepack first)
+    gemm_resident: bool  # dequantize + cuBLAS timed from the GEMM layout alone
 
 
 def file_tag(device_name: str) -> str:

@@ -362,9 +362,13 @@ class QuantizedWeight:
     def _dequantize(self, dtype: torch.dtype) -> Tensor:
         out_features, in_features = self.shape
         padded = self.in_features_padded
-        packed, absmax = self.storage()
-        flat = ops.dequantize(packed, absmax, self.codebook, self.bits, out_features * padded, dtype, self.scale)
-        w = flat.reshape(out_features, padded)
+        if self._packed is None:  # GEMM-resident: straight from the layout, no storage in between
+            _, b, a = self._gemm
+            w = ops.dequantize_layout(b, a, self.codebook, self.bits, out_features, padded, dtype, self.scale)
+        else:
+            flat = ops.dequantize(self._packed, self._absmax, self.codebook, self.bits, out_features * padded, dtype,
+                                  self.scale)
+            w = flat.reshape(out_features, padded)
         return w if padded == in_features else w[:, :in_features].contiguous()
 
     def _matmul_stored(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:

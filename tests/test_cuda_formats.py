@@ -170,3 +170,26 @@ def test_repack_bit_exact(k, N, in_features_padded):
     back_p, back_a = ops.unrepack(got_b, got_a, k, N, in_features_padded)
     assert_bits_equal(back_p, p_c, f"unrepack(repack(x)).packed {msg}")
     assert_bits_equal(back_a, a_c, f"unrepack(repack(x)).absmax {msg}")
+
+
+DEQUANTIZE_LAYOUT_SHAPES = ((128, 32), (1000, 96), (1000, 4096), (128, 11008), (4096, 256), (4096, 4096))
+
+
+@pytest.mark.parametrize("N,in_features_padded", DEQUANTIZE_LAYOUT_SHAPES)
+@pytest.mark.parametrize("k", BITS)
+def test_dequantize_layout_bit_exact(k, N, in_features_padded):
+    """The dense weight straight from the GEMM layout: dequantize of the storage it holds, bit for bit, in every
+    dtype, on arbitrary codes and E4M4 bytes, a custom codebook and scale; the output poisoned first."""
+    seed = seed_for("dequantize_layout", k, N, in_features_padded)
+    msg = tag(seed, op="dequantize_layout", bits=k, N=N, in_features_padded=in_features_padded)
+    packed, absmax = (t.cuda() for t in random_storage(N * in_features_padded, k, seed))
+    cb = make_codebook(k, "custom", seed).cuda()
+    scale = torch.tensor(0.5 + torch.rand((), generator=gen(seed + 3)).item(), device="cuda")
+    b, a = ops.repack(packed, absmax, k, N, in_features_padded)
+    for dtype in FLOAT_DTYPES:
+        want = ops.dequantize(packed, absmax, cb, k, N * in_features_padded, dtype, scale)
+        ptrs = poison((N * in_features_padded, dtype))
+        got = ops.dequantize_layout(b, a, cb, k, N, in_features_padded, dtype, scale)
+        poisoned(ptrs, got)
+        assert got.shape == (N, in_features_padded) and got.dtype == dtype and got.is_contiguous(), msg
+        assert_bits_equal(got.reshape(-1), want, f"{dtype} {msg}")

@@ -40,6 +40,8 @@ def test_opcheck_repack_unrepack_gemm(k):
     torch.library.opcheck(ops.repack, (packed, absmax, k, N, in_features_padded))
     b, a = ops.repack(packed, absmax, k, N, in_features_padded)
     torch.library.opcheck(ops.unrepack, (b, a, k, N, in_features_padded))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        torch.library.opcheck(ops.dequantize_layout, (b, a, cb, k, N, in_features_padded, dtype, scale))
     for M in (0, 1, 5):
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(M, in_features_padded).to(dtype)
@@ -49,7 +51,7 @@ def test_opcheck_repack_unrepack_gemm(k):
 
 
 def test_ops_are_registered_custom_ops():
-    for name in ("quantize", "dequantize", "repack", "unrepack", "gemm"):
+    for name in ("quantize", "dequantize", "repack", "unrepack", "dequantize_layout", "gemm"):
         op = getattr(torch.ops.kbit, name).default
         assert op.name() == f"kbit::{name}"
     # Fake (meta) implementations give shapes without data.
@@ -66,6 +68,8 @@ def test_ops_are_registered_custom_ops():
     assert tuple(b.shape) == layout.gemm_shapes(3, 200, 96)[0] and tuple(a.shape) == layout.gemm_shapes(3, 200, 96)[1]
     x = torch.empty(7, 96, device="meta", dtype=torch.float16)
     assert torch.ops.kbit.gemm(x, b, a, cb[:8], s, None, 3, 200, 96, 0).shape == (7, 200)
+    w = torch.ops.kbit.dequantize_layout(b, a, cb[:8], 3, 200, 96, torch.bfloat16, s)
+    assert w.shape == (200, 96) and w.dtype == torch.bfloat16
 
 
 # ----------------------------------------------------------------------------- layout
@@ -88,6 +92,40 @@ def test_repack_round_trip_bit_exact(k, shape):
     assert torch.equal(b3, b) and torch.equal(a3, a)
     p4, a4 = ops.unrepack(b, a, k, N, in_features_padded)
     assert torch.equal(p4, packed) and torch.equal(a4, absmax)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_dequantize_layout_is_dequantize_of_unrepack(k):
+    """The dense weight straight from the GEMM layout equals the storage's dequantize, value for value, on any bits:
+    arbitrary codes and E4M4 bytes, rows and k-groups past the padding, every output dtype, the reference and the
+    CPU kernel."""
+    cb = kbit.functional.create_normal_float_codebook(k)
+    scale = torch.tensor(0.375)
+    for N, in_features_padded in LAYOUT_SHAPES:
+        nb = N * in_features_padded // 32
+        packed = torch.randint(-(2**31), 2**31, (nb * k,), dtype=torch.int64).to(torch.int32)
+        absmax = torch.randint(0, 256, (nb,), dtype=torch.int32).to(torch.uint8)
+        b, a = layout.repack_reference(packed, absmax, k, N, in_features_padded)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            want = formats.dequantize_reference(packed, absmax, cb, k, nb * 32, dtype, scale)
+            want = want.reshape(N, in_features_padded)
+            bits_view = torch.int32 if dtype == torch.float32 else torch.int16
+            for got in (ops.dequantize_layout(b, a, cb, k, N, in_features_padded, dtype, scale),  # the CPU kernel
+                        ops._dense_layout_reference(b, a, cb, k, N, in_features_padded, dtype, scale)):
+                assert got.shape == (N, in_features_padded) and got.dtype == dtype
+                assert torch.equal(got.view(bits_view), want.view(bits_view)), \
+                    f"bits={k} N={N} in_features_padded={in_features_padded} {dtype}"
+
+
+def test_dequantize_layout_refuses_what_unrepack_refuses():
+    _, cb, scale, packed, absmax = _storage(4, 100, 96)
+    b, a = ops.repack(packed, absmax, 4, 100, 96)
+    with pytest.raises(ValueError, match="absmax_gemm"):
+        ops.dequantize_layout(b, a.reshape(-1), cb, 4, 100, 96, torch.float16, scale)
+    with pytest.raises(ValueError, match="codebook"):
+        ops.dequantize_layout(b, a, cb[:8], 4, 100, 96, torch.float16, scale)
+    with pytest.raises((TypeError, ValueError), match="dtype"):
+        ops.dequantize_layout(b, a, cb, 4, 100, 96, torch.int32, scale)
 
 
 def _documented_code(b_gemm, k, row, col):

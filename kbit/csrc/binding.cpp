@@ -171,6 +171,28 @@ std::tuple<at::Tensor, at::Tensor> unrepack(const at::Tensor& b_gemm, const at::
   return {packed, absmax};
 }
 
+// The dense [N, in_features_padded] weight in `dtype` from the GEMM layout: dequantize(unrepack(...)) in one pass.
+at::Tensor dequantize_layout(const at::Tensor& b_gemm, const at::Tensor& absmax_gemm, const at::Tensor& codebook,
+                             int64_t k, int64_t N, int64_t in_features_padded, at::ScalarType dtype,
+                             const at::Tensor& scale) {
+  check_layout_sizes(k, N, in_features_padded);
+  to_dtype(dtype);
+  TORCH_CHECK(b_gemm.is_cuda(), "kbit: b_gemm must be a CUDA tensor");
+  const at::Device on = b_gemm.device();
+  check_input(b_gemm, "b_gemm", at::kInt, layout_codes_shape(k, N, in_features_padded), on);
+  check_input(absmax_gemm, "absmax_gemm", at::kByte, layout_absmax_shape(N, in_features_padded), on);
+  check_input(codebook, "codebook", at::kFloat, {int64_t{1} << k}, on);
+  const c10::cuda::CUDAGuard guard(on);
+  auto out = at::empty({N, in_features_padded}, b_gemm.options().dtype(dtype));
+  check_launch(kbit::dequantize_layout(reinterpret_cast<const uint32_t*>(b_gemm.data_ptr()),
+                                       absmax_gemm.data_ptr<uint8_t>(), codebook.data_ptr<float>(),
+                                       static_cast<int>(k), scalar_ptr(scale, on), static_cast<int>(N),
+                                       static_cast<int>(in_features_padded), out.data_ptr(), to_dtype(dtype),
+                                       c10::cuda::getCurrentCUDAStream()),
+               "dequantize_layout");
+  return out;
+}
+
 // Split-K workspace: the CTAs' partial output tiles (GemmPlan::partial_floats), every word kbit::kPartialEmpty
 // between GEMMs (the kernel restores what it used), so a buffer filled once serves every later GEMM of its stream:
 // no fill kernel per call. One buffer per (device, stream), since GEMMs on different streams may overlap. Buffers are
@@ -536,6 +558,8 @@ TORCH_LIBRARY(kbit_cuda, m) {
   m.def("dequantize(Tensor packed, Tensor absmax, Tensor codebook, int k, int n, ScalarType dtype, Tensor scale) -> Tensor");
   m.def("repack(Tensor packed, Tensor absmax, int k, int N, int in_features_padded) -> (Tensor, Tensor)");
   m.def("unrepack(Tensor b_gemm, Tensor absmax_gemm, int k, int N, int in_features_padded) -> (Tensor, Tensor)");
+  m.def("dequantize_layout(Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, int k, int N, int in_features_padded, "
+        "ScalarType dtype, Tensor scale) -> Tensor");
   m.def("gemm(Tensor x, Tensor b_gemm, Tensor absmax_gemm, Tensor codebook, Tensor scale, Tensor? bias, int k, int N, "
         "int in_features_padded, int grid, int tile_parts, bool whole_tiles, int mb, int wgmma_tiles, int k_split, "
         "int ws_tokens, "
@@ -557,6 +581,7 @@ TORCH_LIBRARY_IMPL(kbit_cuda, CUDA, m) {
   m.impl("dequantize", &dequantize);
   m.impl("repack", &repack);
   m.impl("unrepack", &unrepack);
+  m.impl("dequantize_layout", &dequantize_layout);
   m.impl("gemm", &gemm);
   m.impl("moe_route", &moe_route);
   m.impl("moe_gemm", &moe_gemm);

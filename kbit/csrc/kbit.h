@@ -82,6 +82,9 @@ cudaError_t repack(const uint32_t* packed, const uint8_t* absmax, int k, int N, 
 // The inverse: GEMM layout -> storage format, bit for bit.
 cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, int N, int K_w, uint32_t* packed,
                      uint8_t* absmax, cudaStream_t stream);
+// The dense weight out[N, K_w] straight from the GEMM layout: dequantize of unrepack's storage, value for value.
+cudaError_t dequantize_layout(const uint32_t* b_gemm, const uint8_t* absmax_gemm, const float* codebook, int k,
+                              const float* scale, int N, int K_w, void* out, DType out_dtype, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------- fused GEMM
 // y[M, N] = (x[M, K_x] @ W_hat[N, K_w]^T) * scale + bias, with W_hat from the GEMM layout (scale per tensor, or per

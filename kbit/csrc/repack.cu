@@ -110,6 +110,79 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
   }
 }
 
+// Code e of pair `pair` in a lane's bit string: bits e * BITS .. e * BITS + BITS - 1 of the pair's 2k-bit index.
+// At BITS = 2, 4, 5 the pairs lie back to back (one shift, or a funnel shift across two words, and a mask); at 3 bit
+// by bit from pair_bit_offset (kbit/layout.py). pair and e are constants once the caller's loops unroll.
+template <int BITS>
+__device__ __forceinline__ uint32_t pair_code(const uint32_t (&words)[4 * BITS], int pair, int e) {
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+  if constexpr (BITS == 3) {
+    uint32_t code = 0;
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) {
+      const int o = pair_bit_offset(BITS, pair, e * BITS + b);
+      code |= ((words[o >> 5] >> (o & 31)) & 1u) << b;
+    }
+    return code;
+  } else {
+    const int o = 2 * BITS * pair + e * BITS, w = o >> 5, s = o & 31;
+    return (s + BITS <= 32 ? words[w] >> s : __funnelshift_r(words[w], words[w + 1], s)) & kMask;
+  }
+}
+
+// The dense [N, K_w] weight straight from the GEMM layout, the values dequantize gives from the storage the layout
+// holds (unrepack): codebook[code] * (decode_e4m4(absmax) * *scale), rounded once to T. One thread per lane's bit
+// string, as unrepack: its 16 runs of 8 codes are row g + 8r, columns 32t + 8p + 2q + e of the (tile, k-group), each
+// column pair one 2-element store (a quad's four lanes: 8 consecutive columns).
+template <typename T, int BITS>
+__global__ void __launch_bounds__(kThreads) dequantize_layout_kernel(const uint4* __restrict__ b_gemm,
+                                                                     const uint8_t* __restrict__ a_gemm,
+                                                                     const float* __restrict__ codebook,
+                                                                     const float* __restrict__ scale, int N, int K_w,
+                                                                     int k_groups, int64_t total_threads,
+                                                                     T* __restrict__ out) {
+  __shared__ float cb[1 << BITS];
+  if (threadIdx.x < (1 << BITS)) cb[threadIdx.x] = codebook[threadIdx.x];
+  __syncthreads();
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (idx >= total_threads) return;
+  const LaneOfPiece at(idx, k_groups);
+  const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
+  const int64_t piece = at.piece;
+  const int blocks_per_row = K_w / kBlock;
+  const float tensor_scale = *scale;
+
+  uint32_t words[4 * BITS];
+#pragma unroll
+  for (int v = 0; v < BITS; ++v) {
+    const uint4 w = b_gemm[(piece * BITS + v) * 32 + lane];
+    words[4 * v] = w.x, words[4 * v + 1] = w.y, words[4 * v + 2] = w.z, words[4 * v + 3] = w.w;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = 16 * tile + g + 8 * r;
+    if (row >= N) continue;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int kb = 8 * j + t;
+      if (kb >= blocks_per_row) continue;
+      const float block_scale = __fmul_rn(decode_e4m4(a_gemm[((piece * 2 + r) * 8 + g) * 8 + t]), tensor_scale);
+      T* dst = out + static_cast<int64_t>(row) * K_w + kb * kBlock + 2 * q;
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int pair = 8 * t + 2 * p + r;
+        const float lo = __fmul_rn(cb[pair_code<BITS>(words, pair, 0)], block_scale);
+        const float hi = __fmul_rn(cb[pair_code<BITS>(words, pair, 1)], block_scale);
+        if constexpr (sizeof(T) == 2) {
+          *reinterpret_cast<uint32_t*>(dst + 8 * p) = pack_pair<T>(lo, hi);
+        } else {
+          *reinterpret_cast<float2*>(dst + 8 * p) = make_float2(lo, hi);
+        }
+      }
+    }
+  }
+}
+
 // One thread per (16-row tile, k-group, lane), in blocks of kThreads.
 struct Grid {
   int k_groups;
@@ -142,6 +215,27 @@ cudaError_t unrepack(const uint32_t* b_gemm, const uint8_t* absmax_gemm, int k, 
         reinterpret_cast<const uint4*>(b_gemm), absmax_gemm, N, K_w, grid.k_groups, grid.threads, packed, absmax);
     return cudaGetLastError();
   });
+}
+
+cudaError_t dequantize_layout(const uint32_t* b_gemm, const uint8_t* absmax_gemm, const float* codebook, int k,
+                              const float* scale, int N, int K_w, void* out, DType out_dtype, cudaStream_t stream) {
+  if (N <= 0 || K_w <= 0 || K_w % kBlock) return cudaErrorInvalidValue;
+  const Grid grid(N, K_w);
+  auto launch = [&](auto type) {
+    using T = typename decltype(type)::type;
+    return with_bits(k, cudaErrorInvalidValue, [&](auto bits) {
+      dequantize_layout_kernel<T, decltype(bits)::value><<<grid.blocks, kThreads, 0, stream>>>(
+          reinterpret_cast<const uint4*>(b_gemm), absmax_gemm, codebook, scale, N, K_w, grid.k_groups, grid.threads,
+          static_cast<T*>(out));
+      return cudaGetLastError();
+    });
+  };
+  switch (out_dtype) {
+    case DType::F16: return launch(std::common_type<__half>{});
+    case DType::BF16: return launch(std::common_type<__nv_bfloat16>{});
+    case DType::F32: return launch(std::common_type<float>{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace kbit
