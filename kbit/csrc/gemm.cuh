@@ -350,31 +350,6 @@ __device__ __forceinline__ uint4 lds128_stage(uint32_t address) {
   return v;
 }
 
-// (a & mask) | (b & ~mask) in one LOP3. Inline PTX: as C++ the compiler re-associates a gather of three words' bits
-// into a separate extraction per pair, ~6 instructions per pair instead of ~1.
-__device__ __forceinline__ uint32_t bit_select(uint32_t mask, uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xCA;" : "=r"(r) : "r"(mask), "r"(a), "r"(b));
-  return r;
-}
-
-// BITS = 3, 4: the word whose byte pair % 4 holds pair `pair` in its low 2 * BITS bits (layout.py, pair_bit_offset).
-// BITS = 4: word pair / 4. BITS = 3: word 3u + s of the two-block triple u = pair / 16 (s = pair / 4 % 4), or for s = 3
-// the triple's top bits gathered: byte i's bits 0-1, 2-3, 4-5 from bits 6-7 of byte i of words 3u, 3u + 1, 3u + 2
-// (two bit_selects over three shifts; bits 6-7 are the next byte's, which the table ignores). The loops
-// calling this are unrolled and the words unchanged between calls, so the gather is computed once per triple.
-template <int BITS>
-__device__ __forceinline__ uint32_t byte_pair_word(const uint32_t (&w)[4 * BITS], int pair) {
-  static_assert(BITS == 3 || BITS == 4, "pairs byte-aligned at BITS = 3 and 4 only");
-  if constexpr (BITS == 4) {
-    return w[pair / 4];
-  } else {
-    const int u = pair / 16, s = pair / 4 % 4;
-    if (s < 3) return w[3 * u + s];
-    return bit_select(0x0F0F0F0Fu, bit_select(0x03030303u, w[3 * u] >> 6, w[3 * u + 1] >> 4), w[3 * u + 2] >> 2);
-  }
-}
-
 // A-fragment registers of block t: h[r][j] = codebook values of columns 8j + 2q, 8j + 2q + 1 of row g + 8r,
 // as a 16-bit pair (kbit/layout.py: the MMA's k order is the columns' own). w is the lane's bit string; pair
 // P = 8t + 2j + r (its two codes) sits at bits 2P*BITS .. (2P+2)*BITS - 1 (BITS = 3: byte_pair_word): in the order the

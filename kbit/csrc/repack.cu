@@ -111,19 +111,13 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
 }
 
 // Code e of pair `pair` in a lane's bit string: bits e * BITS .. e * BITS + BITS - 1 of the pair's 2k-bit index.
-// At BITS = 2, 4, 5 the pairs lie back to back (one shift, or a funnel shift across two words, and a mask); at 3 bit
-// by bit from pair_bit_offset (kbit/layout.py). pair and e are constants once the caller's loops unroll.
+// At BITS = 2, 4, 5 the pairs lie back to back (one shift, or a funnel shift across two words, and a mask); at 3 the
+// pair is the low 6 bits of byte pair % 4 of byte_pair_word's word. pair and e are constants once the loops unroll.
 template <int BITS>
 __device__ __forceinline__ uint32_t pair_code(const uint32_t (&words)[4 * BITS], int pair, int e) {
   constexpr uint32_t kMask = (1u << BITS) - 1u;
   if constexpr (BITS == 3) {
-    uint32_t code = 0;
-#pragma unroll
-    for (int b = 0; b < BITS; ++b) {
-      const int o = pair_bit_offset(BITS, pair, e * BITS + b);
-      code |= ((words[o >> 5] >> (o & 31)) & 1u) << b;
-    }
-    return code;
+    return byte_pair_word<BITS>(words, pair) >> (8 * (pair % 4) + e * BITS) & kMask;
   } else {
     const int o = 2 * BITS * pair + e * BITS, w = o >> 5, s = o & 31;
     return (s + BITS <= 32 ? words[w] >> s : __funnelshift_r(words[w], words[w + 1], s)) & kMask;
