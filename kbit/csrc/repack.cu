@@ -22,6 +22,17 @@ struct LaneOfPiece {
   }
 };
 
+// A lane's bit string of one (tile, k-group): its BITS vectors of 16 bytes.
+template <int BITS>
+__device__ __forceinline__ void load_lane_string(const uint4* __restrict__ b_gemm, int64_t piece, int lane,
+                                                 uint32_t (&words)[4 * BITS]) {
+#pragma unroll
+  for (int v = 0; v < BITS; ++v) {
+    const uint4 w = b_gemm[(piece * BITS + v) * 32 + lane];
+    words[4 * v] = w.x, words[4 * v + 1] = w.y, words[4 * v + 2] = w.z, words[4 * v + 3] = w.w;
+  }
+}
+
 template <int BITS>
 __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __restrict__ packed,
                                                           const uint8_t* __restrict__ absmax, int N, int K_w,
@@ -80,11 +91,7 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
   const int blocks_per_row = K_w / kBlock;
 
   uint32_t words[4 * BITS];
-#pragma unroll
-  for (int v = 0; v < BITS; ++v) {
-    const uint4 w = b_gemm[(piece * BITS + v) * 32 + lane];
-    words[4 * v] = w.x, words[4 * v + 1] = w.y, words[4 * v + 2] = w.z, words[4 * v + 3] = w.w;
-  }
+  load_lane_string<BITS>(b_gemm, piece, lane, words);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
 #pragma unroll
@@ -147,11 +154,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_layout_kernel(const uint4
   const float tensor_scale = *scale;
 
   uint32_t words[4 * BITS];
-#pragma unroll
-  for (int v = 0; v < BITS; ++v) {
-    const uint4 w = b_gemm[(piece * BITS + v) * 32 + lane];
-    words[4 * v] = w.x, words[4 * v + 1] = w.y, words[4 * v + 2] = w.z, words[4 * v + 3] = w.w;
-  }
+  load_lane_string<BITS>(b_gemm, piece, lane, words);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = 16 * tile + g + 8 * r;
