@@ -81,7 +81,7 @@ def _(packed, absmax, codebook, bits, n, dtype, scale):
     return ext.dequantize(packed.contiguous(), absmax.contiguous(), codebook, bits, n, dtype, scale)
 
 
-def _dense_stored(packed, absmax, codebook, bits, out_features, in_features_padded, dtype, scale):
+def dense_stored(packed, absmax, codebook, bits, out_features, in_features_padded, dtype, scale):
     """The storage format's [out_features, in_features_padded] weight in dtype (``dequantize``, reshaped)."""
     return dequantize(packed, absmax, codebook, bits, out_features * in_features_padded, dtype,
                       scale).reshape(out_features, in_features_padded)
@@ -162,7 +162,7 @@ def _register_gemm_autograd(op, dense) -> None:
     op.register_autograd(backward, setup_context=setup_context)
 
 
-_register_gemm_autograd(matmul_stored, _dense_stored)
+_register_gemm_autograd(matmul_stored, dense_stored)
 
 
 # ----------------------------------------------------------------------------- repack
@@ -214,7 +214,8 @@ def _(b_gemm, absmax_gemm, bits, out_features, in_features_padded):
 
 
 # ----------------------------------------------------------------------------- dense weight from the GEMM layout
-def _dense_layout_reference(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale):
+def dequantize_layout_reference(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale):
+    """The reference of ``dequantize_layout``: the storage's dequantize reference of the unrepacked layout."""
     packed, absmax = layout.unrepack_reference(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
     return formats.dequantize_reference(packed, absmax, codebook, bits, out_features * in_features_padded, dtype,
                                         scale).reshape(out_features, in_features_padded)
@@ -226,7 +227,8 @@ def dequantize_layout(b_gemm: Tensor, absmax_gemm: Tensor, codebook: Tensor, bit
     """GEMM layout -> the dense [out_features, in_features_padded] weight in dtype: ``dequantize`` of the storage
     that ``unrepack`` derives, value for value; on CUDA one pass, no storage in between."""
     _op_contract.dequantize_layout(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale)
-    return _dense_layout_reference(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale)
+    return dequantize_layout_reference(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype,
+                                       scale)
 
 
 @dequantize_layout.register_fake
@@ -244,7 +246,7 @@ def _(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dty
 def _(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale):
     _op_contract.dequantize_layout(b_gemm, absmax_gemm, codebook, bits, out_features, in_features_padded, dtype, scale)
     packed, absmax = unrepack(b_gemm, absmax_gemm, bits, out_features, in_features_padded)
-    return _dense_stored(packed, absmax, codebook, bits, out_features, in_features_padded, dtype, scale)
+    return dense_stored(packed, absmax, codebook, bits, out_features, in_features_padded, dtype, scale)
 
 
 # ----------------------------------------------------------------------------- settled weights
@@ -283,7 +285,7 @@ def dequantize_rows(dense, codes: Tensor, block_scales: Tensor, codebook: Tensor
     """The [N, K] weight in float32 with a per-tensor ``scale`` or one per 256 rows (``layout.row_blocks``: fused
     projections, each row times its own projection's power of two, the same product as that projection's per-tensor
     scale). ``dense``: the weight's dequantizer, (codes, block_scales, codebook, bits, N, K, dtype, scale) -> [N, K]
-    (``dequantize_layout`` for the GEMM layout, ``_dense_stored`` for the storage format, or a reference)."""
+    (``dequantize_layout`` for the GEMM layout, ``dense_stored`` for the storage format, or a reference)."""
     if scale.numel() == 1:
         return dense(codes, block_scales, codebook, bits, N, K, torch.float32, scale)
     unit = torch.ones((), dtype=torch.float32, device=scale.device)
@@ -314,7 +316,7 @@ def gemm(
     """
     _op_contract.gemm(x, b_gemm, absmax_gemm, codebook, scale, bias, bits, out_features, in_features_padded)
     N, K = out_features, in_features_padded
-    w = dequantize_rows(_dense_layout_reference, b_gemm, absmax_gemm, codebook, bits, N, K, scale)
+    w = dequantize_rows(dequantize_layout_reference, b_gemm, absmax_gemm, codebook, bits, N, K, scale)
     y = x.to(torch.float32) @ w[:, : x.shape[1]].T
     if bias is not None:
         y = y + bias.to(torch.float32)

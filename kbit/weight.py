@@ -366,9 +366,8 @@ class QuantizedWeight:
             _, b, a = self._gemm
             w = ops.dequantize_layout(b, a, self.codebook, self.bits, out_features, padded, dtype, self.scale)
         else:
-            flat = ops.dequantize(self._packed, self._absmax, self.codebook, self.bits, out_features * padded, dtype,
-                                  self.scale)
-            w = flat.reshape(out_features, padded)
+            w = ops.dense_stored(self._packed, self._absmax, self.codebook, self.bits, out_features, padded, dtype,
+                                 self.scale)
         return w if padded == in_features else w[:, :in_features].contiguous()
 
     def _matmul_stored(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:

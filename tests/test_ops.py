@@ -111,7 +111,7 @@ def test_dequantize_layout_is_dequantize_of_unrepack(k):
             want = want.reshape(N, in_features_padded)
             bits_view = torch.int32 if dtype == torch.float32 else torch.int16
             for got in (ops.dequantize_layout(b, a, cb, k, N, in_features_padded, dtype, scale),  # the CPU kernel
-                        ops._dense_layout_reference(b, a, cb, k, N, in_features_padded, dtype, scale)):
+                        ops.dequantize_layout_reference(b, a, cb, k, N, in_features_padded, dtype, scale)):
                 assert got.shape == (N, in_features_padded) and got.dtype == dtype
                 assert torch.equal(got.view(bits_view), want.view(bits_view)), \
                     f"bits={k} N={N} in_features_padded={in_features_padded} {dtype}"
