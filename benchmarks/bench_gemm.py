@@ -12,11 +12,13 @@ median replay time / R is the per-call time. Reported per (shape, M, K): µs, % 
 weight bytes + x bytes + y bytes) / copy bandwidth; 100% = at the floor), the time of a device-to-device copy
 moving the same bytes (half read, half written; timed the same way: what a memory-only kernel of that size
 reaches in this harness, launch and tail included), speedup over cuBLAS ``F.linear`` in the same dtype (fp16 by
-default) timed the same way, and the share of the call's limit (``add_limits``: the floor, or the FLOPs at cuBLAS's
-own rate on the shape at 4096 tokens where that is longer). Peers, when available: dequantize + cuBLAS
-(``kbit.dequantize`` then ``F.linear``), torch int4 (``aten._weight_int4pack_mm``, group size 128; it may only
-accept bf16 activations), bitsandbytes NF4 and gemlite int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and
-``gemm_<device>_summary.txt`` under ``--out`` (default benchmarks/results): the device's one current result set.
+default) timed the same way, the share of the call's limit (``add_limits``: the floor, or the FLOPs at cuBLAS's own
+rate on the shape at 4096 tokens where that is longer), and the path kbit's planner takes for the call (``fused`` or
+``dequantize_cublas``) with that path's measured time. Peers, when available: dequantize + cuBLAS (as a kbit layer on
+the GPU runs it: ``kbit.ops.dequantize_layout`` from the GEMM layout, then ``F.linear``), torch int4
+(``aten._weight_int4pack_mm``, group size 128; it may only accept bf16 activations), bitsandbytes NF4 and gemlite
+int4. Writes ``gemm_<device>.md`` / ``.json`` / ``.png`` and ``gemm_<device>_summary.txt`` under ``--out`` (default
+benchmarks/results): the device's one current result set.
 
 A results JSON lists its ``runs`` (each one's env, commit, date, copy bandwidth and arguments) and its ``rows``,
 each naming the run that measured it. ``--render`` of several JSONs merges their rows into ``gemm_<device>.*``
@@ -183,24 +185,19 @@ class KbitFused(Peer):
 
 
 class DequantCublas(KbitFused):
-    """kbit.dequantize to the activation dtype, then cuBLAS: the unfused baseline (rotates the storage format)."""
+    """Dequantize to the activation dtype, then cuBLAS: the unfused path as a kbit layer on the GPU runs it (its
+    weight holds only the GEMM layout, dequantized straight from it in one pass; rotates the layout)."""
 
     name = "dequant"
-
-    def prepare(self, W):
-        self.quantize(W)
-        return (self.qw.packed, self.qw.absmax)
 
     def call(self, x, w):
         import kbit
 
         qw = self.qw
         N, K = qw.shape
-        in_features_padded = self.kdim
-        wh = kbit.ops.dequantize(w[0], w[1], qw.codebook, qw.bits, N * in_features_padded, self.dtype, qw.scale)
-        wh = wh.view(N, in_features_padded)
-        if in_features_padded != K:
-            wh = wh[:, :K]
+        wh = kbit.ops.dequantize_layout(w[0], w[1], qw.codebook, qw.bits, N, self.kdim, self.dtype, qw.scale)
+        if self.kdim != K:  # as QuantizedWeight._dequantize gives it
+            wh = wh[:, :K].contiguous()
         return common.torch.nn.functional.linear(x, wh)
 
 
@@ -382,6 +379,15 @@ def accuracy_ratio(qw, dtype, k_in: int, m: int = 16) -> dict:
     return {"err_ratio": e / max(e_lp, 1e-30), "finite": bool(torch.isfinite(out).all())}
 
 
+def planned_path(n_out: int, k_in: int, m: int, k: int) -> str:
+    """The path ``kbit.matmul`` takes for the call on this GPU: "fused" or "dequantize_cublas"."""
+    import kbit
+    from kbit.weight import padded_in_features
+
+    dequantizes = kbit.planner.dequantizes_first(common.torch.device("cuda"), n_out, padded_in_features(k_in), m, k)
+    return "dequantize_cublas" if dequantizes else "fused"
+
+
 def bench_shape(runner: Runner, k_in: int, n_out: int, dtype, log) -> tuple[list, list, list]:
     torch = common.torch
     args = runner.args
@@ -447,6 +453,8 @@ def bench_shape(runner: Runner, k_in: int, n_out: int, dtype, log) -> tuple[list
             free_memory()
         wbytes = kbit_weight_bytes(n_out, k_in, k)
         for m in args.m_list:
+            path = planned_path(n_out, k_in, m, k)
+            planned_us = deq_us.get(m) if path == "dequantize_cublas" else kb_us.get(m)
             nbytes = gemm_bytes(m, k_in, n_out, wbytes)
             fl = floor_us(nbytes, runner.bw)
             copy_us = runner.copy_us(nbytes)
@@ -459,7 +467,7 @@ def bench_shape(runner: Runner, k_in: int, n_out: int, dtype, log) -> tuple[list
                 "cublas_us": cublas.get(m), "speedup": (cublas[m] / us) if us and cublas.get(m) else None,
                 "cublas_roofline_pct": (100 * fl16 / cublas[m]) if cublas.get(m) else None,
                 "floor_speedup": (cublas[m] / fl) if cublas.get(m) else None,
-                "dequant_cublas_us": deq_us.get(m),
+                "dequant_cublas_us": deq_us.get(m), "planned_path": path, "planned_us": planned_us,
                 **{f"{p}_us": peer_us.get(p, {}).get(m) for p in ("int4", "bnb", "gemlite")},
                 "err_ratio": acc.get("err_ratio"), "finite": acc.get("finite"),
             })
@@ -559,14 +567,15 @@ def geomean_lines(rows: list) -> list[str]:
 def full_table(rows: list) -> str:
     headers = ["shape", "dtype", "M", "K", "kbit us", "floor us", "% roofline", "copy us", "copy % roofline",
                "cuBLAS us", "speedup",
-               "cuBLAS % roofline", "deq+cuBLAS us", "torch int4 us", "bnb NF4 us", "gemlite us", "err ratio"]
+               "cuBLAS % roofline", "deq+cuBLAS us", "planned us", "torch int4 us", "bnb NF4 us", "gemlite us",
+               "err ratio"]
     body = []
     for r in rows:
         body.append([r["shape"], r["dtype"], r["M"], r["K"], fmt_us(r["kbit_us"]), fmt_us(r["floor_us"]),
                      fmt_pct(r["roofline_pct"]), fmt_us(r.get("copy_us")), fmt_pct(r.get("copy_roofline_pct")),
                      fmt_us(r["cublas_us"]), fmt_ratio(r["speedup"]),
-                     fmt_pct(r["cublas_roofline_pct"]), fmt_us(r["dequant_cublas_us"]), fmt_us(r["int4_us"]),
-                     fmt_us(r["bnb_us"]), fmt_us(r["gemlite_us"]),
+                     fmt_pct(r["cublas_roofline_pct"]), fmt_us(r["dequant_cublas_us"]), fmt_us(r.get("planned_us")),
+                     fmt_us(r["int4_us"]), fmt_us(r["bnb_us"]), fmt_us(r["gemlite_us"]),
                      "n/a" if r["err_ratio"] is None else f"{r['err_ratio']:.2f}"])
     return markdown_table(headers, body, align="llrr" + "r" * (len(headers) - 4))
 

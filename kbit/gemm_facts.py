@@ -17,10 +17,13 @@ class Path(str, enum.Enum):
     K_SPLIT = "k_split"
     WGMMA = "wgmma"
     WARP_SPECIALIZED = "warp_specialized"
+    # The warp-specialized kernel's 128-row tiles below 256 tokens (two consumer warpgroups): a path of its own, so
+    # that a fit prices its steps apart (fewer warps per SM hide less of each step's latency).
+    WS_128_ROWS = "warp_specialized_128_rows"
     DEQUANTIZE_CUBLAS = "dequantize_cublas"
 
 
-FUSED_PATHS = (Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED)
+FUSED_PATHS = (Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA, Path.WARP_SPECIALIZED, Path.WS_128_ROWS)
 
 
 class Device(NamedTuple):
@@ -43,7 +46,7 @@ class GemmConfig(NamedTuple):
 
     bits: int
     mb: int  # 8-token MMA tiles per pass
-    wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp
+    wgmma_tiles: int  # 0: mma.sync; 1 or 2: wgmma with that many 16-row tiles per warp; ws_tokens: 1 128-row tiles
     ws_tokens: int  # > 0: the warp-specialized kernel with that many tokens per tile
     k_split: int  # 1, or 8: the warps split the k-groups of one tile
     tile_rows: int  # weight rows per CTA tile
@@ -54,7 +57,7 @@ class GemmConfig(NamedTuple):
     @property
     def path(self) -> Path:
         if self.ws_tokens:
-            return Path.WARP_SPECIALIZED
+            return Path.WS_128_ROWS if self.wgmma_tiles else Path.WARP_SPECIALIZED
         return Path.WGMMA if self.wgmma_tiles else Path.K_SPLIT if self.k_split > 1 else Path.MMA_SYNC
 
     @property

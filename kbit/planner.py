@@ -22,10 +22,10 @@ the warps split k):
 whole tiles and so sweep k in step. A tile cut in parts hands over what gemm_ws.cuh moves (``handed_partials``): the
 lead reads the other parts' sums, or, split 5 ways or more, each part two tiles' worth in slices; the stream-K cut is
 counted one partial tile, whatever its ranges (so the time never falls as the steps grow). Dequantize + cuBLAS: a
-fixed cost, the bytes of the passes before cuBLAS over bandwidth (for a weight that holds only its GEMM layout, as
-kbit's layers do, an unrepack's bytes too: the shipped coefficients were fitted on times taken so, before that path
-dequantized straight from the layout in one pass, which they price high until a tune refits them), and the larger of
-cuBLAS's loads and its multiply-adds (tokens in tiles of 128) per SM.
+fixed cost, the bytes of its one dequantize pass over bandwidth (the codes read, the 16-bit weight written; a weight
+that holds only its GEMM layout, as kbit's layers do, dequantizes straight from it), and the larger of cuBLAS's loads
+and its multiply-adds (tokens in tiles of 128) per SM. Times measured with an unrepack before the dequantize (tune
+files timed so: ``unrepacked_first``) are fitted with that pass's bytes too (``cublas_features``).
 
 The coefficients are per GPU (``Coefficients``): ``python -m kbit tune`` fits them on this GPU into the tuned cache
 (``kbit.tune_cache``); else the shipped defaults of ``kbit/gpus/<GPU>.json`` (fitted the same way from
@@ -53,7 +53,7 @@ from .gemm_facts import FUSED_PATHS, Device, GemmConfig, Path, parse_configs
 PATH_ENV = "KBIT_GEMM_PATH"
 # KBIT_GEMM_PATH values: the fused paths allowed ("classic" = gemm.cuh's kernel).
 FORCED_PATHS = {
-    "ws": frozenset({Path.WARP_SPECIALIZED}),
+    "ws": frozenset({Path.WARP_SPECIALIZED, Path.WS_128_ROWS}),
     "classic": frozenset({Path.MMA_SYNC, Path.K_SPLIT, Path.WGMMA}),
     "mma_sync": frozenset({Path.MMA_SYNC}),
     "k_split": frozenset({Path.K_SPLIT}),
@@ -61,6 +61,7 @@ FORCED_PATHS = {
 }
 K_GROUP = 256  # columns per k-group of the GEMM layout (kbit.h kKGroup)
 MAX_TILE_PARTS_GRID = 256  # cut.h kMaxGroupedGrid: CTAs of a launch that cuts tiles in parts
+WS_128_ROWS_K_STEPS = 8  # the most k-steps per tile the warp-specialized kernel's 128-row tiles are planned for
 WS_SLICED_FROM = 5  # gemm_ws.cuh kSlicedFrom: a tile split this many ways or more is summed in slices by all its CTAs
 MAX_CLUSTER_CTAS = 8  # gemm.cuh kMaxClusterCtas: the most parts of one tile summed in a thread-block cluster
 CUBLAS_TILE = 128  # tokens per cuBLAS output tile, as the model counts its multiply-adds
@@ -202,7 +203,10 @@ def steps_of(config: GemmConfig, shape: Shape) -> Steps:
 def launches(config: GemmConfig, steps: Steps, sms: int) -> list:
     """The launches the binding accepts that are worth comparing: the steps in one group on one CTA per SM, then on
     the fewest CTAs as busy (``slack_launch``), or a CTA per tile where the warps split k; for the warp-specialized
-    kernel, the one its measured cut rules give (``ws_launch``)."""
+    kernel, the one its measured cut rules give (``ws_launch``), or for its 128-row tiles those the model ranks
+    (``ws_128_rows_launches``)."""
+    if config.path is Path.WS_128_ROWS:
+        return ws_128_rows_launches(steps, sms)
     if config.ws_tokens:
         return [ws_launch(config, steps, sms)]
     found = [Launch(min(sms, steps.total))]
@@ -239,6 +243,24 @@ def ws_launch(config: GemmConfig, steps: Steps, sms: int) -> Launch:
     if not grid and config.ws_tokens == 256:
         grid = _ws_uneven_whole_tiles(steps, sms)
     return Launch(grid, 0, True) if grid else Launch(min(sms, steps.total))
+
+
+def ws_128_rows_launches(steps: Steps, sms: int) -> list:
+    """The warp-specialized kernel's 128-row tiles, up to WS_128_ROWS_K_STEPS k-steps a tile (none past: there the
+    default tiles were faster in 60 of 64 cells at 17-512 tokens, 1.0-1.36x, H200: a long k loop pays for the split
+    that halves avoid, and two consumer warpgroups hide less of a step): the steps in one group; each tile in as many
+    parts as the SMs hold (at most one per k-step); a tile per CTA where the tiles fit the SMs. Each was the fastest
+    somewhere in the A/B that added these tiles (docs/PERFORMANCE.md, "Measured choices"), so the fitted model ranks
+    them, as it does mma.sync's launches."""
+    if steps.k_steps > WS_128_ROWS_K_STEPS:
+        return []
+    found = [Launch(min(sms, steps.total))]
+    parts = min(sms // steps.tiles, steps.k_steps)
+    if parts >= 2 and steps.tiles * parts <= MAX_TILE_PARTS_GRID:
+        found.append(Launch(steps.tiles * parts, parts))
+    if steps.k_steps > 1 and steps.tiles <= sms:
+        found.append(Launch(steps.tiles, 0, True))
+    return found
 
 
 def cluster_launches(config: GemmConfig, steps: Steps, device: Device) -> list:
@@ -350,14 +372,14 @@ def fused_features(config: GemmConfig, shape: Shape, launch: Launch, cut: CutCos
             partials / MIB, shape.memory_mib, float(sharers - 1) if clustered else 0.0, full_grid)
 
 
-def cublas_features(shape: Shape, sms: int, gemm_resident: bool) -> tuple:
-    """Dequantize + cuBLAS: the bytes of the passes before cuBLAS over bandwidth: the dequantize kernel's (the codes
-    read, the 16-bit weight written) and, for a weight holding only its GEMM layout (``gemm_resident``), an unrepack's
-    (the layout read, the storage format written: as many bytes each), as the committed tune files timed that path
-    (see the module's docstring); cuBLAS's loads (the 16-bit weight, x, y) and multiply-adds per SM, tokens in tiles
-    of 128."""
+def cublas_features(shape: Shape, sms: int, unrepacked_first: bool = False) -> tuple:
+    """Dequantize + cuBLAS: the bytes of its dequantize pass over bandwidth (the codes read, the 16-bit weight
+    written), and cuBLAS's loads (the 16-bit weight, x, y) and multiply-adds per SM, tokens in tiles of 128.
+    ``unrepacked_first``: an unrepack ran before that pass (the layout read, the storage format written: as many
+    bytes each), as tune files timed that path before a weight dequantized straight from its layout; only a fit to
+    such times counts it."""
     weights = shape.out_features * shape.in_features
-    unrepack_bytes = 2 * shape.weight_bytes if gemm_resident else 0.0
+    unrepack_bytes = 2 * shape.weight_bytes if unrepacked_first else 0.0
     dequantize_mib = (unrepack_bytes + shape.weight_bytes + 2 * weights) / MIB
     gemm_mib = (2 * weights + 2 * shape.tokens * (shape.in_features + shape.out_features)) / MIB
     macs = -(-shape.tokens // CUBLAS_TILE) * CUBLAS_TILE * weights / 2**30  # its tiles hold 128 tokens
@@ -379,13 +401,16 @@ def predict(cost: PathCost, features: tuple) -> float:
 # ---------------------------------------------------------------------------------------------- the decision
 def _mma(config: GemmConfig) -> str:
     """The kernel's kind of MMA: the k split is mma.sync's kernel with the warps splitting k."""
-    return "warp_specialized" if config.ws_tokens else "wgmma" if config.wgmma_tiles else "mma.sync"
+    return config.path.value if config.ws_tokens else "wgmma" if config.wgmma_tiles else "mma.sync"
 
 
 def _fitted_for(config: GemmConfig, tokens: int, coefficients: Coefficients, runnable: list) -> bool:
     """Whether the fit holds for ``config`` at ``tokens``: within the token counts it was measured at (from just past
     the next smaller pass of its kind of MMA where that one was measured through its pass), or past them where it is
-    the largest pass of its kind; never measured, where one pass holds them or it is that largest."""
+    the largest pass of its kind; never measured, where one pass holds them or it is that largest, if its path was
+    fitted at all (a path without coefficients, forced, is priced as mma.sync and fitted nowhere)."""
+    if config.path not in coefficients.paths:
+        return False
     kind = [c for c in runnable if _mma(c) == _mma(config)]
     smaller = [c for c in kind if c.tokens < config.tokens]
     largest = not any(c.tokens > config.tokens for c in kind)
@@ -423,15 +448,15 @@ def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficient
 
 def plan(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficients, out_features: int,
          in_features: int, tokens: int, bits: int, *, fused_only: bool = False, force: Optional[frozenset] = None,
-         grid_override: int = 0, gemm_resident: bool = True) -> Plan:
+         grid_override: int = 0) -> Plan:
     """The path, configuration and launch for ``tokens`` x in_features activations times an
     [out_features, in_features] weight of ``bits`` bits on ``device``: the least predicted time.
 
     ``fused_only`` leaves dequantize + cuBLAS out (``kbit::gemm``); raises NoFusedConfig when no fused configuration
     of ``bits`` runs on the device. ``force``: the fused paths allowed (``FORCED_PATHS``), ignored when none of them
     runs here. ``grid_override`` > 0: that many CTAs (at most one per SM and one per step), the steps in one group;
-    fused only (tests force split-K with it). ``gemm_resident``: the weight holds only its GEMM layout (kbit's layers
-    on CUDA; dequantize + cuBLAS priced with ``cublas_features``' unrepack).
+    fused only (tests force split-K with it). Dequantize + cuBLAS is priced as one dequantize pass, whether the
+    weight holds its storage format or only its GEMM layout (``ops.dequantize_layout``).
     """
     shape = Shape(out_features, padded_in_features(in_features), max(tokens, 1), bits)
     coefficients = coefficients.at(shape.tokens)
@@ -443,7 +468,7 @@ def plan(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficien
     if not candidates:
         candidates = _fused_candidates(device, configs, coefficients, shape, FUSED_PATHS)
     if not fused_only and Path.DEQUANTIZE_CUBLAS in coefficients.paths:
-        us = predict(coefficients.paths[Path.DEQUANTIZE_CUBLAS], cublas_features(shape, device.sms, gemm_resident))
+        us = predict(coefficients.paths[Path.DEQUANTIZE_CUBLAS], cublas_features(shape, device.sms))
         candidates.append((us, DEQUANTIZE_CUBLAS))
     if not candidates:
         if not fused_only:
@@ -552,11 +577,11 @@ class DeviceFacts(NamedTuple):
     coefficients: Coefficients
 
     def plan(self, out_features: int, in_features: int, tokens: int, bits: int, fused_only: bool,
-             grid_override: int, gemm_resident: bool) -> Plan:
+             grid_override: int) -> Plan:
         """``plan`` on this device, ``KBIT_GEMM_PATH`` read now (it applies to fused-only plans)."""
         return plan(self.device, self.configs, self.coefficients, out_features, in_features, tokens, bits,
                     fused_only=fused_only, force=forced_paths() if fused_only or grid_override else None,
-                    grid_override=grid_override, gemm_resident=gemm_resident)
+                    grid_override=grid_override)
 
     def rows_per_pass(self, slots: int, num_experts: int, shapes: Iterable[tuple], bits: int,
                       supported: Iterable[int]) -> int:
@@ -565,7 +590,7 @@ class DeviceFacts(NamedTuple):
 
 
 _FACTS: dict = {}  # CUDA device index -> DeviceFacts
-_PLANS: dict = {}  # (device index, out, in, tokens, bits, fused_only, forced, grid_override, gemm_resident) -> Plan
+_PLANS: dict = {}  # (device index, out, in, tokens, bits, fused_only, grid_override, forced) -> Plan
 _MAX_PLANS = 1 << 14
 
 
@@ -619,21 +644,19 @@ def forced_paths() -> Optional[frozenset]:
 
 
 def gemm_plan(device: torch.device, out_features: int, in_features: int, tokens: int, bits: int,
-              fused_only: bool = False, grid_override: int = 0, gemm_resident: bool = True) -> Plan:
+              fused_only: bool = False, grid_override: int = 0) -> Plan:
     """``plan`` on a CUDA device, with its facts and coefficients. ``KBIT_GEMM_PATH`` applies to fused-only plans:
     it chooses among the fused kernels, never whether the fused path is taken."""
-    request = (out_features, in_features, tokens, bits, fused_only, grid_override, gemm_resident)
+    request = (out_features, in_features, tokens, bits, fused_only, grid_override)
     if torch.compiler.is_compiling() and not isinstance(tokens, int):  # a symbolic token count: the model traced
         return device_facts(device).plan(*request)  # (no memo: its contents would become guards)
     return _planned(device_index(device), *request)
 
 
-def dequantizes_first(device: torch.device, out_features: int, in_features: int, tokens: int, bits: int,
-                      gemm_resident: bool = True) -> bool:
+def dequantizes_first(device: torch.device, out_features: int, in_features: int, tokens: int, bits: int) -> bool:
     """Whether ``kbit.matmul`` on this CUDA device runs dequantize + cuBLAS for the call (else the fused GEMM): the
     one decision that every caller of ``ops.gemm_direct`` with a GEMM layout of its own takes from ``gemm_plan``."""
-    return gemm_plan(device, out_features, in_features, tokens, bits,
-                     gemm_resident=gemm_resident).path is Path.DEQUANTIZE_CUBLAS
+    return gemm_plan(device, out_features, in_features, tokens, bits).path is Path.DEQUANTIZE_CUBLAS
 
 
 @torch.compiler.assume_constant_result

@@ -2,12 +2,14 @@
 
 For each shape, bit width and token count, every fused path that runs here (the configuration and launch the planner
 would run for it on that path) and dequantize + cuBLAS (what ``kbit.matmul`` does on that path for a weight holding
-only its GEMM layout, as kbit's layers do: unrepack, dequantize, cuBLAS) are timed from CUDA graphs on weight copies
-rotated past twice the L2 cache, so the weights stream from memory as in inference. A fused path whose output
-disagrees with dequantize + cuBLAS is left out. Each fused time is recorded with the launch that ran, which the fit
-takes as it is; beside the planned launch, the configuration's other launches the planner weighs and, for mma.sync
-and the k split up to 16 tokens, a few launches that sum each tile's parts in a thread-block cluster
-(``launches_to_time``; clusters on sm_90), whose times fit ``PathCost.cluster_us``.
+only its GEMM layout, as kbit's layers do: one pass from the layout to the 16-bit weight, then cuBLAS) are timed from
+CUDA graphs on weight copies rotated past twice the L2 cache, so the weights stream from memory as in inference;
+``--paths`` times only the paths it names (with ``--merge``, whose file keeps the others' times). A fused path whose
+output disagrees with dequantize + cuBLAS's (the reference, computed whether or not that path is timed) is left out.
+Each fused time is recorded with the launch that ran, which the fit takes as it is; beside the planned launch, the
+configuration's other launches the planner weighs and, for mma.sync and the k split up to 16 tokens, a few launches
+that sum each tile's parts in a thread-block cluster (``launches_to_time``; clusters on sm_90), whose times fit
+``PathCost.cluster_us``.
 ``fit`` fits each path's ``kbit.planner.PathCost`` to its times (least squares in relative error, coefficients >=
 0); the times and the coefficients go to the tuned cache (``kbit.tune_cache``), which ``kbit.matmul`` plans from
 from then on.
@@ -48,12 +50,16 @@ AGREEMENT = 1e-2  # relative Frobenius error between a fused path's output and d
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    names = ",".join(path.value for path in Path)
     parser.add_argument("--bits", default="2,3,4,5", help="bit widths, comma-separated (default: 2,3,4,5)")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
                         help="in_features->out_features, comma-separated: the shapes timed for the fit "
                              "(default: the seeds' nine shapes)")
     parser.add_argument("--tokens", default=DEFAULT_TOKENS,
                         help=f"token counts M to time, comma-separated (default: {DEFAULT_TOKENS})")
+    parser.add_argument("--paths", default=names,
+                        help=f"the paths to time, comma-separated (default: all, {names}); with --merge, whose file "
+                             "keeps the others' times for the fit")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation dtype (default: fp16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed graph replays per measurement (default: 5)")
     parser.add_argument("--seconds", type=float, default=0.0,
@@ -94,6 +100,16 @@ def _shapes(text: str) -> list:
     return shapes
 
 
+def _paths(text: str) -> tuple:
+    """The paths named in ``text`` (comma-separated ``Path`` values), in ``Path``'s order."""
+    names = {name for name in text.replace(" ", "").split(",") if name}
+    unknown = sorted(names - {path.value for path in Path})
+    if unknown or not names:
+        raise SystemExit(f"kbit tune: --paths takes names among {', '.join(path.value for path in Path)}, got "
+                         f"{', '.join(unknown) if unknown else 'none'}")
+    return tuple(path for path in Path if path.value in names)
+
+
 def _rotation(first, nbytes: int, l2_bytes: int) -> list:
     """``first`` and clones of it: enough that one pass over them moves more than twice the L2 cache."""
     copies = max(2, min(MAX_COPIES, math.ceil(2 * l2_bytes / max(nbytes, 1)) + 1))
@@ -122,9 +138,9 @@ def _graph_us(calls, repeats: int) -> float:
 
 
 def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: list, dtype, repeats: int, log,
-               in_step: bool = False) -> dict:
-    """The cache entry of one shape: each path's microseconds per call at each token count (None: not timed);
-    ``in_step``: each call timed just after a kernel writing its input (``_time_us``)."""
+               in_step: bool = False, paths: tuple = tuple(Path)) -> dict:
+    """The cache entry of one shape: each of ``paths``' microseconds per call at each token count (None: not timed),
+    the others absent; ``in_step``: each call timed just after a kernel writing its input (``_time_us``)."""
     from . import ops, planner
     from ._build import cuda_ext
     from .formats import padded_in_features
@@ -140,12 +156,13 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
     in_features_padded = padded_in_features(in_features)
     layout = qw.gemm_layout()
     layouts = _rotation(tuple(layout), sum(t.numel() * t.element_size() for t in layout), l2)
-    # As a kbit layer holds its weight on CUDA: the GEMM layout alone (dequantize + cuBLAS unrepacks it first).
+    # As a kbit layer holds its weight on CUDA: the GEMM layout alone, which dequantize + cuBLAS reads in one pass.
     weights = [QuantizedWeight.from_gemm_layout(b, a, qw.codebook, qw.scale, bits, qw.shape, dtype)
                for b, a in layouts]
-    us = {path.value: [] for path in Path}
-    timed_configs = {path.value: [] for path in FUSED_PATHS}
-    timed_launches = {path.value: [] for path in FUSED_PATHS}
+    fused_paths = [path for path in FUSED_PATHS if path in paths]
+    us = {path.value: [] for path in Path if path in paths}
+    timed_configs = {path.value: [] for path in fused_paths}
+    timed_launches = {path.value: [] for path in fused_paths}
     for M in tokens:
         x = torch.randn(M, in_features, device=device, dtype=dtype)
         written = x if in_step else None
@@ -154,8 +171,9 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
             return torch.nn.functional.linear(x, w._dequantize(dtype))
 
         reference = dequantize_cublas(weights[0]).float()
-        us[Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats, written))
-        for path in FUSED_PATHS:
+        if Path.DEQUANTIZE_CUBLAS in paths:
+            us[Path.DEQUANTIZE_CUBLAS.value].append(_time_us(dequantize_cublas, weights, repeats, written))
+        for path in fused_paths:
             try:
                 c = planner.plan(facts.device, facts.configs, facts.coefficients, out_features, in_features, M, bits,
                                  fused_only=True, force=frozenset({path}))
@@ -192,12 +210,13 @@ def tune_shape(facts, bits: int, in_features: int, out_features: int, tokens: li
             timed_configs[path.value].append(list(config.key) if measured_us is not None else None)
             timed_launches[path.value].append(launches or None)
         timed = {name: times[-1] for name, times in us.items() if times[-1] is not None}
-        fastest = min(timed, key=timed.get)
-        log(f"  {bits} bits {in_features}->{out_features} M = {M}: {fastest} {timed[fastest]:.1f} us")
+        fastest = min(timed, key=timed.get, default=None)
+        log(f"  {bits} bits {in_features}->{out_features} M = {M}: "
+            + (f"{fastest} {timed[fastest]:.1f} us" if fastest else "no path timed"))
     del layouts, weights, qw
     torch.cuda.empty_cache()
     return {"bits": bits, "out_features": out_features, "in_features": in_features, "tokens": list(tokens), "us": us,
-            "configs": timed_configs, "launches": timed_launches, "gemm_resident": True}
+            "configs": timed_configs, "launches": timed_launches}
 
 
 def launches_to_time(config, shape, device, coefficients, planned) -> list:
@@ -235,8 +254,8 @@ def main(args: argparse.Namespace) -> int:
     from . import planner, tune_cache
 
     if args.fit:
-        if args.in_step:
-            raise SystemExit("kbit tune: --in-step is a measuring run's; --fit measures nothing")
+        if args.in_step or _paths(args.paths) != tuple(Path):
+            raise SystemExit("kbit tune: --in-step and --paths are a measuring run's; --fit measures nothing")
         return _fit_file(args)
     if args.decode:
         raise SystemExit("kbit tune: --decode goes with --fit (the decode step's coefficients beside a fit's)")
@@ -249,6 +268,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"kbit tune: --bits must be among 2, 3, 4, 5, got {args.bits!r}")
     shapes = _shapes(args.shapes)
     tokens = sorted(set(_int_list(args.tokens, "--tokens")))
+    paths = _paths(args.paths)
+    if paths != tuple(Path) and not args.merge:  # else the coefficients fitted would price those paths alone
+        raise SystemExit("kbit tune: --paths leaves paths untimed: give --merge MEASUREMENTS, a tune file whose times "
+                         "of the others the fit takes")
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     facts = planner.device_facts(torch.device("cuda"))
     timing = tune_cache.IN_STEP if args.in_step else tune_cache.BACK_TO_BACK
@@ -265,8 +288,8 @@ def main(args: argparse.Namespace) -> int:
         if args.seconds and n and time.monotonic() - start > args.seconds:
             log(f"kbit tune: {args.seconds:g} s passed: {n} of {len(shapes)} shapes timed, the rest left out")
             break
-        entries += [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log, in_step=args.in_step)
-                    for bits in bits_list]
+        entries += [tune_shape(facts, bits, k_in, n_out, tokens, dtype, args.repeats, log, in_step=args.in_step,
+                               paths=paths) for bits in bits_list]
         log(f"kbit tune: {k_in}->{n_out} done at {time.monotonic() - start:.0f} s")
     if args.merge:
         entries = _merge_into(args.merge, base, facts.device, entries, timing)
@@ -386,11 +409,11 @@ def measured_config(configs, path: Path, bits: int, tokens: int, recorded=None):
 
 class Cell(NamedTuple):
     """One measurement as the fit sees it: what ran (the configuration, None for dequantize + cuBLAS, and whether
-    that path unrepacked a GEMM-resident weight first; the launch where it was recorded) and its time."""
+    that path ran an unrepack before its dequantize; the launch where it was recorded) and its time."""
 
     shape: object  # planner.Shape
     config: object  # GemmConfig or None
-    gemm_resident: bool
+    unrepacked_first: bool
     us: float
     launch: object = None  # planner.Launch; None: the one the model fitted so far ranks first
 
@@ -399,7 +422,7 @@ def _features(device, cut, path: Path, cell: Cell, cost=None):
     from . import planner
 
     if path is Path.DEQUANTIZE_CUBLAS:
-        return planner.cublas_features(cell.shape, device.sms, cell.gemm_resident)
+        return planner.cublas_features(cell.shape, device.sms, cell.unrepacked_first)
     launch = cell.launch or planner.best_launch(cell.config, cell.shape, cut, device.sms, cost)
     return planner.fused_features(cell.config, cell.shape, launch, cut, sms=device.sms)
 
@@ -459,7 +482,7 @@ def fit(measured: dict, device, configs, cut, source: str, rounds: int = 6, own_
                     configs, path, bits, M, recorded[i] if recorded else None)
                 if us is None or (config is None and path is not Path.DEQUANTIZE_CUBLAS):
                     continue
-                cell = Cell(planner.Shape(out_features, in_features, M, bits), config, shape.gemm_resident, us)
+                cell = Cell(planner.Shape(out_features, in_features, M, bits), config, shape.unrepacked_first, us)
                 # each launch timed, where recorded (the planned one among them), else the one the model ranks first
                 found = ([cell._replace(launch=planner.Launch(*launch), us=t) for launch, t in launched[i]]
                          if launched and launched[i] else [cell])
@@ -523,9 +546,10 @@ def _report(device, configs, coefficients, measured: dict, log) -> None:
     for (bits, out_features, in_features), shape in measured.items():
         for i, M in enumerate(shape.tokens):
             times = {path: t[i] for path, t in shape.us.items() if t[i] is not None}
+            if not times:
+                continue
             fastest = min(times, key=times.get)
-            chosen = planner.plan(device, configs, coefficients, out_features, in_features, M, bits,
-                                  gemm_resident=shape.gemm_resident)
+            chosen = planner.plan(device, configs, coefficients, out_features, in_features, M, bits)
             slower = times.get(chosen.path, math.inf) / times[fastest]
             note = f" (planned {chosen.path.value}: {slower:.2f}x)" if slower > 1 else ""
             log(f"  {bits} bits {in_features}->{out_features} M = {M:>5}: {fastest.value} {times[fastest]:.1f} us"

@@ -16,17 +16,18 @@ Format 1::
                  "configs": {"mma_sync": [[4, 0, 0, 1], ...], ...},
                  "launches": {"warp_specialized": [[[132, 0, false, 41.0], [96, 2, false, 38.5]], ...],
                               "mma_sync": [[[132, 0, false, 11.9], [64, 4, false, 9.3]], ...], ...},
-                 "gemm_resident": true}]}
+                 "unrepacked_first": true}]}
 
 ``tokens`` ascending; ``us[path][i]`` the microseconds per call of that path at ``tokens[i]``, null where it was not
-timed (not runnable here, or its output disagreed with dequantize + cuBLAS); ``configs[path][i]`` the configuration
-timed, (mb, wgmma_tiles, ws_tokens, k_split), optional (measurements written before it say none).
+timed (not runnable here, or its output disagreed with dequantize + cuBLAS); a path absent from ``us`` was not
+timed at all (``kbit tune --paths``); ``configs[path][i]`` the configuration timed, (mb, wgmma_tiles, ws_tokens,
+k_split), optional (measurements written before it say none).
 ``launches[path][i]``: the launches of that configuration timed, [grid, tile_parts, whole_tiles, us] each (the
 planned one, whose time is ``us[path][i]``, and others: tile parts on mma.sync or the k split are summed in
 thread-block clusters), or null; optional. ``clusters``: the clusters of 1..8 CTAs the GPU ran at once
-(``gemm_facts.Device.clusters``), optional. ``gemm_resident``: dequantize + cuBLAS
-was timed on a weight holding only its GEMM layout, as in kbit's layers (the committed files: unrepacked first, before
-``ops.dequantize_layout``); optional, false (the storage format held) where absent.
+(``gemm_facts.Device.clusters``), optional. ``unrepacked_first``: dequantize + cuBLAS was timed with an unrepack
+before its dequantize (the GEMM layout read, the storage format written, then dequantized: how a weight holding only
+its GEMM layout ran that path before ``ops.dequantize_layout``); optional, false (one dequantize pass) where absent.
 ``timing``: how each call was timed, ``"back_to_back"`` (a CUDA graph of calls, each starting under the last one's
 tail; the default where absent) or ``"in_step"`` (each just after a kernel writing its input, as in a decoder step:
 ``kbit tune --in-step``); optional.
@@ -63,7 +64,7 @@ class TunedShape(NamedTuple):
     us: dict  # Path -> tuple of float or None
     configs: dict  # Path -> tuple of (mb, wgmma_tiles, ws_tokens, k_split) or None; {} where not recorded
     launches: dict  # Path -> tuple of (tuple of ((grid, tile_parts, whole_tiles), us)) or None; {} if not recorded
-    gemm_resident: bool  # dequantize + cuBLAS timed from the GEMM layout alone
+    unrepacked_first: bool  # dequantize + cuBLAS timed with an unrepack before its dequantize
 
 
 def file_tag(device_name: str) -> str:
@@ -208,11 +209,11 @@ def parse(data) -> dict:
                                  "or null per token count")
             launches[Path(name)] = tuple(None if v is None else tuple(((t[0], t[1], t[2]), float(t[3])) for t in v)
                                          for v in values)
-        gemm_resident = entry.get("gemm_resident", False)
-        if not isinstance(gemm_resident, bool):
-            raise ValueError(f"{where}.gemm_resident must be true or false, got {gemm_resident!r}")
+        unrepacked_first = entry.get("unrepacked_first", False)
+        if not isinstance(unrepacked_first, bool):
+            raise ValueError(f"{where}.unrepacked_first must be true or false, got {unrepacked_first!r}")
         tuned[(bits, out_features, padded_in_features(in_features))] = TunedShape(tokens, times, configs, launches,
-                                                                                  gemm_resident)
+                                                                                  unrepacked_first)
     return tuned
 
 
@@ -235,9 +236,11 @@ def check_tune_file(data: dict, device: Device, timing: str = BACK_TO_BACK) -> N
 def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK, date: Optional[str] = None) -> dict:
     """``base`` (a tune file's contents, of ``device``) with ``shapes`` (the format's entries, measured later on the
     same GPU) laid over it: per bit width and shape, a token count measured again takes the new time, configuration
-    and launches of every path; the others keep theirs; a new shape is added. An entry keeps ``base``'s
-    ``gemm_resident``, and its dequantize + cuBLAS times where the new ones were measured otherwise (that flag is
-    the entry's, not the time's). ``clusters`` become ``device``'s, ``date`` the new measurements' (default: now).
+    and launches of every path it timed; the others, and the paths it did not time, keep theirs; a new shape is
+    added. ``unrepacked_first`` is the entry's, not a time's: where the new entry timed dequantize + cuBLAS, the merged
+    entry takes its flag and drops the old dequantize + cuBLAS times if they were measured the other way; where it
+    did not, the old flag and times stay. ``clusters`` become ``device``'s, ``date`` the new measurements' (default:
+    now).
     ValueError where ``base`` is no tune file to lay them over (``check_tune_file``)."""
     check_tune_file(base, device, timing)
     merged = {key: value for key, value in base.items() if key != "coefficients"}
@@ -253,16 +256,18 @@ def merge(base: dict, device: Device, shapes: list, timing: str = BACK_TO_BACK, 
 
 def _merged_entry(old: dict, new: dict) -> dict:
     tokens = sorted(set(old["tokens"]) | set(new["tokens"]))
-    resident = old.get("gemm_resident", False)
+    was_unrepacked = old.get("unrepacked_first", False)
+    retimed = Path.DEQUANTIZE_CUBLAS.value in (new.get("us") or {})
+    unrepacked = new.get("unrepacked_first", False) if retimed else was_unrepacked
     entry = {"bits": old["bits"], "out_features": old["out_features"], "in_features": old["in_features"],
-             "tokens": tokens, "gemm_resident": resident}
+             "tokens": tokens, **({"unrepacked_first": True} if unrepacked else {})}
     for field in ("us", "configs", "launches"):
         columns = {}
         for path in Path:
             before = dict(zip(old["tokens"], (old.get(field) or {}).get(path.value) or ()))
             after = dict(zip(new["tokens"], (new.get(field) or {}).get(path.value) or ()))
-            if path is Path.DEQUANTIZE_CUBLAS and new.get("gemm_resident", False) != resident:
-                after = {}
+            if path is Path.DEQUANTIZE_CUBLAS and unrepacked != was_unrepacked:
+                before = {}  # measured the other way: one entry's times are all one way
             # a token count measured again takes the new value, None included (not timed this time)
             row = [after[t] if t in after else before.get(t) for t in tokens]
             if before or after:

@@ -591,7 +591,7 @@ def matmul_unchecked(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = No
     if x.device.type == "cuda":
         bias_c = None if bias is None else bias.to(x.dtype).contiguous()
         if x.dtype not in GEMM_DTYPES or not grid_override and planner.dequantizes_first(
-                x.device, out_features, qw.in_features_padded, x2.shape[0], qw.bits, qw.is_gemm_resident):
+                x.device, out_features, qw.in_features_padded, x2.shape[0], qw.bits):
             y = torch.nn.functional.linear(x2, qw._dequantize(x.dtype), bias_c)
         else:
             b, a = qw.gemm_layout()

@@ -20,7 +20,8 @@ def kind(row: dict) -> tuple:
     """(sort key, label) of a configuration's kind, the same for every bit width."""
     tokens = row["mb"] * 8
     if row["ws_tokens"]:
-        return (3, tokens), f"warp-specialized, {tokens} tokens per tile"
+        rows = f", {row['tile_rows']}-row tiles" if row["wgmma_tiles"] else ""
+        return (3, tokens, row["wgmma_tiles"]), f"warp-specialized, {tokens} tokens per tile{rows}"
     if row["wgmma_tiles"]:
         return (2, tokens, row["wgmma_tiles"]), f"wgmma, {tokens} tokens, {128 * row['wgmma_tiles']}-row tiles"
     if row["k_split"] > 1:

@@ -15,7 +15,8 @@ GPU_DIR = Path(__file__).resolve().parents[1] / "kbit" / "gpus"
 ROWS = (("fixed_us", "fixed, µs"), ("load_us", "µs per MiB loaded"), ("lookup_us", "µs per Mi lookups"),
         ("mma_us", "µs per Gi MACs"), ("tile_us", "µs per tile"), ("handoff_us", "µs per MiB handed off"),
         ("memory_us", "µs per MiB moved"))
-PATHS = (("mma_sync", "mma.sync"), ("wgmma", "wgmma"), ("warp_specialized", "ws"), ("dequantize_cublas", "cuBLAS"))
+PATHS = (("mma_sync", "mma.sync"), ("wgmma", "wgmma"), ("warp_specialized", "ws"),
+         ("warp_specialized_128_rows", "ws 128"), ("dequantize_cublas", "cuBLAS"))
 # The k split shares mma.sync's coefficients (kbit/tune.py, fit).
 
 

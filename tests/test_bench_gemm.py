@@ -100,3 +100,32 @@ def test_render_merges_a_decode_and_a_prefill_run_into_one_set_keeping_each_run_
     assert "different devices" in capsys.readouterr().err
     with pytest.raises(ValueError, match="GPU2"):
         bench.merge_results([("a", bench.load_results(a)), ("other", bench.load_results(other))])
+
+
+@pytest.mark.parametrize("k_in", (512, 1000))
+def test_dequant_cublas_runs_what_a_gpu_layer_runs_from_the_gemm_layout(bench, k_in):
+    """The dequantize + cuBLAS peer rotates the GEMM layout (as the fused peer does) and dequantizes straight from it,
+    as a layer holding only its layout does (``QuantizedWeight._dequantize``): the same product, a padded k sliced."""
+    import torch
+
+    import kbit
+
+    dq = bench.DequantCublas(torch.float16, 4)
+    layout = dq.prepare((torch.randn(64, k_in) * 0.02).to(torch.float16))
+    assert [t.data_ptr() for t in layout] == [t.data_ptr() for t in dq.qw.gemm_layout()]
+    x = torch.randn(3, k_in).to(torch.float16)
+    resident = dq.qw.gemm_resident()
+    expected = torch.nn.functional.linear(x, resident._dequantize(torch.float16))
+    assert torch.equal(dq.call(x, dq.clone(layout)), expected)
+
+
+def test_the_full_table_shows_the_planned_paths_time(bench, tmp_path):
+    rows = [dict(_row("4096->4096", 1, 4, 5.0, 2.0, 8.0), planned_path="dequantize_cublas", planned_us=6.25),
+            dict(_row("4096->4096", 16, 4, 7.0, 2.0, 9.0), planned_path="fused", planned_us=7.0)]
+    path = _run_file(tmp_path / "gemm_GPU.json", rows, _env(), m=[1, 16])
+    assert bench.main(["--render", str(path)]) == 0
+    table = (tmp_path / "gemm_GPU.md").read_text().split("## All measurements")[1]
+    header = next(line for line in table.splitlines() if line.startswith("| shape"))
+    column = header.split("|").index(" planned us ")
+    cells = [line.split("|")[column].strip() for line in table.splitlines() if line.startswith("| 4096->4096")]
+    assert cells == ["6.25", "7.00"]

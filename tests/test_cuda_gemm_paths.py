@@ -143,6 +143,49 @@ def test_gemm_ws_256_token_tiles(k):
     assert not failures, tag(seed_for("gemm-ws256", k), op="gemm ws_tokens=256", bits=k) + "\n  " + "\n  ".join(failures)
 
 
+# The warp-specialized kernel's 128-row tiles below 256 tokens (two consumer warpgroups; wgmma_tiles = 1 in the key),
+# (tokens per tile, N, K, M, grid, tile_parts, whole_tiles): one group of CTAs whose cut falls inside tiles (lead sums,
+# and slices where a tile spans 5 CTAs or more), tiles cut in parts (2 in a cluster where it fits, 3 through L2, 8), grids of whole tiles, tiles past N and a last pass the tokens do not fill, a k range of one k-group.
+TILES128_CASES = ((32, 4096, 14336, 32, 132, 0, False), (32, 4096, 4096, 17, 64, 2, False),
+                  (32, 1000, 4128, 33, 7, 0, False), (64, 4096, 4096, 64, 132, 0, False),
+                  (64, 11008, 4096, 100, 86, 0, True), (64, 4104, 130, 65, 3, 0, False),
+                  (128, 4096, 14336, 128, 128, 4, False), (128, 4096, 2048, 200, 64, 0, True),
+                  (128, 1536, 2048, 129, 132, 0, False), (128, 72, 100, 128, 1, 0, False),
+                  (32, 2048, 4096, 20, 128, 8, False), (64, 4096, 2816, 64, 96, 3, False))
+
+
+@needs_hopper
+@pytest.mark.parametrize("k", BITS)
+def test_gemm_ws_128_row_tiles(k):
+    """Every 128-row tile configuration of the warp-specialized kernel, on the launches of TILES128_CASES, against the
+    reference: fp16 and bf16, bias on every other call."""
+    from kbit._build import cuda_ext
+
+    ext = cuda_ext()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    failures, calls = [], 0
+    for i, (tokens, N, K, M, grid, parts, whole) in enumerate(TILES128_CASES):
+        if grid > sms:  # (the cases' grids are for 132 SMs)
+            continue
+        seed = seed_for("gemm-ws-tiles128", k, N, K)
+        qw = quantized_weight(N, K, k, seed)
+        b, a = qw.gemm_layout()
+        chk = GemmChecker(qw)
+        g = gen(seed + 1, "cuda")
+        dtype = torch.bfloat16 if i % 2 else torch.float16
+        x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+        bias = torch.randn(N, generator=g, device="cuda").to(dtype) if i % 2 == 0 else None
+        y = ext.gemm(x, b, a, qw.codebook, qw.scale, bias, k, N, formats.padded_in_features(K), grid, parts, whole,
+                     tokens // 8, 1, 1, tokens, ops.weights_settled(b, a, qw.codebook))
+        calls += 1
+        st = chk.stats(x, bias, y)
+        if not st["ok"]:
+            failures.append(f"N={N} K={K} M={M} {tokens} tokens per tile, grid={grid} parts={parts} whole={whole} "
+                            f"{_name(dtype)}: {chk.describe(st)}")
+    assert calls >= 10 and not failures, tag(seed_for("gemm-ws-tiles128", k), op="gemm ws 128-row tiles", bits=k) + \
+        "\n  " + "\n  ".join(failures)
+
+
 # Tiles cut in parts (cut.h; the parts named are those the planner would cut for 132 SMs), (tokens per
 # tile, N, K, M, parts): every tile width, parts of one k-group to six, halves where the k-groups are few (40 tiles of
 # 8 and 64 of 2), and 16 parts, past a cluster's 8 CTAs (summed through L2 in every mode). On the H100 and H200 only

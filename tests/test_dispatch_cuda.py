@@ -105,8 +105,9 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("KBIT_CACHE_DIR", str(tmp_path))
     planner.forget()
     try:
-        args = argparse.Namespace(bits="4", shapes="1024->2048", tokens="1,64,512", dtype="fp16", repeats=2,
-                                  seconds=0.0, fit=None, configs=None, out=None)
+        parser = argparse.ArgumentParser()
+        tune.add_arguments(parser)
+        args = parser.parse_args(["--bits", "4", "--shapes", "1024->2048", "--tokens", "1,64,512", "--repeats", "2"])
         assert tune.main(args) == 0
         device = planner.device_facts(torch.device("cuda")).device
         cached = tune_cache.load(device.name)
@@ -115,7 +116,8 @@ def test_tune_writes_a_cache_the_planner_reads(tmp_path, monkeypatch):
         measured = tune_cache.parse(json.loads(tune_cache.cache_file(device.name).read_text()))
         shape = measured[(4, 2048, 1024)]
         assert shape.configs  # what ran is recorded
-        assert shape.gemm_resident  # dequantize + cuBLAS timed as a layer runs it
+        assert set(shape.us) == set(planner.Path)
+        assert not shape.unrepacked_first  # dequantize + cuBLAS timed as a layer runs it: one pass from the layout
         # Each fused time with the launch that ran: the plan on that path from the coefficients the tune started
         # from (the shipped ones: the cache was empty), then the other launches tune adds (launches_to_time).
         shipped = planner.shipped_coefficients(device.name)
@@ -156,15 +158,15 @@ def test_the_planner_knows_the_clusters_the_gpu_runs_at_once():
         cuda_ext().gemm_clusters_at_once(0, 9)
 
 
-def test_matmul_plans_dequantize_cublas_with_the_weights_form(monkeypatch):
-    """A weight holding only its GEMM layout is unrepacked before dequantize + cuBLAS, one holding its storage format
-    is not: kbit.matmul tells the planner which."""
+def test_matmul_plans_a_weight_alike_whatever_it_holds(monkeypatch):
+    """A weight holding its storage format and one holding only its GEMM layout both dequantize in one pass
+    (``dense_stored``, ``dequantize_layout``): kbit.matmul asks the planner the same of each."""
     seen = []
     real = planner.gemm_plan
 
     def gemm_plan(*args, **kwargs):
         if not kwargs.get("fused_only"):  # kbit.matmul's plan, not the fused op's
-            seen.append(kwargs.get("gemm_resident"))
+            seen.append((args, kwargs))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(planner, "gemm_plan", gemm_plan)
@@ -172,4 +174,17 @@ def test_matmul_plans_dequantize_cublas_with_the_weights_form(monkeypatch):
     x = torch.randn(3, 512, device="cuda", dtype=torch.float16)
     kbit.matmul(x, qw)
     kbit.matmul(x, qw.gemm_resident())
-    assert seen == [False, True]
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+
+
+def test_tune_times_only_the_paths_asked():
+    """tune_shape's paths: the entry holds those paths' times alone, dequantize + cuBLAS still the reference the
+    fused outputs are checked against; no flag (dequantize + cuBLAS in one pass)."""
+    facts = planner.device_facts(torch.device("cuda"))
+    for paths in ((planner.Path.MMA_SYNC,), (planner.Path.DEQUANTIZE_CUBLAS,), tuple(planner.Path)):
+        entry = tune.tune_shape(facts, 4, 1024, 2048, [1, 16], torch.float16, 2, lambda line: None, paths=paths)
+        names = {path.value for path in paths}
+        assert set(entry["us"]) == names and "unrepacked_first" not in entry
+        assert set(entry["configs"]) == set(entry["launches"]) == names - {"dequantize_cublas"}
+        for name in names & {"mma_sync", "dequantize_cublas"}:
+            assert all(us is not None for us in entry["us"][name]), entry["us"]

@@ -18,8 +18,10 @@ constexpr int kSm80Major = 8;
 template <typename F>
 bool with_config(int k, int mb, int wgmma_tiles, int k_split, int ws_tokens, F&& f) {
   if (ws_tokens > 0) {
-    if (mb * 8 != ws_tokens || wgmma_tiles != 0 || k_split != 1) return false;
-    return with_bits(k, false, [&](auto bits) { return with_ws_config<decltype(bits)::value>(ws_tokens, f); });
+    if (mb * 8 != ws_tokens || k_split != 1) return false;
+    return with_bits(k, false, [&](auto bits) {
+      return with_ws_config<decltype(bits)::value>(ws_tokens, wgmma_tiles, f);
+    });
   }
   return with_bits(k, false, [&](auto bits) {
     return with_gemm_config<decltype(bits)::value>(mb, wgmma_tiles, k_split, f);
@@ -33,8 +35,8 @@ struct HostFacts {
   static constexpr int kCcMajorMin = Cfg::kWgmma || !Cfg::kOnSm80 ? kHopperMajor : kSm80Major;
   static constexpr int kCcMajorMax = Cfg::kWgmma ? kHopperMajor : INT_MAX;
 };
-template <int BITS, int NT>
-struct HostFacts<WsConfig<BITS, NT>> {
+template <int BITS, int NT, int GROUPS>
+struct HostFacts<WsConfig<BITS, NT, GROUPS>> {
   static constexpr int kCcMajorMin = kHopperMajor, kCcMajorMax = kHopperMajor;
 };
 
@@ -63,8 +65,10 @@ std::vector<GemmConfigInfo> gemm_configs() {
       }
     }
     for (int ws_tokens = 8; ws_tokens <= 256; ws_tokens += 8) {
-      GemmConfigInfo info{};
-      if (gemm_config_info(k, ws_tokens / 8, 0, 1, ws_tokens, &info)) all.push_back(info);
+      for (int tiles128 = 0; tiles128 <= 1; ++tiles128) {
+        GemmConfigInfo info{};
+        if (gemm_config_info(k, ws_tokens / 8, tiles128, 1, ws_tokens, &info)) all.push_back(info);
+      }
     }
   }
   return all;

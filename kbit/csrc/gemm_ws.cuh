@@ -41,13 +41,16 @@
 namespace kbit {
 
 // Tokens per tile NT: 32, 64, 128 or 256 (the planner picks, kbit/planner.py; past NT tokens, more passes).
-template <int BITS, int NT>
+// GROUPS: consumer warpgroups of one m64 block each, the CTA tile 64 * GROUPS rows. Four by default: four consumer
+// warps per scheduler hide the dequantization's latencies (docs/PERFORMANCE.md, "Measured choices"). At 256 tokens a
+// warpgroup's accumulators are 128 registers per thread, so two, at 240: a looked-up weight then serves twice the
+// tokens. Two below 256 tokens too (128-row tiles: wgmma_tiles = 1 in the host's key): twice the default's tiles,
+// so a tile is split half as many ways (N = 4096: 16 tiles for 132 SMs) and its partial sums are half the bytes.
+template <int BITS, int NT, int GROUPS = (NT == 256 ? 2 : 4)>
 struct WsConfig {
   static constexpr int kBits = BITS, kTokens = NT;
-  // Consumer warpgroups of one m64 block each. Four: four consumer warps per scheduler hide the dequantization's
-  // latencies (docs/PERFORMANCE.md, "Measured choices"). At 256 tokens a warpgroup's accumulators are 128 registers
-  // per thread, so two, at 240: a looked-up weight then serves twice the tokens.
-  static constexpr int kConsumerGroups = NT == 256 ? 2 : 4;
+  static constexpr int kConsumerGroups = GROUPS;
+  static_assert(GROUPS == 2 || (GROUPS == 4 && NT < 256), "two or four consumer warpgroups (two at 256 tokens)");
   static constexpr int kConsumerWarps = 4 * kConsumerGroups;
   static constexpr int kThreads = 128 * (1 + kConsumerGroups);  // warpgroup 0: the producer
   static constexpr int kTileRows = 64 * kConsumerGroups;        // weight rows per CTA tile
@@ -150,7 +153,9 @@ struct WsConfig {
   // A whole tile's sums leave through shared memory (ws_store_by_copy), each consumer warp's 16 rows in pieces of
   // kStoreTokens tokens, 32 B per token, as many as the tile's last activations hold: its stage's (one piece per
   // warp: NT tokens), or on the ring of boxes its step's last box (256 tokens: two rounds of 128; 128: four of 32).
-  static constexpr int kStoreTokens = (kBoxRing ? kXBox : kXBytes) / (kConsumerWarps * 32);
+  static constexpr int kStoreTokens = (kBoxRing ? kXBox : kXBytes) / (kConsumerWarps * 32) < NT
+                                          ? (kBoxRing ? kXBox : kXBytes) / (kConsumerWarps * 32)
+                                          : NT;
   static_assert(NT % kStoreTokens == 0 && kStoreTokens % 16 == 0 && kStoreTokens <= 256,
                 "whole rounds of stmatrix_x4_trans (16 tokens) and tensor-store boxes (at most 256)");
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
@@ -933,10 +938,20 @@ cudaError_t launch_gemm_ws(const GemmParams& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, gemm_ws_kernel<Cfg, T>, p, x_maps, y_map, y_by_copy);
 }
 
-// The configurations built, per bit width and dtype: 32, 64, 128 or 256 tokens per tile. The one list, for the
-// launcher and for the host's report (gemm.cu).
+// The configurations built, per bit width and dtype: 32, 64, 128 or 256 tokens per tile in the default tiles
+// (tiles128 = 0: 256 rows, 128 at 256 tokens), and 32, 64 or 128 in 128-row tiles (tiles128 = 1). The one list, for
+// the launcher and for the host's report (gemm.cu).
 template <int BITS, typename F>
-bool with_ws_config(int tokens, F&& f) {
+bool with_ws_config(int tokens, int tiles128, F&& f) {
+  if (tiles128 == 1) {
+    switch (tokens) {
+      case 32: f(WsConfig<BITS, 32, 2>{}); return true;
+      case 64: f(WsConfig<BITS, 64, 2>{}); return true;
+      case 128: f(WsConfig<BITS, 128, 2>{}); return true;
+      default: return false;
+    }
+  }
+  if (tiles128 != 0) return false;
   switch (tokens) {
     case 32: f(WsConfig<BITS, 32>{}); return true;
     case 64: f(WsConfig<BITS, 64>{}); return true;
@@ -951,7 +966,7 @@ bool with_ws_config(int tokens, F&& f) {
   template <>                                                                                               \
   cudaError_t gemm_ws_for_bits<BITS>(const GemmParams& p, cudaStream_t stream) {                               \
     cudaError_t err = cudaErrorInvalidValue;                                                                \
-    with_ws_config<BITS>(p.ws_tokens, [&](auto cfg) {                                                          \
+    with_ws_config<BITS>(p.ws_tokens, p.wgmma_tiles, [&](auto cfg) {                                           \
       err = p.dtype == DType::BF16 ? launch_gemm_ws<decltype(cfg), __nv_bfloat16>(p, stream)                \
                                    : launch_gemm_ws<decltype(cfg), __half>(p, stream);                      \
     });                                                                                                     \

@@ -149,7 +149,8 @@ struct GemmParams {
                             // stages before the wait (gemm.cuh, gemm_main)
   bool weights_stream;      // the weights are read once and exceed L2: copied evict-first (gemm.cuh up to 16
                             // tokens, GemmConfig::kWeightsStreamed; gemm_ws.cuh, ws_copy_weights)
-  uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp
+  uint8_t wgmma_tiles;      // 0: mma.sync; 1 or 2: the wgmma path (sm_90a) with that many row tiles per warp; with
+                            // ws_tokens: 0 the default tiles, 1 128-row tiles (WsConfig's GROUPS = 2)
   ClusterUse clusters;      // host only: how the launch sums tiles cut in parts (ClusterUse)
   uint16_t cut_group;       // CTAs per group of the cut (grid above): grid (one group: the stream-K cut), or the CTAs
                             // sharing one tile (its parts: the planner's tile_parts; in gemm.cuh's kernels a cluster)
@@ -168,7 +169,8 @@ constexpr uint32_t kPartialEmpty = 0xFFBADBADu;
 struct GemmConfigInfo {
   int bits, mb, wgmma_tiles;  // GemmConfig<bits, mb, wgmma_tiles, 0, k_split> of gemm.cuh, or with ws_tokens:
   int k_split;                // warps splitting one tile's k-groups (GemmParams), 1 with ws_tokens
-  int ws_tokens;              // > 0: WsConfig<bits, ws_tokens> of gemm_ws.cuh (mb = ws_tokens / 8, wgmma_tiles = 0)
+  int ws_tokens;              // > 0: WsConfig<bits, ws_tokens> of gemm_ws.cuh (mb = ws_tokens / 8; wgmma_tiles 0,
+                              // or 1: 128-row tiles below 256 tokens)
   int tile_rows;              // weight rows per CTA tile
   int smem_bytes;             // shared memory per CTA, static included
   int cc_major_min, cc_major_max;  // the compute capabilities (major) its code is built for
