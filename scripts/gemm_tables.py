@@ -79,13 +79,20 @@ def decode_table(rows: list[dict]) -> str:
 
 
 def batch_table(rows: list[dict]) -> str:
-    """k = 4, fp16: the fused op's speedup over cuBLAS fp16, one row per shape, one column per M from 32 tokens."""
+    """k = 4, fp16: the fused op's speedup over cuBLAS fp16, one row per shape, one column per M from 32 tokens; where
+    the planner runs dequantize + cuBLAS instead (``planned_path``, runs that recorded it), that path's too."""
     cells = _cells(rows)
     ms = sorted({m for _, m, k in cells if m >= 32 and k == 4})
+
+    def cell(r: dict) -> str:
+        if r.get("planned_path") != "dequantize_cublas":
+            return f"{r['speedup']:.2f}x"
+        return f"{r['speedup']:.2f}x (dq {r['cublas_us'] / r['planned_us']:.2f}x)"
+
     lines = ["| k = 4, fused | " + " | ".join(f"M = {m}" if i == 0 else str(m) for i, m in enumerate(ms)) + " |",
              "|---|" + "---|" * len(ms)]
     for shape in _shapes(cells, ms):
-        lines.append(f"| {_label(shape)} | " + " | ".join(f"{cells[(shape, m, 4)]['speedup']:.2f}x" for m in ms) + " |")
+        lines.append(f"| {_label(shape)} | " + " | ".join(cell(cells[(shape, m, 4)]) for m in ms) + " |")
     return "\n".join(lines)
 
 
