@@ -247,11 +247,12 @@ def ws_launch(config: GemmConfig, steps: Steps, sms: int) -> Launch:
 
 def ws_128_rows_launches(steps: Steps, sms: int) -> list:
     """The warp-specialized kernel's 128-row tiles, up to WS_128_ROWS_K_STEPS k-steps a tile (none past: there the
-    default tiles were faster in 60 of 64 cells at 17-512 tokens, 1.0-1.36x, H200: a long k loop pays for the split
-    that halves avoid, and two consumer warpgroups hide less of a step): the steps in one group; each tile in as many
-    parts as the SMs hold (at most one per k-step); a tile per CTA where the tiles fit the SMs. Each was the fastest
-    somewhere in the A/B that added these tiles (docs/PERFORMANCE.md, "Measured choices"), so the fitted model ranks
-    them, as it does mma.sync's launches."""
+    default tiles were faster in 236 of 343 H200 cells at 17-512 tokens, up to 1.36x, and with both paths planned the
+    fitted model put 608 of 693 cells within 3% of the fastest path against 651 with the limit, at the same planned
+    time: a long k loop pays for the split that halves avoid, and two consumer warpgroups hide less of a step): the
+    steps in one group; each tile in as many parts as the SMs hold (at most one per k-step); a tile per CTA where the
+    tiles fit the SMs. Each was the fastest somewhere in the A/B that added these tiles (docs/PERFORMANCE.md, "Measured
+    choices"), so the fitted model ranks them, as it does mma.sync's launches."""
     if steps.k_steps > WS_128_ROWS_K_STEPS:
         return []
     found = [Launch(min(sms, steps.total))]

@@ -138,9 +138,24 @@ def test_forced_paths():
 ], ids=str)
 def test_the_warp_specialized_cut_follows_the_measured_rules(case):
     (N, K, M, bits, ws_tokens), launch = case
-    config = next(c for c in CONFIGS if c.bits == bits and c.ws_tokens == ws_tokens)
+    config = next(c for c in CONFIGS if c.bits == bits and c.ws_tokens == ws_tokens and not c.wgmma_tiles)
     steps = planner.steps_of(config, Shape(N, K, M, bits))
     assert planner.launches(config, steps, H200.sms) == [launch]
+
+
+@pytest.mark.parametrize("case", [
+    # (out, in, tokens, ws tokens per tile) -> the launches the model ranks
+    ((1536, 2048, 32, 32), [Launch(96), Launch(96, 8), Launch(12, 0, True)]),  # 12 tiles of 8 k-steps: 96 steps
+    ((10240, 2048, 128, 128), [Launch(132), Launch(80, 0, True)]),  # 80 tiles: no room for two parts each
+    ((4096, 2048, 100, 64), [Launch(132), Launch(128, 2), Launch(64, 0, True)]),  # 2 passes x 32 tiles
+    ((4096, 4096, 64, 64), []),  # 16 k-steps a tile: not planned
+    ((300, 100, 17, 32), [Launch(3)]),  # one k-step a tile: no parts, no cut in whole tiles
+], ids=str)
+def test_the_128_row_tiles_launches(case):
+    (N, K, M, ws_tokens), launches = case
+    config = next(c for c in CONFIGS if c.bits == 4 and c.ws_tokens == ws_tokens and c.wgmma_tiles == 1)
+    assert config.path is Path.WS_128_ROWS and config.tile_rows == 128
+    assert planner.launches(config, planner.steps_of(config, Shape(N, K, M, 4)), H200.sms) == launches
 
 
 def test_a_configuration_is_planned_within_the_tokens_it_was_measured_at():
