@@ -430,8 +430,11 @@ def _fitted_for(config: GemmConfig, tokens: int, coefficients: Coefficients, run
 def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficients, shape: Shape,
                       paths, forced: bool = False) -> list:
     """(predicted us, Plan) of every launch of every configuration of ``paths`` that runs here and has
-    coefficients, of those the fit holds for (``_fitted_for``) where there are any; ``forced``: a path without its
-    own priced as mma.sync (gemm.cuh's kernel too)."""
+    coefficients, of those the fit holds for (``_fitted_for``) where there are any; ``forced``: of the paths with
+    coefficients of their own, else priced as mma.sync (gemm.cuh's kernel too; a GPU whose fit never timed the 128-row
+    tiles runs its default ones for KBIT_GEMM_PATH=ws)."""
+    if forced and any(path in coefficients.paths for path in paths):
+        paths = frozenset(path for path in paths if path in coefficients.paths)
     runnable = [c for c in configs if c.bits == shape.bits and c.runs_on(device)]
     fitted = [c for c in runnable if c.path in paths and _fitted_for(c, shape.tokens, coefficients, runnable)]
     found = []

@@ -123,6 +123,9 @@ def test_forced_paths():
         for M in (1, 16, 64, 300):
             chosen = planner.plan(H100, CONFIGS, co, 4096, 4096, M, 4, fused_only=True, force=paths)
             assert chosen.path in paths, (name, M)  # also past the token counts its configurations were measured at
+    for M in (1, 8, 16, 32, 128):  # no fit of the H100 timed the 128-row tiles: forced, its default tiles run
+        assert planner.plan(H100, CONFIGS, co, 1536, 2048, M, 4, fused_only=True,
+                            force=planner.FORCED_PATHS["ws"]).path is Path.WARP_SPECIALIZED
     ws = planner.FORCED_PATHS["ws"]  # a forced path that cannot run here is ignored
     assert planner.plan(A100, CONFIGS, coefficients(A100), 4096, 4096, 1, 3, fused_only=True, force=ws).path \
         is Path.MMA_SYNC
