@@ -6,8 +6,8 @@ The kbit imported is DIR's (put first on sys.path; checked), so this one file ti
 It uses nothing of benchmarks/common.py, which imports the kbit beside it. Per cell (shape, bits, M, fp16):
 
   kbit_us   ``kbit.matmul`` on a weight that holds only its GEMM layout (what kbit's layers hold on CUDA): the
-            plan's path, dequantize + cuBLAS included where the planner chooses it (then unrepack, dequantize,
-            cuBLAS);
+            plan's path, dequantize + cuBLAS included where the planner chooses it (the tree's dequantize of the
+            layout, then cuBLAS);
   fused_us  the fused op ``kbit.ops.gemm`` (the fused-only plan; bench_gemm.py's kbit row): timed apart only where
             the layer's plan is dequantize + cuBLAS, else the same launch as kbit_us, which it repeats;
   plan      the tree's plan for the cell, and fused_plan the fused-only one (their fields as the tree names them).
