@@ -408,10 +408,7 @@ def _mma(config: GemmConfig) -> str:
 def _fitted_for(config: GemmConfig, tokens: int, coefficients: Coefficients, runnable: list) -> bool:
     """Whether the fit holds for ``config`` at ``tokens``: within the token counts it was measured at (from just past
     the next smaller pass of its kind of MMA where that one was measured through its pass), or past them where it is
-    the largest pass of its kind; never measured, where one pass holds them or it is that largest, if its path was
-    fitted at all (a path without coefficients, forced, is priced as mma.sync and fitted nowhere)."""
-    if config.path not in coefficients.paths:
-        return False
+    the largest pass of its kind; never measured, where one pass holds them or it is that largest."""
     kind = [c for c in runnable if _mma(c) == _mma(config)]
     smaller = [c for c in kind if c.tokens < config.tokens]
     largest = not any(c.tokens > config.tokens for c in kind)
@@ -429,17 +426,20 @@ def _fitted_for(config: GemmConfig, tokens: int, coefficients: Coefficients, run
 
 def _fused_candidates(device: Device, configs: Iterable[GemmConfig], coefficients: Coefficients, shape: Shape,
                       paths, forced: bool = False) -> list:
-    """(predicted us, Plan) of every launch of every configuration of ``paths`` that runs here and has
-    coefficients, of those the fit holds for (``_fitted_for``) where there are any; ``forced``: of the paths with
-    coefficients of their own, else priced as mma.sync (gemm.cuh's kernel too; a GPU whose fit never timed the 128-row
-    tiles runs its default ones for KBIT_GEMM_PATH=ws)."""
-    if forced and any(path in coefficients.paths for path in paths):
-        paths = frozenset(path for path in paths if path in coefficients.paths)
+    """(predicted us, Plan) of every launch of every configuration of ``paths`` that runs here, of the paths with
+    coefficients of their own (a GPU whose fit never timed the 128-row tiles runs its default ones, also for
+    KBIT_GEMM_PATH=ws), of those the fit holds for (``_fitted_for``) where there are any; ``forced``, where none of
+    ``paths`` has coefficients: priced as mma.sync (gemm.cuh's kernel too)."""
+    priced = frozenset(path for path in paths if path in coefficients.paths)
+    if priced:
+        paths = priced
+    elif not forced:
+        return []
     runnable = [c for c in configs if c.bits == shape.bits and c.runs_on(device)]
     fitted = [c for c in runnable if c.path in paths and _fitted_for(c, shape.tokens, coefficients, runnable)]
     found = []
     for config in fitted or [c for c in runnable if c.path in paths]:
-        cost = coefficients.paths.get(config.path) or (coefficients.paths.get(Path.MMA_SYNC) if forced else None)
+        cost = coefficients.paths.get(config.path) or coefficients.paths.get(Path.MMA_SYNC)  # (forced: none priced)
         if cost is None:
             continue
         steps = steps_of(config, shape)
