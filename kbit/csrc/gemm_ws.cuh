@@ -153,9 +153,8 @@ struct WsConfig {
   // A whole tile's sums leave through shared memory (ws_store_by_copy), each consumer warp's 16 rows in pieces of
   // kStoreTokens tokens, 32 B per token, as many as the tile's last activations hold: its stage's (one piece per
   // warp: NT tokens), or on the ring of boxes its step's last box (256 tokens: two rounds of 128; 128: four of 32).
-  static constexpr int kStoreTokens = (kBoxRing ? kXBox : kXBytes) / (kConsumerWarps * 32) < NT
-                                          ? (kBoxRing ? kXBox : kXBytes) / (kConsumerWarps * 32)
-                                          : NT;
+  static constexpr int kStoreTokensFit = (kBoxRing ? kXBox : kXBytes) / (kConsumerWarps * 32);
+  static constexpr int kStoreTokens = kStoreTokensFit < NT ? kStoreTokensFit : NT;
   static_assert(NT % kStoreTokens == 0 && kStoreTokens % 16 == 0 && kStoreTokens <= 256,
                 "whole rounds of stmatrix_x4_trans (16 tokens) and tensor-store boxes (at most 256)");
   // Split-K: one partial output tile per slot, two slots per CTA (ws_reduce_slice).
