@@ -11,6 +11,7 @@ namespace {
 constexpr int kThreads = 256;
 
 // What one thread handles: a lane (g = lane / 4 row pair, q = lane % 4 column quad) of one (16-row tile, k-group).
+// The kernels unpack it by structured binding, in the members' order.
 struct LaneOfPiece {
   int lane, g, q, j, tile;
   int64_t piece;
@@ -40,9 +41,7 @@ __global__ void __launch_bounds__(kThreads) repack_kernel(const uint32_t* __rest
                                                           uint4* __restrict__ b_gemm, uint8_t* __restrict__ a_gemm) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= total_threads) return;
-  const LaneOfPiece at(idx, k_groups);
-  const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
-  const int64_t piece = at.piece;
+  const auto [lane, g, q, j, tile, piece] = LaneOfPiece(idx, k_groups);
   const int blocks_per_row = K_w / kBlock;
 
   uint32_t words[4 * BITS];
@@ -85,9 +84,7 @@ __global__ void __launch_bounds__(kThreads) unrepack_kernel(const uint4* __restr
                                                             uint32_t* __restrict__ packed, uint8_t* __restrict__ absmax) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= total_threads) return;
-  const LaneOfPiece at(idx, k_groups);
-  const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
-  const int64_t piece = at.piece;
+  const auto [lane, g, q, j, tile, piece] = LaneOfPiece(idx, k_groups);
   const int blocks_per_row = K_w / kBlock;
 
   uint32_t words[4 * BITS];
@@ -147,9 +144,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_layout_kernel(const uint4
   __syncthreads();
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= total_threads) return;
-  const LaneOfPiece at(idx, k_groups);
-  const int lane = at.lane, g = at.g, q = at.q, j = at.j, tile = at.tile;
-  const int64_t piece = at.piece;
+  const auto [lane, g, q, j, tile, piece] = LaneOfPiece(idx, k_groups);
   const int blocks_per_row = K_w / kBlock;
   const float tensor_scale = *scale;
 
